@@ -1,0 +1,194 @@
+"""The job configuration: one dataclass per TOML section, every field with a default and a doc.
+
+Names follow torchtitan 0.2 where torchtitan has the same knob. `configs/parser.py` turns a TOML file
+plus `--section.key value` overrides into a `JobConfig` and validates it before any compute.
+
+The [model] section takes, beyond the fields of `Model` below, any field of `models.args.ModelArgs`
+(d_model, n_layers, layer_pattern, ...): those override the chosen flavor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def doc(default: Any, text: str, choices: tuple | None = None):
+    """A dataclass field with a default, a help text (shown by --help) and optional allowed values."""
+    meta = {"doc": text}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    config_file: str = doc("", "The TOML job file this run was started from.")
+    dump_folder: str = doc("./outputs", "Run folder: metrics.jsonl, tb/ and (by default) checkpoints go here.")
+    description: str = doc("", "Free text, printed at start.")
+    print_config: bool = doc(False, "Print the resolved configuration at start (rank 0).")
+
+
+@dataclass
+class Model:
+    name: str = doc("mamba2", "Model family.", choices=("mamba2",))
+    flavor: str = doc("debug", "Named size preset (models/args.py FLAVORS); [model] keys override its fields.")
+    tokenizer_path: str = doc(
+        "", "Empty: the built-in byte tokenizer (no files). Else a HF `tokenizers` tokenizer.json file or its folder."
+    )
+    kernels: str = doc(
+        "auto",
+        "auto: mamba_ssm / causal_conv1d kernels on CUDA, pure-PyTorch references on CPU; "
+        "reference: the references everywhere (slow, for debugging).",
+        choices=("auto", "reference"),
+    )
+
+
+@dataclass
+class Training:
+    dataset: str = doc(
+        "default",
+        "default: the embedded offline corpus; a local file / folder / glob (.txt, .jsonl, .json, .parquet); "
+        "or a HF hub dataset name (streamed, needs `datasets` and network).",
+    )
+    dataset_path: str = doc("", "For a HF hub dataset: optional data_dir / local copy passed to load_dataset.")
+    dataset_config: str = doc("", "For a HF hub dataset: the config (subset) name.")
+    dataset_split: str = doc("train", "Split of a HF hub dataset.")
+    dataset_text_field: str = doc("text", "Field holding the document text in jsonl / parquet / HF rows.")
+    global_batch_size: int = doc(
+        -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree."
+    )
+    local_batch_size: int = doc(8, "Sequences per forward/backward on one data-parallel rank (the microbatch).")
+    seq_len: int = doc(256, "Tokens per sequence (packed from several documents).")
+    steps: int = doc(100, "Optimizer steps to train.")
+    max_norm: float = doc(1.0, "Gradient clipping by global L2 norm over all shards; <= 0 disables clipping.")
+    mixed_precision_param: str = doc(
+        "bfloat16", "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
+        choices=("bfloat16", "float32"),
+    )
+    seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
+    deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
+
+
+@dataclass
+class Optimizer:
+    name: str = doc("AdamW", "Optimizer.", choices=("AdamW",))
+    lr: float = doc(8e-4, "Peak learning rate.")
+    beta1: float = doc(0.9, "Adam beta1.")
+    beta2: float = doc(0.95, "Adam beta2.")
+    eps: float = doc(1e-8, "Adam epsilon.")
+    weight_decay: float = doc(0.1, "Decoupled weight decay (not applied to biases, norms, A_log, D, dt_bias).")
+    implementation: str = doc(
+        "auto", "auto: fused on GPU, foreach on CPU.", choices=("auto", "fused", "foreach", "for-loop")
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = doc(10, "Linear warmup steps from lr * min_lr_factor... to lr (torchtitan semantics).")
+    decay_ratio: float = doc(
+        -1.0,
+        "Fraction of steps spent decaying at the end (warmup-stable-decay); -1 = decay over every step after warmup.",
+    )
+    decay_type: str = doc("cosine", "Shape of the decay.", choices=("linear", "sqrt", "cosine"))
+    min_lr_factor: float = doc(0.1, "The decay ends at lr * min_lr_factor.")
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = doc(1, "HSDP replicas (dp_replicate).")
+    data_parallel_shard_degree: int = doc(-1, "FSDP shard degree (dp_shard); -1 = whatever the others leave.")
+    fsdp_reshard_after_forward: str = doc(
+        "default", "default: reshard except the last block; always; never.", choices=("default", "always", "never")
+    )
+    fsdp_cpu_offload: bool = doc(False, "Keep sharded parameters and optimizer state in CPU memory.")
+    context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")
+    context_parallel_load_balance: bool = doc(
+        False, "Shard the sequence as 2*cp chunks, rank r holding chunks r and 2cp-1-r (balances attention)."
+    )
+    pipeline_parallel_degree: int = doc(1, "Pipeline stages over ranks (pp).")
+    pipeline_parallel_schedule: str = doc(
+        "1F1B",
+        "Pipeline schedule name from torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, "
+        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble).",
+    )
+    pipeline_parallel_microbatch_size: int = doc(1, "Sequences per pipeline microbatch.")
+    pipeline_parallel_layers_per_stage: int = doc(
+        -1, "Layers per virtual stage; -1 = one stage per rank (or two for interleaved schedules)."
+    )
+    pipeline_parallel_split_points: list = doc(
+        [], "Explicit split: the first layer index of every stage but the first, e.g. [6, 12, 18]."
+    )
+    pipeline_parallel_first_last_stage_weight: float = doc(
+        1.0, "The embedding / head stages count as this many layers fewer when splitting evenly (0 = plain count)."
+    )
+    pipeline_parallel_pack: str = doc(
+        "sum",
+        "How hidden + residual travel between stages: stack (2 x [b,s,d]) or sum ([b,s,d], half the bytes).",
+        choices=("stack", "sum"),
+    )
+    expert_parallel_degree: int = doc(1, "Expert parallel degree (ep); must divide dp_shard * cp.")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = doc(False, "Save DCP checkpoints and resume from the latest complete one.")
+    folder: str = doc("checkpoint", "Relative to job.dump_folder unless absolute; holds step-N/ folders.")
+    interval: int = doc(500, "Save every this many steps (and at the last step).")
+    keep_latest_k: int = doc(0, "Keep only the newest k complete checkpoints; 0 keeps all.")
+    async_mode: str = doc("disabled", "disabled or async (async_save; overlaps the write with training).",
+                          choices=("disabled", "async"))
+    load_step: int = doc(-1, "Resume from step-N; -1 = the latest complete checkpoint, if any.")
+    initial_load_path: str = doc(
+        "", "A DCP folder of model weights (e.g. from checkpoint.convert) to start from at step 0."
+    )
+    last_save_model_only: bool = doc(False, "At the last step, save only the model weights (an export).")
+    export_dtype: str = doc("float32", "Dtype of a model-only export.", choices=("float32", "bfloat16"))
+
+
+@dataclass
+class Metrics:
+    log_freq: int = doc(1, "Log every this many steps.")
+    enable_tensorboard: bool = doc(True, "TensorBoard events under <dump_folder>/tb.")
+    save_jsonl: bool = doc(True, "Append one JSON object per logged step to <dump_folder>/metrics.jsonl.")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = doc("none", "none, full (every layer), or selective (every n-th layer, see selective_ac_option).",
+                    choices=("none", "full", "selective"))
+    selective_ac_option: str = doc("2", "With mode=selective: checkpoint every n-th layer, given as a number.")
+
+
+@dataclass
+class Compile:
+    enable: bool = doc(False, "torch.compile each block.")
+
+
+@dataclass
+class Validation:
+    enable: bool = doc(False, "Evaluate on a held-out dataset during training.")
+    dataset: str = doc("default", "Same forms as training.dataset; default = the embedded corpus' held-out part.")
+    dataset_split: str = doc("validation", "Split of a HF hub dataset.")
+    freq: int = doc(50, "Validate every this many steps.")
+    steps: int = doc(10, "Batches per validation (-1 = the whole dataset).")
+    local_batch_size: int = doc(8, "Sequences per validation batch on one data-parallel rank.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    validation: Validation = field(default_factory=Validation)
+    # [model] keys that override the flavor's ModelArgs (filled by the parser).
+    model_overrides: dict = field(default_factory=dict)

@@ -1,0 +1,65 @@
+"""Run a function in N CPU processes joined by a gloo process group (for unit tests of collectives).
+
+    def body(rank, world_size, x):            # runs in every process, after init_process_group
+        ...
+        return something_picklable             # collected per rank
+    results = run_distributed(body, 4, x)      # list indexed by rank; an exception in any rank re-raises here
+
+For whole-trainer parity runs use tests/parity.py (it launches train.py through torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed test failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
