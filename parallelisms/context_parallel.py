@@ -1,0 +1,455 @@
+"""All-to-all context parallel (CP) for Mamba-2 mixers, after Megatron-LM's MambaContextParallel design.
+
+Outside the conv + SSM every CP rank holds s/cp tokens of every sequence ("sequence-sharded", [b, s/cp, D]).
+The SSM is a recurrence over the whole sequence, so before the conv one all-to-all turns a rank's
+[b, s/cp, D] into [b, s, D/cp]: the WHOLE sequence, but only this rank's slice of heads (and their groups'
+B / C channels and dt). The conv and SSD then run locally with the matching slices of conv1d / dt_bias /
+A_log / D; after them the inverse all-to-all returns [b, s/cp, d_inner]. No state is passed between
+ranks and the SSD chunk size is unconstrained: every rank runs the ordinary kernels on the full length.
+
+Conventions: tensors are batch-first [b, s, d]. seq_idx under CP is the FULL-length [b, s] segment-id
+tensor of the rank's rows, in natural token order (each layer sees the whole sequence after the
+all-to-all, so nothing else is needed).
+
+Load balance (for the attention layers of hybrids): the sequence is cut into 2*cp chunks and rank r
+holds chunks r and 2cp-1-r. The all-to-all delivers them in rank order (cp=3, 1-based: 1 6 2 5 3 4);
+undo_load_balance restores 1 2 3 4 5 6 for the conv / SSM, redo_load_balance goes back before the
+inverse all-to-all.
+
+Tensor-parallel: this repo has none. The constructor keeps Megatron's argument names
+(d_inner_local_tp, ...) for familiarity; pass the FULL sizes (tp = 1).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    "all_to_all_seq_to_heads",
+    "all_to_all_heads_to_seq",
+    "undo_load_balance",
+    "redo_load_balance",
+    "load_balance_order",
+    "shard_sequence",
+    "validate_cp_shapes",
+    "validate_cp_mamba",
+    "MambaContextParallel",
+]
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else group.size()
+
+
+def _group_rank(group) -> int:
+    return 0 if group is None else group.rank()
+
+
+# ----------------------------------------------------------------------------------------------------
+# All-to-alls (each one is the other's backward)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _seq_to_heads(x_BSD: torch.Tensor, group) -> torch.Tensor:
+    cp = _group_size(group)
+    b, s_local, D = x_BSD.shape
+    d = D // cp
+    # send[k] = channel slice k, for rank k; all_to_all_single exchanges along dim 0
+    send_KBSd = x_BSD.reshape(b, s_local, cp, d).permute(2, 0, 1, 3).contiguous()
+    recv_KBSd = torch.empty_like(send_KBSd)
+    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
+    # recv[j] = rank j's tokens (sequence block j), our channel slice
+    return recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)
+
+
+def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
+    cp = _group_size(group)
+    b, s, d = x_BSd.shape
+    s_local = s // cp
+    # send[k] = sequence block k (rank k's tokens), our channel slice
+    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
+    recv_KBSd = torch.empty_like(send_KBSd)
+    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
+    # recv[j] = our tokens, rank j's channel slice
+    return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSD, group):
+        ctx.group = group
+        return _seq_to_heads(x_BSD, group)
+
+    @staticmethod
+    def backward(ctx, grad_BSd):
+        return _heads_to_seq(grad_BSd.contiguous(), ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSd, group):
+        ctx.group = group
+        return _heads_to_seq(x_BSd, group)
+
+    @staticmethod
+    def backward(ctx, grad_BSD):
+        return _seq_to_heads(grad_BSD.contiguous(), ctx.group), None
+
+
+def all_to_all_seq_to_heads(x_BSD_local: torch.Tensor, group) -> torch.Tensor:
+    """Sequence-sharded -> channel-sharded, over the CP group (autograd: backward is heads_to_seq).
+
+    Before: [b, s/cp, D], this rank's tokens (rank j holds sequence block j), all D channels.
+    After:  [b, s, D/cp], all ranks' tokens concatenated in rank order, channels [r*D/cp, (r+1)*D/cp)
+            of this rank r. D must divide by cp. With cp = 1 (or group None) it is the identity.
+    """
+    cp = _group_size(group)
+    if cp == 1:
+        return x_BSD_local
+    if x_BSD_local.dim() != 3 or x_BSD_local.shape[-1] % cp:
+        raise ValueError(
+            f"all_to_all_seq_to_heads expects [b, s/cp, D] with D divisible by cp={cp}; got {tuple(x_BSD_local.shape)}"
+        )
+    return _SeqToHeads.apply(x_BSD_local, group)
+
+
+def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
+    """Channel-sharded -> sequence-sharded, over the CP group (autograd: backward is seq_to_heads).
+
+    Before: [b, s, d], the whole sequence (blocks in rank order), this rank's channel slice.
+    After:  [b, s/cp, d*cp], this rank's sequence block r, all ranks' channel slices concatenated in
+            rank order. s must divide by cp. With cp = 1 (or group None) it is the identity.
+    """
+    cp = _group_size(group)
+    if cp == 1:
+        return x_BSd
+    if x_BSd.dim() != 3 or x_BSd.shape[1] % cp:
+        raise ValueError(
+            f"all_to_all_heads_to_seq expects [b, s, d] with s divisible by cp={cp}; got {tuple(x_BSd.shape)}"
+        )
+    return _HeadsToSeq.apply(x_BSd, group)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Load balance and data sharding
+# ----------------------------------------------------------------------------------------------------
+
+
+def load_balance_order(cp: int) -> list[int]:
+    """Chunk ids (0-based, of 2*cp chunks) in the order the ranks hold them: [0, 2cp-1, 1, 2cp-2, ...]."""
+    order = []
+    for r in range(cp):
+        order += [r, 2 * cp - 1 - r]
+    return order
+
+
+def _permute_chunks(x: torch.Tensor, n_chunks: int, src_of_dst: list[int], seq_dim: int) -> torch.Tensor:
+    seq_dim = seq_dim % x.dim()
+    if x.shape[seq_dim] % n_chunks:
+        raise ValueError(f"sequence length {x.shape[seq_dim]} (dim {seq_dim}) must divide by 2*cp={n_chunks}")
+    # cat of views: one copy, no index tensor to ship to the device
+    chunks = x.chunk(n_chunks, dim=seq_dim)
+    return torch.cat([chunks[i] for i in src_of_dst], dim=seq_dim)
+
+
+def undo_load_balance(x: torch.Tensor, cp: int, seq_dim: int = 1) -> torch.Tensor:
+    """Balanced (rank) order -> natural order along seq_dim: cp=3 chunks 1 6 2 5 3 4 -> 1 2 3 4 5 6."""
+    if cp == 1:
+        return x
+    order = load_balance_order(cp)  # position p holds chunk order[p]
+    src_of_dst = [0] * (2 * cp)
+    for p, c in enumerate(order):
+        src_of_dst[c] = p
+    return _permute_chunks(x, 2 * cp, src_of_dst, seq_dim)
+
+
+def redo_load_balance(x: torch.Tensor, cp: int, seq_dim: int = 1) -> torch.Tensor:
+    """Natural order -> balanced (rank) order along seq_dim: cp=3 chunks 1 2 3 4 5 6 -> 1 6 2 5 3 4."""
+    if cp == 1:
+        return x
+    return _permute_chunks(x, 2 * cp, load_balance_order(cp), seq_dim)
+
+
+def validate_cp_shapes(seq_len: int, cp: int, load_balance: bool) -> None:
+    """Raise if training.seq_len cannot be sharded over cp (2*cp chunks when load-balanced)."""
+    if cp < 1:
+        raise ValueError(f"parallelism.context_parallel_degree={cp} must be >= 1")
+    if load_balance and cp > 1:
+        if seq_len % (2 * cp):
+            fix_up = (seq_len // (2 * cp) + 1) * (2 * cp)
+            raise ValueError(
+                f"training.seq_len={seq_len} must divide by 2*cp={2 * cp} with "
+                f"parallelism.context_parallel_load_balance=true; use e.g. training.seq_len={fix_up}, "
+                f"another context_parallel_degree, or turn the load balance off"
+            )
+    elif seq_len % cp:
+        fix_up = (seq_len // cp + 1) * cp
+        raise ValueError(
+            f"training.seq_len={seq_len} must divide by cp={cp} (parallelism.context_parallel_degree); "
+            f"use e.g. training.seq_len={fix_up} or another context_parallel_degree"
+        )
+
+
+def shard_sequence(
+    t: torch.Tensor, cp_rank: int, cp_size: int, load_balance: bool, seq_dim: int = 1
+) -> torch.Tensor:
+    """This CP rank's tokens of a per-token tensor (input_ids, labels, embeddings ...), along seq_dim.
+
+    [b, s, ...] -> [b, s/cp, ...]: the contiguous block cp_rank, or with load_balance the two chunks
+    cp_rank and 2cp-1-cp_rank (of 2*cp) concatenated. Matches the layout all_to_all_seq_to_heads (+
+    undo_load_balance) expects. seq_idx is NOT sharded: every rank keeps its rows' full [b, s] seq_idx.
+    """
+    if cp_size == 1:
+        return t
+    seq_dim = seq_dim % t.dim()
+    s = t.shape[seq_dim]
+    validate_cp_shapes(s, cp_size, load_balance)
+    if not load_balance:
+        n = s // cp_size
+        return t.narrow(seq_dim, cp_rank * n, n)
+    n = s // (2 * cp_size)
+    first = t.narrow(seq_dim, cp_rank * n, n)
+    second = t.narrow(seq_dim, (2 * cp_size - 1 - cp_rank) * n, n)
+    return torch.cat([first, second], dim=seq_dim)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mamba mixer CP
+# ----------------------------------------------------------------------------------------------------
+
+
+def validate_cp_mamba(nheads: int, ngroups: int, cp: int) -> int:
+    """Check that heads and groups split over cp; return the group repeat count (1 if no replication).
+
+    Heads must divide by cp. Groups either divide by cp (each rank owns ngroups/cp whole groups) or cp
+    divides by groups (each group's B / C is replicated cp/ngroups times, one replica per rank).
+    """
+    if cp < 1 or nheads % ngroups:
+        raise ValueError(f"invalid Mamba sizes: nheads={nheads}, ngroups={ngroups}, cp={cp}")
+    if nheads % cp:
+        raise ValueError(
+            f"context parallel needs nheads % cp == 0: nheads={nheads}, ngroups={ngroups}, cp={cp}; "
+            f"choose a context_parallel_degree that divides nheads={nheads}"
+        )
+    if ngroups % cp == 0:
+        return 1
+    if cp % ngroups == 0:
+        return cp // ngroups
+    raise ValueError(
+        f"context parallel needs ngroups % cp == 0 or cp % ngroups == 0: nheads={nheads}, ngroups={ngroups}, "
+        f"cp={cp}; choose a context_parallel_degree that divides or is a multiple of ngroups={ngroups}"
+    )
+
+
+# A cp=1 parameter: the tensor itself, or (owner_module, attribute_name), read at every forward. Use the
+# second form in models: FSDP2 (and to_empty / deepcopy) replace the Parameter object on its module, so a
+# stored tensor reference would go stale and silently stop training.
+ParamSource = Union[torch.Tensor, tuple]
+
+
+def _resolve(src: ParamSource) -> torch.Tensor:
+    if isinstance(src, tuple):
+        module, name = src
+        return getattr(module, name)
+    return src
+
+
+class MambaContextParallel:
+    """All-to-all CP for one Mamba-2 mixer: activations' collectives and this rank's parameter slices.
+
+    Holds no parameters (not an nn.Module, not in checkpoints): get_* slice the cp=1 parameters in the
+    forward, so gradients flow back into the full parameters (each rank fills only its slice; the
+    all-reduce over the CP group that FSDP / DDP does anyway sums the slices). Under FSDP2 the full
+    unsharded parameter is what gets sliced, provided the sources are given as (module, name).
+
+    Args:
+        cp_group: the CP process group (None means cp = 1).
+        d_inner_local_tp, nheads_local_tp, ngroups_local_tp: d_inner, nheads, ngroups (full sizes: no TP).
+        d_state: N.
+        conv1d_cp1: the depthwise nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim) of the mixer,
+            conv_dim = d_inner + 2*ngroups*d_state, channels [x (h*P+p) | B (g*N+n) | C (g*N+n)].
+        dt_bias_cp1, A_log_cp1: [nheads]; D_cp1: [nheads], or [nheads*headdim] / [nheads, headdim] when
+            D_has_hdim. Each a tensor or (module, attribute_name) (see ParamSource).
+        load_balance: the tokens are in the balanced layout (see shard_sequence).
+
+    Per rank: d_inner_local = d_inner/cp, nheads_local = nheads/cp, ngroups_local = ngroups/cp or 1 (with
+    replication), conv1d_channels = d_inner_local + 2*ngroups_local*d_state.
+    """
+
+    def __init__(
+        self,
+        cp_group: Optional[dist.ProcessGroup],
+        d_inner_local_tp: int,
+        nheads_local_tp: int,
+        ngroups_local_tp: int,
+        d_state: int,
+        conv1d_cp1: nn.Conv1d,
+        dt_bias_cp1: ParamSource,
+        A_log_cp1: ParamSource,
+        D_cp1: ParamSource,
+        D_has_hdim: bool,
+        load_balance: bool = False,
+    ) -> None:
+        self.cp_group = cp_group
+        self.cp_size = _group_size(cp_group)
+        self.cp_rank = _group_rank(cp_group)
+        self.d_inner = d_inner_local_tp
+        self.nheads = nheads_local_tp
+        self.ngroups = ngroups_local_tp
+        self.d_state = d_state
+        self.conv1d_cp1 = conv1d_cp1
+        self.dt_bias_cp1 = dt_bias_cp1
+        self.A_log_cp1 = A_log_cp1
+        self.D_cp1 = D_cp1
+        self.D_has_hdim = D_has_hdim
+        self.load_balance = load_balance and self.cp_size > 1
+
+        if self.d_inner % self.nheads:
+            raise ValueError(f"d_inner={self.d_inner} must be nheads={self.nheads} * headdim")
+        self.headdim = self.d_inner // self.nheads
+        conv_dim = self.d_inner + 2 * self.ngroups * d_state
+        if conv1d_cp1.weight.shape[0] != conv_dim or conv1d_cp1.groups != conv_dim:
+            raise ValueError(
+                f"conv1d must be depthwise over conv_dim = d_inner + 2*ngroups*d_state = {conv_dim} channels; "
+                f"got weight {tuple(conv1d_cp1.weight.shape)}, groups={conv1d_cp1.groups}"
+            )
+        cp = self.cp_size
+        self.group_repeat_count = validate_cp_mamba(self.nheads, self.ngroups, cp)
+        self.nheads_local = self.nheads // cp
+        self.d_inner_local = self.d_inner // cp
+        self.ngroups_local = max(self.ngroups // cp, 1)
+        self.conv1d_channels = self.d_inner_local + 2 * self.ngroups_local * d_state
+        # Megatron's names, for familiarity
+        self.d_inner_local_tpcp = self.d_inner_local
+        self.nheads_local_tpcp = self.nheads_local
+        self.ngroups_local_tpcp = self.ngroups_local
+
+    @classmethod
+    def from_mixer(cls, mixer: nn.Module, cp_group, load_balance: bool = False) -> "MambaContextParallel":
+        """Build from a mixer with mamba_ssm Mamba2 attributes: d_ssm (or d_inner), nheads, ngroups,
+        d_state, conv1d, dt_bias, A_log, D, D_has_hdim. Parameters are read through (mixer, name)."""
+        d_inner = getattr(mixer, "d_ssm", None) or mixer.d_inner
+        return cls(
+            cp_group, d_inner, mixer.nheads, mixer.ngroups, mixer.d_state, mixer.conv1d,
+            (mixer, "dt_bias"), (mixer, "A_log"), (mixer, "D"), mixer.D_has_hdim, load_balance,
+        )
+
+    def __deepcopy__(self, memo):
+        # Process groups cannot be copied; share it, deep-copy the module / parameter references so a
+        # copied model's CP reads the copy's parameters.
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != "cp_group":
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    # ---- activations ------------------------------------------------------------------------------
+
+    def pre_conv_ssm(self, xBCdt_BSD: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp, conv_dim + nheads] (x | B | C | dt, this rank's tokens)
+        -> [b, s, conv1d_channels + nheads_local] (x | B | C | dt of this rank's heads, whole sequence,
+        natural token order). One all-to-all carries x, B, C and dt together."""
+        if self.cp_size == 1:
+            return xBCdt_BSD
+        cp, N = self.cp_size, self.d_state
+        GN = self.ngroups * N
+        b, s_local, D = xBCdt_BSD.shape
+        if D != self.d_inner + 2 * GN + self.nheads:
+            raise ValueError(f"pre_conv_ssm: last dim {D} != conv_dim + nheads = {self.d_inner + 2 * GN + self.nheads}")
+        x, B, C, dt = torch.split(xBCdt_BSD, [self.d_inner, GN, GN, self.nheads], dim=-1)
+        r = self.group_repeat_count
+        if r > 1:
+            # replicas of group g land on consecutive ranks g*r .. g*r+r-1, next to that group's heads;
+            # autograd of expand sums the replicas' gradients
+            B = B.reshape(b, s_local, self.ngroups, 1, N).expand(-1, -1, -1, r, -1).reshape(b, s_local, cp * N)
+            C = C.reshape(b, s_local, self.ngroups, 1, N).expand(-1, -1, -1, r, -1).reshape(b, s_local, cp * N)
+        # channel slice k of the packed tensor = [x_k | B_k | C_k | dt_k], rank k's share
+        packed = torch.cat([t.reshape(b, s_local, cp, -1) for t in (x, B, C, dt)], dim=-1)
+        out_BSd = all_to_all_seq_to_heads(packed.reshape(b, s_local, -1), self.cp_group)
+        if self.load_balance:
+            out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
+        return out_BSd
+
+    def post_conv_ssm(self, y_BSd: torch.Tensor) -> torch.Tensor:
+        """[b, s, d_inner_local] (this rank's heads, whole sequence, natural order)
+        -> [b, s/cp, d_inner] (this rank's tokens, all heads, in the rank's token layout)."""
+        if self.cp_size == 1:
+            return y_BSd
+        if self.load_balance:
+            y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
+        return all_to_all_heads_to_seq(y_BSd, self.cp_group)
+
+    def conv1d(
+        self, x_BDL: torch.Tensor, seq_idx_BL: Optional[torch.Tensor] = None, activation: Optional[str] = None
+    ) -> torch.Tensor:
+        """Causal depthwise conv of this rank's channels [b, conv1d_channels, s] -> same shape, with the
+        sliced weight / bias; resets at document starts when seq_idx_BL (full-length [b, s]) is given."""
+        weight_DW, bias_D = self.get_conv1d_weight(), self.get_conv1d_bias()
+        try:
+            from models.kernels.ops import causal_conv1d
+        except ImportError:
+            causal_conv1d = None
+        if causal_conv1d is not None:
+            return causal_conv1d(x_BDL, weight_DW, bias_D, seq_idx_BL, activation=activation)
+        if seq_idx_BL is not None:
+            raise ImportError("conv1d with seq_idx needs models.kernels.ops.causal_conv1d")
+        W = weight_DW.shape[-1]
+        out = F.conv1d(x_BDL, weight_DW.unsqueeze(1), bias_D, padding=W - 1, groups=weight_DW.shape[0])
+        out = out[..., : x_BDL.shape[-1]]
+        return F.silu(out) if activation in ("silu", "swish") else out
+
+    # ---- parameter slices (taken in the forward) ----------------------------------------------------
+
+    def get_conv1d_weight(self) -> torch.Tensor:
+        """[conv1d_channels, d_conv]: this rank's rows of conv1d.weight [conv_dim, 1, d_conv], squeezed to
+        the 'd 1 w -> d w' form that causal_conv1d takes."""
+        w = self.conv1d_cp1.weight
+        return self._slice_conv_param(w.reshape(w.shape[0], w.shape[-1]))
+
+    def get_conv1d_bias(self) -> Optional[torch.Tensor]:
+        """[conv1d_channels] or None (conv without bias)."""
+        bias = self.conv1d_cp1.bias
+        return None if bias is None else self._slice_conv_param(bias)
+
+    def get_dt_bias(self) -> torch.Tensor:
+        """[nheads_local]."""
+        return self._slice_heads(_resolve(self.dt_bias_cp1))
+
+    def get_A_log(self) -> torch.Tensor:
+        """[nheads_local]."""
+        return self._slice_heads(_resolve(self.A_log_cp1))
+
+    def get_D(self) -> torch.Tensor:
+        """[nheads_local], or [d_inner_local] / [nheads_local, headdim] when D_has_hdim (same layout as D)."""
+        D = _resolve(self.D_cp1)
+        if self.cp_size == 1:
+            return D
+        if self.D_has_hdim and D.dim() == 1:
+            n = self.d_inner_local
+            return D[self.cp_rank * n : (self.cp_rank + 1) * n]
+        return self._slice_heads(D)
+
+    def _slice_heads(self, p: torch.Tensor) -> torch.Tensor:
+        if self.cp_size == 1:
+            return p
+        n = self.nheads_local
+        return p[self.cp_rank * n : (self.cp_rank + 1) * n]
+
+    def _slice_conv_param(self, p: torch.Tensor) -> torch.Tensor:
+        if self.cp_size == 1:
+            return p
+        GN = self.ngroups * self.d_state
+        x, B, C = torch.split(p, [self.d_inner, GN, GN], dim=0)
+        n = self.d_inner_local
+        x = x[self.cp_rank * n : (self.cp_rank + 1) * n]
+        # with replication rank k owns group k // r; otherwise groups [k*G/cp, (k+1)*G/cp)
+        gn = self.ngroups_local * self.d_state
+        g0 = (self.cp_rank // self.group_repeat_count) * gn
+        return torch.cat([x, B[g0 : g0 + gn], C[g0 : g0 + gn]], dim=0)
