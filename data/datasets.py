@@ -1,0 +1,336 @@
+"""Text sources: the embedded default corpus, local files, or a streamed HF hub dataset.
+
+A source is a re-iterable, deterministic sequence of document strings with one extra method the
+packer relies on for exact, cheap resume:
+
+    iter_from(start) -> Iterator[str]   the documents from index `start` to the end
+    num_documents: int | None           None for streamed sources (length unknown)
+
+Indexed sources (embedded corpus, local files) also support len() and [i], so resuming jumps straight
+to document i. A streamed HF source resumes by reading past the first `start` documents (no tokenizing;
+exact as long as the remote dataset does not change between the runs).
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import gzip
+import itertools
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "default_corpus" / "python_docs.jsonl.gz"
+# Every 20th document of the embedded corpus (indices 10, 30, 50, ...) is held out for validation.
+_VALIDATION_EVERY, _VALIDATION_PHASE = 20, 10
+_SUPPORTED_EXT = (".txt", ".jsonl", ".json", ".parquet")
+
+
+class TextSource(Protocol):
+    num_documents: int | None
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def iter_from(self, start: int) -> Iterator[str]: ...
+
+
+class IndexedSource:
+    """Base of random-access sources: subclasses define __len__ and __getitem__."""
+
+    @property
+    def num_documents(self) -> int:
+        return len(self)
+
+    def __len__(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def iter_from(self, start: int) -> Iterator[str]:
+        for i in range(start, len(self)):
+            yield self[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return self.iter_from(0)
+
+
+class ListSource(IndexedSource):
+    """Documents held in memory (the embedded corpus, a JSON-array file, tests)."""
+
+    def __init__(self, docs: Sequence[str], name: str = "list"):
+        self.docs = list(docs)
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> str:
+        return self.docs[i]
+
+
+class ConcatSource(IndexedSource):
+    """Several indexed sources one after the other (the files of a folder or glob, sorted by name)."""
+
+    def __init__(self, parts: list[IndexedSource], name: str):
+        self.parts = parts
+        self.name = name
+        self._ends = list(itertools.accumulate(len(p) for p in parts))
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i: int) -> str:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect.bisect_right(self._ends, i)
+        return self.parts[k][i - (self._ends[k - 1] if k else 0)]
+
+
+# ---------------------------------------------------------------------------------------------- local files
+
+
+class TxtFile(IndexedSource):
+    """A .txt file is one document."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> str:
+        if i != 0:
+            raise IndexError(i)
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+
+def _field(row, text_field: str, where: str, key: str) -> str:
+    if not isinstance(row, dict) or text_field not in row:
+        fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise KeyError(
+            f"{where} has no field '{text_field}' (it has {fields}); set training.dataset_text_field to the field holding the text"
+        )
+    text = row[text_field]
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: field '{text_field}' is {type(text).__name__}, not a string")
+    return text
+
+
+class JsonlFile(IndexedSource):
+    """One JSON object per non-blank line; a line-offset index gives random access without holding the text.
+
+    A .json file whose first character is '[' is read whole as a JSON array of objects instead.
+    """
+
+    def __init__(self, path: str, text_field: str, key: str):
+        self.path, self.text_field, self.key = path, text_field, key
+        self._rows: list | None = None
+        self._offsets: list[int] = []
+        self._fh = None
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+            if head.startswith(b"\xef\xbb\xbf"):
+                head = head[3:].lstrip()
+            f.seek(0)
+            if head.startswith(b"["):
+                try:
+                    self._rows = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{key}: {path} is not valid JSON ({e})") from e
+                return
+            pos = 0
+            for line in f:
+                if line.strip():
+                    self._offsets.append(pos)
+                pos += len(line)
+
+    def __len__(self) -> int:
+        return len(self._rows) if self._rows is not None else len(self._offsets)
+
+    def __getitem__(self, i: int) -> str:
+        if self._rows is not None:
+            return _field(self._rows[i], self.text_field, f"{self.path} item {i}", self.key)
+        if self._fh is None:
+            self._fh = open(self.path, "rb")
+        self._fh.seek(self._offsets[i])
+        line = self._fh.readline()
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.key}: {self.path} document {i}: not a JSON object per line ({e})") from e
+        return _field(row, self.text_field, f"{self.path} document {i}", self.key)
+
+    def __getstate__(self):  # open file handles do not pickle; reopened on demand
+        return {**self.__dict__, "_fh": None}
+
+
+class ParquetFile(IndexedSource):
+    """The rows of a parquet file, read one row group at a time (the current one is cached)."""
+
+    def __init__(self, path: str, text_field: str, key: str):
+        import pyarrow.parquet as pq
+
+        self.path, self.text_field = path, text_field
+        meta = pq.ParquetFile(path)
+        names = meta.schema_arrow.names
+        if text_field not in names:
+            raise KeyError(
+                f"{path} has no field '{text_field}' (columns: {names}); set training.dataset_text_field to the column holding the text"
+            )
+        sizes = [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        self._ends = list(itertools.accumulate(sizes))
+        self._cached_group, self._cached_texts = -1, []
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i: int) -> str:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        g = bisect.bisect_right(self._ends, i)
+        if g != self._cached_group:
+            import pyarrow.parquet as pq
+
+            table = pq.ParquetFile(self.path).read_row_group(g, columns=[self.text_field])
+            self._cached_group, self._cached_texts = g, table.column(0).to_pylist()
+        text = self._cached_texts[i - (self._ends[g - 1] if g else 0)]
+        return "" if text is None else text
+
+
+def _file_source(path: str, text_field: str, key: str) -> IndexedSource:
+    ext = Path(path).suffix.lower()
+    if ext == ".txt":
+        return TxtFile(path)
+    if ext in (".jsonl", ".json"):
+        return JsonlFile(path, text_field, key)
+    if ext == ".parquet":
+        return ParquetFile(path, text_field, key)
+    raise ValueError(f"{key}: {path}: unsupported file type '{ext}'; use one of {', '.join(_SUPPORTED_EXT)}")
+
+
+def _local_files(dataset: str, key: str) -> list[str]:
+    """The files named by a file, folder (recursive) or glob, sorted by path."""
+    where = f"{key}='{dataset}'"
+    expanded = os.path.expanduser(dataset)
+    if any(c in expanded for c in "*?["):
+        matched = sorted(p for p in glob.glob(expanded, recursive=True) if os.path.isfile(p))
+        if not matched:
+            raise FileNotFoundError(f"{where}: the glob matches no file; check the pattern")
+        files = [p for p in matched if Path(p).suffix.lower() in _SUPPORTED_EXT]
+        if not files:
+            raise ValueError(f"{where}: the glob matches only unsupported files ({matched[:3]}...); "
+                             f"use {', '.join(_SUPPORTED_EXT)}")
+        return files
+    if os.path.isdir(expanded):
+        files = sorted(
+            str(p) for p in Path(expanded).rglob("*") if p.is_file() and p.suffix.lower() in _SUPPORTED_EXT
+        )
+        if not files:
+            raise FileNotFoundError(f"{where}: the folder holds no {', '.join(_SUPPORTED_EXT)} file")
+        return files
+    if os.path.isfile(expanded):
+        if Path(expanded).suffix.lower() not in _SUPPORTED_EXT:
+            raise ValueError(f"{where}: unsupported file type; use one of {', '.join(_SUPPORTED_EXT)}")
+        return [expanded]
+    raise FileNotFoundError(
+        f"{where}: no such file or folder; give an existing path (absolute, or relative to {os.getcwd()}), "
+        "a glob, 'default' for the embedded corpus, or a HF hub dataset name"
+    )
+
+
+def _looks_local(dataset: str) -> bool:
+    """A name is a local path if it exists, is a glob, or is written like a path rather than 'org/name'."""
+    if os.path.exists(os.path.expanduser(dataset)) or any(c in dataset for c in "*?["):
+        return True
+    return dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in _SUPPORTED_EXT
+
+
+# ---------------------------------------------------------------------------------------------- embedded corpus
+
+
+def load_default_corpus(split: str) -> ListSource:
+    """The embedded Python reference manual (data/default_corpus), "train" or "validation"."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"dataset 'default' has splits 'train' and 'validation', not '{split}'; set the split accordingly")
+    with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    held_out = [i % _VALIDATION_EVERY == _VALIDATION_PHASE for i in range(len(rows))]
+    docs = [r["text"] for r, h in zip(rows, held_out) if h == (split == "validation")]
+    return ListSource(docs, name=f"default:{split}")
+
+
+# ---------------------------------------------------------------------------------------------- HF hub
+
+
+class HFStreamSource:
+    """A HF hub dataset, streamed; each iteration starts again at the first row."""
+
+    num_documents = None
+
+    def __init__(self, name: str, split: str, text_field: str, dataset_path: str, dataset_config: str, key: str):
+        self.name, self.split, self.text_field, self.key = name, split, text_field, key
+        self.dataset_path, self.dataset_config = dataset_path, dataset_config
+        self._ds = None
+
+    def _dataset(self):
+        if self._ds is None:
+            try:
+                import datasets
+            except ImportError as e:
+                raise ImportError(
+                    f"{self.key}='{self.name}' is a HF hub dataset name, which needs the `datasets` package "
+                    "(pip install datasets); or give a local file / folder, or 'default'"
+                ) from e
+            try:
+                self._ds = datasets.load_dataset(
+                    self.name, self.dataset_config or None, split=self.split, streaming=True,
+                    data_dir=self.dataset_path or None,
+                )
+            except Exception as e:
+                raise RuntimeError(
+                    f"{self.key}='{self.name}': could not open it as a HF hub dataset ({type(e).__name__}: {e}). "
+                    "Check the name, the split / config, and network access; a local path must exist"
+                ) from e
+        return self._ds
+
+    def iter_from(self, start: int) -> Iterator[str]:
+        for i, row in enumerate(itertools.islice(self._dataset(), start, None), start):
+            yield _field(row, self.text_field, f"{self.key}='{self.name}' row {i}", self.key)
+
+    def __iter__(self) -> Iterator[str]:
+        return self.iter_from(0)
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def build_text_source(
+    dataset: str,
+    split: str,
+    text_field: str,
+    dataset_path: str = "",
+    dataset_config: str = "",
+    *,
+    config_key: str = "training.dataset",
+) -> IndexedSource | HFStreamSource:
+    """The documents of `dataset` ("default", a local file / folder / glob, or a HF hub name).
+
+    `split` selects the embedded corpus' split or the HF split (local files ignore it). `config_key`
+    names the config key in error messages ("training.dataset" or "validation.dataset").
+    """
+    if not dataset:
+        raise ValueError(f"{config_key} is empty; use 'default', a local path, or a HF hub dataset name")
+    if dataset == "default":
+        return load_default_corpus(split)
+    if _looks_local(dataset):
+        files = _local_files(dataset, config_key)
+        source = ConcatSource([_file_source(p, text_field, config_key) for p in files], name=dataset)
+        if len(source) == 0:
+            raise ValueError(f"{config_key}='{dataset}': contains no documents (empty files); give a non-empty dataset")
+        source[0]  # fail now, not mid-training, on a missing text field or unreadable first row
+        return source
+    return HFStreamSource(dataset, split, text_field, dataset_path, dataset_config, config_key)

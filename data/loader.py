@@ -1,0 +1,147 @@
+"""The step loader: one global packed stream, each data-parallel rank keeping its slice of every step.
+
+Every optimizer step consumes `global_batch_size` consecutive rows of the ONE global stream
+(data/packing.py); data-parallel rank r keeps rows [r*n, (r+1)*n) of them, n = global_batch_size / dp_degree.
+Context- and pipeline-parallel ranks of the same dp rank get the same rows (they split them later).
+
+Trade-off, on purpose: every rank runs the same deterministic packer over the whole global batch and
+throws away the rows of other ranks. That costs each rank the tokenization of the global batch (cheap next
+to a training step), and buys a data position that is global: state_dict() is identical on every rank and
+does not depend on the layout, so a checkpoint saved at dp=4 resumes at dp=2 or dp=1 on the same data, and
+any layout sees the single-process batches (loss parity).
+
+The loader implements torch.distributed.checkpoint's Stateful protocol; its state is a small dict of ints
+(JSON-able): steps and rows consumed, plus the packer position (epoch, doc_index, token_offset).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from data.datasets import build_text_source
+from data.packing import IGNORE_INDEX, DocumentPacker
+
+__all__ = ["StepBatchLoader", "build_loader", "IGNORE_INDEX"]
+
+
+class StepBatchLoader:
+    """Batches of `global_batch_size // dp_degree` packed rows per step for one data-parallel rank.
+
+    next_batch() -> {"input_ids": int64 [n, seq_len], "labels": int64 [n, seq_len], "seq_idx": int32 [n, seq_len]}
+    on CPU (pinned when pin_memory=True and CUDA is available; the caller moves it to the device).
+
+    infinite=False (validation): one pass over the source; the last batch is padded with pad_id /
+    IGNORE_INDEX rows as needed, then next_batch() raises StopIteration. reset() starts the pass again.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        source,
+        seq_len: int,
+        global_batch_size: int,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        *,
+        pin_memory: bool = False,
+        infinite: bool = True,
+    ):
+        if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"data-parallel rank {dp_rank} is not in [0, dp_degree={dp_degree})")
+        if global_batch_size < 1 or global_batch_size % dp_degree != 0:
+            raise ValueError(
+                f"training.global_batch_size={global_batch_size} is not a positive multiple of the data-parallel "
+                f"degree {dp_degree} (dp_replicate x dp_shard); set it to a multiple of {dp_degree}"
+            )
+        self.tokenizer, self.source = tokenizer, source
+        self.seq_len, self.global_batch_size = seq_len, global_batch_size
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.local_batch_size = global_batch_size // dp_degree
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.infinite = infinite
+        self.packer = DocumentPacker(source, tokenizer, seq_len, infinite=infinite)
+        self.steps = 0
+        self.rows_consumed = 0
+
+    def _pad_row(self) -> dict:
+        L = self.seq_len
+        return {
+            "input_ids": torch.full((L,), self.tokenizer.pad_id, dtype=torch.int64),
+            "labels": torch.full((L,), IGNORE_INDEX, dtype=torch.int64),
+            "seq_idx": torch.zeros(L, dtype=torch.int32),
+        }
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if not self.infinite and self.packer.exhausted:
+            raise StopIteration
+        n, first = self.local_batch_size, self.dp_rank * self.local_batch_size
+        # Rows of lower ranks, ours, then those of higher ranks: every rank walks the whole global batch.
+        self.packer.skip_rows(first)
+        rows = []
+        for _ in range(n):
+            row = self.packer.next_row()
+            rows.append(self._pad_row() if row is None else {k: torch.from_numpy(v) for k, v in row.items()})
+        self.packer.skip_rows(self.global_batch_size - first - n)
+        self.steps += 1
+        self.rows_consumed += self.global_batch_size
+        batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "seq_idx")}
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return self.next_batch()
+
+    def reset(self) -> None:
+        """Back to the start of the source (e.g. before each validation pass)."""
+        self.packer.load_state_dict({"epoch": 0, "doc_index": 0, "token_offset": 0})
+        self.steps = self.rows_consumed = 0
+
+    # -------------------------------------------------------------------------------- Stateful
+
+    def state_dict(self) -> dict:
+        """The global data position, identical on every rank and independent of dp_rank / dp_degree."""
+        return {"steps": self.steps, "rows_consumed": self.rows_consumed, "seq_len": self.seq_len,
+                **self.packer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        def as_int(v):
+            return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+
+        missing = {"steps", "rows_consumed", "epoch", "doc_index", "token_offset"} - set(state_dict)
+        if missing:
+            raise KeyError(f"data loader state lacks {sorted(missing)}: not a StepBatchLoader state_dict")
+        self.packer.load_state_dict({k: as_int(state_dict[k]) for k in ("epoch", "doc_index", "token_offset")})
+        self.steps = as_int(state_dict["steps"])
+        self.rows_consumed = as_int(state_dict["rows_consumed"])
+
+
+def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str = "train", *,
+                 pin_memory: bool = False) -> StepBatchLoader:
+    """The loader of `job_config` for one data-parallel rank.
+
+    split="train": training.dataset / dataset_path / dataset_config / dataset_split / dataset_text_field,
+    training.seq_len and training.global_batch_size (-1 = local_batch_size x dp_degree); an endless stream.
+    split="validation": validation.dataset / dataset_split, validation.local_batch_size x dp_degree rows per
+    batch, training.seq_len and dataset_text_field (dataset_path / dataset_config too when the validation
+    dataset is the training one); one pass when validation.steps == -1, else endless (call reset() before
+    each validation so every evaluation sees the same batches).
+    """
+    t = job_config.training
+    if split == "train":
+        source = build_text_source(t.dataset, t.dataset_split, t.dataset_text_field, t.dataset_path,
+                                   t.dataset_config, config_key="training.dataset")
+        gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
+        return StepBatchLoader(tokenizer, source, t.seq_len, gbs, dp_rank, dp_degree, pin_memory=pin_memory)
+    if split == "validation":
+        v = job_config.validation
+        same = v.dataset == t.dataset
+        source = build_text_source(v.dataset, v.dataset_split, t.dataset_text_field,
+                                   t.dataset_path if same else "", t.dataset_config if same else "",
+                                   config_key="validation.dataset")
+        return StepBatchLoader(tokenizer, source, t.seq_len, v.local_batch_size * dp_degree, dp_rank, dp_degree,
+                               pin_memory=pin_memory, infinite=v.steps != -1)
+    raise ValueError(f"split={split!r}: use 'train' or 'validation'")
