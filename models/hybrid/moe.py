@@ -1,0 +1,264 @@
+"""Dropless top-k mixture-of-experts feed-forward layer ('E' in a hybrid layer pattern).
+
+A "mixer": MoE(args, layer_id, n_layers), forward(x_BSD, seq_idx=None) -> y_BSD (seq_idx unused: per token).
+
+Per token t (T = b*s tokens, E experts, K = top_k):
+    logits_TE = router(x)                          fp32; scores = softmax(logits) or sigmoid(logits)
+    idx_TK    = topk(scores + expert_bias, K)      the bias only SELECTS (auxiliary-loss-free balancing)
+    w_TK      = scores[idx_TK]                     combine weights (without the bias), / sum_k if route_norm
+    y_t       = sum_k w_tk * expert_{idx_tk}(x_t) + shared_experts(x_t)
+
+Expert-parallel seam: ``self.experts`` is called exactly once per forward as
+    y_sorted_TD = self.experts(x_sorted_TD, num_tokens_per_expert_E)
+      x_sorted_TD              [T*K, d_model]  token copies sorted by expert id (stable: by token within an
+                                               expert), expert e's rows are the e-th block of the counts
+      num_tokens_per_expert_E  [E] int64       block sizes (sum = T*K), on x's device
+      y_sorted_TD              [T*K, d_model]  each row's expert output, SAME order as x_sorted_TD
+The combine weights are applied afterwards, outside the seam. Expert parallel replaces ``self.experts`` by a
+module with the same call signature that all-to-alls each block to the rank owning that expert (experts split
+contiguously over ep ranks: rank r owns experts [r*E/ep, (r+1)*E/ep)), runs a GroupedExperts holding only
+those experts (w1/w3 [E/ep, d_model, hidden], w2 [E/ep, hidden, d_model]; its counts argument then has E/ep
+entries), and all-to-alls the results back into the original order.
+
+Balancing and metrics:
+  tokens_per_expert  int64 buffer [E] (not persistent): routed token copies per expert accumulated by every
+                     forward in training mode (not by activation-checkpoint recomputation). The trainer reads
+                     it for load metrics, all-reduces (SUM) it over every rank holding a replica of this layer
+                     (dp_replicate x dp_shard x cp; experts under EP are still routed on every rank) and then
+                     calls update_expert_bias(), which also zeroes it.
+  expert_bias        float32 buffer [E] (persistent, checkpointed): += coeff * sign(mean_load - load), centred.
+  Switch aux loss (moe_aux_loss_coeff) and router z-loss (moe_z_loss_coeff) are not returned: their gradient,
+  scaled by coeff * self.aux_loss_scale, is attached to the output by AttachAuxLoss (identity forward). Set
+  aux_loss_scale to whatever factor multiplies the main loss before backward (e.g. 1/grad_accum_steps) so that
+  the gradients equal those of (main_loss + coeff * aux) * scale. last_aux_loss / last_z_loss hold the
+  detached values of the latest training forward for logging.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.args import ModelArgs
+from models.hybrid.mlp import MLP, mlp_hidden_dim
+
+# Rows of each expert's group in the grouped GEMM are padded to a multiple of this (16 bytes of bf16 = 8 rows
+# is the TMA minimum; 16 also covers fp8), so the gemm and its weight-gradient gemm see aligned groups.
+GROUP_ALIGN = 16
+
+
+def moe_hidden_dim(args: ModelArgs) -> int:
+    return args.moe_hidden_dim or mlp_hidden_dim(args) // args.moe_top_k
+
+
+def _in_recomputation() -> bool:
+    """True while autograd runs a backward pass, i.e. when a forward runs as activation-checkpoint recompute."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """out = AttachAuxLoss.apply(x, aux): returns x unchanged; backward gives x its incoming gradient and aux the
+    gradient 1, so that d(aux)/d(params) joins the gradients as if aux had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape, ctx.aux_dtype = aux.shape, aux.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        return grad_x, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_x.device)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights. forward(x_sorted_TD, num_tokens_per_expert_E) -> y_sorted_TD
+    (see the module docstring). backend: "auto" (torch._grouped_mm on CUDA for bf16 with 8-aligned dims,
+    else the loop), "grouped_mm", or "loop" (one matmul per expert: the CPU path, same math)."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, n_layers: int):
+        super().__init__()
+        self.num_experts, self.n_layers = num_experts, n_layers
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))  # up
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))  # down
+        self.backend = "auto"
+        for name, p in self.named_parameters():  # usable standalone; the model's init overwrites
+            if not p.is_meta:
+                self.init_param(name, p.data, None)
+
+    @torch.no_grad()
+    def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator | None) -> None:
+        std = 0.02
+        if name == "w2":  # GPT-2: residual-branch output scaled by 1/sqrt(2 * n_layers)
+            std = 0.02 / math.sqrt(2 * self.n_layers)
+        elif name not in ("w1", "w3"):
+            raise KeyError(f"GroupedExperts.init_param: unknown parameter {name!r}")
+        nn.init.normal_(full, mean=0.0, std=std, generator=generator)
+
+    def _use_grouped_mm(self, x_TD: torch.Tensor) -> bool:
+        if self.backend == "loop":
+            return False
+        ok = (
+            hasattr(torch, "_grouped_mm") and x_TD.is_cuda and x_TD.dtype == torch.bfloat16
+            and self.w1.shape[1] % 8 == 0 and self.w1.shape[2] % 8 == 0
+        )
+        if self.backend == "grouped_mm":
+            if not ok:
+                raise RuntimeError(
+                    "GroupedExperts.backend='grouped_mm' needs CUDA, bf16 activations and d_model, moe_hidden_dim "
+                    "multiples of 8; use backend 'auto' or 'loop'"
+                )
+            return True
+        if self.backend != "auto":
+            raise ValueError(f"GroupedExperts.backend={self.backend!r} is unknown; use auto, grouped_mm or loop")
+        return ok
+
+    def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if self._use_grouped_mm(x_TD):
+            return self._forward_grouped_mm(x_TD, num_tokens_per_expert_E)
+        return self._forward_loop(x_TD, num_tokens_per_expert_E)
+
+    def _forward_loop(self, x_TD, counts_E):
+        w1, w2, w3 = (w.to(x_TD.dtype) for w in (self.w1, self.w2, self.w3))
+        out, start = [], 0
+        for e, n in enumerate(counts_E.tolist()):
+            x = x_TD[start : start + n]
+            start += n
+            out.append((F.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e])
+        if start != x_TD.shape[0]:
+            raise ValueError(f"num_tokens_per_expert sums to {start}, but {x_TD.shape[0]} rows were given")
+        return torch.cat(out)
+
+    def _forward_grouped_mm(self, x_TD, counts_E):
+        """Scatter the rows into groups padded to GROUP_ALIGN rows (static size, no host sync), 3 grouped GEMMs."""
+        T, D = x_TD.shape
+        E = counts_E.shape[0]
+        counts = counts_E.to(torch.int64)
+        padded_counts = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+        padded_start = padded_counts.cumsum(0) - padded_counts
+        start = counts.cumsum(0) - counts
+        expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_TD.device), counts, output_size=T)
+        dest_T = padded_start[expert_of_row] + torch.arange(T, device=x_TD.device) - start[expert_of_row]
+        cap = round_up_static(T + E * (GROUP_ALIGN - 1), GROUP_ALIGN)
+        # The last group absorbs the slack up to `cap` (zero rows), so no output row is left undefined.
+        offs = (padded_start + padded_counts).to(torch.int32)
+        offs[-1] = cap
+        x_pad = x_TD.new_zeros(cap, D).index_copy(0, dest_T, x_TD)
+        w1, w2, w3 = (w.to(torch.bfloat16) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(torch._grouped_mm(x_pad, w1, offs=offs)) * torch._grouped_mm(x_pad, w3, offs=offs)
+        y_pad = torch._grouped_mm(h, w2, offs=offs)
+        return y_pad.index_select(0, dest_T)
+
+
+def round_up_static(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int, n_layers: int):
+        super().__init__()
+        self.num_experts, self.top_k = args.moe_num_experts, args.moe_top_k
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"model.moe_top_k={self.top_k} must be in [1, moe_num_experts={self.num_experts}]")
+        if args.moe_score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.moe_score_func={args.moe_score_func!r}: use softmax or sigmoid")
+        self.score_func, self.route_norm = args.moe_score_func, args.moe_route_norm
+        self.load_balance_coeff = args.moe_load_balance_coeff
+        self.aux_loss_coeff, self.z_loss_coeff = args.moe_aux_loss_coeff, args.moe_z_loss_coeff
+        self.aux_loss_scale = 1.0
+        hidden = moe_hidden_dim(args)
+        self.router = nn.Linear(args.d_model, self.num_experts, bias=False)
+        self.experts = GroupedExperts(args.d_model, hidden, self.num_experts, n_layers)
+        self.shared_experts = (
+            MLP(args, layer_id, n_layers, hidden_dim=hidden * args.moe_shared_experts)
+            if args.moe_shared_experts else None
+        )
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill the full (unsharded) tensor of parameter `name` (relative to this module) in place."""
+        if name == "router.weight":
+            nn.init.normal_(full, mean=0.0, std=0.02, generator=generator)
+        elif name.startswith("experts."):
+            self.experts.init_param(name.removeprefix("experts."), full, generator)
+        elif name.startswith("shared_experts.") and self.shared_experts is not None:
+            self.shared_experts.init_param(name.removeprefix("shared_experts."), full, generator)
+        else:
+            raise KeyError(f"MoE.init_param: unknown parameter {name!r}")
+
+    @torch.no_grad()
+    def init_buffer(self, name: str, full: torch.Tensor) -> None:
+        """Buffers start at zero (after meta-device materialisation, or on a fresh run)."""
+        if name not in ("expert_bias", "tokens_per_expert"):
+            raise KeyError(f"MoE.init_buffer: unknown buffer {name!r}")
+        full.zero_()
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """After the optimizer step, with tokens_per_expert already summed over the data-parallel ranks: move the
+        selection bias toward uniform load, then zero the counts. The update is centred (sum 0): top-k is
+        shift-invariant, and centring keeps the bias from drifting."""
+        if self.load_balance_coeff:
+            load = self.tokens_per_expert.float()
+            delta = self.load_balance_coeff * torch.sign(load.mean() - load)
+            self.expert_bias.add_(delta - delta.mean())
+        self.tokens_per_expert.zero_()
+
+    def route(self, x_TD: torch.Tensor):
+        """-> (logits_TE fp32, scores_TE fp32, idx_TK, weights_TK fp32, counts_E int64)."""
+        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+        scores_TE = logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
+        with torch.no_grad():
+            select_TE = scores_TE + self.expert_bias.float()
+            idx_TK = select_TE.topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, idx_TK)
+        if self.route_norm:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        counts_E = torch.bincount(idx_TK.flatten(), minlength=self.num_experts)
+        return logits_TE, scores_TE, idx_TK, weights_TK, counts_E
+
+    def forward(self, x_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(-1, D)
+        T, K = x_TD.shape[0], self.top_k
+        logits_TE, scores_TE, idx_TK, weights_TK, counts_E = self.route(x_TD)
+        if self.training and not _in_recomputation():
+            self.tokens_per_expert.add_(counts_E)
+
+        perm = idx_TK.flatten().argsort(stable=True)  # [T*K] token copies sorted by expert
+        y_sorted = self.experts(x_TD[perm // K], counts_E)
+        inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(T * K, device=perm.device))
+        y_TKD = y_sorted[inv_perm].view(T, K, D)
+        out_TD = torch.bmm(weights_TK.to(y_TKD.dtype)[:, None, :], y_TKD).squeeze(1)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+
+        if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff) and T:
+            aux = self._aux_losses(logits_TE, scores_TE, counts_E, T)
+            out_TD = AttachAuxLoss.apply(out_TD, aux * self.aux_loss_scale)
+        return out_TD.view(B, S, D)
+
+    def _aux_losses(self, logits_TE, scores_TE, counts_E, T) -> torch.Tensor:
+        """coeff-weighted sum of the Switch balance loss E * sum_e f_e * P_e (f_e: fraction of the T*K routed
+        copies sent to e, no gradient; P_e: mean routing probability; 1 when uniform) and the z-loss
+        mean_t logsumexp(logits_t)^2. Local to this rank's tokens (as in Switch / ST-MoE)."""
+        total = logits_TE.new_zeros(())
+        if self.aux_loss_coeff:
+            probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
+            f_E = counts_E.float() / (T * self.top_k)
+            balance = self.num_experts * (f_E * probs_TE.mean(0)).sum()
+            self.last_aux_loss = balance.detach()
+            total = total + self.aux_loss_coeff * balance
+        if self.z_loss_coeff:
+            z = logits_TE.logsumexp(-1).square().mean()
+            self.last_z_loss = z.detach()
+            total = total + self.z_loss_coeff * z
+        return total
