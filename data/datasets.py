@@ -112,7 +112,8 @@ def _field(row, text_field: str, where: str, key: str) -> str:
     if not isinstance(row, dict) or text_field not in row:
         fields = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise KeyError(
-            f"{where} has no field '{text_field}' (it has {fields}); set training.dataset_text_field to the field holding the text"
+            f"{where} has no field '{text_field}' (it has {fields}); "
+            "set training.dataset_text_field to the field holding the text"
         )
     text = row[text_field]
     if not isinstance(text, str):
@@ -179,7 +180,8 @@ class ParquetFile(IndexedSource):
         names = meta.schema_arrow.names
         if text_field not in names:
             raise KeyError(
-                f"{path} has no field '{text_field}' (columns: {names}); set training.dataset_text_field to the column holding the text"
+                f"{path} has no field '{text_field}' (columns: {names}); "
+                "set training.dataset_text_field to the column holding the text"
             )
         sizes = [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._ends = list(itertools.accumulate(sizes))
@@ -255,7 +257,9 @@ def _looks_local(dataset: str) -> bool:
 def load_default_corpus(split: str) -> ListSource:
     """The embedded Python reference manual (data/default_corpus), "train" or "validation"."""
     if split not in ("train", "validation"):
-        raise ValueError(f"dataset 'default' has splits 'train' and 'validation', not '{split}'; set the split accordingly")
+        raise ValueError(
+            f"dataset 'default' has splits 'train' and 'validation', not '{split}'; set the dataset_split accordingly"
+        )
     with gzip.open(DEFAULT_CORPUS, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     held_out = [i % _VALIDATION_EVERY == _VALIDATION_PHASE for i in range(len(rows))]

@@ -78,7 +78,9 @@ class HFTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise ValueError(f"model.tokenizer_path='{tokenizer_path}': {file} is not a valid tokenizer.json ({e})") from e
+            raise ValueError(
+                f"model.tokenizer_path='{tokenizer_path}': {file} is not a valid tokenizer.json ({e})"
+            ) from e
         self.path = str(file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
@@ -109,7 +111,9 @@ class HFTokenizer:
         if name is not None:
             tid = self._tok.token_to_id(name)
             if tid is None:
-                raise ValueError(f"{self.path}: tokenizer_config.json names token {name!r}, which is not in the vocabulary")
+                raise ValueError(
+                    f"{self.path}: tokenizer_config.json names token {name!r}, which is not in the vocabulary"
+                )
             return tid
         for name in candidates:
             tid = self._tok.token_to_id(name)
