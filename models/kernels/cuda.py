@@ -1,0 +1,125 @@
+"""Thin wrappers over the mamba_ssm (Triton) and causal_conv1d (CUDA) kernels, imported lazily.
+
+Nothing here imports mamba_ssm / causal_conv1d at module import time: the released packages cannot
+be imported without their CUDA build. The first call (or cuda_kernels_available()) imports them,
+once; the result is cached. Wrappers take the same arguments as the references in reference.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "cuda_kernels_available",
+    "cuda_kernels_import_error",
+    "ssd_chunk_scan_cuda",
+    "causal_conv1d_cuda",
+    "rmsnorm_gated_cuda",
+    "add_rmsnorm_cuda",
+    "mamba_split_conv1d_scan_cuda",
+]
+
+_KERNELS: dict | None = None
+_IMPORT_ERROR: str | None = None
+
+
+def _load() -> dict | None:
+    global _KERNELS, _IMPORT_ERROR
+    if _KERNELS is not None or _IMPORT_ERROR is not None:
+        return _KERNELS
+    if not torch.cuda.is_available():
+        _IMPORT_ERROR = "CUDA is not available"
+        return None
+    try:
+        from causal_conv1d import causal_conv1d_fn
+        from mamba_ssm.ops.triton.layer_norm import rms_norm_fn
+        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+        from mamba_ssm.ops.triton.ssd_combined import (
+            mamba_chunk_scan_combined,
+            mamba_split_conv1d_scan_combined,
+        )
+    except Exception as e:  # ImportError, or an OSError / RuntimeError from a mismatched CUDA build
+        _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+        return None
+    _KERNELS = dict(
+        causal_conv1d_fn=causal_conv1d_fn,
+        rms_norm_fn=rms_norm_fn,
+        rmsnorm_fn=rmsnorm_fn,
+        mamba_chunk_scan_combined=mamba_chunk_scan_combined,
+        mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
+    )
+    return _KERNELS
+
+
+def cuda_kernels_available() -> bool:
+    """True when CUDA is present and mamba_ssm + causal_conv1d import (checked once, then cached)."""
+    return _load() is not None
+
+
+def cuda_kernels_import_error() -> str | None:
+    """Why the kernels are unavailable (None when they are, or before the first check)."""
+    _load()
+    return _IMPORT_ERROR
+
+
+def _kernels() -> dict:
+    k = _load()
+    if k is None:
+        raise RuntimeError(
+            f"mamba_ssm / causal_conv1d GPU kernels are unavailable ({_IMPORT_ERROR}). Install mamba-ssm and "
+            "causal-conv1d built for this torch / CUDA, or use backend='reference'."
+        )
+    return k
+
+
+def _seq_idx_i32(seq_idx: torch.Tensor | None) -> torch.Tensor | None:
+    # The kernels read seq_idx as contiguous int32.
+    return None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+
+
+def ssd_chunk_scan_cuda(
+    x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+    dt_limit=(0.0, float("inf")), seq_idx=None, initial_states=None, return_final_states=False,
+):
+    return _kernels()["mamba_chunk_scan_combined"](
+        x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=D, z=z, dt_bias=dt_bias,
+        initial_states=initial_states, seq_idx=_seq_idx_i32(seq_idx), dt_softplus=dt_softplus,
+        dt_limit=tuple(dt_limit), return_final_states=return_final_states,
+    )
+
+
+def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activation=None):
+    if seq_idx_BL is not None and x_BDL.stride(1) != 1:
+        # The seq_idx path exists only in the channel-last kernel: same [B, D, L] shape, D contiguous.
+        x_BDL = x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
+    return _kernels()["causal_conv1d_fn"](
+        x_BDL, weight_DW.contiguous(), bias_D, seq_idx=_seq_idx_i32(seq_idx_BL), activation=activation
+    )
+
+
+def rmsnorm_gated_cuda(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gate=False):
+    return _kernels()["rmsnorm_fn"](
+        x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate
+    )
+
+
+def add_rmsnorm_cuda(x, residual, weight, eps=1e-5, residual_in_fp32=False):
+    normed, new_residual = _kernels()["rms_norm_fn"](
+        x, weight, None, residual=residual, eps=eps, prenorm=True, residual_in_fp32=residual_in_fp32
+    )
+    return normed, new_residual
+
+
+def mamba_split_conv1d_scan_cuda(
+    zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=None,
+    dt_limit=(0.0, float("inf")), activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6,
+    outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1, norm_before_gate=True,
+    initial_states=None, return_final_states=False,
+):
+    return _kernels()["mamba_split_conv1d_scan_combined"](
+        zxbcdt.contiguous(), conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
+        seq_idx=_seq_idx_i32(seq_idx), dt_limit=tuple(dt_limit), return_final_states=return_final_states,
+        activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
+        outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
+        norm_before_gate=norm_before_gate,
+    )

@@ -1,0 +1,154 @@
+"""The kernel API the model calls: GPU kernels on CUDA when installed, PyTorch references otherwise.
+
+Every op has its reference's signature plus a keyword ``backend``:
+  "auto"      the mamba_ssm / causal_conv1d kernels when the input is on CUDA and they import,
+              else the reference;
+  "reference" always the pure-PyTorch reference (any device);
+  "cuda"      the kernels, or a clear error naming what is missing.
+mamba_ssm is never imported when this module is imported (see cuda.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.kernels import cuda as _cuda
+from models.kernels.reference import (
+    add_rmsnorm_ref,
+    causal_conv1d_ref,
+    mamba_split_conv1d_scan_ref,
+    rmsnorm_gated_ref,
+    ssd_chunk_scan_ref,
+)
+
+__all__ = [
+    "BACKENDS",
+    "use_cuda_kernels",
+    "ssd_chunk_scan",
+    "causal_conv1d",
+    "rmsnorm_gated",
+    "add_rmsnorm",
+    "mamba_split_conv1d_scan",
+]
+
+BACKENDS = ("auto", "reference", "cuda")
+
+
+def use_cuda_kernels(backend: str, t: torch.Tensor) -> bool:
+    """Whether an op on tensor ``t`` runs the GPU kernels under ``backend`` (raises for 'cuda' when it can't)."""
+    if backend == "reference":
+        return False
+    if backend == "auto":
+        return t.is_cuda and _cuda.cuda_kernels_available()
+    if backend == "cuda":
+        if not t.is_cuda:
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}; use backend='auto'")
+        if not _cuda.cuda_kernels_available():
+            raise RuntimeError(
+                f"backend='cuda' but the mamba_ssm / causal_conv1d kernels are unavailable "
+                f"({_cuda.cuda_kernels_import_error()}); install them or use backend='auto' / 'reference'"
+            )
+        return True
+    raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
+
+
+def ssd_chunk_scan(
+    x_BLHP: torch.Tensor,
+    dt_BLH: torch.Tensor,
+    A_H: torch.Tensor,
+    B_BLGN: torch.Tensor,
+    C_BLGN: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    seq_idx: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    *,
+    backend: str = "auto",
+):
+    """Chunked SSD scan (mamba_chunk_scan_combined). y [B, L, H, P] (, final_states [B, H, P, N] fp32)."""
+    fn = _cuda.ssd_chunk_scan_cuda if use_cuda_kernels(backend, x_BLHP) else ssd_chunk_scan_ref
+    return fn(
+        x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        dt_limit=dt_limit, seq_idx=seq_idx, initial_states=initial_states, return_final_states=return_final_states,
+    )
+
+
+def causal_conv1d(
+    x_BDL: torch.Tensor,
+    weight_DW: torch.Tensor,
+    bias_D: torch.Tensor | None = None,
+    seq_idx_BL: torch.Tensor | None = None,
+    activation: str | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Depthwise causal conv1d (causal_conv1d_fn): [B, D, L] -> [B, D, L]; resets at document starts."""
+    fn = _cuda.causal_conv1d_cuda if use_cuda_kernels(backend, x_BDL) else causal_conv1d_ref
+    return fn(x_BDL, weight_DW, bias_D, seq_idx_BL, activation)
+
+
+def rmsnorm_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gated, grouped RMSNorm (mamba_ssm RMSNormGated); same shape and dtype as x."""
+    fn = _cuda.rmsnorm_gated_cuda if use_cuda_kernels(backend, x) else rmsnorm_gated_ref
+    return fn(x, weight, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    residual_in_fp32: bool = False,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm (layer_norm_fn prenorm=True): returns (normed, new_residual)."""
+    fn = _cuda.add_rmsnorm_cuda if use_cuda_kernels(backend, x) else add_rmsnorm_ref
+    return fn(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
+
+
+def mamba_split_conv1d_scan(
+    zxbcdt: torch.Tensor,
+    conv1d_weight: torch.Tensor,
+    conv1d_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    seq_idx: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    activation: str | None = "silu",
+    rmsnorm_weight: torch.Tensor | None = None,
+    rmsnorm_eps: float = 1e-6,
+    outproj_weight: torch.Tensor | None = None,
+    outproj_bias: torch.Tensor | None = None,
+    headdim: int | None = None,
+    ngroups: int = 1,
+    norm_before_gate: bool = True,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+    *,
+    backend: str = "auto",
+):
+    """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined)."""
+    fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
+    return fn(
+        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,
+        activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
+        outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
+        norm_before_gate=norm_before_gate, initial_states=initial_states, return_final_states=return_final_states,
+    )
