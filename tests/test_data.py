@@ -221,6 +221,9 @@ def test_loader_state_through_dcp(tmp_path):
 
     src = ListSource(DOCS * 3)
     a = StepBatchLoader(ByteTokenizer(), src, 16, 4)
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert isinstance(a, Stateful)
     for _ in range(5):
         a.next_batch()
     dcp.save({"dataloader": a}, checkpoint_id=str(tmp_path / "ckpt"))
@@ -370,3 +373,29 @@ def test_hf_streaming_source_offline(tmp_path):
     bad = build_text_source("json", "train", "body", dataset_path=str(tmp_path))
     with pytest.raises(KeyError, match="has no field 'body'"):
         next(iter(bad))
+
+
+def _save_loader_state_dp2(rank, world_size, folder, steps):
+    import torch.distributed.checkpoint as dcp
+
+    ld = StepBatchLoader(ByteTokenizer(), ListSource(DOCS * 3), 16, 4, rank, world_size)
+    for _ in range(steps):
+        ld.next_batch()
+    dcp.save({"dataloader": ld}, checkpoint_id=folder)
+    return ld.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_loader_dcp_saved_by_two_ranks_loads_in_one(tmp_path):
+    """Two gloo ranks save the (identical, global) state through DCP; one process resumes from it."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.dist_utils import run_distributed
+
+    states = run_distributed(_save_loader_state_dp2, 2, str(tmp_path / "ckpt"), 5)
+    assert states[0] == states[1]
+    resumed = StepBatchLoader(ByteTokenizer(), ListSource(DOCS * 3), 16, 4)
+    dcp.load({"dataloader": resumed}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert resumed.state_dict() == states[0]
+    reference, _ = global_batches(ListSource(DOCS * 3), 16, 4, 1, 7)
+    assert_batches_equal([resumed.next_batch(), resumed.next_batch()], reference[5:])
