@@ -1,0 +1,58 @@
+"""AdamW with decoupled weight decay on matrices only, and the warmup / stable / decay LR schedule."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from configs.job_config import LRScheduler, Optimizer
+
+
+def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
+    """One AdamW over every model part of this rank. Vectors (biases, norms, A_log, D, dt_bias) get no decay."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                (decay if p.dim() >= 2 else no_decay).append(p)
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device_type == "cuda" else "foreach"
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
+
+
+def lr_factor(step_index: int, total_steps: int, warmup: int, decay_ratio: float, decay_type: str,
+              min_lr_factor: float) -> float:
+    """Multiplier of the peak LR for the optimizer step with 0-based index `step_index`.
+
+    Linear warmup over `warmup` steps, a stable phase, then a decay over the last
+    round((total - warmup) * decay_ratio) steps (every post-warmup step when decay_ratio = -1).
+    """
+    if step_index < warmup:
+        return (step_index + 1) / (warmup + 1)
+    post = max(total_steps - warmup, 1)
+    decay_steps = post if decay_ratio < 0 else max(round(post * decay_ratio), 0)
+    decay_start = total_steps - decay_steps
+    if step_index < decay_start or decay_steps == 0:
+        return 1.0
+    progress = min((step_index - decay_start + 1) / decay_steps, 1.0)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
+    fn = functools.partial(lr_factor, total_steps=total_steps, warmup=cfg.warmup_steps,
+                           decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -1,0 +1,126 @@
+"""The Mamba-2 mixer, with mamba_ssm's parameter names (in_proj, conv1d, dt_bias, A_log, D, norm, out_proj).
+
+Kernels come from models.kernels.ops: mamba_ssm's Triton SSD / causal_conv1d on CUDA, this repo's PyTorch
+references elsewhere. Under context parallel, `self.cp` (a parallelisms.context_parallel.MambaContextParallel)
+turns the sequence-sharded in_proj output into whole sequences for a slice of heads before the conv and
+the SSD, and back after, so the gated norm and out_proj run on the rank's own tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.args import ModelArgs
+from models.kernels import ops
+from models.norms import GatedRMSNorm
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int, n_layers: int):
+        super().__init__()
+        self.args = args
+        self.layer_id = layer_id
+        self.d_inner, self.nheads, self.headdim = args.d_inner, args.nheads, args.headdim
+        self.ngroups, self.d_state = args.ngroups, args.d_state
+        self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
+        self.in_proj = nn.Linear(args.d_model, self.d_inner + self.conv_dim + self.nheads, bias=args.bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, args.d_conv, groups=self.conv_dim,
+                                padding=args.d_conv - 1, bias=args.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.nheads))
+        self.A_log = nn.Parameter(torch.empty(self.nheads))
+        self.D = nn.Parameter(torch.empty(self.d_inner if args.D_has_hdim else self.nheads))
+        self.norm = GatedRMSNorm(self.d_inner, eps=args.norm_eps, group_size=self.d_inner // self.ngroups,
+                                 norm_before_gate=args.norm_before_gate)
+        self.out_proj = nn.Linear(self.d_inner, args.d_model, bias=args.bias)
+        self.dt_limit = (args.dt_limit_min, args.dt_limit_max)
+        self.backend = "auto"  # "reference" forces the PyTorch references (model.kernels)
+        self.cp = None  # set by parallelisms.context_parallel.apply_context_parallel
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def forward(self, u_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        zxbcdt = self.in_proj(u_BSD)
+        if self.cp is None and self.args.use_fused_path and u_BSD.is_cuda and self.backend != "reference":
+            return self._fused_forward(zxbcdt, seq_idx)
+        z_BSE, xBCdt = zxbcdt.split([self.d_inner, self.conv_dim + self.nheads], dim=-1)
+        if self.cp is not None:
+            # [b, s/cp, conv_dim + H] -> [b, s, (conv_dim + H) of this rank's heads]
+            xBCdt = self.cp.pre_conv_ssm(xBCdt)
+            conv_channels, nheads = self.cp.conv1d_channels, self.cp.nheads_local
+            d_inner, ngroups = self.cp.d_inner_local, self.cp.ngroups_local
+            conv_w, conv_b = self.cp.get_conv1d_weight(), self.cp.get_conv1d_bias()
+            dt_bias, A_log, D = self.cp.get_dt_bias(), self.cp.get_A_log(), self.cp.get_D()
+        else:
+            conv_channels, nheads, d_inner, ngroups = self.conv_dim, self.nheads, self.d_inner, self.ngroups
+            conv_w, conv_b = self.conv1d.weight, self.conv1d.bias
+            dt_bias, A_log, D = self.dt_bias, self.A_log, self.D
+        xBC_BSC, dt_BSH = xBCdt.split([conv_channels, nheads], dim=-1)
+        # causal_conv1d takes [b, c, s]; the transposed view is channel-last, which its seq_idx path needs.
+        xBC_BSC = ops.causal_conv1d(xBC_BSC.transpose(1, 2), conv_w.squeeze(1), conv_b, seq_idx,
+                                    activation="silu", backend=self.backend).transpose(1, 2)
+        gn = ngroups * self.d_state
+        x_BSI, B_BSG, C_BSG = xBC_BSC.split([d_inner, gn, gn], dim=-1)
+        b, s = x_BSI.shape[:2]
+        D_ssd = D.view(-1, self.headdim) if self.args.D_has_hdim else D
+        y_BSHP = ops.ssd_chunk_scan(
+            x_BSI.reshape(b, s, -1, self.headdim), dt_BSH, -torch.exp(A_log.float()),
+            B_BSG.reshape(b, s, ngroups, self.d_state), C_BSG.reshape(b, s, ngroups, self.d_state),
+            self.args.chunk_size, D=D_ssd, dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+            seq_idx=seq_idx, backend=self.backend,
+        )
+        y_BSI = y_BSHP.reshape(b, s, -1)
+        if self.cp is not None:
+            y_BSI = self.cp.post_conv_ssm(y_BSI)  # [b, s, d_inner/cp] -> [b, s/cp, d_inner]
+        return self.out_proj(self.norm(y_BSI, z_BSE))
+
+    def _fused_forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+        """conv + SSD + gated norm + out_proj in mamba_ssm's fused kernel (CUDA, no CP)."""
+        D = self.D.view(-1, self.headdim) if self.args.D_has_hdim else self.D
+        return ops.mamba_split_conv1d_scan(
+            zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()),
+            D, self.args.chunk_size, seq_idx=seq_idx, dt_limit=self.dt_limit, activation="silu",
+            rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight,
+            outproj_bias=self.out_proj.bias, headdim=self.headdim, ngroups=self.ngroups,
+            norm_before_gate=self.args.norm_before_gate, backend=self.backend,
+        )
+
+    # ---- initialisation (mamba_ssm's scheme; called on full, unsharded tensors by models.init) --------
+    @torch.no_grad()
+    def init_param(self, name: str, full: torch.Tensor, gen: torch.Generator) -> None:
+        a = self.args
+        if name in ("in_proj.weight", "out_proj.weight", "conv1d.weight"):
+            fan_in = full[0].numel()
+            bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)), PyTorch's Linear / Conv default
+            full.uniform_(-bound, bound, generator=gen)
+            if name == "out_proj.weight" and a.rescale_prenorm_residual:
+                full /= math.sqrt(a.n_layers)
+        elif name == "conv1d.bias":
+            bound = 1.0 / math.sqrt(a.d_conv)
+            full.uniform_(-bound, bound, generator=gen)
+        elif name in ("in_proj.bias", "out_proj.bias"):
+            full.zero_()
+        elif name == "dt_bias":
+            u = torch.rand(full.shape, generator=gen, device=full.device, dtype=torch.float32)
+            dt = torch.exp(u * (math.log(a.dt_max) - math.log(a.dt_min)) + math.log(a.dt_min))
+            dt = dt.clamp(min=a.dt_init_floor)
+            full.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        elif name == "A_log":
+            full.uniform_(a.A_init_min, a.A_init_max, generator=gen).log_()
+        elif name in ("D", "norm.weight"):
+            full.fill_(1.0)
+        else:
+            raise KeyError(f"Mamba2Mixer.init_param: no rule for parameter {name!r}")
+
+
+def mixer_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Forward FLOPs per token of the conv and the chunked SSD (the matmuls are counted as 2 * params)."""
+    q, n, h, p, g = min(args.chunk_size, seq_len), args.d_state, args.nheads, args.headdim, args.ngroups
+    conv = 2 * (args.d_inner + 2 * g * n) * args.d_conv
+    intra_chunk = 2 * q * n * g + 2 * q * h * p  # C B^T scores and their product with x (causal half ignored)
+    states = 2 * h * p * n * 2  # chunk states and the state-to-output term
+    return float(conv + intra_chunk + states)
+
+
+__all__ = ["Mamba2Mixer", "mixer_flops_per_token"]

@@ -1,0 +1,79 @@
+"""The Mamba-2 (and hybrid) language model, pipeline-ready.
+
+- `layers` is an nn.ModuleDict keyed "0".."n-1": pipeline stages delete the layers they do not own and the
+  remaining ones keep their names, so state dicts (and checkpoints) are the same under every layout.
+- `tok_embeddings`, `norm_f` and `lm_head` may be None; forward passes through whatever is missing:
+  without tok_embeddings the input is the packed inter-stage tensor; without norm_f the output is.
+- Between stages hidden and residual travel as ONE plain tensor (`pack_format`):
+  "stack": [2, b, s, d] (hidden, residual); "sum": [b, s, d] = residual + hidden, exactly equivalent since the
+  next block's first op is that same add (half the bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.args import ModelArgs
+from models.mamba2.block import Block
+from models.norms import RMSNorm
+
+PACK_FORMATS = ("stack", "sum")
+
+
+def pack_hidden_residual(hidden_BSD: torch.Tensor, residual_BSD: torch.Tensor | None, fmt: str) -> torch.Tensor:
+    """(hidden [b,s,d], residual [b,s,d] or None) -> "stack": [2,b,s,d] | "sum": [b,s,d], in the residual's dtype."""
+    if residual_BSD is None:
+        residual_BSD = torch.zeros_like(hidden_BSD)
+    dtype = torch.promote_types(hidden_BSD.dtype, residual_BSD.dtype)
+    if fmt == "stack":
+        return torch.stack([hidden_BSD.to(dtype), residual_BSD.to(dtype)])
+    if fmt == "sum":
+        return residual_BSD.to(dtype) + hidden_BSD.to(dtype)
+    raise ValueError(f"parallelism.pipeline_parallel_pack={fmt!r}; choose one of {PACK_FORMATS}")
+
+
+def unpack_hidden_residual(packed: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of pack_hidden_residual. "sum" comes back as (sum, None): the next add is then a no-op."""
+    if fmt == "stack":
+        return packed[0], packed[1]
+    if fmt == "sum":
+        return packed, None
+    raise ValueError(f"parallelism.pipeline_parallel_pack={fmt!r}; choose one of {PACK_FORMATS}")
+
+
+class Mamba2LM(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.pack_format = "sum"
+        self.tok_embeddings = nn.Embedding(args.padded_vocab_size, args.d_model)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)}
+        )
+        self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.d_model, args.padded_vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    def forward(self, inputs: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [b, s] (or the packed inter-stage tensor) -> logits [b, s, V] (or the packed tensor).
+
+        seq_idx: int32 [b, s], the document id of every position (whole-sequence length under CP).
+        """
+        if self.tok_embeddings is not None:
+            hidden, residual = self.tok_embeddings(inputs), None
+        else:
+            hidden, residual = unpack_hidden_residual(inputs, self.pack_format)
+        for layer in self.layers.values():
+            hidden, residual = layer(hidden, residual, seq_idx)
+        if self.norm_f is None:
+            return pack_hidden_residual(hidden, residual, self.pack_format)
+        h_BSD, _ = self.norm_f.add_and_norm(hidden, residual, self.args.residual_in_fp32)
+        return self.lm_head(h_BSD) if self.lm_head is not None else h_BSD
+
+    def set_kernel_backend(self, backend: str) -> None:
+        """'auto' or 'reference' for every mixer and norm (see model.kernels)."""
+        for m in self.modules():
+            if hasattr(m, "backend"):
+                m.backend = backend

@@ -1,0 +1,30 @@
+"""FSDP2 (fully_shard) per block and on the root; HSDP when dp_replicate > 1.
+
+Parameters are sharded over "dp_shard_cp" (dp_shard x cp: CP ranks hold the same parameters, so they
+shard them too) and replicated over "dp_replicate". Each block is one FSDP unit; the root unit holds the
+embedding, norm_f and lm_head (tied embeddings must stay in one unit).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from configs.job_config import Parallelism
+
+
+def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_dtype: torch.dtype,
+               reduce_dtype: torch.dtype = torch.float32, pdims=None) -> nn.Module:
+    dp_mesh = world_mesh["dp_replicate", "dp_shard_cp"]
+    kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+    if p.fsdp_cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    layers = list(model.layers.values())
+    for i, layer in enumerate(layers):
+        # The last block's parameters are needed again first in backward: keeping them saves one all-gather.
+        reshard = {"always": True, "never": False}.get(p.fsdp_reshard_after_forward, i < len(layers) - 1)
+        fully_shard(layer, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", **kw)
+    return model

@@ -1,0 +1,301 @@
+"""mambatitan's trainer. Read top to bottom: config -> mesh -> model -> parallelisms -> optimizer -> data ->
+checkpoint -> the loop (one batch: shard for CP, forward / backward per microbatch or through the pipeline
+schedule, clip, step, log, save).
+
+    python train.py --job.config_file configs/debug.toml                 # one process
+    CONFIG_FILE=configs/debug.toml NGPU=4 ./run_train.sh --parallelism.data_parallel_shard_degree 4
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from checkpoint.manager import CheckpointManager
+from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
+from components.optimizer import build_lr_scheduler, build_optimizer
+from configs.job_config import JobConfig
+from configs.parser import ConfigError, help_text, load_config
+from data.loader import IGNORE_INDEX, build_loader
+from data.tokenizer import build_tokenizer
+from models import build_model_args, build_model_on_meta
+from models.init import init_weights
+from parallelisms.grad_norm import clip_grad_norm_
+from parallelisms.mesh import ParallelDims, coords, group
+
+
+def log(msg: str) -> None:
+    print(f"[rank{int(os.environ.get('RANK', 0))}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Set-up helpers (each one step of the recipe in main())
+# ---------------------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[torch.device, int, int]:
+    """(device, rank, world size); a process group only when torchrun started several processes."""
+    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device, rank, world_size
+
+
+def set_determinism(cfg: JobConfig, device: torch.device) -> None:
+    torch.manual_seed(cfg.training.seed)
+    if cfg.training.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    elif device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+
+
+def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Summed token loss in fp32; labels of IGNORE_INDEX (document ends, padding) don't count."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return
+    # 1. Config: TOML + overrides, validated before any process group or compute.
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+    device, rank, world_size = init_distributed()
+    try:
+        pdims = ParallelDims.from_config(cfg.parallelism, world_size)
+        model_args = build_model_args(cfg.model.flavor, cfg.model_overrides)
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        check_job(cfg, pdims, model_args, tokenizer)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        sys.exit(f"config error: {e}")
+    if rank == 0 and cfg.job.print_config:
+        from configs.parser import to_dict
+
+        log(f"config: {to_dict(cfg)}")
+
+    # 2. DeviceMesh: pp x dp_replicate x dp_shard x cp (+ flattened dp, dp_shard_cp, dp_cp views).
+    mesh = pdims.build_mesh(device.type)
+    set_determinism(cfg, device)
+    on_gpu = device.type == "cuda"
+    compute_dtype = torch.bfloat16 if on_gpu and cfg.training.mixed_precision_param == "bfloat16" else torch.float32
+
+    # 3. Model on the meta device; pipeline split; CP, activation checkpointing, compile, FSDP; then materialise
+    #    and initialise (values depend only on the seed and the parameter names, never on the layout).
+    model = build_model_on_meta(model_args)
+    model.set_kernel_backend("reference" if cfg.model.kernels == "reference" else "auto")
+
+    def parallelize(part):
+        if pdims.cp_enabled:
+            from parallelisms.context_parallel import apply_context_parallel
+
+            apply_context_parallel(part, mesh["cp"].get_group(), cfg.parallelism.context_parallel_load_balance)
+        if pdims.ep_enabled:
+            from parallelisms.expert_parallel import apply_expert_parallel
+
+            apply_expert_parallel(part, pdims)
+        from parallelisms.activation_checkpoint import apply_activation_checkpoint
+
+        apply_activation_checkpoint(part, cfg.activation_checkpoint)
+        if cfg.compile.enable:
+            from parallelisms.compile import apply_compile
+
+            apply_compile(part)
+        if pdims.fsdp_enabled:
+            from parallelisms.fsdp import apply_fsdp
+
+            apply_fsdp(part, mesh, cfg.parallelism, param_dtype=compute_dtype, pdims=pdims)
+        return part
+
+    loss_scale = {"global_tokens": 1.0}  # set per step; the pipeline's loss_fn reads it
+    # FSDP averages gradients over dp_cp ranks; each rank's loss is its share of the global token mean, so
+    # multiplying by dp_cp turns that average into the exact sum.
+    grad_scale = float(pdims.dp_cp)
+
+    def pipeline_loss(logits_BSV, labels_BS):
+        return cross_entropy_sum(logits_BSV, labels_BS) * (grad_scale / loss_scale["global_tokens"])
+
+    if pdims.pp_enabled:
+        from parallelisms.pipeline import pipeline_model
+
+        pp_schedule, model_parts, has_first_stage, has_last_stage = pipeline_model(
+            model, mesh, pdims, cfg, device, pipeline_loss, parallelize)
+    else:
+        model_parts, has_first_stage, has_last_stage = [parallelize(model)], True, True
+    for part in model_parts:
+        part.to_empty(device=device)
+        init_weights(part, seed=cfg.training.seed, init_std=model_args.initializer_range)
+        part.train()
+    n_params = sum(p.numel() for p in build_model_on_meta(model_args).parameters())
+    flops_per_token, _ = model_flops_per_token(model_args, cfg.training.seq_len)
+
+    # 4. Optimizer and LR schedule over this rank's parameters.
+    optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
+    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+
+    # 5. Data: every dp rank reads its slice of the one global batch; cp / pp ranks of a dp rank share it.
+    dp_rank, dp_degree = coords(mesh, "dp")
+    cp_rank, _ = coords(mesh, "cp")
+    loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, pin_memory=on_gpu)
+
+    # 6. Checkpoint: resume from the newest complete step-N (or checkpoint.load_step / initial_load_path).
+    checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model_parts, [optimizer], [lr_scheduler],
+                                     loader)
+    start_step = checkpointer.load()
+    if start_step:
+        log(f"resumed from step {start_step}")
+    metrics = MetricsLogger(cfg.job.dump_folder, rank == 0, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
+                            cfg.training.steps)
+    if rank == 0:
+        log(f"model {cfg.model.flavor}: {n_params / 1e6:.1f}M parameters, layers '{model_args.layer_types}', "
+            f"world {world_size} = pp {pdims.pp} x dp_replicate {pdims.dp_replicate} x dp_shard {pdims.dp_shard} "
+            f"x cp {pdims.cp} (ep {pdims.ep}), device {device}, compute {compute_dtype}")
+    amp = (torch.autocast("cuda", dtype=compute_dtype) if on_gpu and compute_dtype != torch.float32
+           and not pdims.fsdp_enabled else contextlib.nullcontext())
+    dp_cp_group = group(mesh, "dp_cp")
+    peak = peak_flops(device)
+    params = [p for part in model_parts for p in part.parameters()]
+
+    # 7. The loop.
+    t_last, tokens_since_log = time.perf_counter(), 0
+    for step in range(start_step + 1, cfg.training.steps + 1):
+        batch = loader.next_batch()
+        input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "seq_idx"))
+        if pdims.cp_enabled:
+            # Tokens and labels are split along the sequence; seq_idx stays whole, since after the all-to-all
+            # every layer sees the whole sequence for its slice of heads.
+            from parallelisms.context_parallel import shard_sequence
+
+            input_ids, labels = (shard_sequence(t, cp_rank, pdims.cp, cfg.parallelism.context_parallel_load_balance)
+                                 for t in (input_ids, labels))
+        global_tokens = (labels != IGNORE_INDEX).sum().float()
+        if dp_cp_group is not None:
+            dist.all_reduce(global_tokens, group=dp_cp_group)
+        loss_scale["global_tokens"] = global_tokens.item()
+
+        if pdims.pp_enabled:
+            loss_sum = pipeline_step(pp_schedule, has_first_stage, has_last_stage, input_ids, labels, seq_idx,
+                                     grad_scale, loss_scale["global_tokens"], device)
+        else:
+            loss_sum = torch.zeros((), device=device)
+            micro = cfg.training.local_batch_size
+            n_micro = input_ids.shape[0] // micro
+            for i in range(n_micro):
+                rows = slice(i * micro, (i + 1) * micro)
+                sync = i == n_micro - 1
+                for part in model_parts:
+                    if hasattr(part, "set_requires_gradient_sync"):
+                        part.set_requires_gradient_sync(sync)  # reduce-scatter once, after the last microbatch
+                with amp:
+                    logits = model_parts[0](input_ids[rows], seq_idx=seq_idx[rows])
+                mb_loss = cross_entropy_sum(logits, labels[rows])
+                (mb_loss * (grad_scale / loss_scale["global_tokens"])).backward()
+                loss_sum += mb_loss.detach()
+                del logits
+        # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
+        if world_size > 1:
+            dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
+        loss = loss_sum.item() / loss_scale["global_tokens"]
+        if not torch.isfinite(torch.tensor(loss)):
+            checkpointer.close()
+            raise FloatingPointError(
+                f"loss is {loss} at step {step}; stopping without saving (the last complete checkpoint in "
+                f"{checkpointer.folder} is untouched). Lower optimizer.lr or check the data.")
+
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=group(mesh, "pp") if pdims.pp_enabled else None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for part in model_parts:
+            for module in part.modules():
+                if hasattr(module, "update_expert_bias"):
+                    module.update_expert_bias(dp_cp_group)
+        lr = lr_scheduler.get_last_lr()[0]
+        lr_scheduler.step()
+
+        tokens_since_log += input_ids.numel()
+        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+            if on_gpu:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t_last
+            # tokens/s per device: tokens this rank's data-parallel replica processed / pp stages sharing them
+            tps = tokens_since_log / dt / pdims.pp
+            metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": tps,
+                               "mfu": tps * flops_per_token / peak if peak else 0.0,
+                               "memory_gib": memory_gib(device)})
+            t_last, tokens_since_log = time.perf_counter(), 0
+        checkpointer.save(step, last_step=step == cfg.training.steps)
+
+    checkpointer.close()
+    metrics.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, seq_idx, grad_scale: float,
+                  global_tokens: float, device) -> torch.Tensor:
+    """One optimizer step's forward / backward through the pipeline schedule; returns this rank's loss sum.
+
+    Every rank passes seq_idx: the schedule splits each rank's keyword inputs into the same microbatches as
+    the tokens, so every stage sees its own microbatch's document boundaries.
+    """
+    losses: list[torch.Tensor] | None = [] if has_last else None
+    target = labels if has_last else None
+    if has_first:
+        schedule.step(input_ids, seq_idx=seq_idx, target=target, losses=losses)
+    else:
+        schedule.step(seq_idx=seq_idx, target=target, losses=losses)
+    if not has_last:
+        return torch.zeros((), device=device)
+    # The loss_fn returned sum * grad_scale / global_tokens per microbatch; undo the scaling for logging.
+    return torch.stack([l.detach().float() for l in losses]).sum() * (global_tokens / grad_scale)
+
+
+def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> None:
+    """Combinations that would fail later, reported now with their fix."""
+    t, errs = cfg.training, []
+    if tokenizer.vocab_size > model_args.vocab_size:
+        errs.append(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={model_args.vocab_size}; "
+                    f"set --model.vocab_size {tokenizer.vocab_size} (or larger)")
+    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * pdims.dp
+    if gbs % pdims.dp:
+        errs.append(f"training.global_batch_size={gbs} must divide by the data-parallel degree "
+                    f"dp_replicate x dp_shard = {pdims.dp}")
+    elif not pdims.pp_enabled and (gbs // pdims.dp) % t.local_batch_size:
+        errs.append(f"training.global_batch_size / dp = {gbs // pdims.dp} rows per rank must divide by "
+                    f"training.local_batch_size={t.local_batch_size} (gradient accumulation steps)")
+    if pdims.cp_enabled:
+        from parallelisms.context_parallel import validate_cp_mamba, validate_cp_shapes
+
+        try:
+            validate_cp_shapes(t.seq_len, pdims.cp, cfg.parallelism.context_parallel_load_balance)
+            if "M" in model_args.layer_types:
+                validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
+        except ValueError as e:
+            errs.append(str(e))
+    if pdims.pp_enabled:
+        from parallelisms.pipeline import validate_pipeline
+
+        errs += validate_pipeline(cfg, pdims, model_args)
+    if errs:
+        raise ConfigError("invalid job:\n  - " + "\n  - ".join(errs))
+
+
+if __name__ == "__main__":
+    main()
