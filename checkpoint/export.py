@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -99,7 +100,7 @@ def read_metadata(path: str) -> Metadata:
         )
     try:
         return FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - re-raised with the path and the likely cause
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the path and the likely cause
         raise RuntimeError(f"cannot read the DCP metadata of {path} (corrupt or from an incompatible torch?): {e}") from e
 
 
@@ -192,7 +193,7 @@ def load_model_weights(model_parts: list[nn.Module], path: str, process_group=No
     try:
         with single_process_quiet():
             dcp.load(target, storage_reader=FileSystemReader(path), process_group=process_group)
-    except Exception as e:  # noqa: BLE001 - re-raised with the path
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the path
         raise RuntimeError(f"failed to read model weights from {path} (corrupt checkpoint?): {e}") from e
     model.load_state_dict(local)
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -365,7 +366,7 @@ class CheckpointManager:
         fut = getattr(pending.future, "upload_completion", pending.future)
         try:
             fut.result()
-        except Exception as e:  # noqa: BLE001 - re-raised with the step; the partial folder is cleaned later
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the step; the partial folder is cleaned later
             raise RuntimeError(f"async checkpoint save of step {pending.step} failed: {e}") from e
         # rank 0's future completes after DCP gathered every rank's write results and wrote .metadata
         self._finalize(pending.step)
@@ -441,7 +442,7 @@ class CheckpointManager:
         try:
             with single_process_quiet():
                 dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.pg)
-        except Exception as e:  # noqa: BLE001 - re-raised with the path and a way out
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the path and a way out
             raise RuntimeError(
                 f"failed to load checkpoint {path}: {e}. It may be corrupt or from another model / optimizer "
                 f"setup; delete it or pick another with --checkpoint.load_step."
