@@ -1,0 +1,58 @@
+"""Config parsing: overrides, types, and errors that name the key and the fix."""
+
+import subprocess
+import sys
+
+import pytest
+
+from configs.parser import ConfigError, help_text, load_config
+
+
+def test_toml_then_overrides_in_both_forms():
+    cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.steps", "7",
+                       "--checkpoint.enable=true", "--model.d_model=64", "--optimizer.lr", "1e-3"])
+    assert cfg.training.steps == 7 and cfg.checkpoint.enable is True and cfg.optimizer.lr == 1e-3
+    assert cfg.model_overrides["d_model"] == 64 and cfg.job.config_file == "configs/debug.toml"
+    assert cfg.training.seq_len == 256  # from the TOML
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--training.stepz", "3"], "training.stepz"),
+    (["--trainin.steps", "3"], "[trainin]"),
+    (["--training.steps", "three"], "--training.steps: 'three' is not a valid int"),
+    (["--checkpoint.enable", "maybe"], "checkpoint.enable"),
+    (["--model.headdim", "7"], "model.headdim=7 must divide"),
+    (["--model.flavor", "9B"], "model.flavor='9B' is unknown"),
+    (["--lr_scheduler.decay_type", "step"], "lr_scheduler.decay_type='step' is not allowed"),
+    (["--training.seq_len", "0"], "training.seq_len=0 must be >= 1"),
+    (["--job.config_file", "configs/nope.toml"], "no such file"),
+    (["--training.steps"], "needs a value"),
+    (["steps=3"], "unexpected argument"),
+])
+def test_errors_name_the_key(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert needle in str(e.value)
+
+
+def test_unknown_key_in_toml(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nstepss = 3\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: unknown key training.stepss \(did you mean training.steps"):
+        load_config(["--job.config_file", str(bad)])
+
+
+def test_help_lists_every_key():
+    text = help_text()
+    for key in ("--parallelism.data_parallel_shard_degree", "--checkpoint.load_step", "--model.layer_pattern",
+                "--training.global_batch_size", "--lr_scheduler.decay_ratio", "--compile.enable"):
+        assert key in text
+
+
+def test_train_py_fails_before_compute_with_the_fix(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug.toml",
+                        "--training.global_batch_size", "12", "--training.local_batch_size", "8",
+                        "--job.dump_folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "training.local_batch_size=8" in r.stderr and "global_batch_size" in r.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
