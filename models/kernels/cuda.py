@@ -88,10 +88,27 @@ def ssd_chunk_scan_cuda(
     )
 
 
+def _channel_last_ok(x_BDL: torch.Tensor) -> bool:
+    # What the channel-last kernel accepts: D contiguous, and batch / time strides multiples of 8.
+    return x_BDL.stride(1) == 1 and x_BDL.stride(2) % 8 == 0 and x_BDL.stride(0) % 8 == 0
+
+
 def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activation=None):
-    if seq_idx_BL is not None and x_BDL.stride(1) != 1:
-        # The seq_idx path exists only in the channel-last kernel: same [B, D, L] shape, D contiguous.
+    b, d, L = x_BDL.shape
+    # The kernel picks its channel-last variant whenever stride(1) == 1; the seq_idx path exists only there.
+    wants_channel_last = seq_idx_BL is not None or (x_BDL.stride(1) == 1 and L > 1 and x_BDL.stride(2) > 1)
+    if wants_channel_last and d % 8:
+        if seq_idx_BL is not None:
+            raise ValueError(
+                f"causal_conv1d with seq_idx needs the channel count ({d}) to be a multiple of 8 "
+                "(channel-last kernel); change the model sizes or use backend='reference'"
+            )
+        x_BDL, wants_channel_last = x_BDL.contiguous(), False
+    if wants_channel_last and not _channel_last_ok(x_BDL):
+        # A compact channel-last copy: same [B, D, L] shape, D contiguous, strides D and L*D.
         x_BDL = x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
+    if bias_D is not None and bias_D.dtype != weight_DW.dtype:
+        bias_D = bias_D.to(weight_DW.dtype)  # the kernel requires bias and weight of one dtype
     return _kernels()["causal_conv1d_fn"](
         x_BDL, weight_DW.contiguous(), bias_D, seq_idx=_seq_idx_i32(seq_idx_BL), activation=activation
     )
@@ -116,6 +133,12 @@ def mamba_split_conv1d_scan_cuda(
     outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1, norm_before_gate=True,
     initial_states=None, return_final_states=False,
 ):
+    if zxbcdt.shape[-1] % 8 or conv1d_weight.shape[0] % 8:
+        # The fused kernel runs causal_conv1d channel-last on a view of zxbcdt, which needs both multiples of 8.
+        raise ValueError(
+            f"the fused kernel needs zxbcdt width ({zxbcdt.shape[-1]}) and conv channels ({conv1d_weight.shape[0]}) "
+            "to be multiples of 8; change the sizes or use the unfused path (model.use_fused_path=false)"
+        )
     return _kernels()["mamba_split_conv1d_scan_combined"](
         zxbcdt.contiguous(), conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
         seq_idx=_seq_idx_i32(seq_idx), dt_limit=tuple(dt_limit), return_final_states=return_final_states,
