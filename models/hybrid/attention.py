@@ -64,17 +64,19 @@ def head_dims(args: ModelArgs) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------------- rotary
 
 
-def rotary_cos_sin(seqlen: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [s, head_dim/2] in float32 for positions 0..s-1 (frequency j: theta^(-2j/head_dim))."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angle_SJ = torch.arange(seqlen, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+def rotary_cos_sin(
+    seqlen: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [s, head_dim/2] for positions 0..s-1 (frequency j: theta^(-2j/head_dim)), float32 or float64."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    angle_SJ = torch.arange(seqlen, device=device, dtype=dtype)[:, None] * inv_freq[None, :]
     return angle_SJ.cos(), angle_SJ.sin()
 
 
 def apply_rotary(x_BSHD: torch.Tensor, cos_SJ: torch.Tensor, sin_SJ: torch.Tensor) -> torch.Tensor:
-    """Rotate the pairs (x[j], x[j + d/2]) by position * freq_j ("rotate-half" layout), computed in fp32."""
+    """Rotate the pairs (x[j], x[j + d/2]) by position * freq_j ("rotate-half" layout), in cos/sin's precision."""
     half = x_BSHD.shape[-1] // 2
-    x = x_BSHD.float()
+    x = x_BSHD.to(cos_SJ.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos_SJ[None, :, None, :], sin_SJ[None, :, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x_BSHD.dtype)
@@ -248,7 +250,9 @@ class Attention(nn.Module):
                 "pass the full-length seq_idx)"
             )
         if self.rope_theta:
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, x_BSD.device)
+            # fp32 angles (fp64 only for fp64 tests): bf16 angles would be wrong by whole radians at long positions.
+            dtype = torch.float64 if q_BSHD.dtype == torch.float64 else torch.float32
+            cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, x_BSD.device, dtype)
             q_BSHD, k_BSHD = apply_rotary(q_BSHD, cos, sin), apply_rotary(k_BSHD, cos, sin)
 
         o_BSHD = self._core(q_BSHD, k_BSHD, v_BSHD, seq_idx)

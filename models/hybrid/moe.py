@@ -213,11 +213,13 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     def route(self, x_TD: torch.Tensor):
-        """-> (logits_TE fp32, scores_TE fp32, idx_TK, weights_TK fp32, counts_E int64)."""
-        logits_TE = F.linear(x_TD.float(), self.router.weight.float())
+        """-> (logits_TE, scores_TE, idx_TK, weights_TK, counts_E int64); routing math in fp32 (fp64 for fp64 x):
+        bf16 scores would tie and flip the top-k."""
+        dtype = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
+        logits_TE = F.linear(x_TD.to(dtype), self.router.weight.to(dtype))
         scores_TE = logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
         with torch.no_grad():
-            select_TE = scores_TE + self.expert_bias.float()
+            select_TE = scores_TE + self.expert_bias.to(dtype)
             idx_TK = select_TE.topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, idx_TK)
         if self.route_norm:
@@ -253,7 +255,7 @@ class MoE(nn.Module):
         total = logits_TE.new_zeros(())
         if self.aux_loss_coeff:
             probs_TE = scores_TE if self.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-            f_E = counts_E.float() / (T * self.top_k)
+            f_E = counts_E.to(probs_TE.dtype) / (T * self.top_k)
             balance = self.num_experts * (f_E * probs_TE.mean(0)).sum()
             self.last_aux_loss = balance.detach()
             total = total + self.aux_loss_coeff * balance
