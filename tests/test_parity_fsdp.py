@@ -1,0 +1,72 @@
+"""Issue acceptance: FSDP / HSDP reproduce the single-process losses; a SIGKILLed run resumes exactly,
+under the same or another layout."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.parity import PARITY_ARGS, REPO, assert_same_losses, losses_by_step, read_metrics, run_training
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("ref"))
+
+
+@pytest.mark.parametrize("layout", [
+    ["--parallelism.data_parallel_shard_degree", "4"],
+    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+], ids=["fsdp4", "hsdp2x2"])
+def test_data_parallel_matches_single_process(reference, tmp_path, layout):
+    assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))
+
+
+def test_fsdp2_with_gradient_accumulation(reference, tmp_path):
+    # global 8 rows over dp 2 = 4 rows per rank, local_batch_size 2: two microbatches per step
+    got = run_training(2, PARITY_ARGS + ["--parallelism.data_parallel_shard_degree", "2"], tmp_path)
+    assert_same_losses(reference, got)
+
+
+def _launch(nproc: int, args: list[str], dump_folder) -> subprocess.Popen:
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+                "--rdzv_endpoint=localhost:0"]
+    cmd += ["train.py", *args, "--job.dump_folder", str(dump_folder)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _kill_when_folder_appears(proc: subprocess.Popen, folder, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not folder.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before {folder} appeared:\n{proc.stderr.read().decode()[-3000:]}")
+        assert time.time() < deadline, f"{folder} never appeared"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("first_nproc, resume_nproc", [(1, 1), (4, 2)], ids=["same-layout", "fsdp4-to-fsdp2"])
+def test_sigkill_then_resume_gives_uninterrupted_losses(tmp_path, first_nproc, resume_nproc):
+    steps, interval = (8, 4) if first_nproc == 1 else (6, 3)
+    args = PARITY_ARGS + ["--training.steps", str(steps), "--checkpoint.enable", "true",
+                          "--checkpoint.interval", str(interval)]
+
+    def layout(n):
+        return ["--parallelism.data_parallel_shard_degree", str(n)] if n > 1 else []
+
+    uninterrupted = run_training(1, args, tmp_path / "whole")
+    run_dir = tmp_path / "killed"
+    proc = _launch(first_nproc, args + layout(first_nproc), run_dir)
+    _kill_when_folder_appears(proc, run_dir / "checkpoint" / f"step-{interval}")
+    resumed = run_training(resume_nproc, args + layout(resume_nproc), run_dir)
+    assert max(losses_by_step(resumed)) == steps
+    assert_same_losses(uninterrupted, resumed, steps=range(interval + 1, steps + 1))
+    assert (run_dir / "checkpoint" / f"step-{steps}" / ".metadata").exists()
