@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.kernels._utils import no_autocast
+
 __all__ = ["causal_conv1d_ref"]
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -41,7 +43,7 @@ def causal_conv1d_ref(
     W = weight_DW.shape[1]
     cdt = torch.float64 if x_BDL.dtype == torch.float64 else torch.float32
 
-    with torch.autocast(x_BDL.device.type, enabled=False):
+    with no_autocast(x_BDL.device):
         xf = x_BDL.to(cdt)
         wf = weight_DW.to(cdt)
         bf = bias_D.to(cdt) if bias_D is not None else None

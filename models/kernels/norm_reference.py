@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.kernels._utils import no_autocast
+
 __all__ = ["rmsnorm_gated_ref", "add_rmsnorm_ref"]
 
 
@@ -35,7 +37,7 @@ def rmsnorm_gated_ref(
     if gs <= 0 or dim % gs:
         raise ValueError(f"group_size={group_size} must divide the normalized dim {dim}")
     cdt = _compute_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
+    with no_autocast(x.device):
         xf = x.to(cdt)
         gate = F.silu(z.to(cdt)) if z is not None else None
         if gate is not None and not norm_before_gate:
@@ -70,7 +72,7 @@ def add_rmsnorm_ref(
         res_dtype = residual.dtype
     else:
         res_dtype = torch.float32 if residual_in_fp32 else x.dtype
-    with torch.autocast(x.device.type, enabled=False):
+    with no_autocast(x.device):
         s = x.to(cdt) if residual is None else x.to(cdt) + residual.to(cdt)
         normed = s * torch.rsqrt(s.square().mean(dim=-1, keepdim=True) + eps) * weight.to(cdt)
     return normed.to(x.dtype), s.to(res_dtype)

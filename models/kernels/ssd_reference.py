@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models.kernels._utils import can_inspect_values, no_autocast
+
 __all__ = ["ssd_chunk_scan_ref", "process_dt"]
 
 
@@ -82,7 +84,7 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, seq_idx, initial_st
             raise ValueError(f"seq_idx must be [batch, seqlen] = {(b, L)}, got {tuple(seq_idx.shape)}")
         if seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
             raise ValueError(f"seq_idx must be an integer tensor (int32), got {seq_idx.dtype}")
-        if L > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        if L > 1 and can_inspect_values(seq_idx) and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
             raise ValueError("seq_idx must be non-decreasing along each row (document index, starting at 0)")
 
 
@@ -110,7 +112,7 @@ def ssd_chunk_scan_ref(
     """
     _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
     cdt = _compute_dtype(x_BLHP)
-    with torch.autocast(x_BLHP.device.type, enabled=False):
+    with no_autocast(x_BLHP.device):
         y_BLHP, final_BHPN = _ssd_chunked(
             x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
             seq_idx, initial_states, cdt,
