@@ -40,6 +40,8 @@ __all__ = [
     "validate_cp_shapes",
     "validate_cp_mamba",
     "MambaContextParallel",
+    "AttentionContextParallel",
+    "apply_context_parallel",
 ]
 
 
@@ -333,11 +335,15 @@ class MambaContextParallel:
     @classmethod
     def from_mixer(cls, mixer: nn.Module, cp_group, load_balance: bool = False) -> "MambaContextParallel":
         """Build from a mixer with mamba_ssm Mamba2 attributes: d_ssm (or d_inner), nheads, ngroups,
-        d_state, conv1d, dt_bias, A_log, D, D_has_hdim. Parameters are read through (mixer, name)."""
+        d_state, conv1d, dt_bias, A_log, D (and D_has_hdim, else inferred from D's size). Parameters are
+        read through (mixer, name), so FSDP2 / to_empty / deepcopy are safe."""
         d_inner = getattr(mixer, "d_ssm", None) or mixer.d_inner
+        D_has_hdim = getattr(mixer, "D_has_hdim", None)
+        if D_has_hdim is None:
+            D_has_hdim = mixer.D.numel() != mixer.nheads
         return cls(
             cp_group, d_inner, mixer.nheads, mixer.ngroups, mixer.d_state, mixer.conv1d,
-            (mixer, "dt_bias"), (mixer, "A_log"), (mixer, "D"), mixer.D_has_hdim, load_balance,
+            (mixer, "dt_bias"), (mixer, "A_log"), (mixer, "D"), D_has_hdim, load_balance,
         )
 
     def __deepcopy__(self, memo):
@@ -391,7 +397,7 @@ class MambaContextParallel:
     ) -> torch.Tensor:
         """Causal depthwise conv of this rank's channels [b, conv1d_channels, s] -> same shape, with the
         sliced weight / bias; resets at document starts when seq_idx_BL (full-length [b, s]) is given."""
-        weight_DW, bias_D = self.get_conv1d_weight(), self.get_conv1d_bias()
+        weight_DW, bias_D = self.get_conv1d_weight().squeeze(1), self.get_conv1d_bias()
         try:
             from models.kernels.ops import causal_conv1d
         except ImportError:
@@ -408,10 +414,9 @@ class MambaContextParallel:
     # ---- parameter slices (taken in the forward) ----------------------------------------------------
 
     def get_conv1d_weight(self) -> torch.Tensor:
-        """[conv1d_channels, d_conv]: this rank's rows of conv1d.weight [conv_dim, 1, d_conv], squeezed to
-        the 'd 1 w -> d w' form that causal_conv1d takes."""
-        w = self.conv1d_cp1.weight
-        return self._slice_conv_param(w.reshape(w.shape[0], w.shape[-1]))
+        """[conv1d_channels, 1, d_conv]: this rank's rows of conv1d.weight [conv_dim, 1, d_conv] (same layout
+        as the parameter; causal_conv1d takes weight.squeeze(1))."""
+        return self._slice_conv_param(self.conv1d_cp1.weight)
 
     def get_conv1d_bias(self) -> Optional[torch.Tensor]:
         """[conv1d_channels] or None (conv without bias)."""
@@ -453,3 +458,73 @@ class MambaContextParallel:
         gn = self.ngroups_local * self.d_state
         g0 = (self.cp_rank // self.group_repeat_count) * gn
         return torch.cat([x, B[g0 : g0 + gn], C[g0 : g0 + gn]], dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention CP hook and model wiring
+# ----------------------------------------------------------------------------------------------------
+
+
+class AttentionContextParallel:
+    """The attention layers' CP hook (models/hybrid/attention.py: degree, seq_to_heads, heads_to_seq).
+
+    Rank r gets heads [r*h/cp, (r+1)*h/cp) (the attention layer repeats kv heads first when cp > n_kv).
+    """
+
+    def __init__(self, cp_group: Optional[dist.ProcessGroup], load_balance: bool = False) -> None:
+        self.cp_group = cp_group
+        self.degree = _group_size(cp_group)
+        self.load_balance = load_balance and self.degree > 1
+
+    def seq_to_heads(self, x_BSHD: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp, h, d] (this rank's tokens) -> [b, s, h/cp, d] (whole sequence, natural order)."""
+        if self.degree == 1:
+            return x_BSHD
+        b, s_local, h, d = x_BSHD.shape
+        if h % self.degree:
+            raise ValueError(f"attention heads h={h} must divide by cp={self.degree}")
+        # head-major channels: channel slice r of h*d is heads [r*h/cp, (r+1)*h/cp)
+        y_BSd = all_to_all_seq_to_heads(x_BSHD.reshape(b, s_local, h * d), self.cp_group)
+        if self.load_balance:
+            y_BSd = undo_load_balance(y_BSd, self.degree, seq_dim=1)
+        return y_BSd.reshape(b, s_local * self.degree, h // self.degree, d)
+
+    def heads_to_seq(self, x_BSHD: torch.Tensor) -> torch.Tensor:
+        """[b, s, h/cp, d] (whole sequence, natural order) -> [b, s/cp, h, d] (this rank's tokens)."""
+        if self.degree == 1:
+            return x_BSHD
+        b, s, h_local, d = x_BSHD.shape
+        x_BSd = x_BSHD.reshape(b, s, h_local * d)
+        if self.load_balance:
+            x_BSd = redo_load_balance(x_BSd, self.degree, seq_dim=1)
+        return all_to_all_heads_to_seq(x_BSd, self.cp_group).reshape(b, s // self.degree, h_local * self.degree, d)
+
+    def __deepcopy__(self, memo):
+        return self  # stateless apart from the group, which cannot be copied
+
+
+def apply_context_parallel(model: nn.Module, cp_group, load_balance: bool = False) -> int:
+    """Set `.cp` on every Mamba mixer (has conv1d and A_log) and attention layer (has n_heads and
+    n_kv_heads) of `model`; checks every layer's heads / groups against cp first (before any compute).
+    Returns how many layers got a hook. With cp = 1 nothing is set (the hooks stay None and cost nothing).
+    The caller also shards input_ids / labels with shard_sequence and passes the FULL seq_idx."""
+    cp = _group_size(cp_group)
+    if cp == 1:
+        return 0
+    hooks = []
+    for name, m in model.named_modules():
+        if not hasattr(m, "cp"):
+            continue
+        if hasattr(m, "conv1d") and hasattr(m, "A_log"):
+            hooks.append((m, MambaContextParallel.from_mixer(m, cp_group, load_balance)))
+        elif hasattr(m, "n_heads") and hasattr(m, "n_kv_heads"):
+            kv = m.n_kv_heads
+            if m.n_heads % cp or (kv % cp and cp % kv):
+                raise ValueError(
+                    f"{name}: context parallel needs n_heads % cp == 0 and (n_kv_heads % cp == 0 or cp % n_kv_heads "
+                    f"== 0): n_heads={m.n_heads}, n_kv_heads={kv}, cp={cp}; change the heads or context_parallel_degree"
+                )
+            hooks.append((m, AttentionContextParallel(cp_group, load_balance)))
+    for m, hook in hooks:
+        m.cp = hook
+    return len(hooks)
