@@ -546,3 +546,13 @@ def test_cuda_wrappers_pass_arguments_like_upstream(monkeypatch):
               initial_states=torch.randn(2, H, P, N, generator=g), return_final_states=True)
     for a, e in zip(kcuda.mamba_split_conv1d_scan_cuda(*args, **kw), mamba_split_conv1d_scan_ref(*args, **kw)):
         torch.testing.assert_close(a, e)
+
+
+def test_references_run_on_meta_tensors():
+    # Shape inference (e.g. pipeline stages built on the meta device) must go through the references.
+    with torch.device("meta"):
+        x, dt, B = torch.randn(2, 24, 4, 3), torch.randn(2, 24, 4), torch.randn(2, 24, 1, 5)
+        seq = torch.zeros(2, 24, dtype=torch.int32)
+        y, fin = ssd_chunk_scan(x, dt, -torch.ones(4), B, B, 8, seq_idx=seq, return_final_states=True)
+        assert y.shape == x.shape and fin.shape == (2, 4, 3, 5)
+        assert causal_conv1d(torch.randn(2, 8, 24), torch.randn(8, 4), None, seq, "silu").shape == (2, 8, 24)
