@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import signal
@@ -260,6 +261,18 @@ def test_clear_errors(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- layouts
+def _portable(obj) -> bytes:
+    """torch.save'd bytes: tensors put on an mp queue travel as shared-memory fds, which break when the
+    sending worker exits first."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unportable(blob: bytes):
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
 def _fsdp(model, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -284,7 +297,7 @@ def _save_fsdp(rank, world, folder):
     train_step(model, opt, sched, loader, rank, world)
     mgr.close()
     assert mgr.use_async, "async save fell back to sync under gloo"
-    return snap if rank == 0 else None
+    return _portable(snap) if rank == 0 else None
 
 
 def _load_fsdp_and_stages(rank, world, folder):
@@ -300,16 +313,16 @@ def _load_fsdp_and_stages(rank, world, folder):
     mgr = CheckpointManager(cfg(), folder, parts, [o for o, _ in optims], [s for _, s in optims], ToyLoader(), None)
     step_pp = mgr.load()
     stages = [snapshot(p, o) for p, (o, _) in zip(parts, optims)]
-    return fsdp, step_pp, stages
+    return _portable((fsdp, step_pp, stages))
 
 
 def test_layout_independent_fsdp4_to_fsdp2_one_process_and_stages(tmp_path):
     folder = str(tmp_path)
-    saved = run_distributed(_save_fsdp, 4, folder)[0]
+    saved = _unportable(run_distributed(_save_fsdp, 4, folder)[0])
     assert complete_steps(os.path.join(folder, "checkpoint")) == [2]
     assert any(k.endswith("exp_avg") for k in saved)
 
-    results = run_distributed(_load_fsdp_and_stages, 2, folder)
+    results = [_unportable(r) for r in run_distributed(_load_fsdp_and_stages, 2, folder)]
     for rank, ((step, pos, snap), step_pp, stages) in enumerate(results):
         assert (step, pos, step_pp) == (2, 2, 2)
         assert_same(snap, saved)
