@@ -101,7 +101,9 @@ def read_metadata(path: str) -> Metadata:
     try:
         return FileSystemReader(path).read_metadata()
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the path and the likely cause
-        raise RuntimeError(f"cannot read the DCP metadata of {path} (corrupt or from an incompatible torch?): {e}") from e
+        raise RuntimeError(
+            f"cannot read the DCP metadata of {path} (corrupt, or written by an incompatible torch?): {e}"
+        ) from e
 
 
 def model_prefix(metadata: Metadata) -> str:

@@ -366,7 +366,8 @@ class CheckpointManager:
         fut = getattr(pending.future, "upload_completion", pending.future)
         try:
             fut.result()
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the step; the partial folder is cleaned later
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the step
+            # the .step-N.partial folder stays unpublished and is removed at the next save / load
             raise RuntimeError(f"async checkpoint save of step {pending.step} failed: {e}") from e
         # rank 0's future completes after DCP gathered every rank's write results and wrote .metadata
         self._finalize(pending.step)
