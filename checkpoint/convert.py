@@ -1,0 +1,296 @@
+"""Import / export of Mamba-2 weights: mamba_ssm and HF transformers folders <-> our weights-only DCP folders.
+
+    python -m checkpoint.convert from-mamba-ssm state-spaces/mamba2-130m  weights/130m  [--untie] [--dtype float32]
+    python -m checkpoint.convert from-hf        hf_mamba2_folder          weights/hf    [--untie]
+    python -m checkpoint.convert to-hf          outputs/checkpoint/step-1000 hf_out  [--config model.toml] [--dtype bfloat16]
+    python -m checkpoint.convert to-mamba-ssm   weights/130m              ssm_out       [--model.d_model 768 ...]
+
+An import writes a weights-only DCP folder (what checkpoint.initial_load_path loads, under any layout) and,
+inside it, `model.toml`: the [model] section (flavor + overrides) the trainer needs for these weights. An
+export reads a training checkpoint (step-N) or a weights-only folder in one process (no process group), and
+needs the model's [model] section: `--config FILE` (a job TOML or a model.toml), by default the folder's own
+model.toml; `--model.<key> value` overrides it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpoint.export import DTYPES, model_prefix, parse_dtype, read_metadata, single_process_quiet
+from checkpoint.formats import (
+    UnsupportedCheckpoint,
+    args_from_hf_config,
+    args_from_mamba_ssm_config,
+    foreign_to_ours,
+    hf_config_from_args,
+    mamba_ssm_config_from_args,
+    model_toml,
+    ours_to_foreign,
+)
+from models.args import ModelArgs
+
+MODEL_TOML = "model.toml"
+_MAX_SHARD_BYTES = 5 * 2**30  # HF's customary safetensors shard size
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: a mamba_ssm / HF model folder holds config.json beside the weights")
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_foreign_weights(folder: str) -> dict[str, torch.Tensor]:
+    """The tensors of a HF / mamba_ssm folder: model.safetensors(.index.json) or pytorch_model.bin(.index.json)."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"model folder {folder} does not exist (or is not a folder)")
+
+    def at(name):
+        return os.path.join(folder, name)
+
+    def sharded(index_name, load_one):
+        weight_map = _read_json(at(index_name))["weight_map"]
+        sd: dict = {}
+        for shard in sorted(set(weight_map.values())):
+            if not os.path.isfile(at(shard)):
+                raise FileNotFoundError(f"{at(shard)} (a shard listed in {index_name}) is missing")
+            sd.update(load_one(at(shard)))
+        return sd
+
+    def load_bin(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    from safetensors.torch import load_file
+
+    if os.path.isfile(at("model.safetensors.index.json")):
+        return sharded("model.safetensors.index.json", load_file)
+    if os.path.isfile(at("model.safetensors")):
+        return load_file(at("model.safetensors"))
+    if os.path.isfile(at("pytorch_model.bin.index.json")):
+        return sharded("pytorch_model.bin.index.json", load_bin)
+    if os.path.isfile(at("pytorch_model.bin")):
+        return load_bin(at("pytorch_model.bin"))
+    raise FileNotFoundError(
+        f"{folder} holds no weights: expected model.safetensors, model.safetensors.index.json (+ shards) or "
+        f"pytorch_model.bin")
+
+
+def read_dcp_weights(path: str) -> dict[str, torch.Tensor]:
+    """Model tensors of a training checkpoint (step-N) or weights-only DCP folder, FQN-keyed, on the CPU.
+
+    One process, no process group: tensors are allocated from the checkpoint's metadata and filled by dcp.load.
+    """
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
+        steps = sorted(n for n in os.listdir(path) if n.startswith("step-"))
+        if steps:
+            raise FileNotFoundError(f"{path} is a checkpoint.folder, not a checkpoint: pick one of its step-N "
+                                    f"folders, e.g. {os.path.join(path, steps[-1])}")
+    metadata = read_metadata(path)
+    prefix = model_prefix(metadata)
+    weights = {k[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
+               for k, md in metadata.state_dict_metadata.items()
+               if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    if not weights:
+        raise ValueError(f"{path} holds no model tensors")
+    with single_process_quiet():
+        dcp.load({"model": weights} if prefix else weights, storage_reader=FileSystemReader(path))
+    return weights
+
+
+def write_dcp_weights(sd: dict[str, torch.Tensor], out_dir: str, extra_files: dict[str, str] | None = None) -> None:
+    """A weights-only DCP folder (complete or absent: written to <out>.partial and renamed), plus text files."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
+    tmp = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with single_process_quiet():
+        dcp.save(sd, storage_writer=FileSystemWriter(tmp))
+    for name, text in (extra_files or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    os.rename(tmp, out_dir)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Our state-dict keys and shapes for these args (lm_head.weight included, tied or not)."""
+    from models import build_model_on_meta
+
+    return {k: tuple(v.shape) for k, v in build_model_on_meta(args).state_dict().items()}
+
+
+def check_shapes(sd: dict, args: ModelArgs, where: str) -> None:
+    want = expected_shapes(args)
+    missing = sorted(set(want) - set(sd))
+    extra = sorted(set(sd) - set(want))
+    bad = [f"{k}: {tuple(sd[k].shape)} (expected {want[k]})" for k in want if k in sd and tuple(sd[k].shape) != want[k]]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensors, e.g. {missing[:4]}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensors, e.g. {extra[:4]}")
+    if bad:
+        problems.append(f"{len(bad)} shapes that don't fit the config, e.g. {bad[:4]}")
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems) + ". The weights and the model config disagree "
+                         "(d_model, n_layers, d_state, ngroups, headdim, expand, vocab / pad_vocab_size_multiple).")
+
+
+# ------------------------------------------------------------------------------------------ import
+def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
+                      dtype: str | torch.dtype = "float32") -> ModelArgs:
+    """mamba_ssm ("mamba_ssm") or HF ("hf") folder -> weights-only DCP folder + model.toml. Returns the ModelArgs."""
+    cfg = _read_json(os.path.join(src, "config.json"))
+    fields = args_from_mamba_ssm_config(cfg) if fmt == "mamba_ssm" else args_from_hf_config(cfg)
+    sd = foreign_to_ours(read_foreign_weights(src), fmt)
+    tied = fields["tie_embeddings"]
+    if "tok_embeddings.weight" not in sd:
+        raise ValueError(f"{src}: no embedding tensor (backbone.embedding(s).weight) in the weights")
+    if tied and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["tok_embeddings.weight"]):
+        raise ValueError(f"{src}: config says tied embeddings but lm_head.weight differs from the embedding; "
+                         f"fix tie_embeddings / tie_word_embeddings in config.json")
+    if tied:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+        if untie:  # PP puts the embedding and the head on different stages, so they must be separate tensors
+            fields["tie_embeddings"] = False
+            sd["lm_head.weight"] = sd["tok_embeddings.weight"].clone()
+    args = ModelArgs(**fields)
+    errs = args.validate()
+    if errs:
+        raise ValueError(f"{src}/config.json gives an invalid model: " + "; ".join(errs))
+    check_shapes(sd, args, src)
+    dt = parse_dtype(dtype)
+    sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
+    if args.tie_embeddings:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+    label = "mamba_ssm" if fmt == "mamba_ssm" else "HF transformers Mamba2"
+    write_dcp_weights(sd, out_dir, {MODEL_TOML: model_toml(fields, f"{label} checkpoint {os.path.abspath(src)}")})
+    return args
+
+
+# ------------------------------------------------------------------------------------------ export
+def load_model_args(config_file: str, overrides: list[str] | None = None) -> ModelArgs:
+    """ModelArgs from a TOML file's [model] section (job file or model.toml) and `--model.key value` overrides."""
+    from configs.parser import load_config
+    from models.args import build_model_args
+
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"model config {config_file} does not exist")
+    cfg = load_config(["--job.config_file", config_file, *(overrides or [])])
+    return build_model_args(cfg.model.flavor, cfg.model_overrides)
+
+
+def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
+                      dtype: str | torch.dtype = "float32", max_shard_bytes: int = _MAX_SHARD_BYTES) -> list[str]:
+    """Our DCP folder -> HF ("hf": model.safetensors + config.json) or mamba_ssm ("mamba_ssm": pytorch_model.bin
+    + config.json). Returns the files written."""
+    config = hf_config_from_args(args) if fmt == "hf" else mamba_ssm_config_from_args(args)
+    sd = read_dcp_weights(dcp_path)
+    check_shapes(sd, args, dcp_path)
+    dt = parse_dtype(dtype)
+    sd = {k: v.to(dt).contiguous() if v.is_floating_point() else v for k, v in sd.items()}
+    if args.tie_embeddings:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]  # one tensor, as in the tied source model
+    foreign = ours_to_foreign(sd, fmt)
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
+    tmp = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    if fmt == "hf":
+        config["torch_dtype"] = str(dt).removeprefix("torch.")
+        if args.tie_embeddings:
+            foreign.pop("lm_head.weight")  # HF re-ties it from the embedding (tie_word_embeddings), as save_pretrained does
+        files = _write_safetensors(foreign, tmp, max_shard_bytes)
+    else:
+        torch.save(foreign, os.path.join(tmp, "pytorch_model.bin"))  # tied: both keys share one storage
+        files = ["pytorch_model.bin"]
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    os.rename(tmp, out_dir)
+    return ["config.json", *files]
+
+
+def _write_safetensors(sd: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    shards: list[dict] = [{}]
+    size = 0
+    for k in sorted(sd):
+        nbytes = sd[k].numel() * sd[k].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = sd[k]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return [*names, "model.safetensors.index.json"]
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m checkpoint.convert", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, fmt in (("from-mamba-ssm", "mamba_ssm"), ("from-hf", "hf")):
+        s = sub.add_parser(name, help=f"{fmt} folder (config.json + weights) -> weights-only DCP folder + model.toml")
+        s.add_argument("src", help="folder with config.json and the weights")
+        s.add_argument("out", help="output DCP folder (must not exist)")
+        s.add_argument("--untie", action="store_true",
+                       help="give lm_head its own copy of the tied embedding (needed for pipeline parallel)")
+        s.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the stored weights")
+        s.set_defaults(fmt=fmt)
+    for name, fmt in (("to-hf", "hf"), ("to-mamba-ssm", "mamba_ssm")):
+        s = sub.add_parser(name, help=f"DCP (step-N or weights-only) -> {fmt} folder; extra --model.<key> value "
+                                      f"arguments override the [model] config")
+        s.add_argument("src", help="a step-N checkpoint folder or a weights-only DCP folder")
+        s.add_argument("out", help="output folder (must not exist)")
+        s.add_argument("--config", default="", help=f"TOML with the [model] section (default: SRC/{MODEL_TOML})")
+        s.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the exported weights")
+        s.set_defaults(fmt=fmt)
+    args, rest = p.parse_known_args(argv)
+    try:
+        if args.command.startswith("from-"):
+            if rest:
+                p.error(f"unrecognized arguments: {' '.join(rest)}")
+            margs = import_checkpoint(args.src, args.out, args.fmt, untie=args.untie, dtype=args.dtype)
+            print(f"wrote {os.path.abspath(args.out)} ({margs.n_layers} layers, d_model {margs.d_model}, "
+                  f"tied {margs.tie_embeddings}); its [model] section: {os.path.join(args.out, MODEL_TOML)}")
+        else:
+            bad = [a for a in rest if a.startswith("--") and not a.startswith("--model.")]
+            if bad:
+                p.error(f"unrecognized arguments: {' '.join(bad)} (only --model.<key> value overrides pass through)")
+            config = args.config or os.path.join(args.src, MODEL_TOML)
+            if not os.path.isfile(config):
+                p.error(f"no model config: {config} does not exist; pass --config with the [model] section of the "
+                        f"run that wrote {args.src} (e.g. its job TOML)")
+            files = export_checkpoint(args.src, args.out, args.fmt, load_model_args(config, rest), args.dtype)
+            print(f"wrote {', '.join(files)} to {os.path.abspath(args.out)}")
+    except (UnsupportedCheckpoint, FileNotFoundError, FileExistsError, ValueError) as e:
+        raise SystemExit(f"convert error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
