@@ -1,0 +1,274 @@
+"""Pipeline parallelism: split the LM into stages by FQN and drive them with a torch.distributed.pipelining schedule.
+
+Each pipeline rank deep-copies the (meta-device) model once per stage it owns and deletes what the stage does not
+own: layers leave the `layers` ModuleDict (the kept ones keep their global names "0".."n-1", so state dicts and
+checkpoints are the same under every layout), and tok_embeddings / norm_f / lm_head become None off the first /
+last stage. Between stages hidden + residual travel as one plain tensor (`parallelism.pipeline_parallel_pack`).
+
+Splits (`stage_layer_ranges`), in order of precedence:
+    parallelism.pipeline_parallel_split_points = [6, 12, 18]   explicit: first layer of every stage but the first
+    model.layer_pattern = "MM*-|MME-|..."                    explicit: '|' marks the stage boundaries
+    otherwise an even split of the cost, where the embedding and the head each count as
+    parallelism.pipeline_parallel_first_last_stage_weight layers (so those stages get fewer layers).
+Stages per rank: 1 for single-stage schedules (GPipe, 1F1B); 2 for the multi-stage ones (Interleaved1F1B,
+LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) unless pipeline_parallel_layers_per_stage, split points or the
+pattern say otherwise. Loop schedules give rank r the stages r, r+pp, r+2pp, ...; V schedules (ZBVZeroBubble,
+DualPipeV) give rank r the stages r and 2*pp-1-r.
+
+Document boundaries: the trainer passes seq_idx [b, s] as a keyword argument of schedule.step on every rank; the
+schedule splits keyword tensors along the batch dimension exactly as it splits the tokens, so each stage's forward
+receives its own microbatch's seq_idx (tests/test_pipeline.py proves it for every enabled schedule).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+# Names as torch.distributed.pipelining.schedules.get_schedule_class spells them.
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble",)
+SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+
+
+# ---------------------------------------------------------------------------------------------- pure split logic
+def canonical_schedule(name: str) -> str:
+    """The schedule's canonical spelling (case-insensitive match); ValueError listing the valid names."""
+    for s in SCHEDULES:
+        if s.lower() == str(name).lower():
+            return s
+    raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is unknown; choose one of {list(SCHEDULES)}")
+
+
+def split_layers(n_layers: int, num_stages: int, first_last_weight: float = 0.0) -> list[range]:
+    """Contiguous layer ranges, one per stage, balancing cost = layers (+ first_last_weight on the first stage for
+    the embedding and on the last for the head). Every stage gets at least one layer.
+
+    Boundary s (layers in stages 0..s) is the one whose cumulative cost is nearest (s+1)/S of the total, so with
+    weight 0 this is the plain even split (the remainder going to the later stages).
+    """
+    if num_stages < 1:
+        raise ValueError(f"need at least one pipeline stage, got {num_stages}")
+    if num_stages > n_layers:
+        raise ValueError(f"{num_stages} pipeline stages but only {n_layers} layers: every stage needs a layer; "
+                         f"lower the stage count or add layers")
+    if first_last_weight < 0:
+        raise ValueError(f"parallelism.pipeline_parallel_first_last_stage_weight={first_last_weight} must be >= 0")
+    w = first_last_weight if num_stages > 1 else 0.0
+    total = n_layers + 2 * w
+    bounds, prev = [], 0
+    for s in range(num_stages - 1):
+        ideal = (s + 1) * total / num_stages - w  # layers before the cut whose cost is (s+1)/S of the total
+        cut = math.floor(ideal + 0.5 + 1e-9)
+        cut = min(max(cut, prev + 1), n_layers - (num_stages - 1 - s))
+        bounds.append(cut)
+        prev = cut
+    edges = [0, *bounds, n_layers]
+    return [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def ranges_from_split_points(n_layers: int, split_points: list[int]) -> list[range]:
+    """[6, 12, 18] with 24 layers -> [0:6, 6:12, 12:18, 18:24]; ValueError unless strictly increasing in (0, n)."""
+    pts = [int(p) for p in split_points]
+    if any(p <= 0 or p >= n_layers for p in pts):
+        raise ValueError(f"parallelism.pipeline_parallel_split_points={pts} must lie in [1, {n_layers - 1}] "
+                         f"(the first layer index of every stage but the first, {n_layers} layers)")
+    if any(b <= a for a, b in zip(pts[:-1], pts[1:])):
+        raise ValueError(f"parallelism.pipeline_parallel_split_points={pts} must be strictly increasing")
+    edges = [0, *pts, n_layers]
+    return [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def ranges_from_pattern(layer_pattern: str) -> list[range]:
+    """'MM*|-ME|M' -> [0:3, 3:6, 6:7]; ValueError for an empty stage."""
+    sizes = [len(s) for s in layer_pattern.split("|")]
+    if any(n == 0 for n in sizes):
+        raise ValueError(f"model.layer_pattern={layer_pattern!r} has an empty pipeline stage (two '|' in a row or "
+                         f"a '|' at an end); every stage needs a layer")
+    edges = [0]
+    for n in sizes:
+        edges.append(edges[-1] + n)
+    return [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+def stage_layer_ranges(n_layers: int, layer_pattern: str, pp: int, schedule: str, layers_per_stage: int = -1,
+                       split_points: list[int] | None = None, first_last_weight: float = 0.0) -> list[range]:
+    """The layers of every pipeline stage (all ranks, stage order), or ValueError naming the key to fix."""
+    schedule = canonical_schedule(schedule)
+    multi = schedule in MULTI_STAGE_SCHEDULES
+    explicit = None
+    if split_points:
+        if "|" in layer_pattern:
+            raise ValueError("both parallelism.pipeline_parallel_split_points and '|' in model.layer_pattern set the "
+                             "stage split; keep one of them")
+        explicit, source = ranges_from_split_points(n_layers, split_points), "parallelism.pipeline_parallel_split_points"
+    elif "|" in layer_pattern:
+        explicit, source = ranges_from_pattern(layer_pattern), "the '|' in model.layer_pattern"
+    if layers_per_stage > 0:
+        num_stages = math.ceil(n_layers / layers_per_stage)
+        how = f"parallelism.pipeline_parallel_layers_per_stage={layers_per_stage} ({n_layers} layers)"
+    else:
+        num_stages = pp * (2 if multi else 1) if explicit is None else len(explicit)
+        how = f"pipeline_parallel_schedule={schedule}" if explicit is None else source
+    if explicit is not None and len(explicit) != num_stages:
+        raise ValueError(f"{source} makes {len(explicit)} stages but {how} asks for {num_stages}; make them agree")
+    per_rank = f"{num_stages} stages from {how}"
+    if not multi and num_stages != pp:
+        raise ValueError(f"{per_rank}, but the single-stage schedule {schedule} runs exactly one stage per rank "
+                         f"(pipeline_parallel_degree={pp}); use {pp} stages or a multi-stage schedule "
+                         f"({', '.join(MULTI_STAGE_SCHEDULES)})")
+    if multi and num_stages % pp:
+        raise ValueError(f"{per_rank} do not divide over pipeline_parallel_degree={pp}; use a multiple of {pp}")
+    if schedule in V_SCHEDULES and num_stages != 2 * pp:
+        raise ValueError(f"{per_rank}, but {schedule} needs exactly 2 stages per rank ({2 * pp} stages)")
+    if num_stages > n_layers:
+        raise ValueError(f"{per_rank} but the model has only {n_layers} layers; every stage needs a layer "
+                         f"(lower pipeline_parallel_degree / stages per rank or add layers)")
+    return explicit if explicit is not None else split_layers(n_layers, num_stages, first_last_weight)
+
+
+def stage_ids_for_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int]:
+    """The stages pp rank `pp_rank` runs: loop style r, r+pp, ...; V style r and 2*pp-1-r."""
+    if canonical_schedule(schedule) in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, num_stages, pp))
+
+
+def rows_per_dp_rank(cfg, dp: int) -> int:
+    t = cfg.training
+    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
+    return gbs // dp
+
+
+def num_microbatches(cfg, dp: int) -> int:
+    """Pipeline microbatches per optimizer step: (global_batch_size / dp) / pipeline_parallel_microbatch_size."""
+    return rows_per_dp_rank(cfg, dp) // cfg.parallelism.pipeline_parallel_microbatch_size
+
+
+# --------------------------------------------------------------------------------------------- validation
+def validate_pipeline(cfg, pdims, model_args) -> list[str]:
+    """Every problem of the pipeline settings, each naming the key and the fix (empty when fine); no compute."""
+    p, errs = cfg.parallelism, []
+    if model_args.tie_embeddings:
+        errs.append("model.tie_embeddings=true cannot be pipelined (the embedding and the head live on different "
+                    "stages); set --model.tie_embeddings false")
+    if p.pipeline_parallel_pack not in ("stack", "sum"):
+        errs.append(f"parallelism.pipeline_parallel_pack={p.pipeline_parallel_pack!r}; choose 'stack' or 'sum'")
+    try:
+        schedule = canonical_schedule(p.pipeline_parallel_schedule)
+    except ValueError as e:
+        return errs + [str(e)]
+    num_stages = None
+    try:
+        num_stages = len(stage_layer_ranges(
+            model_args.n_layers, model_args.layer_pattern, pdims.pp, schedule, p.pipeline_parallel_layers_per_stage,
+            p.pipeline_parallel_split_points, p.pipeline_parallel_first_last_stage_weight))
+    except ValueError as e:
+        errs.append(str(e))
+    mbs = p.pipeline_parallel_microbatch_size
+    rows = rows_per_dp_rank(cfg, pdims.dp)
+    if mbs < 1:
+        errs.append(f"parallelism.pipeline_parallel_microbatch_size={mbs} must be >= 1")
+        return errs
+    if rows < 1 or rows % mbs:
+        errs.append(f"training.global_batch_size / dp = {rows} rows per data-parallel rank must divide by "
+                    f"parallelism.pipeline_parallel_microbatch_size={mbs}; change either")
+        return errs
+    n_mb = rows // mbs
+    if num_stages is not None:
+        if schedule in ("1F1B",) and n_mb < num_stages:
+            errs.append(f"{schedule} needs at least as many microbatches as stages: {n_mb} microbatches "
+                        f"(training.global_batch_size / dp / parallelism.pipeline_parallel_microbatch_size) < "
+                        f"{num_stages} stages; raise the batch or lower the microbatch size")
+        if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+            rounds = max(1, n_mb // pdims.pp)
+            if n_mb % rounds:
+                errs.append(f"{schedule} needs the microbatch count ({n_mb}) to be a multiple of "
+                            f"{rounds} = microbatches // pipeline_parallel_degree; use a multiple of "
+                            f"pipeline_parallel_degree={pdims.pp} microbatches")
+    return errs
+
+
+# -------------------------------------------------------------------------------------------- building stages
+def build_stage_module(model: nn.Module, layers: range, is_first: bool, is_last: bool, pack: str) -> nn.Module:
+    """A deep copy of `model` that keeps only `layers` (under their global names) and the ends it owns."""
+    part = copy.deepcopy(model)
+    for name in list(part.layers.keys()):
+        if int(name) not in layers:
+            del part.layers[name]
+    if not is_first:
+        part.tok_embeddings = None
+    if not is_last:
+        part.norm_f = None
+        part.lm_head = None
+    part.pack_format = pack
+    return part
+
+
+def _leave_no_trace_of_metadata_inference(stage) -> None:
+    """torch >= 2.13 infers the inter-stage shapes at the first step by running each stage once more, on the first
+    microbatch (later stages on uninitialised inputs), forward and input-backward. Parameters get no gradient from
+    it, but buffers updated in forward (the MoE load counters) would count it: restore them after that run."""
+    inner = getattr(stage, "_compute_outputs", None)
+    if inner is None:  # torch 2.11 / 2.12 infer on meta tensors
+        return
+
+    def compute_outputs(*args, module, **kwargs):
+        saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+        try:
+            return inner(*args, module=module, **kwargs)
+        finally:
+            with torch.no_grad():
+                for b, value in saved:
+                    b.copy_(value)
+
+    stage._compute_outputs = compute_outputs
+
+
+def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.device,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   parallelize: Callable[[nn.Module], nn.Module]):
+    """Split `model` (on the meta device) into this pp rank's stages and build the schedule.
+
+    Returns (schedule, model_parts, has_first_stage, has_last_stage). The parts are still on the meta device when
+    `parallelize` returned them: the caller materialises (to_empty) and initialises them in place; the stages keep
+    references to the same modules and infer the inter-stage shapes at the first step, so they need no real
+    tensors now. loss_fn(logits_BSV, labels_BS) must return the already-scaled loss (scale_grads=False).
+    """
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    p = cfg.parallelism
+    errs = validate_pipeline(cfg, pdims, model.args)
+    if errs:
+        raise ValueError("invalid pipeline settings:\n  - " + "\n  - ".join(errs))
+    schedule_name = canonical_schedule(p.pipeline_parallel_schedule)
+    ranges = stage_layer_ranges(model.args.n_layers, model.args.layer_pattern, pdims.pp, schedule_name,
+                                p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
+                                p.pipeline_parallel_first_last_stage_weight)
+    num_stages = len(ranges)
+    pp_mesh = world_mesh["pp"]
+    pp_rank = pp_mesh.get_local_rank()
+    stage_ids = stage_ids_for_rank(pp_rank, pdims.pp, num_stages, schedule_name)
+
+    stages, parts = [], []
+    for sid in stage_ids:
+        part = build_stage_module(model, ranges[sid], sid == 0, sid == num_stages - 1, p.pipeline_parallel_pack)
+        part = parallelize(part)
+        parts.append(part)
+        stage = PipelineStage(part, sid, num_stages, device, group=pp_mesh.get_group())
+        _leave_no_trace_of_metadata_inference(stage)
+        stages.append(stage)
+
+    cls = get_schedule_class(schedule_name)
+    n_mb = num_microbatches(cfg, pdims.dp)
+    if schedule_name in SINGLE_STAGE_SCHEDULES:
+        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = cls(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+    return schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids
