@@ -195,7 +195,7 @@ class MoE(nn.Module):
             raise KeyError(f"MoE.init_param: unknown parameter {name!r}")
 
     @torch.no_grad()
-    def init_buffer(self, name: str, full: torch.Tensor) -> None:
+    def init_buffer(self, name: str, full: torch.Tensor, generator: torch.Generator | None = None) -> None:
         """Buffers start at zero (after meta-device materialisation, or on a fresh run)."""
         if name not in ("expert_bias", "tokens_per_expert"):
             raise KeyError(f"MoE.init_buffer: unknown buffer {name!r}")
