@@ -203,7 +203,6 @@ def _first_batch_loss(dcp_path, extra: list[str]) -> float:
                                              ignore_index=IGNORE_INDEX).item()
 
 
-@pytest.mark.slow
 def test_initial_load_path_under_layouts(tmp_path):
     """A converted (untied) HF checkpoint starts training at step 0: 1 process, FSDP2 and PP2 agree with the
     converted model's own loss on the first batch."""
