@@ -211,23 +211,26 @@ def build_stage_module(model: nn.Module, layers: range, is_first: bool, is_last:
 
 
 def _leave_no_trace_of_metadata_inference(stage) -> None:
-    """torch >= 2.13 infers the inter-stage shapes at the first step by running each stage once more, on the first
-    microbatch (later stages on uninitialised inputs), forward and input-backward. Parameters get no gradient from
-    it, but buffers updated in forward (the MoE load counters) would count it: restore them after that run."""
-    inner = getattr(stage, "_compute_outputs", None)
-    if inner is None:  # torch 2.11 / 2.12 infer on meta tensors
-        return
+    """At the first step torch runs every stage once more to learn the inter-stage shapes (torch 2.11 / 2.12:
+    `_shape_inference`, a no-grad forward on zeros; torch 2.13: `_forward_metadata_inference`, a forward on the
+    first microbatch, uninitialised inputs for later stages). Parameters get no gradient from it, but buffers that a
+    forward updates (the MoE load counters) would count it: put them back afterwards."""
+    module = stage.submod
+    for name in ("_forward_metadata_inference", "_shape_inference"):
+        inner = getattr(stage, name, None)
+        if inner is None:
+            continue
 
-    def compute_outputs(*args, module, **kwargs):
-        saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-        try:
-            return inner(*args, module=module, **kwargs)
-        finally:
-            with torch.no_grad():
-                for b, value in saved:
-                    b.copy_(value)
+        def restoring(*args, _inner=inner, **kwargs):
+            saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for b, value in saved:
+                        b.copy_(value)
 
-    stage._compute_outputs = compute_outputs
+        setattr(stage, name, restoring)
 
 
 def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.device,
