@@ -38,7 +38,10 @@ def test_validator_matches_direct_loss():
 
     cfg = load_config(ARGS)
     torch.manual_seed(0)
+    from models.init import init_weights
+
     model = Mamba2LM(build_model_args(cfg.model.flavor, cfg.model_overrides)).train()
+    init_weights(model, seed=0)  # dt_bias / A_log / D start as torch.empty
     tok = build_tokenizer("")
     v = Validator(cfg, [model], tok, None, None, torch.device("cpu"))
     got, again = v.run(1), v.run(2)
