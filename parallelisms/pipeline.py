@@ -23,8 +23,9 @@ receives its own microbatch's seq_idx (tests/test_pipeline.py proves it for ever
 from __future__ import annotations
 
 import copy
+import itertools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -50,7 +51,8 @@ def split_layers(n_layers: int, num_stages: int, first_last_weight: float = 0.0)
     the embedding and on the last for the head). Every stage gets at least one layer.
 
     Boundary s (layers in stages 0..s) is the one whose cumulative cost is nearest (s+1)/S of the total, so with
-    weight 0 this is the plain even split (the remainder going to the later stages).
+    weight 0 this is the plain even split. Ties go to the later stages: under 1F1B an earlier stage holds more
+    microbatches' activations at once, so it is the one to keep lighter.
     """
     if num_stages < 1:
         raise ValueError(f"need at least one pipeline stage, got {num_stages}")
@@ -64,12 +66,12 @@ def split_layers(n_layers: int, num_stages: int, first_last_weight: float = 0.0)
     bounds, prev = [], 0
     for s in range(num_stages - 1):
         ideal = (s + 1) * total / num_stages - w  # layers before the cut whose cost is (s+1)/S of the total
-        cut = math.floor(ideal + 0.5 + 1e-9)
+        cut = math.ceil(ideal - 0.5 - 1e-9)  # nearest integer, halves rounded down
         cut = min(max(cut, prev + 1), n_layers - (num_stages - 1 - s))
         bounds.append(cut)
         prev = cut
     edges = [0, *bounds, n_layers]
-    return [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def ranges_from_split_points(n_layers: int, split_points: list[int]) -> list[range]:
@@ -78,10 +80,10 @@ def ranges_from_split_points(n_layers: int, split_points: list[int]) -> list[ran
     if any(p <= 0 or p >= n_layers for p in pts):
         raise ValueError(f"parallelism.pipeline_parallel_split_points={pts} must lie in [1, {n_layers - 1}] "
                          f"(the first layer index of every stage but the first, {n_layers} layers)")
-    if any(b <= a for a, b in zip(pts[:-1], pts[1:])):
+    if any(b <= a for a, b in itertools.pairwise(pts)):
         raise ValueError(f"parallelism.pipeline_parallel_split_points={pts} must be strictly increasing")
     edges = [0, *pts, n_layers]
-    return [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def ranges_from_pattern(layer_pattern: str) -> list[range]:
@@ -93,7 +95,7 @@ def ranges_from_pattern(layer_pattern: str) -> list[range]:
     edges = [0]
     for n in sizes:
         edges.append(edges[-1] + n)
-    return [range(a, b) for a, b in zip(edges[:-1], edges[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
 def stage_layer_ranges(n_layers: int, layer_pattern: str, pp: int, schedule: str, layers_per_stage: int = -1,
@@ -106,7 +108,8 @@ def stage_layer_ranges(n_layers: int, layer_pattern: str, pp: int, schedule: str
         if "|" in layer_pattern:
             raise ValueError("both parallelism.pipeline_parallel_split_points and '|' in model.layer_pattern set the "
                              "stage split; keep one of them")
-        explicit, source = ranges_from_split_points(n_layers, split_points), "parallelism.pipeline_parallel_split_points"
+        explicit = ranges_from_split_points(n_layers, split_points)
+        source = "parallelism.pipeline_parallel_split_points"
     elif "|" in layer_pattern:
         explicit, source = ranges_from_pattern(layer_pattern), "the '|' in model.layer_pattern"
     if layers_per_stage > 0:
