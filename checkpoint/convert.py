@@ -24,7 +24,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint.export import DTYPES, model_prefix, parse_dtype, read_metadata, single_process_quiet
+from checkpoint.export import (
+    DTYPES,
+    model_prefix,
+    parse_dtype,
+    read_metadata,
+    single_process_quiet,
+)
 from checkpoint.formats import (
     UnsupportedCheckpoint,
     args_from_hf_config,

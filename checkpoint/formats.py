@@ -43,7 +43,7 @@ def foreign_to_ours(sd: dict, fmt: str) -> dict:
     check_not_mamba1(sd)
     out: dict = {}
     for k, v in sd.items():
-        name = k[len("backbone."):] if k.startswith("backbone.") else k
+        name = k.removeprefix("backbone.")
         if name in ("embedding.weight", "embeddings.weight"):
             out["tok_embeddings.weight"] = v
         elif name.startswith("layers.") or name in ("norm_f.weight", "lm_head.weight"):
@@ -111,19 +111,19 @@ def args_from_mamba_ssm_config(cfg: dict) -> dict[str, Any]:
         raise UnsupportedCheckpoint(f"ssm_cfg.d_ssm={d_ssm} != expand*d_model={expand * d_model} is not supported")
     dt_limit = ssm.get("dt_limit", (0.0, float("inf")))
     a_range = ssm.get("A_init_range", (1, 16))
-    return dict(
-        d_model=d_model, n_layers=cfg["n_layer"], vocab_size=cfg["vocab_size"],
-        pad_vocab_size_multiple=cfg.get("pad_vocab_size_multiple", 8),
-        d_state=ssm.get("d_state", 128), d_conv=ssm.get("d_conv", 4), expand=expand,
-        headdim=ssm.get("headdim", 64), ngroups=ssm.get("ngroups", 1), chunk_size=ssm.get("chunk_size", 256),
-        D_has_hdim=ssm.get("D_has_hdim", False), conv_bias=ssm.get("conv_bias", True), bias=ssm.get("bias", False),
-        norm_before_gate=ssm.get("norm_before_gate", False),
-        dt_min=ssm.get("dt_min", 0.001), dt_max=ssm.get("dt_max", 0.1), dt_init_floor=ssm.get("dt_init_floor", 1e-4),
-        dt_limit_min=_float(dt_limit[0]), dt_limit_max=_float(dt_limit[1]),
-        A_init_min=float(a_range[0]), A_init_max=float(a_range[1]),
-        norm_eps=_MAMBA_SSM_EPS, residual_in_fp32=cfg.get("residual_in_fp32", True),
-        tie_embeddings=cfg.get("tie_embeddings", True),
-    )
+    return {
+        "d_model": d_model, "n_layers": cfg["n_layer"], "vocab_size": cfg["vocab_size"],
+        "pad_vocab_size_multiple": cfg.get("pad_vocab_size_multiple", 8),
+        "d_state": ssm.get("d_state", 128), "d_conv": ssm.get("d_conv", 4), "expand": expand,
+        "headdim": ssm.get("headdim", 64), "ngroups": ssm.get("ngroups", 1), "chunk_size": ssm.get("chunk_size", 256),
+        "D_has_hdim": ssm.get("D_has_hdim", False), "conv_bias": ssm.get("conv_bias", True), "bias": ssm.get("bias", False),
+        "norm_before_gate": ssm.get("norm_before_gate", False),
+        "dt_min": ssm.get("dt_min", 0.001), "dt_max": ssm.get("dt_max", 0.1), "dt_init_floor": ssm.get("dt_init_floor", 1e-4),
+        "dt_limit_min": _float(dt_limit[0]), "dt_limit_max": _float(dt_limit[1]),
+        "A_init_min": float(a_range[0]), "A_init_max": float(a_range[1]),
+        "norm_eps": _MAMBA_SSM_EPS, "residual_in_fp32": cfg.get("residual_in_fp32", True),
+        "tie_embeddings": cfg.get("tie_embeddings", True),
+    }
 
 
 def mamba_ssm_config_from_args(a: ModelArgs) -> dict[str, Any]:
@@ -131,16 +131,16 @@ def mamba_ssm_config_from_args(a: ModelArgs) -> dict[str, Any]:
     _check_pure_mamba2(a, "mamba_ssm")
     if not math.isclose(a.norm_eps, _MAMBA_SSM_EPS):
         raise UnsupportedCheckpoint(f"model.norm_eps={a.norm_eps}: mamba_ssm hard-codes eps {_MAMBA_SSM_EPS}")
-    return dict(
-        d_model=a.d_model, d_intermediate=0, n_layer=a.n_layers, vocab_size=a.vocab_size,
-        ssm_cfg=dict(layer="Mamba2", d_state=a.d_state, d_conv=a.d_conv, expand=a.expand, headdim=a.headdim,
-                     ngroups=a.ngroups, chunk_size=a.chunk_size, D_has_hdim=a.D_has_hdim, conv_bias=a.conv_bias,
-                     bias=a.bias, norm_before_gate=a.norm_before_gate, rmsnorm=True, dt_min=a.dt_min,
-                     dt_max=a.dt_max, dt_init_floor=a.dt_init_floor, dt_limit=[a.dt_limit_min, a.dt_limit_max],
-                     A_init_range=[a.A_init_min, a.A_init_max]),
-        attn_layer_idx=[], attn_cfg={}, rms_norm=True, residual_in_fp32=a.residual_in_fp32, fused_add_norm=True,
-        pad_vocab_size_multiple=a.pad_vocab_size_multiple, tie_embeddings=a.tie_embeddings,
-    )
+    return {
+        "d_model": a.d_model, "d_intermediate": 0, "n_layer": a.n_layers, "vocab_size": a.vocab_size,
+        "ssm_cfg": {"layer": "Mamba2", "d_state": a.d_state, "d_conv": a.d_conv, "expand": a.expand, "headdim": a.headdim,
+                     "ngroups": a.ngroups, "chunk_size": a.chunk_size, "D_has_hdim": a.D_has_hdim, "conv_bias": a.conv_bias,
+                     "bias": a.bias, "norm_before_gate": a.norm_before_gate, "rmsnorm": True, "dt_min": a.dt_min,
+                     "dt_max": a.dt_max, "dt_init_floor": a.dt_init_floor, "dt_limit": [a.dt_limit_min, a.dt_limit_max],
+                     "A_init_range": [a.A_init_min, a.A_init_max]},
+        "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True, "residual_in_fp32": a.residual_in_fp32, "fused_add_norm": True,
+        "pad_vocab_size_multiple": a.pad_vocab_size_multiple, "tie_embeddings": a.tie_embeddings,
+    }
 
 
 # ------------------------------------------------------------------------------------------ HF transformers
@@ -164,21 +164,21 @@ def args_from_hf_config(cfg: dict) -> dict[str, Any]:
         raise UnsupportedCheckpoint(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' is supported")
     vocab = cfg["vocab_size"]
     dt_limit = cfg.get("time_step_limit", (0.0, float("inf")))
-    return dict(
-        d_model=d_model, n_layers=cfg["num_hidden_layers"], vocab_size=vocab,
-        pad_vocab_size_multiple=next(m for m in (16, 8, 4, 2, 1) if vocab % m == 0),
-        d_state=cfg.get("state_size", 128), d_conv=cfg.get("conv_kernel", 4), expand=expand, headdim=head_dim,
-        ngroups=cfg.get("n_groups", 8), chunk_size=cfg.get("chunk_size", 256), D_has_hdim=False,
-        conv_bias=cfg.get("use_conv_bias", True), bias=cfg.get("use_bias", False),
-        norm_before_gate=False,  # HF's mixer gates before the norm whatever an old config's key says
-        dt_min=cfg.get("time_step_min", 0.001), dt_max=cfg.get("time_step_max", 0.1),
-        dt_init_floor=cfg.get("time_step_floor", 1e-4),
-        dt_limit_min=_float(dt_limit[0]), dt_limit_max=_float(dt_limit[1]),
-        norm_eps=cfg.get("layer_norm_epsilon", 1e-5), residual_in_fp32=cfg.get("residual_in_fp32", True),
-        tie_embeddings=cfg.get("tie_word_embeddings", False),
-        initializer_range=cfg.get("initializer_range", 0.02),
-        rescale_prenorm_residual=cfg.get("rescale_prenorm_residual", False),
-    )
+    return {
+        "d_model": d_model, "n_layers": cfg["num_hidden_layers"], "vocab_size": vocab,
+        "pad_vocab_size_multiple": next(m for m in (16, 8, 4, 2, 1) if vocab % m == 0),
+        "d_state": cfg.get("state_size", 128), "d_conv": cfg.get("conv_kernel", 4), "expand": expand, "headdim": head_dim,
+        "ngroups": cfg.get("n_groups", 8), "chunk_size": cfg.get("chunk_size", 256), "D_has_hdim": False,
+        "conv_bias": cfg.get("use_conv_bias", True), "bias": cfg.get("use_bias", False),
+        "norm_before_gate": False,  # HF's mixer gates before the norm whatever an old config's key says
+        "dt_min": cfg.get("time_step_min", 0.001), "dt_max": cfg.get("time_step_max", 0.1),
+        "dt_init_floor": cfg.get("time_step_floor", 1e-4),
+        "dt_limit_min": _float(dt_limit[0]), "dt_limit_max": _float(dt_limit[1]),
+        "norm_eps": cfg.get("layer_norm_epsilon", 1e-5), "residual_in_fp32": cfg.get("residual_in_fp32", True),
+        "tie_embeddings": cfg.get("tie_word_embeddings", False),
+        "initializer_range": cfg.get("initializer_range", 0.02),
+        "rescale_prenorm_residual": cfg.get("rescale_prenorm_residual", False),
+    }
 
 
 def hf_config_from_args(a: ModelArgs) -> dict[str, Any]:
@@ -189,17 +189,17 @@ def hf_config_from_args(a: ModelArgs) -> dict[str, Any]:
                                     "gates before the norm (norm_before_gate=false)")
     if a.D_has_hdim:
         raise UnsupportedCheckpoint("model.D_has_hdim=true cannot be exported to HF: its Mamba2 has D per head")
-    return dict(
-        architectures=["Mamba2ForCausalLM"], model_type="mamba2",
-        hidden_size=a.d_model, num_hidden_layers=a.n_layers, vocab_size=a.padded_vocab_size,
-        state_size=a.d_state, head_dim=a.headdim, num_heads=a.nheads, n_groups=a.ngroups, expand=a.expand,
-        conv_kernel=a.d_conv, chunk_size=a.chunk_size, use_bias=a.bias, use_conv_bias=a.conv_bias,
-        hidden_act="silu", residual_in_fp32=a.residual_in_fp32, tie_word_embeddings=a.tie_embeddings,
-        layer_norm_epsilon=a.norm_eps, time_step_min=a.dt_min, time_step_max=a.dt_max,
-        time_step_floor=a.dt_init_floor, time_step_limit=[a.dt_limit_min, a.dt_limit_max],
-        rescale_prenorm_residual=a.rescale_prenorm_residual, initializer_range=a.initializer_range,
-        use_cache=True,
-    )
+    return {
+        "architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2",
+        "hidden_size": a.d_model, "num_hidden_layers": a.n_layers, "vocab_size": a.padded_vocab_size,
+        "state_size": a.d_state, "head_dim": a.headdim, "num_heads": a.nheads, "n_groups": a.ngroups, "expand": a.expand,
+        "conv_kernel": a.d_conv, "chunk_size": a.chunk_size, "use_bias": a.bias, "use_conv_bias": a.conv_bias,
+        "hidden_act": "silu", "residual_in_fp32": a.residual_in_fp32, "tie_word_embeddings": a.tie_embeddings,
+        "layer_norm_epsilon": a.norm_eps, "time_step_min": a.dt_min, "time_step_max": a.dt_max,
+        "time_step_floor": a.dt_init_floor, "time_step_limit": [a.dt_limit_min, a.dt_limit_max],
+        "rescale_prenorm_residual": a.rescale_prenorm_residual, "initializer_range": a.initializer_range,
+        "use_cache": True,
+    }
 
 
 def _float(v: Any) -> float:

@@ -52,7 +52,7 @@ class Validator:
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
         # Same precision as the training forward: FSDP's param dtype, else autocast on the GPU.
         self._amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 and not fsdp else contextlib.nullcontext
-        self.is_rank0 = int(os.environ.get("RANK", 0)) == 0
+        self.is_rank0 = os.environ.get("RANK", "0") == "0"
 
     def should_run(self, step: int, last_step: bool = False) -> bool:
         return step % self.freq == 0 or last_step

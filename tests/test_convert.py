@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 
 import pytest
+import tomllib
 import torch
 
-from checkpoint.convert import export_checkpoint, import_checkpoint, main, read_dcp_weights
-from checkpoint.formats import UnsupportedCheckpoint, mamba_ssm_config_from_args, ours_to_foreign
+from checkpoint.convert import (
+    export_checkpoint,
+    import_checkpoint,
+    main,
+    read_dcp_weights,
+)
+from checkpoint.formats import (
+    UnsupportedCheckpoint,
+    mamba_ssm_config_from_args,
+    ours_to_foreign,
+)
 from models import Mamba2LM
 from models.args import ModelArgs
 
