@@ -85,8 +85,8 @@ def evaluate(cfg, device: torch.device, world_size: int) -> dict:
 
         apply_fsdp(model, mesh, cfg.parallelism, param_dtype=torch.bfloat16 if bf16 else torch.float32, pdims=pdims)
     model.to_empty(device=device)
-    if model_args.tie_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
-        model.lm_head.weight = model.tok_embeddings.weight  # to_empty unties shared meta parameters (not under FSDP)
+    if not pdims.fsdp_enabled:
+        model.tie_weights()  # to_empty unties shared meta parameters (FSDP keeps the tie)
     init_weights(model, seed=cfg.training.seed, init_std=model_args.initializer_range)  # buffers; weights overwritten
     pg = dist.new_group(backend="gloo") if dist.is_initialized() else None  # DCP coordinates over CPU objects
     load_model_weights([model], path, process_group=pg)
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(argv)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    device, rank, world_size = init_distributed()
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = init_distributed(world_size)
     try:
         result = evaluate(cfg, device, world_size)
     except (ConfigError, FileNotFoundError, ValueError) as e:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from checkpoint.manager import CheckpointManager
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.optimizer import build_lr_scheduler, build_optimizer
+from components.validation import Validator
 from configs.job_config import JobConfig
 from configs.parser import ConfigError, help_text, load_config
 from data.loader import IGNORE_INDEX, build_loader
@@ -37,17 +38,17 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Set-up helpers (each one step of the recipe in main())
 # ---------------------------------------------------------------------------------------------------------
-def init_distributed() -> tuple[torch.device, int, int]:
-    """(device, rank, world size); a process group only when torchrun started several processes."""
-    world_size, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+def init_distributed(world_size: int) -> torch.device:
+    """This process' device; a process group only when torchrun started several processes."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return device, rank, world_size
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return device
 
 
 def set_determinism(cfg: JobConfig, device: torch.device) -> None:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(argv)
     except ConfigError as e:
         sys.exit(f"config error: {e}")
-    device, rank, world_size = init_distributed()
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         pdims = ParallelDims.from_config(cfg.parallelism, world_size)
         model_args = build_model_args(cfg.model.flavor, cfg.model_overrides)
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         check_job(cfg, pdims, model_args, tokenizer)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         sys.exit(f"config error: {e}")
+    device = init_distributed(world_size)
     if rank == 0 and cfg.job.print_config:
         from configs.parser import to_dict
 
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         model_parts, has_first_stage, has_last_stage = [parallelize(model)], True, True
     for part in model_parts:
         part.to_empty(device=device)
+        if not pdims.fsdp_enabled:  # FSDP keeps the tie through to_empty; plain modules lose it
+            part.tie_weights()
         init_weights(part, seed=cfg.training.seed, init_std=model_args.initializer_range)
         part.train()
     n_params = sum(p.numel() for p in build_model_on_meta(model_args).parameters())
@@ -160,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     start_step = checkpointer.load()
     if start_step:
         log(f"resumed from step {start_step}")
+    validator = Validator(cfg, model_parts, tokenizer, mesh, pdims, device) if cfg.validation.enable else None
     metrics = MetricsLogger(cfg.job.dump_folder, rank == 0, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
                             cfg.training.steps)
     if rank == 0:
@@ -171,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_cp_group = group(mesh, "dp_cp")
     peak = peak_flops(device)
     params = [p for part in model_parts for p in part.parameters()]
+    moe_layers = [m for part in model_parts for m in part.modules() if hasattr(m, "update_expert_bias")]
 
     # 7. The loop.
     t_last, tokens_since_log = time.perf_counter(), 0
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum = torch.zeros((), device=device)
             micro = cfg.training.local_batch_size
             n_micro = input_ids.shape[0] // micro
+            for moe in moe_layers:
+                moe.aux_loss_scale = 1.0 / n_micro  # aux / z losses: mean over microbatches (and, by FSDP, ranks)
             for i in range(n_micro):
                 rows = slice(i * micro, (i + 1) * micro)
                 sync = i == n_micro - 1
@@ -221,15 +229,13 @@ def main(argv: list[str] | None = None) -> None:
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=group(mesh, "pp") if pdims.pp_enabled else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        for part in model_parts:
-            for module in part.modules():
-                if hasattr(module, "update_expert_bias"):
-                    module.update_expert_bias(dp_cp_group)
+        expert_load = moe_step(moe_layers, dp_cp_group)
         lr = lr_scheduler.get_last_lr()[0]
         lr_scheduler.step()
+        val = validator.maybe_run(step, last_step=step == cfg.training.steps) if validator else {}
 
         tokens_since_log += input_ids.numel()
-        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps:
+        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or val:
             if on_gpu:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t_last
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             tps = tokens_since_log / dt / pdims.pp
             metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": tps,
                                "mfu": tps * flops_per_token / peak if peak else 0.0,
-                               "memory_gib": memory_gib(device)})
+                               "memory_gib": memory_gib(device), **expert_load, **val})
             t_last, tokens_since_log = time.perf_counter(), 0
         checkpointer.save(step, last_step=step == cfg.training.steps)
 
@@ -267,6 +273,24 @@ def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, 
     return torch.stack([l.detach().float() for l in losses]).sum() * (global_tokens / grad_scale)
 
 
+def moe_step(moe_layers: list, dp_cp_group) -> dict:
+    """After the optimizer step: global expert loads, the auxiliary-loss-free bias update, load metrics.
+
+    Each MoE layer counted the tokens routed to each expert on this rank; the sum over dp x cp is the global
+    batch's load, identical on every rank, so the bias update keeps the replicas equal.
+    """
+    if not moe_layers:
+        return {}
+    worst = 0.0
+    for moe in moe_layers:
+        if dp_cp_group is not None:
+            dist.all_reduce(moe.tokens_per_expert, group=dp_cp_group)
+        load = moe.tokens_per_expert.float()
+        worst = max(worst, (load.max() / load.mean().clamp(min=1)).item())
+        moe.update_expert_bias()
+    return {"moe_max_load_ratio": worst}  # busiest expert / mean, over this rank's MoE layers
+
+
 def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> None:
     """Combinations that would fail later, reported now with their fix."""
     t, errs = cfg.training, []
@@ -289,6 +313,9 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
                 validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
         except ValueError as e:
             errs.append(str(e))
+    if pdims.pp_enabled and cfg.validation.enable:
+        errs.append("validation.enable is not supported with pipeline parallel yet; set validation.enable false "
+                    "and score checkpoints with evaluate.py")
     if pdims.pp_enabled:
         from parallelisms.pipeline import validate_pipeline
 

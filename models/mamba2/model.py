@@ -53,7 +53,14 @@ class Mamba2LM(nn.Module):
         )
         self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.d_model, args.padded_vocab_size, bias=False)
-        if args.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head's weight with tok_embeddings (when tied and both ends are on this stage).
+
+        Needed again after `to_empty()`, which materialises the two references as separate tensors.
+        """
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.lm_head is not None:
             self.lm_head.weight = self.tok_embeddings.weight
 
     def forward(self, inputs: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
