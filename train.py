@@ -134,10 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         return cross_entropy_sum(logits_BSV, labels_BS) * (grad_scale / loss_scale["global_tokens"])
 
     if pdims.pp_enabled:
-        from parallelisms.pipeline import pipeline_model
+        from parallelisms.pipeline import num_microbatches, pipeline_model
 
         pp_schedule, model_parts, has_first_stage, has_last_stage = pipeline_model(
             model, mesh, pdims, cfg, device, pipeline_loss, parallelize)
+        pp_microbatches = num_microbatches(cfg, pdims.dp)
     else:
         model_parts, has_first_stage, has_last_stage = [parallelize(model)], True, True
     for part in model_parts:
@@ -149,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in build_model_on_meta(model_args).parameters())
     flops_per_token, _ = model_flops_per_token(model_args, cfg.training.seq_len)
 
-    # 4. Optimizer and LR schedule over this rank's parameters.
-    optimizer = build_optimizer(model_parts, cfg.optimizer, device.type)
-    lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    # 4. Optimizer and LR schedule: one per model part (a pipeline rank may hold several stages), so that the
+    #    checkpoint's optimizer state is keyed by parameter names whatever the split.
+    optimizers = [build_optimizer([part], cfg.optimizer, device.type) for part in model_parts]
+    lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps) for opt in optimizers]
 
     # 5. Data: every dp rank reads its slice of the one global batch; cp / pp ranks of a dp rank share it.
     dp_rank, dp_degree = coords(mesh, "dp")
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, pin_memory=on_gpu)
 
     # 6. Checkpoint: resume from the newest complete step-N (or checkpoint.load_step / initial_load_path).
-    checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model_parts, [optimizer], [lr_scheduler],
+    checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model_parts, optimizers, lr_schedulers,
                                      loader)
     start_step = checkpointer.load()
     if start_step:
@@ -196,8 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         loss_scale["global_tokens"] = global_tokens.item()
 
         if pdims.pp_enabled:
-            loss_sum = pipeline_step(pp_schedule, has_first_stage, has_last_stage, input_ids, labels, seq_idx,
-                                     grad_scale, loss_scale["global_tokens"], device)
+            for moe in moe_layers:
+                moe.aux_loss_scale = 1.0 / pp_microbatches
+            with amp:
+                loss_sum = pipeline_step(pp_schedule, has_first_stage, has_last_stage, input_ids, labels, seq_idx,
+                                         grad_scale, loss_scale["global_tokens"], device)
         else:
             loss_sum = torch.zeros((), device=device)
             micro = cfg.training.local_batch_size
@@ -227,11 +232,13 @@ def main(argv: list[str] | None = None) -> None:
                 f"{checkpointer.folder} is untouched). Lower optimizer.lr or check the data.")
 
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=group(mesh, "pp") if pdims.pp_enabled else None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         expert_load = moe_step(moe_layers, dp_cp_group)
-        lr = lr_scheduler.get_last_lr()[0]
-        lr_scheduler.step()
+        lr = lr_schedulers[0].get_last_lr()[0]
+        for sched in lr_schedulers:
+            sched.step()
         val = validator.maybe_run(step, last_step=step == cfg.training.steps) if validator else {}
 
         tokens_since_log += input_ids.numel()
