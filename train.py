@@ -9,6 +9,7 @@ schedule, clip, step, log, save).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import time
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from checkpoint.manager import CheckpointManager
+from checkpoint.manager import CheckpointManager, complete_steps
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.optimizer import build_lr_scheduler, build_optimizer
 from components.validation import Validator
@@ -225,11 +226,12 @@ def main(argv: list[str] | None = None) -> None:
         if world_size > 1:
             dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
         loss = loss_sum.item() / loss_scale["global_tokens"]
-        if not torch.isfinite(torch.tensor(loss)):
+        if not math.isfinite(loss):  # the same value on every rank (all-reduced), so all stop together
             checkpointer.close()
-            raise FloatingPointError(
-                f"loss is {loss} at step {step}; stopping without saving (the last complete checkpoint in "
-                f"{checkpointer.folder} is untouched). Lower optimizer.lr or check the data.")
+            saved = complete_steps(checkpointer.folder) if os.path.isdir(checkpointer.folder) else []
+            sys.exit(f"loss is {loss} at step {step}: stopped before the optimizer step, nothing saved; the newest "
+                     f"complete checkpoint is {f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. "
+                     "Lower optimizer.lr (or raise lr_scheduler.warmup_steps) or check the data.")
 
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=group(mesh, "pp") if pdims.pp_enabled else None)
         for opt in optimizers:

@@ -1,0 +1,42 @@
+"""The training loop's own behaviour: LR schedules, gradient accumulation, stopping on a non-finite loss."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from components.optimizer import lr_factor
+from tests.parity import PARITY_ARGS, REPO, assert_same_losses, run_training
+
+
+def test_warmup_then_cosine_to_min():
+    f = [lr_factor(i, 20, warmup=4, decay_ratio=-1, decay_type="cosine", min_lr_factor=0.1) for i in range(20)]
+    assert f[:4] == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5])
+    assert f[4] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 16)))
+    assert f[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(f[4:], f[5:]))
+
+
+def test_warmup_stable_decay():
+    f = [lr_factor(i, 20, warmup=2, decay_ratio=0.25, decay_type="linear", min_lr_factor=0.0) for i in range(20)]
+    decay_steps = round(18 * 0.25)  # 4 (banker's rounding of 4.5)
+    assert f[2:20 - decay_steps] == [1.0] * (18 - decay_steps)
+    assert f[-decay_steps:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    one_pass = run_training(1, PARITY_ARGS + ["--training.local_batch_size", "8"], tmp_path / "big")
+    accumulated = run_training(1, PARITY_ARGS + ["--training.local_batch_size", "2"], tmp_path / "acc")
+    assert_same_losses(one_pass, accumulated)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", *PARITY_ARGS, "--optimizer.lr", "1e4", "--training.steps", "6",
+                        "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "true",
+                        "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "loss is nan at step" in r.stderr and "the newest complete checkpoint is step-" in r.stderr, r.stderr[-2000:]
+    bad_step = int(r.stderr.split("loss is nan at step ")[1].split(":")[0])
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
+    assert saved and saved[-1] == bad_step - 1 and (tmp_path / "checkpoint" / f"step-{saved[-1]}" / ".metadata").exists()
