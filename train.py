@@ -16,7 +16,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from checkpoint.manager import CheckpointManager, complete_steps
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
@@ -28,6 +27,7 @@ from data.loader import IGNORE_INDEX, build_loader
 from data.tokenizer import build_tokenizer
 from models import build_model_args, build_model_on_meta
 from models.init import init_weights
+from models.loss import cross_entropy_sum
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.mesh import ParallelDims, coords, group
 
@@ -61,12 +61,6 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     elif device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-
-
-def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Summed token loss in fp32; labels of IGNORE_INDEX (document ends, padding) don't count."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,12 +210,11 @@ def main(argv: list[str] | None = None) -> None:
                 for part in model_parts:
                     if hasattr(part, "set_requires_gradient_sync"):
                         part.set_requires_gradient_sync(sync)  # reduce-scatter once, after the last microbatch
-                with amp:
-                    logits = model_parts[0](input_ids[rows], seq_idx=seq_idx[rows])
-                mb_loss = cross_entropy_sum(logits, labels[rows])
+                with amp:  # the model returns the summed token loss of the microbatch
+                    mb_loss = model_parts[0](input_ids[rows], seq_idx=seq_idx[rows], labels=labels[rows],
+                                             loss_chunk_tokens=cfg.training.loss_chunk_tokens)
                 (mb_loss * (grad_scale / loss_scale["global_tokens"])).backward()
                 loss_sum += mb_loss.detach()
-                del logits
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
         if world_size > 1:
             dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero

@@ -63,6 +63,9 @@ class Training:
     local_batch_size: int = doc(8, "Sequences per forward/backward on one data-parallel rank (the microbatch).")
     seq_len: int = doc(256, "Tokens per sequence (packed from several documents).")
     steps: int = doc(100, "Optimizer steps to train.")
+    loss_chunk_tokens: int = doc(
+        0, "Compute lm_head + cross-entropy over chunks of this many tokens (recomputed in backward) so the full "
+        "[tokens, vocab] logits never exist; 0 = one pass. Not used on pipeline stages.")
     max_norm: float = doc(1.0, "Gradient clipping by global L2 norm over all shards; <= 0 disables clipping.")
     mixed_precision_param: str = doc(
         "bfloat16", "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
@@ -178,6 +181,22 @@ class Validation:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = doc(False, "torch.profiler traces (Chrome / Perfetto JSON, one per rank) of the chosen steps.")
+    save_traces_folder: str = doc("profile_trace", "Relative to job.dump_folder: iteration_<step>/rank<r>_trace.json.")
+    profile_freq: int = doc(100, "Profile every this many steps (steps divisible by it), unless profile_steps is set.")
+    profile_steps: list = doc([], "Explicit steps to profile / snapshot, e.g. [5, 6]; takes precedence over profile_freq.")
+    enable_memory_snapshot: bool = doc(
+        False, "CUDA only: record allocator history and dump a snapshot after each chosen step (and on OOM); "
+        "view at https://pytorch.org/memory_viz."
+    )
+    save_memory_snapshot_folder: str = doc(
+        "memory_snapshot", "Relative to job.dump_folder: iteration_<step>/rank<r>_memory_snapshot.pickle."
+    )
+    memory_snapshot_max_entries: int = doc(100000, "Allocator events kept in the history ring buffer.")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -190,5 +209,6 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     # [model] keys that override the flavor's ModelArgs (filled by the parser).
     model_overrides: dict = field(default_factory=dict)

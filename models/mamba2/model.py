@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from models.args import ModelArgs
+from models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from models.mamba2.block import Block
 from models.norms import RMSNorm
 
@@ -63,10 +64,13 @@ class Mamba2LM(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.lm_head is not None:
             self.lm_head.weight = self.tok_embeddings.weight
 
-    def forward(self, inputs: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, seq_idx: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 0) -> torch.Tensor:
         """tokens [b, s] (or the packed inter-stage tensor) -> logits [b, s, V] (or the packed tensor).
 
         seq_idx: int32 [b, s], the document id of every position (whole-sequence length under CP).
+        labels: if given (last stage only), return the summed token loss instead of logits, computed over
+        chunks of `loss_chunk_tokens` tokens when > 0 so the full logits never exist.
         """
         if self.tok_embeddings is not None:
             hidden, residual = self.tok_embeddings(inputs), None
@@ -77,7 +81,12 @@ class Mamba2LM(nn.Module):
         if self.norm_f is None:
             return pack_hidden_residual(hidden, residual, self.pack_format)
         h_BSD, _ = self.norm_f.add_and_norm(hidden, residual, self.args.residual_in_fp32)
-        return self.lm_head(h_BSD) if self.lm_head is not None else h_BSD
+        if self.lm_head is None:
+            return h_BSD
+        if labels is not None and loss_chunk_tokens > 0:
+            return chunked_cross_entropy_sum(h_BSD, self.lm_head.weight, labels, loss_chunk_tokens)
+        logits_BSV = self.lm_head(h_BSD)
+        return logits_BSV if labels is None else cross_entropy_sum(logits_BSV, labels)
 
     def set_kernel_backend(self, backend: str) -> None:
         """'auto' or 'reference' for every mixer and norm (see model.kernels)."""
