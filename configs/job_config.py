@@ -182,19 +182,25 @@ class Validation:
 
 @dataclass
 class Profiling:
-    enable_profiling: bool = doc(False, "torch.profiler traces (Chrome / Perfetto JSON, one per rank) of the chosen steps.")
-    save_traces_folder: str = doc("profile_trace", "Relative to job.dump_folder: iteration_<step>/rank<r>_trace.json.")
+    enable_profiling: bool = doc(
+        False, "torch.profiler traces (Chrome / Perfetto JSON, one per rank) of the chosen steps."
+    )
+    save_traces_folder: str = doc(
+        "profile_trace", "Relative to job.dump_folder (unless absolute): iteration_<step>/rank<r>_trace.json."
+    )
     profile_freq: int = doc(100, "Profile every this many steps (steps divisible by it), unless profile_steps is set.")
-    profile_steps: list = doc([], "Explicit steps to profile / snapshot, e.g. [5, 6]; takes precedence over profile_freq.")
+    profile_steps: list = doc(
+        [], "Explicit steps to profile / snapshot, e.g. [5, 6]; takes precedence over profile_freq."
+    )
     enable_memory_snapshot: bool = doc(
         False, "CUDA only: record allocator history and dump a snapshot after each chosen step (and on OOM); "
-        "view at https://pytorch.org/memory_viz."
+        "view it at https://pytorch.org/memory_viz."
     )
     save_memory_snapshot_folder: str = doc(
-        "memory_snapshot", "Relative to job.dump_folder: iteration_<step>/rank<r>_memory_snapshot.pickle."
+        "memory_snapshot",
+        "Relative to job.dump_folder (unless absolute): iteration_<step>/rank<r>_memory_snapshot.pickle.",
     )
     memory_snapshot_max_entries: int = doc(100000, "Allocator events kept in the history ring buffer.")
-
 
 @dataclass
 class JobConfig:
