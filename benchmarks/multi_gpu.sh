@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Multi-GPU runs of every parallelism on one host (NCCL), compared with the 1-GPU run of the same global batch.
+#   bash .gpu/setup.sh && OUT=/path bash benchmarks/multi_gpu.sh PHASE [PHASE ...]
+# Phases:
+#   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2, PP2xFSDP2, CP2xFSDP2, CP4, PP2xCP2
+#   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP2, EP4, PP2xFSDP2xEP2
+#   scaling  370M, 8 x 2048 per GPU, 15 steps on 1, 2 and 4 GPUs (weak scaling of tokens/s per GPU)
+#   longctx  370M, one sequence of 32k / 64k / 128k tokens, full activation checkpointing, cp 1 / 2 / 4
+# Each phase prints a table (benchmarks/compare_runs.py) and leaves metrics.jsonl + logs under $OUT/<phase>/.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-./outputs/multi_gpu}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TRITON_CACHE_AUTOTUNING=1
+NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+
+run() {  # run NAME NGPU CONFIG [overrides...]
+  local name=$1 n=$2 cfg=$3; shift 3
+  [ "$n" -gt "$NG" ] && { echo "skip $name: needs $n GPUs"; return; }
+  local dir="$OUT/$PHASE/$name"; rm -rf "$dir"; mkdir -p "$dir"
+  local t0=$SECONDS
+  CONFIG_FILE=$cfg NGPU=$n FORCE_TORCHRUN=1 timeout 400 ./run_train.sh --job.dump_folder "$dir" \
+    --checkpoint.enable false --metrics.enable_tensorboard false "$@" > "$dir/log.txt" 2>&1
+  echo "$name: rc=$? $((SECONDS - t0))s $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | cut -c1-160)"
+  [ -s "$dir/metrics.jsonl" ] || tail -20 "$dir/log.txt"
+}
+
+for PHASE in "$@"; do
+  echo "=== $PHASE ($NG GPUs) ==="
+  case $PHASE in
+  parity)
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false)
+    P=--parallelism
+    run 1gpu 1 $C "${A[@]}"
+    run fsdp2 2 $C "${A[@]}" $P.data_parallel_shard_degree 2
+    run fsdp4 4 $C "${A[@]}" $P.data_parallel_shard_degree 4
+    run hsdp2x2 4 $C "${A[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
+    run pp2 2 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4
+    run pp2xfsdp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4
+    run cp2xfsdp2 4 $C "${A[@]}" $P.context_parallel_degree 2
+    run cp4 4 $C "${A[@]}" $P.context_parallel_degree 4 $P.context_parallel_load_balance true
+    run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
+    python3 benchmarks/compare_runs.py --ref "$OUT/parity/1gpu" "$OUT"/parity/{fsdp2,fsdp4,hsdp2x2,pp2,pp2xfsdp2,cp2xfsdp2,cp4,pp2xcp2} --json "$OUT/parity.json" ;;
+  hybrid)
+    C=configs/hybrid_moe_1b.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 8 --training.local_batch_size 2
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7)
+    P=--parallelism
+    run 1gpu 1 $C "${A[@]}"
+    run ep2 2 $C "${A[@]}" $P.expert_parallel_degree 2
+    run ep4 4 $C "${A[@]}" $P.expert_parallel_degree 4
+    run pp2xfsdp2xep2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 2 $P.expert_parallel_degree 2
+    python3 benchmarks/compare_runs.py --ref "$OUT/hybrid/1gpu" "$OUT"/hybrid/{ep2,ep4,pp2xfsdp2xep2} --json "$OUT/hybrid.json" ;;
+  scaling)
+    C=configs/mamba2_370m.toml
+    A=(--training.steps 15 --training.seq_len 2048 --training.local_batch_size 8 --metrics.log_freq 1)
+    run 1gpu 1 $C "${A[@]}"
+    run fsdp2 2 $C "${A[@]}"
+    run fsdp4 4 $C "${A[@]}"
+    python3 benchmarks/compare_runs.py --rtol 1 --ref "$OUT/scaling/1gpu" "$OUT"/scaling/{fsdp2,fsdp4} --json "$OUT/scaling.json" ;;
+  longctx)
+    C=configs/mamba2_370m.toml
+    P=--parallelism
+    for L in 32768 65536 131072; do
+      A=(--training.steps 6 --training.seq_len $L --training.local_batch_size 1 --training.global_batch_size 1
+         --activation_checkpoint.mode full --training.loss_chunk_tokens 8192 --metrics.log_freq 1)
+      for CP in 1 2 4; do
+        [ $L -ge 131072 ] && [ $CP -lt 2 ] && continue
+        run seq${L}_cp${CP} $CP $C "${A[@]}" $P.context_parallel_degree $CP $P.data_parallel_shard_degree 1
+      done
+    done
+    python3 benchmarks/compare_runs.py --rtol 1 --skip 2 --ref "$OUT/longctx/seq32768_cp1" "$OUT"/longctx/seq* --json "$OUT/longctx.json" ;;
+  *) echo "unknown phase $PHASE" ;;
+  esac
+done
