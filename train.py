@@ -20,6 +20,7 @@ import torch.distributed as dist
 from checkpoint.manager import CheckpointManager, complete_steps
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.optimizer import build_lr_scheduler, build_optimizer
+from components.profiling import StepProfiler
 from components.validation import Validator
 from configs.job_config import JobConfig
 from configs.parser import ConfigError, help_text, load_config
@@ -175,9 +176,12 @@ def main(argv: list[str] | None = None) -> None:
     params = [p for part in model_parts for p in part.parameters()]
     moe_layers = [m for part in model_parts for m in part.modules() if hasattr(m, "update_expert_bias")]
 
+    profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
+
     # 7. The loop.
     t_last, tokens_since_log = time.perf_counter(), 0
     for step in range(start_step + 1, cfg.training.steps + 1):
+        profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
         batch = loader.next_batch()
         input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "seq_idx"))
         if pdims.cp_enabled:
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             t_last, tokens_since_log = time.perf_counter(), 0
         checkpointer.save(step, last_step=step == cfg.training.steps)
 
+    profiler.close()
     checkpointer.close()
     metrics.close()
     if dist.is_initialized():
