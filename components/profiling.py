@@ -33,7 +33,7 @@ from configs.job_config import Profiling
 
 
 def log(msg: str) -> None:
-    print(f"[rank{int(os.environ.get('RANK', 0))}] {msg}", flush=True)
+    print(f"[rank{int(os.environ.get('RANK', '0'))}] {msg}", flush=True)
 
 
 def is_chosen(step: int, profile_steps: Iterable[int], profile_freq: int) -> bool:
