@@ -41,6 +41,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from models.args import ModelArgs
 from models.hybrid.mlp import MLP, mlp_hidden_dim
@@ -117,13 +118,18 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts.backend={self.backend!r} is unknown; use auto, grouped_mm or loop")
         return ok
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) as plain tensors: under expert parallel they are DTensors sharded over ep on dim 0, and
+        this rank computes with its own experts only (to_local keeps the gradient path to the DTensor)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+
     def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         if self._use_grouped_mm(x_TD):
             return self._forward_grouped_mm(x_TD, num_tokens_per_expert_E)
         return self._forward_loop(x_TD, num_tokens_per_expert_E)
 
     def _forward_loop(self, x_TD, counts_E):
-        w1, w2, w3 = (w.to(x_TD.dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(x_TD.dtype) for w in self.local_weights())
         out, start = [], 0
         for e, n in enumerate(counts_E.tolist()):
             x = x_TD[start : start + n]
@@ -148,7 +154,7 @@ class GroupedExperts(nn.Module):
         offs = (padded_start + padded_counts).to(torch.int32)
         offs[-1] = cap
         x_pad = x_TD.new_zeros(cap, D).index_copy(0, dest_T, x_TD)
-        w1, w2, w3 = (w.to(torch.bfloat16) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(torch.bfloat16) for w in self.local_weights())
         h = F.silu(torch._grouped_mm(x_pad, w1, offs=offs)) * torch._grouped_mm(x_pad, w3, offs=offs)
         y_pad = torch._grouped_mm(h, w2, offs=offs)
         return y_pad.index_select(0, dest_T)
