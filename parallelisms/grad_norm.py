@@ -35,5 +35,11 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_group)
     total = total_sq.sqrt()
     if max_norm > 0 and math.isfinite(total.item()):
-        torch.nn.utils.clip_grads_with_norm_(list(parameters), max_norm, total)
+        # One call per mesh: a foreach multiply cannot mix DTensors of different meshes.
+        params_by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+        for p in parameters:
+            if p.grad is not None:
+                params_by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+        for group_params in params_by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group_params, max_norm, total)
     return total
