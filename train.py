@@ -327,6 +327,10 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
         from parallelisms.pipeline import validate_pipeline
 
         errs += validate_pipeline(cfg, pdims, model_args)
+    if pdims.ep_enabled:
+        from parallelisms.expert_parallel import validate_expert_parallel
+
+        errs += validate_expert_parallel(model_args, pdims)
     if errs:
         raise ConfigError("invalid job:\n  - " + "\n  - ".join(errs))
 
