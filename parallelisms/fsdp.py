@@ -2,7 +2,8 @@
 
 Parameters are sharded over "dp_shard_cp" (dp_shard x cp: CP ranks hold the same parameters, so they
 shard them too) and replicated over "dp_replicate". Each block is one FSDP unit; the root unit holds the
-embedding, norm_f and lm_head (tied embeddings must stay in one unit).
+embedding, norm_f and lm_head (tied embeddings must stay in one unit). Under expert parallel, the routed experts
+of a MoE block are their own unit, sharded over the EP mesh's ("dp_replicate", "efsdp") instead.
 """
 
 from __future__ import annotations
@@ -21,10 +22,26 @@ def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_d
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if p.fsdp_cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    expert_kw = None
+    if pdims is not None and pdims.ep > 1:
+        expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
     layers = list(model.layers.values())
     for i, layer in enumerate(layers):
         # The last block's parameters are needed again first in backward: keeping them saves one all-gather.
         reshard = {"always": True, "never": False}.get(p.fsdp_reshard_after_forward, i < len(layers) - 1)
+        if expert_kw is not None:
+            _shard_experts(layer, reshard, expert_kw)
         fully_shard(layer, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", **kw)
     return model
+
+
+def _shard_experts(layer: nn.Module, reshard: bool, expert_kw: dict) -> None:
+    """Expert-parallel experts (DTensors Shard(0) over "ep") get their own FSDP unit over the EP mesh's
+    ("dp_replicate", "efsdp") before the block is sharded, so that the block's unit skips them. FSDP averages
+    their gradients over those dp_cp / ep replicas; the remaining 1/ep is applied by the experts' forward
+    (parallelisms/expert_parallel.py explains the scale)."""
+    from parallelisms.expert_parallel import expert_modules
+
+    for experts in expert_modules(layer):
+        fully_shard(experts, reshard_after_forward=reshard, **expert_kw)

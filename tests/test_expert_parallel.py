@@ -1,0 +1,184 @@
+"""Expert parallel against the single-process model, on the CPU (gloo, fp32).
+
+- the regrouping index and the validation messages (no process group);
+- in 4 processes: the EP expert module vs a full GroupedExperts (outputs and every gradient) at ep 2 and ep 4,
+  with uneven routing and a rank that sends no rows to some experts;
+- in 4 processes: a whole hybrid MoE model under EP + FSDP exactly as train.py builds it (ep 2 with efsdp 2,
+  ep 4; HSDP 2 x (efsdp 1 x ep 2)): initial weights, every parameter's reduced gradient and the clipped global
+  gradient norm equal the single-process ones. This is where the expert-gradient scale is checked: a loss parity
+  test cannot see it (Adam is nearly invariant to a gradient scale).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.args import build_model_args
+from parallelisms.expert_parallel import _source_major_to_expert_major, validate_expert_parallel
+from parallelisms.mesh import ParallelDims
+from tests.dist_utils import run_distributed
+
+TINY = dict(d_model=32, d_state=16, headdim=16, chunk_size=16, moe_hidden_dim=24, mlp_hidden_dim=48,
+            n_heads=4, n_kv_heads=2, moe_load_balance_coeff=0.0)
+
+
+def test_regroup_index_matches_naive():
+    recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
+    offsets = recv.flatten().cumsum(0) - recv.flatten()
+    naive = [int(offsets[i * 3 + e]) + j for e in range(3) for i in range(3) for j in range(int(recv[i, e]))]
+    assert _source_major_to_expert_major(recv).tolist() == naive
+
+
+def test_validate_expert_parallel_messages():
+    args = build_model_args("hybrid_moe_debug")  # 4 experts
+    ok = ParallelDims(pp=1, dp_replicate=1, dp_shard=4, cp=1, ep=4, world_size=4)
+    assert validate_expert_parallel(args, ok) == []
+    bad = ParallelDims(pp=1, dp_replicate=1, dp_shard=3, cp=1, ep=3, world_size=3)
+    (msg,) = validate_expert_parallel(args, bad)
+    assert "expert_parallel_degree=3" in msg and "moe_num_experts=4" in msg
+    dense = build_model_args("debug")
+    (msg,) = validate_expert_parallel(dense, ok)
+    assert "no MoE" in msg
+
+
+# ------------------------------------------------------------------------------------------- 4 processes
+def _experts_vs_full(rank, world, ep):
+    """EP module on random rows of every rank vs one full GroupedExperts on all ranks' rows."""
+    import torch.distributed as dist
+
+    from models.hybrid.moe import GroupedExperts
+    from parallelisms.expert_parallel import apply_expert_parallel
+
+    E, D, H = 4, 8, 12
+    torch.manual_seed(0)
+    full = GroupedExperts(D, H, E, n_layers=2)
+    full.backend = "loop"
+    rows_per_rank = [torch.randint(0, 6, (E,)) for _ in range(world)]
+    rows_per_rank[1][2] = 0  # an expert that gets nothing from rank 1
+    xs = [torch.randn(int(c.sum()), D) for c in rows_per_rank]
+
+    class Holder(torch.nn.Module):  # apply_expert_parallel looks for MoE-like modules with `experts`
+        def __init__(self, experts):
+            super().__init__()
+            self.experts = experts
+
+        def update_expert_bias(self):
+            pass
+
+    holder = Holder(GroupedExperts(D, H, E, n_layers=2))
+    holder.experts.load_state_dict(full.state_dict())
+    pdims = ParallelDims(pp=1, dp_replicate=1, dp_shard=world, cp=1, ep=ep, world_size=world)
+    pdims.build_mesh("cpu")
+    apply_expert_parallel(holder, pdims)
+    ep_experts = holder.experts
+    ep_experts.backend = "loop"
+
+    x = xs[rank].clone().requires_grad_(True)
+    y = ep_experts(x, rows_per_rank[rank])
+    y.backward(torch.ones_like(y) * (rank + 1))
+    grads = {n: p.grad.full_tensor() for n, p in ep_experts.named_parameters()}
+    for g in grads.values():
+        # Each rank's grad is its ep group's token sum / ep (the EP scale; FSDP's mean over efsdp supplies the
+        # rest), replicated on the ep ranks by full_tensor: the world sum is the sum over every rank's tokens.
+        dist.all_reduce(g)
+    ref_x = [xi.clone().requires_grad_(True) for xi in xs]
+    ref_y = [full(xi, c) for xi, c in zip(ref_x, rows_per_rank)]
+    torch.autograd.backward(ref_y, [torch.ones_like(r) * (i + 1) for i, r in enumerate(ref_y)])
+    # ep ranks of one group exchange tokens; the other group (ep 2 of 4) computes the same experts for its own
+    torch.testing.assert_close(y, ref_y[rank], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_x[rank].grad, rtol=1e-6, atol=1e-6)
+    for n, p in full.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def _model_grads_vs_single(rank, world, layouts):
+    """train.py's build (EP before FSDP, meta init, loss x dp_cp / global tokens) vs one unsharded model."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from configs.job_config import Parallelism
+    from models import build_model_on_meta
+    from models.init import init_weights
+    from parallelisms.expert_parallel import apply_expert_parallel
+    from parallelisms.fsdp import apply_fsdp
+    from parallelisms.grad_norm import clip_grad_norm_
+    from train import cross_entropy_sum
+
+    args = build_model_args("hybrid_moe_debug", TINY)
+    B, S = 8, 32
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (B, S + 1), generator=g)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
+    cuts = torch.randint(1, S, (B, 2), generator=g)
+    pos = torch.arange(S)
+    seq_idx = ((pos[None] >= cuts[:, :1]).int() + (pos[None] >= cuts[:, 1:]).int()).to(torch.int32)
+    labels[:, -3:] = -100
+
+    ref = build_model_on_meta(args)
+    ref.to_empty(device="cpu")
+    init_weights(ref, seed=7)
+    loss = cross_entropy_sum(ref(inputs, seq_idx=seq_idx), labels) / (labels != -100).sum()
+    loss.backward()
+    ref_norm = clip_grad_norm_(list(ref.parameters()), 1e-3)  # clips: the clipped grads are compared too
+    ref_params = dict(ref.named_parameters())
+
+    results = []
+    for dp_replicate, dp_shard, ep in layouts:
+        pdims = ParallelDims(pp=1, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, ep=ep, world_size=world)
+        mesh = pdims.build_mesh("cpu")
+        model = build_model_on_meta(args)
+        apply_expert_parallel(model, pdims)
+        apply_fsdp(model, mesh, Parallelism(), param_dtype=torch.float32, pdims=pdims)
+        model.to_empty(device="cpu")
+        init_weights(model, seed=7)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=0, msg=f"init {n}")
+
+        dp_rank = mesh["dp"].get_local_rank()
+        rows = slice(dp_rank * B // pdims.dp, (dp_rank + 1) * B // pdims.dp)
+        global_tokens = (labels != -100).sum().float()
+        out = model(inputs[rows], seq_idx=seq_idx[rows])
+        (cross_entropy_sum(out, labels[rows]) * (pdims.dp_cp / global_tokens)).backward()
+        norm = clip_grad_norm_(list(model.parameters()), 1e-3)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        experts_seen = 0
+        for n, p in model.named_parameters():
+            assert isinstance(p.grad, DTensor)
+            experts_seen += ".experts." in n
+            torch.testing.assert_close(p.grad.full_tensor(), ref_params[n].grad, rtol=1e-4, atol=1e-7,
+                                       msg=lambda m, n=n: f"{(dp_replicate, dp_shard, ep)} grad {n}: {m}")
+        assert experts_seen == 6  # w1, w2, w3 of two MoE layers
+        results.append((float(norm), float(ref_norm)))
+        dist.barrier()
+    return results
+
+
+def test_ep_experts_module_matches_full_experts():
+    # ep 2 of 4 ranks: two ep groups; ep 4: one group
+    run_distributed(_experts_vs_full, 4, 2)
+    run_distributed(_experts_vs_full, 4, 4)
+
+
+def test_ep_fsdp_model_gradients_and_norm_match_single_process():
+    layouts = [(1, 4, 2), (1, 4, 4), (2, 2, 2)]  # (dp_replicate, dp_shard, ep): efsdp 2; ep 4; HSDP x ep 2
+    out = run_distributed(_model_grads_vs_single, 4, layouts)
+    for per_rank in out:
+        assert len(per_rank) == 3
+
+
+@pytest.mark.parametrize("ep", [3])
+def test_ep_that_does_not_divide_experts_fails_before_compute(tmp_path, ep):
+    import os
+    import subprocess
+    import sys
+
+    from tests.parity import REPO
+
+    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/hybrid_moe_debug.toml",
+                        "--parallelism.expert_parallel_degree", str(ep), "--training.global_batch_size", "-1",
+                        "--job.dump_folder", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, WORLD_SIZE=str(ep), CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode != 0 and "moe_num_experts=4" in r.stderr, r.stderr[-2000:]
