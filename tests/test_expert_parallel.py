@@ -182,3 +182,18 @@ def test_ep_that_does_not_divide_experts_fails_before_compute(tmp_path, ep):
                        cwd=REPO, capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, WORLD_SIZE=str(ep), CUDA_VISIBLE_DEVICES=""))
     assert r.returncode != 0 and "moe_num_experts=4" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("config, params_m", [("hybrid_1b", 1390.0), ("hybrid_moe_1b", 770.2)])
+def test_1b_configs_resolve_and_validate(config, params_m):
+    from configs.parser import load_config
+    from models import build_model_on_meta
+
+    cfg = load_config(["--job.config_file", f"configs/{config}.toml"])
+    args = build_model_args(cfg.model.flavor, cfg.model_overrides)
+    assert args.validate() == []
+    n = sum(p.numel() for p in build_model_on_meta(args).parameters()) / 1e6
+    assert abs(n - params_m) < 0.5, n
+    if "E" in args.layer_types:  # 8 experts: ep 8 on 8 GPUs is valid, ep 16 (over 16 GPUs) is not
+        assert validate_expert_parallel(args, ParallelDims(1, 1, 8, 1, 8, 8)) == []
+        assert validate_expert_parallel(args, ParallelDims(1, 1, 16, 1, 16, 16))
