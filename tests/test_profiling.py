@@ -94,3 +94,44 @@ def test_train_py_traces_step_2_only(tmp_path):
     assert {"ProfilerStep#2", "aten::mm", "MmBackward0", "Optimizer.step#AdamW.step"} <= names
     # profiling observes, it does not change the run
     assert [(r["step"], r["loss"]) for r in got] == [(r["step"], r["loss"]) for r in ref]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_traces_and_memory_snapshots(tmp_path):
+    """On a GPU: the trace holds CUDA kernels; each chosen step's snapshot holds that step's allocations (a
+    distinctive size per step) and not later ones; recording stops after the last listed step; OOM dumps too."""
+    import pickle
+
+    cfg = Profiling(enable_profiling=True, enable_memory_snapshot=True, profile_steps=[2, 3])
+    prof = StepProfiler(cfg, str(tmp_path), rank=0, device=torch.device("cuda"))
+    keep = []
+    # bytes allocated in step s: 12, 14, ... MiB (whole 2 MiB multiples: the allocator's block is exactly that size)
+    size_of = {s: (10 + 2 * s) * 2**20 for s in range(1, 7)}
+    torch.cuda.empty_cache()
+    for s in range(1, 6):
+        prof.step(s)
+        keep.append(torch.empty(size_of[s], dtype=torch.uint8, device="cuda"))
+        torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")
+    prof.close()
+    torch.cuda.synchronize()
+    assert _iterations(tmp_path / "profile_trace") == [2, 3]
+    events = json.loads((tmp_path / "profile_trace" / "iteration_2" / "rank0_trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    assert _iterations(tmp_path / "memory_snapshot") == [2, 3]
+    for s in (2, 3):
+        snap = pickle.loads((tmp_path / "memory_snapshot" / f"iteration_{s}" / "rank0_memory_snapshot.pickle")
+                            .read_bytes())
+        sizes = {e["size"] for trace in snap["device_traces"] for e in trace if e["action"] == "alloc"}
+        assert size_of[s] in sizes and size_of[s + 1] not in sizes and size_of[1] in sizes
+    # recording stopped with the last listed step: a later allocation is not in the history
+    keep.append(torch.empty(size_of[6], dtype=torch.uint8, device="cuda"))
+    later = {e["size"] for trace in torch.cuda.memory._snapshot()["device_traces"] for e in trace}
+    assert size_of[6] not in later
+    # out of memory: the observer writes oom/ (a fresh profiler, recording again)
+    oom = StepProfiler(Profiling(enable_memory_snapshot=True, profile_steps=[99]), str(tmp_path / "o"), 0,
+                       torch.device("cuda"))
+    oom.step(1)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(2**50, dtype=torch.uint8, device="cuda")
+    oom.close()
+    assert (tmp_path / "o" / "memory_snapshot" / "oom" / "rank0_memory_snapshot.pickle").exists()

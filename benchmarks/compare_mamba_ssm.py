@@ -1,0 +1,331 @@
+"""Throughput and memory of our trainer next to mamba-ssm's own model in a plain PyTorch loop, on one GPU.
+
+    bash .gpu/setup.sh && python3 benchmarks/compare_mamba_ssm.py --out outputs/compare.json
+    python3 benchmarks/compare_mamba_ssm.py --sizes 370m -- --compile.enable true     # extra train.py overrides
+    python3 benchmarks/compare_mamba_ssm.py --sizes debug --skip_theirs --warmup 1 --steps 2   # CPU smoke run
+
+For every size, two subprocesses run one after the other (each starts with an empty GPU, so peaks are its own):
+  theirs  mamba_ssm's MambaLMHeadModel with Mamba2 layers (vocabulary 50277 padded to 8 = 50280, tied embeddings,
+          fused add-norm), fp32 weights, bf16 autocast, fused AdamW, gradient clipping at 1.0, random tokens; this
+          script re-run with --_worker theirs.
+  ours    train.py with the size's config on the embedded corpus (packed documents, so the kernels also handle
+          seq_idx), vocabulary from the flavor (50277 padded to 16 = 50288), checkpoints, validation and
+          TensorBoard off, metrics every step; anything after `--` is passed on (e.g. --compile.enable true).
+Both run N warm-up + M timed steps at the same batch: 370m 8 x 2048, 1.3b 4 x 4096 (seq_len overridden).
+Throughput is over the timed steps (total tokens / total time); memory is torch.cuda.max_memory_allocated.
+MFU is reported on two FLOP counts, for both sides alike: "6N" (6 x the matmul parameters a token uses, lm_head
+included) and "SSD" (that plus the conv and chunked-SSD terms, components.metrics.model_flops_per_token), against
+--peak_tflops (H100 / H200 dense bf16: 989.4). Prints a table and writes every record to --out (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+THEIR_VOCAB, THEIR_PAD = 50277, 8  # MambaConfig's defaults: the released checkpoints' 50280 rows
+H100_BF16_TFLOPS = 989.4
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    config: str
+    flavor: str
+    batch: int
+    seq_len: int
+
+
+SIZES = {
+    "370m": Size("370m", "configs/mamba2_370m.toml", "370M", batch=8, seq_len=2048),
+    "1.3b": Size("1.3b", "configs/mamba2_1.3b.toml", "1.3B", batch=4, seq_len=4096),
+    "debug": Size("debug", "configs/debug.toml", "debug", batch=2, seq_len=64),  # CPU smoke test of our side
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure helpers (tested on CPU in tests/test_benchmarks.py)
+# ---------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Our options before `--`, train.py overrides after it (in a.overrides)."""
+    overrides: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, overrides = argv[:cut], argv[cut + 1:]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--sizes", default="370m,1.3b", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    ap.add_argument("--steps", type=int, default=15, help="timed steps")
+    ap.add_argument("--out", default="outputs/compare_mamba_ssm/results.json", help="JSON results file")
+    ap.add_argument("--work_dir", default="outputs/compare_mamba_ssm", help="our runs' dump folders go here")
+    ap.add_argument("--peak_tflops", type=float, default=H100_BF16_TFLOPS, help="dense bf16 peak for MFU")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per subprocess")
+    ap.add_argument("--skip_theirs", action="store_true")
+    ap.add_argument("--skip_ours", action="store_true")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--_worker", choices=("theirs",), help=argparse.SUPPRESS)
+    ap.add_argument("--_size", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.overrides = overrides
+    a.size_list = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    unknown = [s for s in a.size_list if s not in SIZES]
+    if unknown:
+        ap.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
+    if a.warmup < 1 or a.steps < 1:
+        ap.error("--warmup and --steps must be >= 1 (the first step compiles / autotunes kernels)")
+    return a
+
+
+def ours_command(size: Size, warmup: int, steps: int, dump_folder: str, overrides: list[str],
+                 python: str = sys.executable) -> list[str]:
+    """train.py for warmup + steps steps at the size's batch, metrics every step; overrides come last (win)."""
+    return [python, "train.py", "--job.config_file", size.config, "--job.dump_folder", dump_folder,
+            "--training.steps", str(warmup + steps), "--training.local_batch_size", str(size.batch),
+            "--training.global_batch_size", "-1", "--training.seq_len", str(size.seq_len),
+            "--training.dataset", "default", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
+            "--checkpoint.enable", "false", "--validation.enable", "false", *overrides]
+
+
+def summarize_ours(records: list[dict], warmup: int) -> dict:
+    """Throughput over the timed steps from metrics.jsonl (one record per step, each step the same tokens):
+    total tokens / total time = the harmonic mean of the per-step tokens/s. Memory: the peak so far (max)."""
+    last = {r["step"]: r for r in records}  # the last record of a step wins
+    timed = [last[s] for s in sorted(last) if s > warmup]
+    if not timed:
+        raise ValueError(f"no metrics after step {warmup} (steps logged: {sorted(last)})")
+    tps = len(timed) / sum(1.0 / r["tokens_per_sec"] for r in timed)
+    return {"tokens_per_sec": tps, "memory_gib": max(r["memory_gib"] for r in records),
+            "timed_steps": len(timed), "final_loss": timed[-1]["loss"], "mfu_logged": timed[-1].get("mfu", 0.0)}
+
+
+def summarize_times(step_seconds: list[float], warmup: int, tokens_per_step: int) -> dict:
+    timed = step_seconds[warmup:]
+    if not timed:
+        raise ValueError(f"no timed steps: {len(step_seconds)} steps, warmup {warmup}")
+    return {"tokens_per_sec": tokens_per_step * len(timed) / sum(timed), "timed_steps": len(timed)}
+
+
+def model_args_for(size: Size, side: str):
+    """ModelArgs of either side: ours from the flavor; theirs the same sizes with MambaConfig's vocabulary."""
+    from models.args import build_model_args
+
+    if side == "ours":
+        return build_model_args(size.flavor, {})
+    return build_model_args(size.flavor, {"vocab_size": THEIR_VOCAB, "pad_vocab_size_multiple": THEIR_PAD})
+
+
+def flops_per_token(size: Size, side: str) -> dict:
+    """{"6n": 6 x matmul params per token, "ssd": with the conv / SSD terms} (training FLOPs per token)."""
+    from components.metrics import model_flops_per_token
+
+    ssd, six_n = model_flops_per_token(model_args_for(size, side), size.seq_len)
+    return {"6n": six_n, "ssd": ssd}
+
+
+def mfu(tokens_per_sec: float, flops: float, peak_tflops: float) -> float:
+    return tokens_per_sec * flops / (peak_tflops * 1e12)
+
+
+def their_config_kwargs(size: Size) -> dict:
+    """MambaConfig for mamba_ssm's MambaLMHeadModel matching the flavor (Mamba2 layers, no MLP)."""
+    args = model_args_for(size, "theirs")
+    return dict(d_model=args.d_model, d_intermediate=0, n_layer=args.n_layers, vocab_size=THEIR_VOCAB,
+                pad_vocab_size_multiple=THEIR_PAD, rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                tie_embeddings=True,
+                ssm_cfg={"layer": "Mamba2", "d_state": args.d_state, "d_conv": args.d_conv, "expand": args.expand,
+                         "headdim": args.headdim, "ngroups": args.ngroups, "chunk_size": args.chunk_size})
+
+
+def add_mfu(rec: dict, size: Size, peak_tflops: float) -> dict:
+    for side in ("ours", "theirs"):
+        r = rec.get(side)
+        if r and "tokens_per_sec" in r:
+            f = flops_per_token(size, side)
+            r["mfu_6n"] = mfu(r["tokens_per_sec"], f["6n"], peak_tflops)
+            r["mfu_ssd"] = mfu(r["tokens_per_sec"], f["ssd"], peak_tflops)
+    return rec
+
+
+def _fmt(value, spec: str) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+COLUMNS = ("model", "config", "tok/s ours", "tok/s theirs", "ours/theirs", "GiB ours", "GiB theirs",
+           "MFU 6N ours", "MFU 6N theirs", "MFU SSD ours", "MFU SSD theirs")
+
+
+def table_row(rec: dict) -> list[str]:
+    o, t = rec.get("ours") or {}, rec.get("theirs") or {}
+    ratio = (o["tokens_per_sec"] / t["tokens_per_sec"]
+             if o.get("tokens_per_sec") and t.get("tokens_per_sec") else None)
+    config = " ".join([f"{rec['batch']}x{rec['seq_len']}", *rec.get("overrides", [])])
+    return [rec["size"], config,
+            _fmt(o.get("tokens_per_sec"), ",.0f"), _fmt(t.get("tokens_per_sec"), ",.0f"), _fmt(ratio, ".3f"),
+            _fmt(o.get("memory_gib"), ".1f"), _fmt(t.get("memory_gib"), ".1f"),
+            _fmt(o.get("mfu_6n"), ".1%"), _fmt(t.get("mfu_6n"), ".1%"),
+            _fmt(o.get("mfu_ssd"), ".1%"), _fmt(t.get("mfu_ssd"), ".1%")]
+
+
+def format_table(records: list[dict]) -> str:
+    """A Markdown table (renders in docs/performance.md as is); failed sides show their error below it."""
+    rows = [list(COLUMNS)] + [table_row(r) for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in records:
+        for side in ("ours", "theirs"):
+            if (r.get(side) or {}).get("error"):
+                lines.append(f"{r['size']} {side} failed: {r[side]['error']}")
+    return "\n".join(lines)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last_result_line(stdout: str) -> dict:
+    """The worker prints `RESULT {json}` as its last such line."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        raise ValueError("the worker printed no RESULT line")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The two sides
+# ---------------------------------------------------------------------------------------------------------
+def _tail(text: str, n: int = 1500) -> str:
+    return text[-n:].strip().replace("\n", " | ")
+
+
+def run_ours(size: Size, a: argparse.Namespace) -> dict:
+    dump = os.path.join(a.work_dir, f"{size.name}-ours")
+    if os.path.isdir(dump):
+        shutil.rmtree(dump)  # ours alone: a stale metrics.jsonl would mix into this run's records
+    cmd = ours_command(size, a.warmup, a.steps, dump, a.overrides, a.python)
+    print("+ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {a.timeout} s"}
+    if r.returncode != 0:
+        return {"error": f"exit {r.returncode}: {_tail(r.stdout + r.stderr)}"}
+    out = summarize_ours(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def run_theirs(size: Size, a: argparse.Namespace) -> dict:
+    cmd = [a.python, os.path.abspath(__file__), "--_worker", "theirs", "--_size", size.name,
+           "--warmup", str(a.warmup), "--steps", str(a.steps)]
+    print("+ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {a.timeout} s"}
+    if r.returncode != 0:
+        return {"error": f"exit {r.returncode}: {_tail(r.stdout + r.stderr)}"}
+    out = last_result_line(r.stdout)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda") -> dict:
+    """mamba-ssm's MambaLMHeadModel in a plain loop (runs in its own process; device_type cpu only for tests,
+    with a stand-in mamba_ssm)."""
+    import torch
+    import torch.nn.functional as F
+
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("the mamba_ssm side needs CUDA (use --skip_theirs elsewhere)")
+    import mamba_ssm
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    on_gpu = device_type == "cuda"
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train.py does
+    device = torch.device(device_type)
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
+    model = MambaLMHeadModel(MambaConfig(**their_config_kwargs(size)), device=device, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    seconds, losses = [], []
+    for _ in range(warmup + steps):
+        tokens = torch.randint(0, THEIR_VOCAB, (size.batch, size.seq_len + 1), device=device, generator=gen)
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=on_gpu):
+            logits = model(tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        del logits
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # our trainer also reads the loss every step
+        sync()
+        seconds.append(time.perf_counter() - t0)
+    out = summarize_times(seconds, warmup, size.batch * size.seq_len)
+    out.update(memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else float("nan"),
+               final_loss=losses[-1], losses=losses, n_params=n_params, vocab_rows=model.lm_head.weight.shape[0],
+               gpu=torch.cuda.get_device_name(device) if on_gpu else "cpu", torch=torch.__version__,
+               mamba_ssm=getattr(mamba_ssm, "__version__", "?"), step_seconds=seconds)
+    return out
+
+
+def write_json(path: str, records: list[dict], a: argparse.Namespace) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    meta = {"warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops, "overrides": a.overrides}
+    with open(path, "w") as f:
+        json.dump({"settings": meta, "results": records}, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if a._worker == "theirs":
+        print("RESULT " + json.dumps(theirs_worker(SIZES[a._size], a.warmup, a.steps)), flush=True)
+        return []
+    records = []
+    for name in a.size_list:
+        size = SIZES[name]
+        rec = {**{k: v for k, v in asdict(size).items() if k != "name"}, "size": name, "overrides": a.overrides,
+               "ours": None, "theirs": None}
+        records.append(rec)
+        if not a.skip_theirs:
+            rec["theirs"] = run_theirs(size, a)
+            add_mfu(rec, size, a.peak_tflops)
+            write_json(a.out, records, a)  # after every run: a later timeout keeps what finished
+        if not a.skip_ours:
+            rec["ours"] = run_ours(size, a)
+            add_mfu(rec, size, a.peak_tflops)
+            write_json(a.out, records, a)
+    print(format_table(records), flush=True)
+    print(f"results: {a.out}", flush=True)
+    return records
+
+
+if __name__ == "__main__":
+    main()
