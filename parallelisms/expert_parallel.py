@@ -136,8 +136,8 @@ class ExpertParallelGroupedExperts(GroupedExperts):
             raise ValueError(f"expert parallel: got counts for {counts_E.numel()} experts, expected the global "
                              f"{self.num_experts}")
         recv_counts_IE = exchange_counts(counts_E, ep, group)
-        send_splits = counts_E.view(ep, -1).sum(1).tolist()
-        recv_splits = recv_counts_IE.sum(1).tolist()
+        splits = torch.cat([counts_E.view(ep, -1).sum(1), recv_counts_IE.sum(1)]).tolist()  # one host sync
+        send_splits, recv_splits = splits[:ep], splits[ep:]
         # [T*K, D] -> [sum recv_splits, D]: rows from every ep rank for this rank's experts, by source rank
         x_recv_TD = all_to_all_tokens(x_sorted_TD, send_splits, recv_splits, group)
         if recv_counts_IE.shape[1] > 1 and ep > 1:
