@@ -21,9 +21,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
+# Wrappers that insert a level into parameter names without changing the model (activation checkpointing,
+# torch.compile, FSDP1-style flat wrappers); the canonical name, which seeds the generator, leaves them out.
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def canonical_name(fqn: str) -> str:
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
+
+
 def _param_generator(seed: int, fqn: str, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2**63))
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(canonical_name(fqn).encode())) % (2**63))
     return g
 
 

@@ -124,3 +124,29 @@ def test_document_isolation_through_the_model():
     out2 = model(changed, seq_idx=seq_idx)
     torch.testing.assert_close(out2[:, 19:], out[:, 19:], rtol=1e-12, atol=1e-12)
     assert not torch.allclose(out2[:, :19], out[:, :19])
+
+
+@pytest.mark.parametrize("wrap", ["activation_checkpoint", "compile"])
+def test_init_ignores_wrapper_names(wrap):
+    """Activation checkpointing and torch.compile wrap blocks; initial weights must not change."""
+    from configs.job_config import ActivationCheckpoint
+    from models.init import canonical_name
+    from parallelisms.activation_checkpoint import apply_activation_checkpoint
+    from parallelisms.compile import apply_compile
+
+    args = build_model_args("debug", dict(n_layers=2))
+    plain = build_model_on_meta(args)
+    plain.to_empty(device="cpu")
+    init_weights(plain, seed=5)
+    wrapped = build_model_on_meta(args)
+    if wrap == "compile":
+        apply_compile(wrapped)
+    else:
+        apply_activation_checkpoint(wrapped, ActivationCheckpoint(mode="full"))
+    wrapped.to_empty(device="cpu")
+    init_weights(wrapped, seed=5)
+    ref = dict(plain.named_parameters())
+    names = dict(wrapped.named_parameters())
+    assert any(n != canonical_name(n) for n in names)
+    for name, p in names.items():
+        assert torch.equal(p, ref[canonical_name(name)]), name

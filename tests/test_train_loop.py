@@ -64,3 +64,10 @@ def test_chunked_loss_through_the_trainer(tmp_path):
     full = run_training(1, PARITY_ARGS, tmp_path / "full")
     chunked = run_training(1, PARITY_ARGS + ["--training.loss_chunk_tokens", "24"], tmp_path / "chunked")
     assert_same_losses(full, chunked)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_the_losses(tmp_path, mode):
+    plain = run_training(1, PARITY_ARGS, tmp_path / "plain")
+    ac = run_training(1, PARITY_ARGS + ["--activation_checkpoint.mode", mode], tmp_path / mode)
+    assert_same_losses(plain, ac)

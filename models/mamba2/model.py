@@ -89,7 +89,13 @@ class Mamba2LM(nn.Module):
         return logits_BSV if labels is None else cross_entropy_sum(logits_BSV, labels)
 
     def set_kernel_backend(self, backend: str) -> None:
-        """'auto' or 'reference' for every mixer and norm (see model.kernels)."""
+        """'auto' or 'reference' for the Mamba mixers and the norms (see model.kernels).
+
+        Attention and experts have their own backends (sdpa / flex / flash, grouped_mm / loop) and keep "auto".
+        """
+        from models.mamba2.mixer import Mamba2Mixer
+        from models.norms import GatedRMSNorm, RMSNorm
+
         for m in self.modules():
-            if hasattr(m, "backend"):
+            if isinstance(m, (Mamba2Mixer, RMSNorm, GatedRMSNorm)):
                 m.backend = backend
