@@ -2,10 +2,11 @@
 # Multi-GPU runs of every parallelism on one host (NCCL), compared with the 1-GPU run of the same global batch.
 #   bash .gpu/setup.sh && OUT=/path bash benchmarks/multi_gpu.sh PHASE [PHASE ...]
 # Phases:
-#   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2, PP2xFSDP2, CP2xFSDP2, CP4, PP2xCP2
-#   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP2, EP4, PP2xFSDP2xEP2
-#   scaling  370M, 8 x 2048 per GPU, 15 steps on 1, 2 and 4 GPUs (weak scaling of tokens/s per GPU)
-#   longctx  370M, one sequence of 32k / 64k / 128k tokens, full activation checkpointing, cp 1 / 2 / 4
+#   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP4, HSDP 2x2, PP2xFSDP2, CP2xFSDP2 (balanced), PP2xCP2
+#   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP4, PP2xFSDP2xEP2
+#   scaling  370M, 8 x 2048 per GPU, 12 steps on 1, 2 and 4 GPUs (weak scaling of tokens/s per GPU)
+#   longctx  370M, one sequence of 32k tokens at cp 1 / 2 / 4 and 128k at cp 4, full activation checkpointing
+#   bubble   PP2 step time and bubble per schedule (benchmarks/pp_bubble.py, 370M width, 16 layers)
 # Each phase prints a table (benchmarks/compare_runs.py) and leaves metrics.jsonl + logs under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,28 +34,24 @@ for PHASE in "$@"; do
        --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false)
     P=--parallelism
     run 1gpu 1 $C "${A[@]}"
-    run fsdp2 2 $C "${A[@]}" $P.data_parallel_shard_degree 2
     run fsdp4 4 $C "${A[@]}" $P.data_parallel_shard_degree 4
     run hsdp2x2 4 $C "${A[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
-    run pp2 2 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4
     run pp2xfsdp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4
-    run cp2xfsdp2 4 $C "${A[@]}" $P.context_parallel_degree 2
-    run cp4 4 $C "${A[@]}" $P.context_parallel_degree 4 $P.context_parallel_load_balance true
+    run cp2xfsdp2 4 $C "${A[@]}" $P.context_parallel_degree 2 $P.context_parallel_load_balance true
     run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
-    python3 benchmarks/compare_runs.py --ref "$OUT/parity/1gpu" "$OUT"/parity/{fsdp2,fsdp4,hsdp2x2,pp2,pp2xfsdp2,cp2xfsdp2,cp4,pp2xcp2} --json "$OUT/parity.json" ;;
+    python3 benchmarks/compare_runs.py --ref "$OUT/parity/1gpu" "$OUT"/parity/{fsdp4,hsdp2x2,pp2xfsdp2,cp2xfsdp2,pp2xcp2} --json "$OUT/parity.json" ;;
   hybrid)
     C=configs/hybrid_moe_1b.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 8 --training.local_batch_size 2
        --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7)
     P=--parallelism
     run 1gpu 1 $C "${A[@]}"
-    run ep2 2 $C "${A[@]}" $P.expert_parallel_degree 2
     run ep4 4 $C "${A[@]}" $P.expert_parallel_degree 4
     run pp2xfsdp2xep2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 2 $P.expert_parallel_degree 2
-    python3 benchmarks/compare_runs.py --ref "$OUT/hybrid/1gpu" "$OUT"/hybrid/{ep2,ep4,pp2xfsdp2xep2} --json "$OUT/hybrid.json" ;;
+    python3 benchmarks/compare_runs.py --ref "$OUT/hybrid/1gpu" "$OUT"/hybrid/{ep4,pp2xfsdp2xep2} --json "$OUT/hybrid.json" ;;
   scaling)
     C=configs/mamba2_370m.toml
-    A=(--training.steps 15 --training.seq_len 2048 --training.local_batch_size 8 --metrics.log_freq 1)
+    A=(--training.steps 12 --training.seq_len 2048 --training.local_batch_size 8 --metrics.log_freq 1)
     run 1gpu 1 $C "${A[@]}"
     run fsdp2 2 $C "${A[@]}"
     run fsdp4 4 $C "${A[@]}"
@@ -62,15 +59,20 @@ for PHASE in "$@"; do
   longctx)
     C=configs/mamba2_370m.toml
     P=--parallelism
-    for L in 32768 65536 131072; do
-      A=(--training.steps 6 --training.seq_len $L --training.local_batch_size 1 --training.global_batch_size 1
+    for L in 32768 131072; do
+      A=(--training.steps 5 --training.seq_len $L --training.local_batch_size 1 --training.global_batch_size 1
          --activation_checkpoint.mode full --training.loss_chunk_tokens 8192 --metrics.log_freq 1)
       for CP in 1 2 4; do
-        [ $L -ge 131072 ] && [ $CP -lt 2 ] && continue
+        [ $L -ge 131072 ] && [ $CP -lt 4 ] && continue
         run seq${L}_cp${CP} $CP $C "${A[@]}" $P.context_parallel_degree $CP $P.data_parallel_shard_degree 1
       done
     done
     python3 benchmarks/compare_runs.py --rtol 1 --skip 2 --ref "$OUT/longctx/seq32768_cp1" "$OUT"/longctx/seq* --json "$OUT/longctx.json" ;;
+  bubble)
+    mkdir -p "$OUT/bubble"
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/pp_bubble.py --flavor 370M --n_layers 16 \
+      --seq_len 2048 --microbatches 8 --steps 4 --schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble \
+      --json "$OUT/bubble/bubble.jsonl" 2>&1 | grep -v Warning | tail -12 ;;
   *) echo "unknown phase $PHASE" ;;
   esac
 done
