@@ -40,6 +40,16 @@ for PHASE in "$@"; do
     run cp2xfsdp2 4 $C "${A[@]}" $P.context_parallel_degree 2 $P.context_parallel_load_balance true
     run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
     python3 benchmarks/compare_runs.py --ref "$OUT/parity/1gpu" "$OUT"/parity/{fsdp4,hsdp2x2,pp2xfsdp2,cp2xfsdp2,pp2xcp2} --json "$OUT/parity.json" ;;
+  stable)  # the parity set at a stable learning rate (3e-4), where bf16 rounding differences do not get amplified
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false
+       --optimizer.lr 3e-4)
+    P=--parallelism
+    run 1gpu 1 $C "${A[@]}"
+    run fsdp4 4 $C "${A[@]}" $P.data_parallel_shard_degree 4
+    run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
+    python3 benchmarks/compare_runs.py --ref "$OUT/stable/1gpu" "$OUT"/stable/{fsdp4,pp2xcp2} --json "$OUT/stable.json" ;;
   hybrid)
     C=configs/hybrid_moe_1b.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 8 --training.local_batch_size 2
