@@ -9,6 +9,7 @@ schedule, clip, step, log, save).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from checkpoint.manager import CheckpointManager, complete_steps
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.optimizer import build_lr_scheduler, build_optimizer
-from components.profiling import StepProfiler
+from components.profiling import StepProfiler, validate_profiling
 from components.validation import Validator
 from configs.job_config import JobConfig
 from configs.parser import ConfigError, help_text, load_config
@@ -29,6 +30,7 @@ from data.tokenizer import build_tokenizer
 from models import build_model_args, build_model_on_meta
 from models.init import init_weights
 from models.loss import cross_entropy_sum
+from parallelisms import parallelize_part
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.mesh import ParallelDims, coords, group
 
@@ -99,27 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model_on_meta(model_args)
     model.set_kernel_backend("reference" if cfg.model.kernels == "reference" else "auto")
 
-    def parallelize(part):
-        if pdims.cp_enabled:
-            from parallelisms.context_parallel import apply_context_parallel
-
-            apply_context_parallel(part, mesh["cp"].get_group(), cfg.parallelism.context_parallel_load_balance)
-        if pdims.ep_enabled:
-            from parallelisms.expert_parallel import apply_expert_parallel
-
-            apply_expert_parallel(part, pdims)
-        from parallelisms.activation_checkpoint import apply_activation_checkpoint
-
-        apply_activation_checkpoint(part, cfg.activation_checkpoint)
-        if cfg.compile.enable:
-            from parallelisms.compile import apply_compile
-
-            apply_compile(part)
-        if pdims.fsdp_enabled:
-            from parallelisms.fsdp import apply_fsdp
-
-            apply_fsdp(part, mesh, cfg.parallelism, param_dtype=compute_dtype, pdims=pdims)
-        return part
+    parallelize = functools.partial(parallelize_part, cfg=cfg, pdims=pdims, mesh=mesh, param_dtype=compute_dtype)
 
     loss_scale = {"global_tokens": 1.0}  # set per step; the pipeline's loss_fn reads it
     # FSDP averages gradients over dp_cp ranks; each rank's loss is its share of the global token mean, so
@@ -203,22 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                 loss_sum = pipeline_step(pp_schedule, has_first_stage, has_last_stage, input_ids, labels, seq_idx,
                                          grad_scale, loss_scale["global_tokens"], device)
         else:
-            loss_sum = torch.zeros((), device=device)
-            micro = cfg.training.local_batch_size
-            n_micro = input_ids.shape[0] // micro
-            for moe in moe_layers:
-                moe.aux_loss_scale = 1.0 / n_micro  # aux / z losses: mean over microbatches (and, by FSDP, ranks)
-            for i in range(n_micro):
-                rows = slice(i * micro, (i + 1) * micro)
-                sync = i == n_micro - 1
-                for part in model_parts:
-                    if hasattr(part, "set_requires_gradient_sync"):
-                        part.set_requires_gradient_sync(sync)  # reduce-scatter once, after the last microbatch
-                with amp:  # the model returns the summed token loss of the microbatch
-                    mb_loss = model_parts[0](input_ids[rows], seq_idx=seq_idx[rows], labels=labels[rows],
-                                             loss_chunk_tokens=cfg.training.loss_chunk_tokens)
-                (mb_loss * (grad_scale / loss_scale["global_tokens"])).backward()
-                loss_sum += mb_loss.detach()
+            loss_sum = microbatch_steps(model_parts[0], input_ids, labels, seq_idx, cfg.training.local_batch_size,
+                                        grad_scale / loss_scale["global_tokens"], cfg.training.loss_chunk_tokens,
+                                        amp, moe_layers)
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
         if world_size > 1:
             dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
@@ -259,6 +228,30 @@ def main(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: float, loss_chunk_tokens: int,
+                     amp, moe_layers: list) -> torch.Tensor:
+    """Forward / backward of this rank's rows in microbatches of `micro` rows (gradient accumulation).
+
+    Each microbatch's summed token loss is scaled by `loss_scale` (= dp_cp / global token count) before
+    backward, so the accumulated, FSDP-averaged gradient is that of the global token mean. Returns the
+    unscaled loss sum.
+    """
+    loss_sum = torch.zeros((), device=input_ids.device)
+    n_micro = input_ids.shape[0] // micro
+    for moe in moe_layers:
+        moe.aux_loss_scale = 1.0 / n_micro  # aux / z losses: mean over microbatches (and, by FSDP, ranks)
+    for i in range(n_micro):
+        rows = slice(i * micro, (i + 1) * micro)
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last microbatch
+        with amp:  # the model returns the summed token loss of the microbatch
+            mb_loss = model(input_ids[rows], seq_idx=seq_idx[rows], labels=labels[rows],
+                            loss_chunk_tokens=loss_chunk_tokens)
+        (mb_loss * loss_scale).backward()
+        loss_sum += mb_loss.detach()
+    return loss_sum
 
 
 def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, seq_idx, grad_scale: float,
@@ -320,6 +313,10 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
                 validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
         except ValueError as e:
             errs.append(str(e))
+    try:
+        validate_profiling(cfg.profiling)
+    except ValueError as e:
+        errs.append(str(e))
     if pdims.pp_enabled and cfg.validation.enable:
         errs.append("validation.enable is not supported with pipeline parallel yet; set validation.enable false "
                     "and score checkpoints with evaluate.py")
