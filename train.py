@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
         batch = loader.next_batch()
         input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "seq_idx"))
+        if not cfg.training.document_masking:
+            seq_idx = None  # one stream per row; labels still never cross a document end
         if pdims.cp_enabled:
             # Tokens and labels are split along the sequence; seq_idx stays whole, since after the all-to-all
             # every layer sees the whole sequence for its slice of heads.
@@ -247,7 +249,7 @@ def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: 
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last microbatch
         with amp:  # the model returns the summed token loss of the microbatch
-            mb_loss = model(input_ids[rows], seq_idx=seq_idx[rows], labels=labels[rows],
+            mb_loss = model(input_ids[rows], seq_idx=None if seq_idx is None else seq_idx[rows], labels=labels[rows],
                             loss_chunk_tokens=loss_chunk_tokens)
         (mb_loss * loss_scale).backward()
         loss_sum += mb_loss.detach()
@@ -263,10 +265,11 @@ def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, 
     """
     losses: list[torch.Tensor] | None = [] if has_last else None
     target = labels if has_last else None
+    kwargs = {} if seq_idx is None else {"seq_idx": seq_idx}
     if has_first:
-        schedule.step(input_ids, seq_idx=seq_idx, target=target, losses=losses)
+        schedule.step(input_ids, target=target, losses=losses, **kwargs)
     else:
-        schedule.step(seq_idx=seq_idx, target=target, losses=losses)
+        schedule.step(target=target, losses=losses, **kwargs)
     if not has_last:
         return torch.zeros((), device=device)
     # The loss_fn returned sum * grad_scale / global_tokens per microbatch; undo the scaling for logging.

@@ -87,6 +87,8 @@ class Validator:
 
                     lb = self.cfg.parallelism.context_parallel_load_balance
                     input_ids, labels = (shard_sequence(t, self.cp_rank, self.cp, lb) for t in (input_ids, labels))
+                if not self.cfg.training.document_masking:
+                    seq_idx = None  # score as training sees the rows: one stream each
                 with self._amp():
                     logits = model(input_ids, seq_idx=seq_idx)
                 sums[0] += token_loss_sum(logits, labels).double()

@@ -63,6 +63,9 @@ class Training:
     local_batch_size: int = doc(8, "Sequences per forward/backward on one data-parallel rank (the microbatch).")
     seq_len: int = doc(256, "Tokens per sequence (packed from several documents).")
     steps: int = doc(100, "Optimizer steps to train.")
+    document_masking: bool = doc(
+        True, "Documents packed into a row are independent: seq_idx resets the conv and SSM state and masks attention "
+        "at each document start. false: the row is one stream (Megatron's default; faster kernels).")
     loss_chunk_tokens: int = doc(
         0, "Compute lm_head + cross-entropy over chunks of this many tokens (recomputed in backward) so the full "
         "[tokens, vocab] logits never exist; 0 = one pass. Not used on pipeline stages.")
@@ -104,7 +107,8 @@ class Parallelism:
     data_parallel_replicate_degree: int = doc(1, "HSDP replicas (dp_replicate).")
     data_parallel_shard_degree: int = doc(-1, "FSDP shard degree (dp_shard); -1 = whatever the others leave.")
     fsdp_reshard_after_forward: str = doc(
-        "default", "default: reshard except the last block; always; never.", choices=("default", "always", "never")
+        "default", "default: reshard except the last block, and not at all under pipeline parallel; always; never.",
+        choices=("default", "always", "never")
     )
     fsdp_cpu_offload: bool = doc(False, "Keep sharded parameters and optimizer state in CPU memory.")
     context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")

@@ -26,9 +26,12 @@ def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_d
     if pdims is not None and pdims.ep > 1:
         expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
     layers = list(model.layers.values())
+    pipelined = pdims is not None and pdims.pp > 1
     for i, layer in enumerate(layers):
-        # The last block's parameters are needed again first in backward: keeping them saves one all-gather.
-        reshard = {"always": True, "never": False}.get(p.fsdp_reshard_after_forward, i < len(layers) - 1)
+        # default: reshard, except the last block (its parameters are needed again first in backward) and
+        # except under pipeline parallel, where every microbatch would all-gather the stage's blocks again.
+        default = not pipelined and i < len(layers) - 1
+        reshard = {"always": True, "never": False}.get(p.fsdp_reshard_after_forward, default)
         if expert_kw is not None:
             _shard_experts(layer, reshard, expert_kw)
         fully_shard(layer, reshard_after_forward=reshard, **kw)

@@ -71,3 +71,14 @@ def test_activation_checkpointing_keeps_the_losses(tmp_path, mode):
     plain = run_training(1, PARITY_ARGS, tmp_path / "plain")
     ac = run_training(1, PARITY_ARGS + ["--activation_checkpoint.mode", mode], tmp_path / mode)
     assert_same_losses(plain, ac)
+
+
+def test_document_masking_off_treats_rows_as_one_stream(tmp_path):
+    """Without document masking the state runs across documents: different losses, and the same under PP."""
+    masked = run_training(1, PARITY_ARGS, tmp_path / "masked")
+    stream = run_training(1, PARITY_ARGS + ["--training.document_masking", "false"], tmp_path / "stream")
+    # state now flows across document starts: beyond the 1e-5 parity tolerance of identical runs
+    assert any(abs(a["loss"] - b["loss"]) > 1e-5 * a["loss"] for a, b in zip(masked[1:], stream[1:]))
+    pp = run_training(2, PARITY_ARGS + ["--training.document_masking", "false",
+                                        "--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp")
+    assert_same_losses(stream, pp)
