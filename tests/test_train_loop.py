@@ -82,3 +82,18 @@ def test_document_masking_off_treats_rows_as_one_stream(tmp_path):
     pp = run_training(2, PARITY_ARGS + ["--training.document_masking", "false",
                                         "--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp")
     assert_same_losses(stream, pp)
+
+
+def test_run_train_sh_on_cpu_with_gloo_and_log_rank(tmp_path):
+    """The launcher: NGPU processes on a machine without CUDA, arguments passed through, LOG_RANK filters output."""
+    import os
+
+    env = dict(os.environ, CONFIG_FILE="configs/debug.toml", NGPU="2", LOG_RANK="1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(["./run_train.sh", *PARITY_ARGS[2:], "--training.steps", "2",
+                        "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "[rank1]" in out and "[rank0]" not in out  # only rank 1's lines are shown
+    records = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2  # rank 0 still writes the metrics
