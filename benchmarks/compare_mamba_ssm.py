@@ -211,40 +211,34 @@ def _tail(text: str, n: int = 1500) -> str:
     return text[-n:].strip().replace("\n", " | ")
 
 
+def _run(cmd: list[str], a: argparse.Namespace, parse) -> dict:
+    """Run one side's subprocess; `parse(stdout)` gives its record (or an error record), plus wall_s."""
+    print("+ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {a.timeout} s"}
+    if r.returncode != 0:
+        return {"error": f"exit {r.returncode}: {_tail(r.stdout + r.stderr)}"}
+    out = parse(r.stdout)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
 def run_ours(size: Size, a: argparse.Namespace) -> dict:
     dump = os.path.join(a.work_dir, f"{size.name}-ours")
     if os.path.isdir(dump):
         shutil.rmtree(dump)  # ours alone: a stale metrics.jsonl would mix into this run's records
     cmd = ours_command(size, a.warmup, a.steps, dump, a.overrides, a.python)
-    print("+ " + " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {a.timeout} s"}
-    if r.returncode != 0:
-        return {"error": f"exit {r.returncode}: {_tail(r.stdout + r.stderr)}"}
-    out = summarize_ours(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup)
-    out["wall_s"] = time.perf_counter() - t0
-    return out
+    return _run(cmd, a, lambda _: summarize_ours(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup))
 
 
 def run_theirs(size: Size, a: argparse.Namespace) -> dict:
     cmd = [a.python, os.path.abspath(__file__), "--_worker", "theirs", "--_size", size.name,
            "--warmup", str(a.warmup), "--steps", str(a.steps)]
-    print("+ " + " ".join(cmd), flush=True)
-    t0 = time.perf_counter()
-    try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {a.timeout} s"}
-    if r.returncode != 0:
-        return {"error": f"exit {r.returncode}: {_tail(r.stdout + r.stderr)}"}
-    out = last_result_line(r.stdout)
-    out["wall_s"] = time.perf_counter() - t0
-    return out
+    return _run(cmd, a, last_result_line)
 
 
 def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda") -> dict:
