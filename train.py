@@ -316,6 +316,9 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
                 validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
         except ValueError as e:
             errs.append(str(e))
+    if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():
+        errs.append("parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
+                    "memory); set it false")
     try:
         validate_profiling(cfg.profiling)
     except ValueError as e:

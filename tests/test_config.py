@@ -49,6 +49,14 @@ def test_help_lists_every_key():
         assert key in text
 
 
+def test_cpu_offload_without_gpu_is_refused(tmp_path):
+    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug.toml",
+                        "--parallelism.fsdp_cpu_offload", "true", "--job.dump_folder", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=dict(__import__("os").environ,
+                                                                              CUDA_VISIBLE_DEVICES=""))
+    assert r.returncode != 0 and "parallelism.fsdp_cpu_offload needs GPUs" in r.stderr
+
+
 def test_train_py_fails_before_compute_with_the_fix(tmp_path):
     r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug.toml",
                         "--training.global_batch_size", "12", "--training.local_batch_size", "8",

@@ -70,3 +70,18 @@ def test_sigkill_then_resume_gives_uninterrupted_losses(tmp_path, first_nproc, r
     assert max(losses_by_step(resumed)) == steps
     assert_same_losses(uninterrupted, resumed, steps=range(interval + 1, steps + 1))
     assert (run_dir / "checkpoint" / f"step-{steps}" / ".metadata").exists()
+
+
+def test_async_checkpoint_resumes_exactly(tmp_path):
+    """checkpoint.async_mode async through the trainer (FSDP2): step-2 written in the background resumes with the
+    uninterrupted losses; keep_latest_k prunes older complete checkpoints."""
+    import shutil
+
+    args = PARITY_ARGS + ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
+                          "async", "--parallelism.data_parallel_shard_degree", "2"]
+    whole = run_training(2, args, tmp_path / "whole")
+    shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    resumed = run_training(2, args + ["--checkpoint.keep_latest_k", "1"], tmp_path / "resumed")
+    assert min(losses_by_step(resumed)) == 3
+    assert_same_losses(whole, resumed, steps=[3, 4])
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoint").iterdir()) == ["step-4"]
