@@ -22,7 +22,7 @@ from checkpoint.manager import CheckpointManager, complete_steps
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.optimizer import build_lr_scheduler, build_optimizer
 from components.profiling import StepProfiler, validate_profiling
-from components.validation import Validator
+from components.validation import PipelineEval, Validator
 from configs.job_config import JobConfig
 from configs.parser import ConfigError, help_text, load_config
 from data.loader import IGNORE_INDEX, build_loader
@@ -144,7 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     start_step = checkpointer.load()
     if start_step:
         log(f"resumed from step {start_step}")
-    validator = Validator(cfg, model_parts, tokenizer, mesh, pdims, device) if cfg.validation.enable else None
+    pipeline_eval = None
+    if pdims.pp_enabled:  # validation's forward-only pass through the same schedule, its loss_fn left unscaled
+        pipeline_eval = PipelineEval(pp_schedule, has_first_stage, has_last_stage,
+                                     lambda: loss_scale.update(global_tokens=grad_scale))
+    validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, device, pipeline=pipeline_eval)
+                 if cfg.validation.enable else None)
     metrics = MetricsLogger(cfg.job.dump_folder, rank == 0, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
                             cfg.training.steps)
     if rank == 0:
@@ -323,9 +328,9 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
         validate_profiling(cfg.profiling)
     except ValueError as e:
         errs.append(str(e))
-    if pdims.pp_enabled and cfg.validation.enable:
-        errs.append("validation.enable is not supported with pipeline parallel yet; set validation.enable false "
-                    "and score checkpoints with evaluate.py")
+    if pdims.pp_enabled and cfg.validation.enable and cfg.validation.local_batch_size * pdims.dp != gbs:
+        errs.append(f"under pipeline parallel validation batches go through the training schedule, so "
+                    f"validation.local_batch_size must equal the rows per data-parallel rank, {gbs // pdims.dp}")
     if pdims.pp_enabled:
         from parallelisms.pipeline import validate_pipeline
 

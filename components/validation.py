@@ -7,7 +7,8 @@
 The loss is the mean over every labelled token of every validation batch of every data-parallel rank (the
 training loss' definition), so it does not depend on the layout: sums and token counts are all-reduced over
 dp_cp, like train.py's loss. evaluate.py runs the same Validator on a checkpoint.
-Pipeline parallel is not supported yet (only the last stage has logits; it needs the schedule's eval pass).
+Under pipeline parallel the batch goes through the schedule's forward-only `eval` pass (`pipeline=`); only the
+last stage has losses, so its sums are all-reduced over the whole world (other stages add zero).
 """
 
 from __future__ import annotations
@@ -30,12 +31,32 @@ def token_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.T
                            reduction="sum")
 
 
+class PipelineEval:
+    """What validation needs of the training pipeline: the schedule, this rank's ends, and a way to make the
+    schedule's loss_fn return plain token-loss sums (train.py's loss_fn scales by `scale_for_sums()`'s inverse)."""
+
+    def __init__(self, schedule, has_first: bool, has_last: bool, set_unscaled_loss):
+        self.schedule, self.has_first, self.has_last = schedule, has_first, has_last
+        self.set_unscaled_loss = set_unscaled_loss
+
+    def loss_sum(self, input_ids, labels, seq_idx) -> torch.Tensor:
+        """Forward-only pass of the whole batch through the pipeline; the summed token loss on the last stage."""
+        self.set_unscaled_loss()
+        losses = [] if self.has_last else None
+        kwargs = {} if seq_idx is None else {"seq_idx": seq_idx}
+        args = (input_ids,) if self.has_first else ()
+        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
+        if not self.has_last:
+            return torch.zeros((), dtype=torch.float64, device=labels.device)
+        return torch.stack([l.detach().double() for l in losses]).sum()
+
+
 class Validator:
-    def __init__(self, cfg, model_parts: list[torch.nn.Module], tokenizer, mesh, pdims, device: torch.device):
-        if pdims is not None and pdims.pp_enabled:
-            raise NotImplementedError(
-                "validation under pipeline parallel is not implemented (only the last stage has logits); set "
-                "--validation.enable false, or evaluate a checkpoint with evaluate.py without pipeline parallel")
+    def __init__(self, cfg, model_parts: list[torch.nn.Module], tokenizer, mesh, pdims, device: torch.device,
+                 pipeline: PipelineEval | None = None):
+        if pdims is not None and pdims.pp_enabled and pipeline is None:
+            raise ValueError("validation under pipeline parallel needs the training schedule (pipeline=PipelineEval)")
+        self.pipeline = pipeline
         v = cfg.validation
         if v.steps == 0 or v.steps < -1:
             raise ValueError(f"validation.steps={v.steps} must be >= 1, or -1 for the whole dataset")
@@ -89,16 +110,24 @@ class Validator:
                     input_ids, labels = (shard_sequence(t, self.cp_rank, self.cp, lb) for t in (input_ids, labels))
                 if not self.cfg.training.document_masking:
                     seq_idx = None  # score as training sees the rows: one stream each
-                with self._amp():
-                    logits = model(input_ids, seq_idx=seq_idx)
-                sums[0] += token_loss_sum(logits, labels).double()
-                sums[1] += (labels != IGNORE_INDEX).sum()
+                if self.pipeline is not None:
+                    with self._amp():
+                        sums[0] += self.pipeline.loss_sum(input_ids, labels, seq_idx)
+                    if self.pipeline.has_last:  # count each token once: on the stage that has its loss
+                        sums[1] += (labels != IGNORE_INDEX).sum()
+                else:
+                    with self._amp():
+                        logits = model(input_ids, seq_idx=seq_idx)
+                    sums[0] += token_loss_sum(logits, labels).double()
+                    sums[1] += (labels != IGNORE_INDEX).sum()
+                    del logits
                 n += 1
-                del logits
         finally:
             for part, mode in zip(self.model_parts, modes):
                 part.train(mode)
-        if self.dp_cp_group is not None:
+        if self.pipeline is not None:
+            dist.all_reduce(sums)  # [2] per rank -> [2] summed over the world (non-last stages hold zeros)
+        elif self.dp_cp_group is not None:
             dist.all_reduce(sums, group=self.dp_cp_group)  # [2] per rank -> [2] summed over dp_cp
         loss_sum, tokens = sums.tolist()
         if tokens == 0:

@@ -102,3 +102,17 @@ def test_evaluate_matches_in_training_validation(tmp_path):
     at2 = [r for r in val if r["step"] == 2]
     assert at2, f"no val_loss record at step 2: {val}"
     assert abs(at2[-1]["val_loss"] - one["val_loss"]) <= 1e-6 * one["val_loss"]
+
+
+def test_validation_under_pipeline_parallel_matches_one_process(tmp_path):
+    """PP2: validation batches go through the schedule's forward-only pass; val_loss equals one process'."""
+    from tests.parity import PARITY_ARGS, run_training
+
+    args = PARITY_ARGS + ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
+                          "--validation.local_batch_size", "8"]
+    ref = {r["step"]: r["val_loss"] for r in run_training(1, args, tmp_path / "one") if "val_loss" in r}
+    pp = {r["step"]: r["val_loss"] for r in run_training(
+        2, args + ["--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp2") if "val_loss" in r}
+    assert sorted(ref) == sorted(pp) == [2, 4]
+    for step in ref:
+        assert abs(pp[step] - ref[step]) <= 1e-5 * ref[step], (step, ref[step], pp[step])
