@@ -79,7 +79,7 @@ def init_weights(model: nn.Module, seed: int, init_std: float = 0.02) -> None:
         if is_dtensor:
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         local.copy_(full)
-    for name, module in model.named_modules():
+    for module in model.modules():
         if hasattr(module, "init_buffers"):
             module.init_buffers()
         else:

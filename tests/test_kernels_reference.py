@@ -1,6 +1,5 @@
 """The pure-PyTorch kernel references against naive per-token loops (float64), forward and gradients."""
 
-import math
 import sys
 
 import pytest

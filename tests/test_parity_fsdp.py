@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.parity import PARITY_ARGS, REPO, assert_same_losses, losses_by_step, read_metrics, run_training
+from tests.parity import PARITY_ARGS, REPO, assert_same_losses, losses_by_step, run_training
 
 
 @pytest.fixture(scope="module")
