@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parallelize = functools.partial(parallelize_part, cfg=cfg, pdims=pdims, mesh=mesh, param_dtype=compute_dtype)
 
-    loss_scale = {"global_tokens": 1.0}  # set per step; the pipeline's loss_fn reads it
+    loss_scale = {"global_tokens": 1.0}  # set per step, a device tensor (no host sync); the pipeline's loss_fn reads it
     # FSDP averages gradients over dp_cp ranks; each rank's loss is its share of the global token mean, so
     # multiplying by dp_cp turns that average into the exact sum.
     grad_scale = float(pdims.dp_cp)
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = peak_flops(device)
     params = [p for part in model_parts for p in part.parameters()]
     moe_layers = [m for part in model_parts for m in part.modules() if hasattr(m, "update_expert_bias")]
+    pp_group = group(mesh, "pp") if pdims.pp_enabled else None
 
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
 
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     for step in range(start_step + 1, cfg.training.steps + 1):
         profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
         batch = loader.next_batch()
-        input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "seq_idx"))
+        input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True)
+                                      for k in ("input_ids", "labels", "seq_idx"))
         if not cfg.training.document_masking:
             seq_idx = None  # one stream per row; labels still never cross a document end
         if pdims.cp_enabled:
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         global_tokens = (labels != IGNORE_INDEX).sum().float()
         if dp_cp_group is not None:
             dist.all_reduce(global_tokens, group=dp_cp_group)
-        loss_scale["global_tokens"] = global_tokens.item()
+        loss_scale["global_tokens"] = global_tokens
 
         if pdims.pp_enabled:
             for moe in moe_layers:
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
         if world_size > 1:
             dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
-        loss = loss_sum.item() / loss_scale["global_tokens"]
+        loss = (loss_sum / global_tokens).item()  # the step's one host sync
         if not math.isfinite(loss):  # the same value on every rank (all-reduced), so all stop together
             checkpointer.close()
             saved = complete_steps(checkpointer.folder) if os.path.isdir(checkpointer.folder) else []
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"complete checkpoint is {f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. "
                      "Lower optimizer.lr (or raise lr_scheduler.warmup_steps) or check the data.")
 
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=group(mesh, "pp") if pdims.pp_enabled else None)
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -237,8 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.destroy_process_group()
 
 
-def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: float, loss_chunk_tokens: int,
-                     amp, moe_layers: list) -> torch.Tensor:
+def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: torch.Tensor,
+                     loss_chunk_tokens: int, amp, moe_layers: list) -> torch.Tensor:
     """Forward / backward of this rank's rows in microbatches of `micro` rows (gradient accumulation).
 
     Each microbatch's summed token loss is scaled by `loss_scale` (= dp_cp / global token count) before
@@ -262,7 +264,7 @@ def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: 
 
 
 def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, seq_idx, grad_scale: float,
-                  global_tokens: float, device) -> torch.Tensor:
+                  global_tokens: torch.Tensor, device) -> torch.Tensor:
     """One optimizer step's forward / backward through the pipeline schedule; returns this rank's loss sum.
 
     Every rank passes seq_idx: the schedule splits each rank's keyword inputs into the same microbatches as
