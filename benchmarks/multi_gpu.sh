@@ -8,11 +8,13 @@
 #   longctx  370M, one sequence of 32k tokens at cp 1 / 2 / 4 and 128k at cp 4, full activation checkpointing
 #   bubble   PP2 step time and bubble per schedule (benchmarks/pp_bubble.py, 370M width, 16 layers)
 # Each phase prints a table (benchmarks/compare_runs.py) and leaves metrics.jsonl + logs under $OUT/<phase>/.
+# Dry run of the plumbing on a CPU (gloo, a tiny model; no figures): NG=4 EXTRA="$(cat benchmarks/tiny_overrides.txt)"
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-./outputs/multi_gpu}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TRITON_CACHE_AUTOTUNING=1
-NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+NG=${NG:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # appended to every run: later overrides win
 
 run() {  # run NAME NGPU CONFIG [overrides...]
   local name=$1 n=$2 cfg=$3; shift 3
@@ -20,7 +22,7 @@ run() {  # run NAME NGPU CONFIG [overrides...]
   local dir="$OUT/$PHASE/$name"; rm -rf "$dir"; mkdir -p "$dir"
   local t0=$SECONDS
   CONFIG_FILE=$cfg NGPU=$n FORCE_TORCHRUN=1 timeout 400 ./run_train.sh --job.dump_folder "$dir" \
-    --checkpoint.enable false --metrics.enable_tensorboard false "$@" > "$dir/log.txt" 2>&1
+    --checkpoint.enable false --metrics.enable_tensorboard false "$@" "${EXTRA_ARGS[@]}" > "$dir/log.txt" 2>&1
   echo "$name: rc=$? $((SECONDS - t0))s $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | cut -c1-160)"
   [ -s "$dir/metrics.jsonl" ] || tail -20 "$dir/log.txt"
 }
@@ -80,8 +82,8 @@ for PHASE in "$@"; do
     python3 benchmarks/compare_runs.py --rtol 1 --skip 2 --ref "$OUT/longctx/seq32768_cp1" "$OUT"/longctx/seq* --json "$OUT/longctx.json" ;;
   bubble)
     mkdir -p "$OUT/bubble"
-    timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/pp_bubble.py --flavor 370M --n_layers 16 \
-      --seq_len 2048 --microbatches 8 --steps 4 --schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble \
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/pp_bubble.py --flavor ${BUBBLE_FLAVOR:-370M} \
+      --n_layers 16 --seq_len ${BUBBLE_SEQ:-2048} --microbatches 8 --steps 4 --schedules GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble \
       --json "$OUT/bubble/bubble.jsonl" 2>&1 | grep -v Warning | tail -12 ;;
   *) echo "unknown phase $PHASE" ;;
   esac
