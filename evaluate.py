@@ -27,7 +27,7 @@ import torch.distributed as dist
 from checkpoint.export import load_model_weights
 from checkpoint.manager import complete_steps
 from components.validation import Validator
-from configs.parser import ConfigError, help_text, load_config
+from configs.parser import ConfigError, load_config_or_exit
 from data.tokenizer import build_tokenizer
 from models import build_model_args, build_model_on_meta
 from models.init import init_weights
@@ -97,15 +97,9 @@ def evaluate(cfg, device: torch.device, world_size: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from train import init_distributed
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(__doc__)
-        print(help_text())
+    cfg = load_config_or_exit(argv, usage=__doc__)
+    if cfg is None:
         return
-    try:
-        cfg = load_config(argv)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = init_distributed(world_size)
     try:

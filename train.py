@@ -24,7 +24,7 @@ from components.optimizer import build_lr_scheduler, build_optimizer
 from components.profiling import StepProfiler, validate_profiling
 from components.validation import PipelineEval, Validator
 from configs.job_config import JobConfig
-from configs.parser import ConfigError, help_text, load_config
+from configs.parser import ConfigError, load_config_or_exit
 from data.loader import IGNORE_INDEX, build_loader
 from data.tokenizer import build_tokenizer
 from models import build_model_args, build_model_on_meta
@@ -67,15 +67,10 @@ def set_determinism(cfg: JobConfig, device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
-        return
     # 1. Config: TOML + overrides, validated before any process group or compute.
-    try:
-        cfg = load_config(argv)
-    except ConfigError as e:
-        sys.exit(f"config error: {e}")
+    cfg = load_config_or_exit(argv)
+    if cfg is None:
+        return
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         pdims = ParallelDims.from_config(cfg.parallelism, world_size)

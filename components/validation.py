@@ -19,16 +19,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from data.loader import IGNORE_INDEX, build_loader
+from models.loss import cross_entropy_sum
 from parallelisms.mesh import coords, group
-
-
-def token_loss_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Summed fp32 cross-entropy over labelled tokens (IGNORE_INDEX labels don't count), as in training."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
 
 
 class PipelineEval:
@@ -118,7 +112,7 @@ class Validator:
                 else:
                     with self._amp():
                         logits = model(input_ids, seq_idx=seq_idx)
-                    sums[0] += token_loss_sum(logits, labels).double()
+                    sums[0] += cross_entropy_sum(logits, labels).double()
                     sums[1] += (labels != IGNORE_INDEX).sum()
                     del logits
                 n += 1

@@ -93,7 +93,7 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = doc(10, "Linear warmup steps from lr * min_lr_factor... to lr (torchtitan semantics).")
+    warmup_steps: int = doc(10, "Linear warmup: step i (0-based) of the first warmup_steps uses lr * (i+1) / (warmup_steps+1).")
     decay_ratio: float = doc(
         -1.0,
         "Fraction of steps spent decaying at the end (warmup-stable-decay); -1 = decay over every step after warmup.",

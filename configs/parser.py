@@ -142,6 +142,19 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     return cfg
 
 
+def load_config_or_exit(argv: list[str] | None = None, usage: str = "") -> JobConfig | None:
+    """The command-line entry of train.py / evaluate.py: --help prints `usage` and every key (returns None);
+    a bad config exits with its message before anything else happens."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print((usage + "\n" if usage else "") + help_text())
+        return None
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        sys.exit(f"config error: {e}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group (the mesh checks the world-size products)."""
     from models.args import FLAVORS, build_model_args

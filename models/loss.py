@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from data.packing import IGNORE_INDEX  # the label the packer gives document ends and padding
 
 
 def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
