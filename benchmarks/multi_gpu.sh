@@ -2,6 +2,9 @@
 # Multi-GPU runs of every parallelism on one host (NCCL), compared with the 1-GPU run of the same global batch.
 #   bash .gpu/setup.sh && OUT=/path bash benchmarks/multi_gpu.sh PHASE [PHASE ...]
 # Phases:
+#   stable   the parity set at lr 3e-4: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2xCP2 (130M, global batch 16, 20 steps)
+#            (step 8 of every run is profiled; benchmarks/trace_summary.py splits it into compute / NCCL / idle)
+#   nccl     collective time and bus bandwidth for 0.25-256 MiB per rank (benchmarks/nccl_bandwidth.py)
 #   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP4, HSDP 2x2, PP2xFSDP2, CP2xFSDP2 (balanced), PP2xCP2
 #   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP4, PP2xFSDP2xEP2
 #   scaling  370M, 8 x 2048 per GPU, 12 steps on 1, 2 and 4 GPUs (weak scaling of tokens/s per GPU)
@@ -46,16 +49,55 @@ for PHASE in "$@"; do
     C=configs/mamba2_130m.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
        --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false
-       --optimizer.lr 3e-4)
+       --optimizer.lr 3e-4 --profiling.enable_profiling true --profiling.profile_steps "[8]")
+    P=--parallelism
+    run 1gpu 1 $C "${A[@]}"
+    run fsdp2 2 $C "${A[@]}" $P.data_parallel_shard_degree 2
+    run fsdp4 4 $C "${A[@]}" $P.data_parallel_shard_degree 4
+    run hsdp2x2 4 $C "${A[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
+    run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
+    python3 benchmarks/compare_runs.py --ref "$OUT/stable/1gpu" "$OUT"/stable/{fsdp2,fsdp4,hsdp2x2,pp2xcp2} --json "$OUT/stable.json"
+    python3 benchmarks/trace_summary.py --top 8 "$OUT"/stable/*/profile_trace/iteration_8/rank0_trace.json --json "$OUT/stable_traces.jsonl" ;;
+  nccl)  # collective time and bus bandwidth, 0.25-256 MiB per rank
+    python3 -m torch.distributed.run --nproc_per_node "$NG" benchmarks/nccl_bandwidth.py 2>&1 | grep -v Warn ;;
+  parity)
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false)
     P=--parallelism
     run 1gpu 1 $C "${A[@]}"
     run fsdp4 4 $C "${A[@]}" $P.data_parallel_shard_degree 4
+    run hsdp2x2 4 $C "${A[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
+    run pp2xfsdp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4
+    run cp2xfsdp2 4 $C "${A[@]}" $P.context_parallel_degree 2 $P.context_parallel_load_balance true
     run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
-    python3 benchmarks/compare_runs.py --ref "$OUT/stable/1gpu" "$OUT"/stable/{fsdp4,pp2xcp2} --json "$OUT/stable.json" ;;
+    python3 benchmarks/compare_runs.py --ref "$OUT/parity/1gpu" "$OUT"/parity/{fsdp4,hsdp2x2,pp2xfsdp2,cp2xfsdp2,pp2xcp2} --json "$OUT/parity.json" ;;
+  stable)  # the parity set at a stable learning rate (3e-4), where bf16 rounding differences do not get amplified
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false
+       --optimizer.lr 3e-4 --profiling.enable_profiling true --profiling.profile_steps "[8]")
+    P=--parallelism
+    run 1gpu 1 $C "${A[@]}"
+    run fsdp2 2 $C "${A[@]}" $P.data_parallel_shard_degree 2
+    run fsdp4 4 $C "${A[@]}" $P.data_parallel_shard_degree 4
+    run hsdp2x2 4 $C "${A[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
+    run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
+    python3 benchmarks/compare_runs.py --ref "$OUT/stable/1gpu" "$OUT"/stable/{fsdp2,fsdp4,hsdp2x2,pp2xcp2} --json "$OUT/stable.json"
+    python3 benchmarks/trace_summary.py --top 8 "$OUT"/stable/*/profile_trace/iteration_8/rank0_trace.json --json "$OUT/stable_traces.jsonl" ;;
+  profile)  # where an FSDP step's time goes: NCCL sweep, then one traced step of 1 GPU vs FSDP4 (130M, 4 x 2048 per GPU)
+    [ "$NG" -ge 2 ] && python3 -m torch.distributed.run --nproc_per_node "$NG" benchmarks/nccl_bandwidth.py 2>&1 | grep -v Warn
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 10 --training.seq_len 2048 --training.local_batch_size 4 --metrics.log_freq 1
+       --profiling.enable_profiling true --profiling.profile_steps "[8]" ${PROFILE_EXTRA:-})
+    run 1gpu 1 $C "${A[@]}"
+    run fsdp4 4 $C "${A[@]}" --parallelism.data_parallel_shard_degree 4
+    python3 benchmarks/trace_summary.py "$OUT"/profile/*/profile_trace/iteration_8/rank0_trace.json \
+      --json "$OUT/profile.jsonl" ;;
   hybrid)
     C=configs/hybrid_moe_1b.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 8 --training.local_batch_size 2
-       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7)
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.moe_load_balance_coeff 1e-2)
     P=--parallelism
     run 1gpu 1 $C "${A[@]}"
     run ep4 4 $C "${A[@]}" $P.expert_parallel_degree 4

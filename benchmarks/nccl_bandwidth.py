@@ -1,4 +1,4 @@
-"""All-gather / all-reduce bus bandwidth between the GPUs of one host (explains FSDP / CP scaling).
+"""All-reduce / all-gather / reduce-scatter time and bus bandwidth between the GPUs of one host (explains FSDP / CP scaling).
 
     torchrun --nproc_per_node 4 benchmarks/nccl_bandwidth.py
 """
@@ -14,23 +14,25 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    for mib in (8, 64, 256):
-        numel = mib * 2**20 // 2
+    for mib in (0.25, 1, 8, 64, 256):
+        numel = int(mib * 2**20) // 2
         x = torch.randn(numel, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(numel * world, dtype=torch.bfloat16, device="cuda")
-        for name, op in (("all_reduce", lambda: dist.all_reduce(x)),
-                         ("all_gather", lambda: dist.all_gather_into_tensor(out, x))):
-            for _ in range(3):
+        big = torch.empty(numel * world, dtype=torch.bfloat16, device="cuda")
+        for name, op, factor in (
+                ("all_reduce", lambda: dist.all_reduce(x), 2 * (world - 1) / world),
+                ("all_gather", lambda: dist.all_gather_into_tensor(big, x), world - 1),
+                ("reduce_scatter", lambda: dist.reduce_scatter_tensor(x, big), world - 1)):
+            for _ in range(5):
                 op()
             torch.cuda.synchronize()
             t = time.perf_counter()
-            for _ in range(10):
+            for _ in range(20):
                 op()
             torch.cuda.synchronize()
-            dt = (time.perf_counter() - t) / 10
-            factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1)
+            dt = (time.perf_counter() - t) / 20
             if rank == 0:
-                print(f"{name:10s} {mib:4d} MiB/rank: {dt * 1e3:7.2f} ms, bus bandwidth {numel * 2 * factor / dt / 1e9:7.1f} GB/s")
+                print(f"{name:14s} {mib:6.2f} MiB/rank: {dt * 1e3:7.3f} ms, bus bandwidth "
+                      f"{numel * 2 * factor / dt / 1e9:7.1f} GB/s")
     dist.destroy_process_group()
 
 

@@ -174,3 +174,20 @@ def test_script_ours_side_on_cpu(tmp_path, capsys):
     assert saved["results"][0]["ours"]["tokens_per_sec"] == ours["tokens_per_sec"]
     assert saved["settings"]["overrides"] == ["--training.seed", "3"]
     assert "| debug" in capsys.readouterr().out
+
+
+def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
+    """A synthetic step of 100 us: compute 0-40 and 50-70, NCCL 30-60 (10 us hidden by neither), idle 70-100."""
+    from benchmarks.trace_summary import summarize, union_length
+
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 0, "dur": 100},
+              kernel("gemm", 0, 40), kernel("ssd_fwd", 50, 20), kernel("ncclDevKernel_AllGather", 30, 30),
+              kernel("gemm", 120, 10)]  # outside the step: ignored
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarize(str(path))
+    assert (s["wall_ms"], s["compute_ms"], s["nccl_ms"]) == (0.1, 0.06, 0.03)
+    assert abs(s["nccl_exposed_ms"] - 0.01) < 1e-12 and abs(s["idle_ms"] - 0.03) < 1e-12
+    assert s["kernels"] == 3 and s["top"][0][:2] == ("gemm", 1)

@@ -1,0 +1,99 @@
+"""Where the time of a profiled step goes, from a torch profiler chrome trace (profiling.enable_profiling).
+
+    python3 benchmarks/trace_summary.py outputs/run/profile_traces/iteration_10/rank0_trace.json [--top 15]
+
+Prints, for the GPU of that trace: the step's wall time (the ProfilerStep annotation, else the span of its
+kernels), the time the GPU computes (union of the non-NCCL kernels), the time NCCL kernels run and how much of
+it no compute kernel hides, the idle time (no kernel at all: the GPU waits for the host), the number of kernel
+launches, and the kernels that take the most time. A GPU idle for a large share of the step means the step is
+host-bound (launch or Python overhead); exposed NCCL means communication is not overlapped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the (start, end) intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_end is None or s > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = s, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def intersect_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length covered by both interval sets: |A| + |B| - |A u B|."""
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
+def summarize(path: str, top: int = 15) -> dict:
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        raise SystemExit(f"{path}: no GPU kernels in this trace (was it taken on a CPU run?)")
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ProfilerStep#")]
+    if steps:
+        window = (min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps))
+    else:
+        window = (min(e["ts"] for e in kernels), max(e["ts"] + e["dur"] for e in kernels))
+    clip = lambda e: (max(e["ts"], window[0]), min(e["ts"] + e["dur"], window[1]))  # noqa: E731
+    inside = [e for e in kernels if e["ts"] < window[1] and e["ts"] + e["dur"] > window[0]]
+    is_comm = lambda e: "nccl" in e["name"].lower()  # noqa: E731
+    comm = [clip(e) for e in inside if is_comm(e)]
+    compute = [clip(e) for e in inside if not is_comm(e)]
+    wall = window[1] - window[0]
+    busy = union_length(comm + compute)
+    per_kernel = collections.defaultdict(lambda: [0, 0.0])
+    for e in inside:
+        name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
+        per_kernel[name][0] += 1
+        per_kernel[name][1] += clip(e)[1] - clip(e)[0]
+    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+                and "Launch" in str(e.get("name", "")) and window[0] <= e["ts"] <= window[1]]
+    return {
+        "trace": path,
+        "wall_ms": wall / 1e3,
+        "compute_ms": union_length(compute) / 1e3,
+        "nccl_ms": union_length(comm) / 1e3,
+        "nccl_exposed_ms": (union_length(comm) - intersect_length(comm, compute)) / 1e3,
+        "idle_ms": (wall - busy) / 1e3,
+        "kernels": len(inside),
+        "launch_calls": len(launches),
+        "launch_cpu_ms": sum(e["dur"] for e in launches) / 1e3,
+        "top": sorted(((n, c, t / 1e3) for n, (c, t) in per_kernel.items()), key=lambda r: -r[2])[:top],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--json", help="append one JSON line per trace (without the kernel table) to this file")
+    args = ap.parse_args()
+    for path in args.traces:
+        s = summarize(path, args.top)
+        w = s["wall_ms"]
+        print(f"== {path}\nstep {w:.1f} ms: compute {s['compute_ms']:.1f} ({s['compute_ms'] / w:.0%}), "
+              f"nccl {s['nccl_ms']:.1f} (exposed {s['nccl_exposed_ms']:.1f}, {s['nccl_exposed_ms'] / w:.0%}), "
+              f"GPU idle {s['idle_ms']:.1f} ({s['idle_ms'] / w:.0%}); {s['kernels']} kernels, "
+              f"{s['launch_calls']} launch calls taking {s['launch_cpu_ms']:.1f} ms of host time")
+        for name, count, ms in s["top"]:
+            print(f"  {ms:8.2f} ms {count:5d}x  {name}")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({k: v for k, v in s.items() if k != "top"}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
