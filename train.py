@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     pp_group = group(mesh, "pp") if pdims.pp_enabled else None
 
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
+    graphed = None
+    if cfg.training.cuda_graph:  # one microbatch's forward + backward replayed as one CUDA graph
+        from components.cuda_graph import GraphedMicrobatch
+
+        graphed = GraphedMicrobatch(model_parts[0], compute_dtype, cfg.training.loss_chunk_tokens)
 
     # 7. The loop.
     t_last, tokens_since_log = time.perf_counter(), 0
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             loss_sum = microbatch_steps(model_parts[0], input_ids, labels, seq_idx, cfg.training.local_batch_size,
                                         grad_scale / loss_scale["global_tokens"], cfg.training.loss_chunk_tokens,
-                                        amp, moe_layers)
+                                        amp, moe_layers, graphed)
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
         if world_size > 1:
             dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
@@ -206,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)
         for opt in optimizers:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=graphed is None)  # a CUDA graph adds into the same .grad tensors
         expert_load = moe_step(moe_layers, dp_cp_group)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:
@@ -235,12 +240,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: torch.Tensor,
-                     loss_chunk_tokens: int, amp, moe_layers: list) -> torch.Tensor:
+                     loss_chunk_tokens: int, amp, moe_layers: list, graphed=None) -> torch.Tensor:
     """Forward / backward of this rank's rows in microbatches of `micro` rows (gradient accumulation).
 
     Each microbatch's summed token loss is scaled by `loss_scale` (= dp_cp / global token count) before
     backward, so the accumulated, FSDP-averaged gradient is that of the global token mean. Returns the
-    unscaled loss sum.
+    unscaled loss sum. `graphed` (training.cuda_graph) replays the same forward + backward as a CUDA graph.
     """
     loss_sum = torch.zeros((), device=input_ids.device)
     n_micro = input_ids.shape[0] // micro
@@ -248,6 +253,10 @@ def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: 
         moe.aux_loss_scale = 1.0 / n_micro  # aux / z losses: mean over microbatches (and, by FSDP, ranks)
     for i in range(n_micro):
         rows = slice(i * micro, (i + 1) * micro)
+        if graphed is not None:
+            loss_sum += graphed(input_ids[rows], labels[rows], None if seq_idx is None else seq_idx[rows],
+                                loss_scale)
+            continue
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(i == n_micro - 1)  # reduce-scatter once, after the last microbatch
         with amp:  # the model returns the summed token loss of the microbatch
@@ -328,6 +337,8 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
     if pdims.pp_enabled and cfg.validation.enable and cfg.validation.local_batch_size * pdims.dp != gbs:
         errs.append(f"under pipeline parallel validation batches go through the training schedule, so "
                     f"validation.local_batch_size must equal the rows per data-parallel rank, {gbs // pdims.dp}")
+    if t.cuda_graph:
+        errs += cuda_graph_errors(cfg, pdims, model_args)
     if pdims.pp_enabled:
         from parallelisms.pipeline import validate_pipeline
 
@@ -338,6 +349,23 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
         errs += validate_expert_parallel(model_args, pdims)
     if errs:
         raise ConfigError("invalid job:\n  - " + "\n  - ".join(errs))
+
+
+def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args) -> list[str]:
+    """What training.cuda_graph cannot capture (see components/cuda_graph.py), each with its fix."""
+    errs = []
+    if not torch.cuda.is_available():
+        errs.append("training.cuda_graph needs a CUDA GPU; set it false on this machine")
+    if pdims.world_size > 1:
+        errs.append(f"training.cuda_graph runs on one GPU only (this job has {pdims.world_size} processes: FSDP, "
+                    "PP, CP and EP hooks and collectives are not captured); set it false or run with NGPU=1")
+    if cfg.compile.enable:
+        errs.append("training.cuda_graph and compile.enable are exclusive; set one of them false")
+    other = sorted(set(model_args.layer_types) - {"M", "-"})
+    if other:
+        errs.append(f"training.cuda_graph supports Mamba ('M') and MLP ('-') layers; this model has {other} "
+                    "(attention builds document masks and MoE routes tokens by data-dependent counts); set it false")
+    return errs
 
 
 if __name__ == "__main__":

@@ -76,6 +76,9 @@ class Training:
     )
     seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
     deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
+    cuda_graph: bool = doc(
+        False, "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
+        "launch cost; pays when the host, not the GPU, limits the step). One GPU, Mamba / MLP layers, no compile.")
 
 
 @dataclass

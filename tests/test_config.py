@@ -64,3 +64,22 @@ def test_train_py_fails_before_compute_with_the_fix(tmp_path):
     assert r.returncode != 0
     assert "training.local_batch_size=8" in r.stderr and "global_batch_size" in r.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_cuda_graph_refuses_what_it_cannot_capture():
+    """Every reason is named before compute; the same checks pass for a one-GPU Mamba job (CUDA aside)."""
+    from configs.parser import load_config
+    from models import build_model_args
+    from parallelisms.mesh import ParallelDims
+    from train import cuda_graph_errors
+
+    def errors(argv, world):
+        cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.cuda_graph", "true", *argv])
+        return cuda_graph_errors(cfg, ParallelDims.from_config(cfg.parallelism, world),
+                                 build_model_args(cfg.model.flavor, cfg.model_overrides))
+
+    cuda = ["training.cuda_graph needs a CUDA GPU"] if not __import__("torch").cuda.is_available() else []
+    assert [e.split(";")[0] for e in errors([], 1)] == cuda
+    msgs = " | ".join(errors(["--compile.enable", "true", "--model.flavor", "hybrid_moe_debug"], 2))
+    assert "one GPU only (this job has 2 processes" in msgs
+    assert "compile.enable are exclusive" in msgs and "['*', 'E']" in msgs

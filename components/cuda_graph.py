@@ -1,0 +1,102 @@
+"""One microbatch's forward + backward captured once as a CUDA graph and replayed for every microbatch.
+
+Why: a Mamba-2 layer launches ~80 kernels per forward + backward (in_proj, conv, five SSD Triton kernels, gated
+norm, out_proj, add + norm, and their backwards). On one H200 the 130M model at 4 x 2048 tokens keeps the GPU
+busy for only 18% of a step; the rest is the host launching kernels (Python, Triton launchers), measured with
+benchmarks/trace_summary.py (docs/performance.md). A replayed graph launches all of them with one call.
+
+    graphed = GraphedMicrobatch(model, compute_dtype, loss_chunk_tokens)      # nothing captured yet
+    loss_sum = graphed(input_ids_BS, labels_BS, seq_idx_BS, loss_scale)       # capture on first call, then replay
+
+What a replay does equals the eager code: loss = model(...) (summed token loss), (loss * loss_scale).backward(),
+gradients ADDED to the parameters' .grad. Hence:
+- every shape is fixed at capture (the microbatch's [rows, seq_len]); a different shape is an error;
+- .grad tensors are the graph's outputs and must stay the same tensors: zero them with
+  `optimizer.zero_grad(set_to_none=False)` (train.py does so when training.cuda_graph is on);
+- nothing in the forward may synchronise with the host or choose shapes from data. That holds for Mamba-2 and
+  MLP layers; attention (document masks built from seq_idx) and MoE (data-dependent token counts) do not
+  qualify, and train.py refuses them, with FSDP / PP / CP / EP and compile, before any compute.
+Capture runs a few warm-up passes first on a side stream (Triton autotuning, cuBLAS workspaces, .grad
+allocation); their gradients are discarded, so the first step's gradients are exactly the eager ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+
+class GraphedMicrobatch:
+    """Replays forward + backward of `model` for one microbatch of a fixed shape; see the module docstring."""
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, loss_chunk_tokens: int, warmup: int = 3):
+        self.model, self.compute_dtype, self.loss_chunk_tokens, self.warmup = (
+            model, compute_dtype, loss_chunk_tokens, warmup)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: dict[str, torch.Tensor | None] = {}
+        self.static_loss: torch.Tensor | None = None
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        # The weight-cast cache would hold casts made during capture outside the graph's memory pool.
+        return torch.autocast("cuda", dtype=self.compute_dtype, cache_enabled=False)
+
+    def _forward_backward(self) -> torch.Tensor:
+        s = self.static
+        with self._autocast():
+            loss = self.model(s["input_ids"], seq_idx=s["seq_idx"], labels=s["labels"],
+                              loss_chunk_tokens=self.loss_chunk_tokens)
+        (loss * s["loss_scale"]).backward()
+        return loss.detach()
+
+    def _copy_in(self, input_ids, labels, seq_idx, loss_scale) -> None:
+        s = self.static
+        if tuple(input_ids.shape) != tuple(s["input_ids"].shape) or (seq_idx is None) != (s["seq_idx"] is None):
+            raise RuntimeError(
+                f"training.cuda_graph: the graph was captured for microbatches of shape "
+                f"{tuple(s['input_ids'].shape)} (seq_idx {'absent' if s['seq_idx'] is None else 'given'}), got "
+                f"{tuple(input_ids.shape)} (seq_idx {'absent' if seq_idx is None else 'given'}); keep "
+                "training.local_batch_size and training.seq_len fixed, or set training.cuda_graph false")
+        s["input_ids"].copy_(input_ids, non_blocking=True)
+        s["labels"].copy_(labels, non_blocking=True)
+        if seq_idx is not None:
+            s["seq_idx"].copy_(seq_idx, non_blocking=True)
+        s["loss_scale"].copy_(loss_scale)
+
+    def _capture(self, input_ids, labels, seq_idx, loss_scale) -> None:
+        self.static = {"input_ids": input_ids.clone(), "labels": labels.clone(),
+                       "seq_idx": None if seq_idx is None else seq_idx.clone(),
+                       "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32, device=input_ids.device).clone()}
+        stash = [None if p.grad is None else p.grad.clone() for p in self.params]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._forward_backward()
+        torch.cuda.current_stream().wait_stream(side)
+        for p in self.params:
+            if p.grad is None:  # the graph must ADD into an existing .grad, not allocate a new one
+                p.grad = torch.zeros_like(p)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (the loader's pinning, async checkpoint saves) may go on.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.static_loss = self._forward_backward()
+        for p, saved in zip(self.params, stash):  # drop the warm-up passes' gradients
+            if saved is None:
+                p.grad.zero_()
+            else:
+                p.grad.copy_(saved)
+
+    @torch.compiler.disable
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
+                 loss_scale: torch.Tensor) -> torch.Tensor:
+        """The microbatch's summed token loss (a new tensor); its scaled gradients are added to .grad."""
+        if self.graph is None:
+            self._capture(input_ids, labels, seq_idx, loss_scale)
+        self._copy_in(input_ids, labels, seq_idx, loss_scale)
+        self.graph.replay()
+        return self.static_loss.clone()
