@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=graphed is None)  # a CUDA graph adds into the same .grad tensors
-        expert_load = moe_step(moe_layers, dp_cp_group)
+        worst_expert_load = moe_step(moe_layers, dp_cp_group, pp_group)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:
             sched.step()
@@ -225,9 +225,11 @@ def main(argv: list[str] | None = None) -> None:
             dt = time.perf_counter() - t_last
             # tokens/s per device: tokens this rank's data-parallel replica processed / pp stages sharing them
             tps = tokens_since_log / dt / pdims.pp
-            metrics.log(step, {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": tps,
-                               "mfu": tps * flops_per_token / peak if peak else 0.0,
-                               "memory_gib": memory_gib(device), **expert_load, **val})
+            record = {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": tps,
+                      "mfu": tps * flops_per_token / peak if peak else 0.0, "memory_gib": memory_gib(device), **val}
+            if worst_expert_load is not None:  # busiest expert / mean, worst MoE layer (E / top_k at most)
+                record["moe_max_load_ratio"] = worst_expert_load.item()
+            metrics.log(step, record)
             t_last, tokens_since_log = time.perf_counter(), 0
         checkpointer.save(step, last_step=step == cfg.training.steps)
 
@@ -287,22 +289,27 @@ def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, 
     return torch.stack([l.detach().float() for l in losses]).sum() * (global_tokens / grad_scale)
 
 
-def moe_step(moe_layers: list, dp_cp_group) -> dict:
+def moe_step(moe_layers: list, dp_cp_group, pp_group) -> torch.Tensor | None:
     """After the optimizer step: global expert loads, the auxiliary-loss-free bias update, load metrics.
 
     Each MoE layer counted the tokens routed to each expert on this rank; the sum over dp x cp is the global
-    batch's load, identical on every rank, so the bias update keeps the replicas equal.
+    batch's load, identical on every rank, so the bias update keeps the replicas equal. Returns the busiest
+    expert's load over the mean, worst over all MoE layers of the model (max over pipeline stages), as a device
+    tensor: read on logging steps only, so it adds no host sync.
     """
     if not moe_layers:
-        return {}
-    worst = 0.0
+        return None
+    ratios = []
     for moe in moe_layers:
         if dp_cp_group is not None:
             dist.all_reduce(moe.tokens_per_expert, group=dp_cp_group)
         load = moe.tokens_per_expert.float()
-        worst = max(worst, (load.max() / load.mean().clamp(min=1)).item())
+        ratios.append(load.max() / load.mean().clamp(min=1))
         moe.update_expert_bias()
-    return {"moe_max_load_ratio": worst}  # busiest expert / mean, over this rank's MoE layers
+    worst = torch.stack(ratios).max()
+    if pp_group is not None:  # stages hold different layers: report the worst of the whole model on every rank
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp_group)
+    return worst
 
 
 def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> None:

@@ -39,6 +39,9 @@ def assert_same_grad_norms(ref: list[dict], got: list[dict], rtol: float = 1e-5)
 def assert_parity(ref: list[dict], got: list[dict]) -> None:
     assert_same_losses(ref, got)
     assert_same_grad_norms(ref, got)
+    # the worst expert load of the whole model: global loads, max over layers and (under PP) over stages
+    ref_r, got_r = ({r["step"]: r["moe_max_load_ratio"] for r in rs} for rs in (ref, got))
+    assert all(abs(got_r[s] - ref_r[s]) <= 1e-5 * ref_r[s] for s in ref_r), (ref_r, got_r)
 
 
 @pytest.fixture(scope="module")
