@@ -160,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     pp_group = group(mesh, "pp") if pdims.pp_enabled else None
 
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
+    flat_grads = None
+    if pdims.ddp_enabled:  # after the checkpoint load, which needs .grad unset: every .grad becomes a view of one buffer
+        from parallelisms.data_parallel import FlatGradients
+
+        flat_grads = FlatGradients(params, group(mesh, "dp"))
     graphed = None
     if cfg.training.cuda_graph:  # one microbatch's forward + backward replayed as one CUDA graph
         from components.cuda_graph import GraphedMicrobatch
@@ -197,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum = microbatch_steps(model_parts[0], input_ids, labels, seq_idx, cfg.training.local_batch_size,
                                         grad_scale / loss_scale["global_tokens"], cfg.training.loss_chunk_tokens,
                                         amp, moe_layers, graphed)
+        if flat_grads is not None:
+            flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
         if world_size > 1:
             dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
@@ -211,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)
         for opt in optimizers:
             opt.step()
-            opt.zero_grad(set_to_none=graphed is None)  # a CUDA graph adds into the same .grad tensors
+            # a CUDA graph and the DDP buffer both hold on to the same .grad tensors
+            opt.zero_grad(set_to_none=graphed is None and flat_grads is None)
         worst_expert_load = moe_step(moe_layers, dp_cp_group, pp_group)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:
@@ -363,9 +371,10 @@ def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args) -> list[s
     errs = []
     if not torch.cuda.is_available():
         errs.append("training.cuda_graph needs a CUDA GPU; set it false on this machine")
-    if pdims.world_size > 1:
-        errs.append(f"training.cuda_graph runs on one GPU only (this job has {pdims.world_size} processes: FSDP, "
-                    "PP, CP and EP hooks and collectives are not captured); set it false or run with NGPU=1")
+    if pdims.world_size > 1 and not pdims.ddp_enabled:
+        errs.append(f"training.cuda_graph runs on one GPU or under plain data parallel (only "
+                    f"data_parallel_replicate_degree = NGPU); this job has {pdims.world_size} processes with FSDP, "
+                    "PP or CP, whose hooks and collectives are not captured; set it false or change the layout")
     if cfg.compile.enable:
         errs.append("training.cuda_graph and compile.enable are exclusive; set one of them false")
     other = sorted(set(model_args.layer_types) - {"M", "-"})

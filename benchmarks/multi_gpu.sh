@@ -4,6 +4,7 @@
 # Phases:
 #   stable   the parity set at lr 3e-4: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2xCP2 (130M, global batch 16, 20 steps)
 #            (step 8 of every run is profiled; benchmarks/trace_summary.py splits it into compute / NCCL / idle)
+#   ddp      weak scaling 1 / 2 / 4 GPUs with plain data parallel + training.cuda_graph (130M), and DDP4 eager
 #   nccl     collective time and bus bandwidth for 0.25-256 MiB per rank (benchmarks/nccl_bandwidth.py)
 #   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP4, HSDP 2x2, PP2xFSDP2, CP2xFSDP2 (balanced), PP2xCP2
 #   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP4, PP2xFSDP2xEP2
@@ -59,6 +60,18 @@ for PHASE in "$@"; do
     run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
     python3 benchmarks/compare_runs.py --ref "$OUT/stable/1gpu" "$OUT"/stable/{fsdp2,fsdp4,hsdp2x2,pp2xcp2} --json "$OUT/stable.json"
     python3 benchmarks/trace_summary.py --top 8 "$OUT"/stable/*/profile_trace/iteration_8/rank0_trace.json --json "$OUT/stable_traces.jsonl" ;;
+  ddp)  # weak scaling with plain data parallel + CUDA graphs (130M, 4 x 2048 per GPU) next to FSDP
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.local_batch_size 4 --metrics.log_freq 1
+       --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4 --training.seed 7 --model.tie_embeddings false)
+    G=(--training.cuda_graph true)
+    R=--parallelism.data_parallel_replicate_degree
+    run 1gpu 1 $C "${A[@]}" --training.global_batch_size 4
+    run 1gpu_graph 1 $C "${A[@]}" --training.global_batch_size 4 "${G[@]}"
+    run ddp2_graph 2 $C "${A[@]}" --training.global_batch_size 8 $R 2 --parallelism.data_parallel_shard_degree 1 "${G[@]}"
+    run ddp4_graph 4 $C "${A[@]}" --training.global_batch_size 16 $R 4 --parallelism.data_parallel_shard_degree 1 "${G[@]}"
+    run ddp4 4 $C "${A[@]}" --training.global_batch_size 16 $R 4 --parallelism.data_parallel_shard_degree 1
+    python3 benchmarks/compare_runs.py --rtol 1 --ref "$OUT/ddp/1gpu" "$OUT"/ddp/{1gpu_graph,ddp2_graph,ddp4_graph,ddp4} --json "$OUT/ddp.json" ;;
   nccl)  # collective time and bus bandwidth, 0.25-256 MiB per rank
     python3 -m torch.distributed.run --nproc_per_node "$NG" benchmarks/nccl_bandwidth.py 2>&1 | grep -v Warn ;;
   parity)

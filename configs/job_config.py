@@ -78,7 +78,8 @@ class Training:
     deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
     cuda_graph: bool = doc(
         False, "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
-        "launch cost; pays when the host, not the GPU, limits the step). One GPU, Mamba / MLP layers, no compile.")
+        "launch cost; pays when the host, not the GPU, limits the step). One GPU or plain data parallel "
+        "(data_parallel_replicate_degree only), Mamba / MLP layers, no compile.")
 
 
 @dataclass
@@ -107,7 +108,8 @@ class LRScheduler:
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = doc(1, "HSDP replicas (dp_replicate).")
+    data_parallel_replicate_degree: int = doc(
+        1, "HSDP replicas (dp_replicate); the only degree > 1 (no shard / CP / PP): plain data parallel (DDP).")
     data_parallel_shard_degree: int = doc(-1, "FSDP shard degree (dp_shard); -1 = whatever the others leave.")
     fsdp_reshard_after_forward: str = doc(
         "default", "default: reshard except the last block, and not at all under pipeline parallel; always; never.",

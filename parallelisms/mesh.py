@@ -65,8 +65,14 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def ddp_enabled(self) -> bool:
+        """dp_replicate is the only parallelism: plain data parallel (parallelisms/data_parallel.py), as in
+        torchtitan. Under PP, dp_replicate stays FSDP's replica dimension (HSDP with shard 1)."""
+        return self.dp_replicate > 1 and self.dp_shard == 1 and self.cp == 1 and self.pp == 1
+
+    @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.cp > 1 or self.dp_replicate > 1
+        return (self.dp_shard * self.cp > 1 or self.dp_replicate > 1) and not self.ddp_enabled
 
     @property
     def pp_enabled(self) -> bool:

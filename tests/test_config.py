@@ -81,5 +81,6 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
     cuda = ["training.cuda_graph needs a CUDA GPU"] if not __import__("torch").cuda.is_available() else []
     assert [e.split(";")[0] for e in errors([], 1)] == cuda
     msgs = " | ".join(errors(["--compile.enable", "true", "--model.flavor", "hybrid_moe_debug"], 2))
-    assert "one GPU only (this job has 2 processes" in msgs
+    assert "this job has 2 processes with FSDP" in msgs
+    assert not [e for e in errors(["--parallelism.data_parallel_replicate_degree", "2"], 2) if "processes" in e]
     assert "compile.enable are exclusive" in msgs and "['*', 'E']" in msgs

@@ -31,6 +31,29 @@ def test_fsdp2_with_gradient_accumulation(reference, tmp_path):
     assert_same_losses(reference, got)
 
 
+DDP2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+
+
+def test_ddp2_with_gradient_accumulation(reference, tmp_path):
+    """dp_replicate alone is plain data parallel (one all-reduce of a flat gradient buffer, no FSDP): two
+    microbatches per step accumulate into the buffer's views, which optimizer.zero_grad must keep."""
+    assert_same_losses(reference, run_training(2, PARITY_ARGS + DDP2, tmp_path))
+
+
+@pytest.mark.parametrize("save, resume", [(2, 0), (0, 2)], ids=["ddp2-to-fsdp2", "fsdp2-to-ddp2"])
+def test_checkpoint_between_ddp_and_fsdp(reference, tmp_path, save, resume):
+    """DDP saves whole (replicated) tensors, FSDP shards: a step-2 checkpoint of one resumes under the other."""
+    import shutil
+
+    layout = {2: DDP2, 0: ["--parallelism.data_parallel_shard_degree", "2"]}
+    args = PARITY_ARGS + ["--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    run_training(2, args + layout[save], tmp_path / "first")
+    shutil.copytree(tmp_path / "first" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
+    resumed = run_training(2, args + layout[resume], tmp_path / "resumed")
+    assert sorted(losses_by_step(resumed)) == [3, 4]
+    assert_same_losses(reference, resumed, steps=[3, 4])
+
+
 def _launch(nproc: int, args: list[str], dump_folder) -> subprocess.Popen:
     cmd = [sys.executable]
     if nproc > 1:

@@ -26,10 +26,14 @@ ARGS = ["--job.config_file", "configs/debug.toml", "--training.steps", "6", "--t
         "1024", "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
 
 
-def _train(args: list[str], folder: Path) -> list[dict]:
-    cmd = [sys.executable, "train.py", *ARGS, *args, "--job.dump_folder", str(folder)]
-    r = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, CUDA_VISIBLE_DEVICES="0"), capture_output=True,
-                       text=True, timeout=600, check=False)
+def _train(args: list[str], folder: Path, nproc: int = 1) -> list[dict]:
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+                "--rdzv_endpoint=localhost:0"]
+    cmd += ["train.py", *ARGS, *args, "--job.dump_folder", str(folder)]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(nproc))))
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -44,3 +48,14 @@ def test_graph_replay_matches_eager(tmp_path, precision, rtol):
         bad = [(a["step"], a[key], b[key]) for a, b in zip(eager, graphed) if abs(a[key] - b[key]) > rtol * abs(a[key])]
         assert not bad, f"{precision} {key} (step, eager, graph): {bad}"
     assert graphed[-1]["loss"] < graphed[0]["loss"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_graph_under_plain_data_parallel_matches_one_gpu(tmp_path):
+    """DDP2 (data_parallel_replicate_degree 2): each rank replays its graph, then one all-reduce; fp32."""
+    fp32 = ["--training.mixed_precision_param", "float32"]
+    one = _train(fp32, tmp_path / "one")
+    ddp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    got = _train(fp32 + ddp + ["--training.cuda_graph", "true"], tmp_path / "ddp2", nproc=2)
+    bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
+    assert len(got) == 6 and not bad, f"loss (step, 1 GPU, DDP2 + graph): {bad}"

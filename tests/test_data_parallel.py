@@ -1,0 +1,66 @@
+"""parallelisms/data_parallel.FlatGradients (plain data parallel): .grad become views of one buffer, one
+all-reduce averages them, and the trainer selects it exactly when dp_replicate is the only parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from configs.job_config import Parallelism
+from parallelisms.data_parallel import FlatGradients
+from parallelisms.mesh import ParallelDims
+from tests.dist_utils import run_distributed
+
+
+def _two_microbatches_on_each_rank(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    grads = FlatGradients(list(model.parameters()), dist.group.WORLD)
+    gen = torch.Generator().manual_seed(100 + rank)  # every rank its own data
+    for _ in range(2):
+        model(torch.randn(5, 4, generator=gen)).square().sum().backward()
+    assert all(p.grad is v for p, v in zip(model.parameters(), grads.views))  # accumulated into the views
+    grads.all_reduce()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_all_reduce_is_the_mean_of_every_ranks_accumulated_gradient():
+    got = run_distributed(_two_microbatches_on_each_rank, 3)
+    # the same gradients computed in one process: each rank's two microbatches, summed, then averaged
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    for rank in range(3):
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(2):
+            model(torch.randn(5, 4, generator=gen)).square().sum().backward()
+    want = [p.grad / 3 for p in model.parameters()]
+    for rank_grads in got:
+        for g, w in zip(rank_grads, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def _grad_set_to_none(rank, world_size):
+    model = nn.Linear(2, 2)
+    grads = FlatGradients(list(model.parameters()), dist.group.WORLD)
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"set_to_none=False"):
+        grads.all_reduce()
+    return True
+
+
+def test_a_dropped_view_is_an_error_not_a_silent_unreduced_step():
+    assert run_distributed(_grad_set_to_none, 2) == [True, True]
+
+
+@pytest.mark.parametrize("replicate, shard, cp, pp, ddp", [
+    (2, 1, 1, 1, True), (4, 1, 1, 1, True),
+    (2, 2, 1, 1, False), (2, 1, 2, 1, False), (2, 1, 1, 2, False), (1, 1, 1, 1, False), (1, 4, 1, 1, False),
+])
+def test_ddp_exactly_when_dp_replicate_is_the_only_parallelism(replicate, shard, cp, pp, ddp):
+    p = Parallelism(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard,
+                    context_parallel_degree=cp, pipeline_parallel_degree=pp)
+    dims = ParallelDims.from_config(p, replicate * shard * cp * pp)
+    assert dims.ddp_enabled is ddp
+    assert dims.fsdp_enabled is (not ddp and replicate * shard * cp > 1)
