@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # Names as torch.distributed.pipelining.schedules.get_schedule_class spells them.
@@ -236,6 +237,23 @@ def _leave_no_trace_of_metadata_inference(stage) -> None:
         setattr(stage, name, restoring)
 
 
+def _no_p2p_warmup_to_self(stage) -> None:
+    """torch 2.11 / 2.12 warm up the pipeline's communicators at the first step by a dummy send from every stage
+    to its neighbours' ranks, including a neighbour on the SAME rank (ZBVZeroBubble's V puts stages 1 and 2 of
+    pp 2 on rank 1): a send to oneself, which gloo refuses ("Pair is not connected") and which broke the
+    schedule on GPUs too. Stages on one rank exchange tensors directly, so those ops are dropped. torch 2.13
+    builds its warm-up differently; the filter then finds nothing to drop."""
+    inner = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if inner is None:
+        return
+    me = dist.get_rank(stage.group)
+
+    def without_self(_inner=inner):
+        return [op for op in _inner() if getattr(op, "group_peer", None) != me]
+
+    stage._get_init_p2p_neighbors_ops = without_self
+
+
 def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.device,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    parallelize: Callable[[nn.Module], nn.Module]):
@@ -269,6 +287,7 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
         parts.append(part)
         stage = PipelineStage(part, sid, num_stages, device, group=pp_mesh.get_group())
         _leave_no_trace_of_metadata_inference(stage)
+        _no_p2p_warmup_to_self(stage)
         stages.append(stage)
 
     cls = get_schedule_class(schedule_name)

@@ -10,6 +10,8 @@ For whole-trainer parity runs use tests/parity.py (it launches train.py through 
 
 from __future__ import annotations
 
+import queue as queue_module
+
 import os
 import socket
 import traceback
@@ -50,11 +52,14 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
     errors = []
     try:
         for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+            try:  # after a first error, give the other ranks a moment to report theirs (often the root cause)
+                rank, status, payload = queue.get(timeout=10 if errors else timeout)
+            except queue_module.Empty:
+                break
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
-                break
-            results[rank] = payload
+            else:
+                results[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
