@@ -342,6 +342,9 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
                 validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
         except ValueError as e:
             errs.append(str(e))
+    if cfg.parallelism.fsdp_blocks_per_unit < 1:
+        errs.append(f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 1 "
+                    "(1 = one FSDP unit per block)")
     if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():
         errs.append("parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
                     "memory); set it false")

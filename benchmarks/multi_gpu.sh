@@ -5,6 +5,7 @@
 #   stable   the parity set at lr 3e-4: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2xCP2 (130M, global batch 16, 20 steps)
 #            (step 8 of every run is profiled; benchmarks/trace_summary.py splits it into compute / NCCL / idle)
 #   ddp      weak scaling 1 / 2 / 4 GPUs with plain data parallel + training.cuda_graph (130M), and DDP4 eager
+#   units    FSDP4 with 1 vs 4 blocks per FSDP unit, and without resharding after forward (130M)
 #   nccl     collective time and bus bandwidth for 0.25-256 MiB per rank (benchmarks/nccl_bandwidth.py)
 #   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP4, HSDP 2x2, PP2xFSDP2, CP2xFSDP2 (balanced), PP2xCP2
 #   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP4, PP2xFSDP2xEP2
@@ -73,6 +74,15 @@ for PHASE in "$@"; do
     run ddp4_graph 4 $C "${A[@]}" --training.global_batch_size 16 $R 4 --parallelism.data_parallel_shard_degree 1 "${G[@]}"
     run ddp4 4 $C "${A[@]}" --training.global_batch_size 16 $R 4 --parallelism.data_parallel_shard_degree 1
     python3 benchmarks/compare_runs.py --rtol 1 --ref "$OUT/ddp/1gpu" "$OUT"/ddp/{1gpu_graph,ddp2_graph,ddp4_graph,ddp4} --json "$OUT/ddp.json" ;;
+  units)  # FSDP4 host time: one unit per block vs 4 blocks per unit vs no resharding (130M, 4 x 2048 per GPU)
+    C=configs/mamba2_130m.toml
+    A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
+       --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false
+       --optimizer.lr 3e-4 --parallelism.data_parallel_shard_degree 4)
+    run fsdp4 4 $C "${A[@]}"
+    run fsdp4_units4 4 $C "${A[@]}" --parallelism.fsdp_blocks_per_unit 4
+    run fsdp4_noreshard 4 $C "${A[@]}" --parallelism.fsdp_reshard_after_forward never
+    python3 benchmarks/compare_runs.py --ref "$OUT/units/fsdp4" "$OUT"/units/{fsdp4_units4,fsdp4_noreshard} --json "$OUT/units.json" ;;
   nccl)  # collective time and bus bandwidth, 0.25-256 MiB per rank
     python3 -m torch.distributed.run --nproc_per_node "$NG" benchmarks/nccl_bandwidth.py 2>&1 | grep -v Warn ;;
   hybrid)

@@ -116,6 +116,9 @@ class Parallelism:
         choices=("default", "always", "never")
     )
     fsdp_cpu_offload: bool = doc(False, "Keep sharded parameters and optimizer state in CPU memory.")
+    fsdp_blocks_per_unit: int = doc(
+        1, "Consecutive blocks sharded as one FSDP unit: fewer, larger collectives and fewer hooks (less host time "
+        "per step, which limits small models) for more gathered parameters in memory at once.")
     context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")
     context_parallel_load_balance: bool = doc(
         False, "Shard the sequence as 2*cp chunks, rank r holding chunks r and 2cp-1-r (balances attention)."

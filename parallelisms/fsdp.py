@@ -1,7 +1,8 @@
 """FSDP2 (fully_shard) per block and on the root; HSDP when dp_replicate > 1.
 
 Parameters are sharded over "dp_shard_cp" (dp_shard x cp: CP ranks hold the same parameters, so they
-shard them too) and replicated over "dp_replicate". Each block is one FSDP unit; the root unit holds the
+shard them too) and replicated over "dp_replicate". Each block is one FSDP unit (or each run of
+`fsdp_blocks_per_unit` consecutive blocks: one all-gather and one reduce-scatter for all of them); the root unit holds the
 embedding, norm_f and lm_head (tied embeddings must stay in one unit). Under expert parallel, the routed experts
 of a MoE block are their own unit, sharded over the EP mesh's ("dp_replicate", "efsdp") instead.
 """
@@ -26,15 +27,20 @@ def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_d
     if pdims is not None and pdims.ep > 1:
         expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
     layers = list(model.layers.values())
+    k = p.fsdp_blocks_per_unit
+    if k < 1:
+        raise ValueError(f"parallelism.fsdp_blocks_per_unit={k} must be >= 1")
+    units = [layers[i:i + k] for i in range(0, len(layers), k)]
     pipelined = pdims is not None and pdims.pp > 1
-    for i, layer in enumerate(layers):
-        # default: reshard, except the last block (its parameters are needed again first in backward) and
+    for i, unit in enumerate(units):
+        # default: reshard, except the last unit (its parameters are needed again first in backward) and
         # except under pipeline parallel, where every microbatch would all-gather the stage's blocks again.
-        default = not pipelined and i < len(layers) - 1
+        default = not pipelined and i < len(units) - 1
         reshard = {"always": True, "never": False}.get(p.fsdp_reshard_after_forward, default)
         if expert_kw is not None:
-            _shard_experts(layer, reshard, expert_kw)
-        fully_shard(layer, reshard_after_forward=reshard, **kw)
+            for layer in unit:
+                _shard_experts(layer, reshard, expert_kw)
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", **kw)
     return model
 

@@ -64,3 +64,27 @@ def test_ddp_exactly_when_dp_replicate_is_the_only_parallelism(replicate, shard,
     dims = ParallelDims.from_config(p, replicate * shard * cp * pp)
     assert dims.ddp_enabled is ddp
     assert dims.fsdp_enabled is (not ddp and replicate * shard * cp > 1)
+
+
+def _units_after_fsdp(rank, world_size, blocks_per_unit):
+    from torch.distributed.fsdp import fully_shard
+
+    from models import build_model_args, build_model_on_meta
+    from parallelisms.fsdp import apply_fsdp
+
+    dims = ParallelDims.from_config(Parallelism(data_parallel_shard_degree=2), 2)
+    args = build_model_args("debug", {"n_layers": 5, "d_model": 32, "headdim": 16, "d_state": 8})
+    model = build_model_on_meta(args)
+    apply_fsdp(model, dims.build_mesh("cpu"), Parallelism(fsdp_blocks_per_unit=blocks_per_unit), torch.float32,
+               pdims=dims)
+    states = [fully_shard.state(layer) for layer in model.layers.values()]
+    distinct = []
+    for s in states:
+        if not any(s is d for d in distinct):
+            distinct.append(s)
+    return [sum(1 for s in states if s is d) for d in distinct]  # blocks per FSDP unit, in order
+
+
+@pytest.mark.parametrize("k, sizes", [(1, [1, 1, 1, 1, 1]), (2, [2, 2, 1]), (5, [5])])
+def test_fsdp_blocks_per_unit_groups_consecutive_blocks(k, sizes):
+    assert run_distributed(_units_after_fsdp, 2, k) == [sizes, sizes]

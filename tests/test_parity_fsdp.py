@@ -31,6 +31,15 @@ def test_fsdp2_with_gradient_accumulation(reference, tmp_path):
     assert_same_losses(reference, got)
 
 
+@pytest.mark.parametrize("layout", [
+    ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "3"],  # units 0-2, 3
+    ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+     "--parallelism.fsdp_blocks_per_unit", "2"],
+], ids=["fsdp4-3-blocks-per-unit", "pp2xfsdp2-2-blocks-per-unit"])
+def test_several_blocks_per_fsdp_unit(reference, tmp_path, layout):
+    assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))
+
+
 DDP2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 
 
