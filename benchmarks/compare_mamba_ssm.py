@@ -2,6 +2,7 @@
 
     bash .gpu/setup.sh && python3 benchmarks/compare_mamba_ssm.py --out outputs/compare.json
     python3 benchmarks/compare_mamba_ssm.py --sizes 370m -- --compile.enable true     # extra train.py overrides
+    python3 benchmarks/compare_mamba_ssm.py --variant='--training.cuda_graph true' -- --training.loss_chunk_tokens 8192
     python3 benchmarks/compare_mamba_ssm.py --sizes debug --skip_theirs --warmup 1 --steps 2   # CPU smoke run
 
 For every size, two subprocesses run one after the other (each starts with an empty GPU, so peaks are its own):
@@ -72,6 +73,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--work_dir", default="outputs/compare_mamba_ssm", help="our runs' dump folders go here")
     ap.add_argument("--peak_tflops", type=float, default=H100_BF16_TFLOPS, help="dense bf16 peak for MFU")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per subprocess")
+    ap.add_argument("--variant", action="append", default=[], metavar="OVERRIDES",
+                    help="more runs of ours, each with these train.py overrides added to those after `--`, "
+                         "next to the same run of theirs; repeatable; write it as --variant='--training.x y'")
     ap.add_argument("--skip_theirs", action="store_true")
     ap.add_argument("--skip_ours", action="store_true")
     ap.add_argument("--python", default=sys.executable)
@@ -79,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--_size", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.overrides = overrides
+    a.variant_overrides = [overrides] + [overrides + v.split() for v in a.variant]  # the base run first
     a.size_list = [s.strip() for s in a.sizes.split(",") if s.strip()]
     unknown = [s for s in a.size_list if s not in SIZES]
     if unknown:
@@ -227,11 +232,11 @@ def _run(cmd: list[str], a: argparse.Namespace, parse) -> dict:
     return out
 
 
-def run_ours(size: Size, a: argparse.Namespace) -> dict:
-    dump = os.path.join(a.work_dir, f"{size.name}-ours")
+def run_ours(size: Size, a: argparse.Namespace, overrides: list[str] | None = None, index: int = 0) -> dict:
+    dump = os.path.join(a.work_dir, f"{size.name}-ours" + (f"-{index}" if index else ""))
     if os.path.isdir(dump):
         shutil.rmtree(dump)  # ours alone: a stale metrics.jsonl would mix into this run's records
-    cmd = ours_command(size, a.warmup, a.steps, dump, a.overrides, a.python)
+    cmd = ours_command(size, a.warmup, a.steps, dump, a.overrides if overrides is None else overrides, a.python)
     return _run(cmd, a, lambda _: summarize_ours(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup))
 
 
@@ -305,17 +310,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = []
     for name in a.size_list:
         size = SIZES[name]
-        rec = {**{k: v for k, v in asdict(size).items() if k != "name"}, "size": name, "overrides": a.overrides,
-               "ours": None, "theirs": None}
-        records.append(rec)
-        if not a.skip_theirs:
-            rec["theirs"] = run_theirs(size, a)
+        theirs = None
+        if not a.skip_theirs:  # once per size, shared by every variant of ours
+            theirs = run_theirs(size, a)
+        for i, overrides in enumerate(a.variant_overrides):
+            rec = {**{k: v for k, v in asdict(size).items() if k != "name"}, "size": name, "overrides": overrides,
+                   "ours": None, "theirs": dict(theirs) if theirs else None}
+            records.append(rec)
+            if not a.skip_ours:
+                rec["ours"] = run_ours(size, a, overrides, i)
             add_mfu(rec, size, a.peak_tflops)
             write_json(a.out, records, a)  # after every run: a later timeout keeps what finished
-        if not a.skip_ours:
-            rec["ours"] = run_ours(size, a)
-            add_mfu(rec, size, a.peak_tflops)
-            write_json(a.out, records, a)
     print(format_table(records), flush=True)
     print(f"results: {a.out}", flush=True)
     return records

@@ -176,6 +176,19 @@ def test_script_ours_side_on_cpu(tmp_path, capsys):
     assert "| debug" in capsys.readouterr().out
 
 
+def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
+    a = cmp.parse_args(["--variant=--training.seed 4 --training.cuda_graph false", "--", "--training.seed", "3"])
+    assert a.variant_overrides == [["--training.seed", "3"],
+                                   ["--training.seed", "3", "--training.seed", "4", "--training.cuda_graph", "false"]]
+    recs = cmp.main(["--sizes", "debug", "--skip_theirs", "--warmup", "1", "--steps", "1", "--out",
+                     str(tmp_path / "r.json"), "--work_dir", str(tmp_path / "w"),
+                     "--variant=--training.seed 4", "--", "--training.seed", "3"])
+    assert [r["overrides"] for r in recs] == [["--training.seed", "3"], ["--training.seed", "3", "--training.seed", "4"]]
+    # the later --training.seed wins: different initial weights, so a different first loss
+    first = [cmp.read_jsonl(str(tmp_path / "w" / d / "metrics.jsonl"))[0]["loss"] for d in ("debug-ours", "debug-ours-1")]
+    assert first[0] != first[1]
+
+
 def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
     """A synthetic step of 100 us: compute 0-40 and 50-70, NCCL 30-60 (10 us hidden by neither), idle 70-100."""
     from benchmarks.trace_summary import summarize, union_length
