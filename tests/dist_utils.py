@@ -10,6 +10,7 @@ For whole-trainer parity runs use tests/parity.py (it launches train.py through 
 
 from __future__ import annotations
 
+import pickle
 import queue as queue_module
 
 import os
@@ -33,7 +34,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # Plain pickle copies tensors by value; the queue's own pickler would share their storage through a
+        # file descriptor that dies with this process, racing the parent's unpickling.
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with its traceback
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -59,7 +62,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0):
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
             else:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

@@ -23,7 +23,8 @@ def _two_microbatches_on_each_rank(rank, world_size):
         model(torch.randn(5, 4, generator=gen)).square().sum().backward()
     assert all(p.grad is v for p, v in zip(model.parameters(), grads.views))  # accumulated into the views
     grads.all_reduce()
-    return [p.grad.clone() for p in model.parameters()]
+    # lists, not tensors: torch's queue would share tensor storage with a process that is about to exit
+    return [p.grad.tolist() for p in model.parameters()]
 
 
 def test_all_reduce_is_the_mean_of_every_ranks_accumulated_gradient():
@@ -38,7 +39,7 @@ def test_all_reduce_is_the_mean_of_every_ranks_accumulated_gradient():
     want = [p.grad / 3 for p in model.parameters()]
     for rank_grads in got:
         for g, w in zip(rank_grads, want):
-            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(torch.tensor(g), w, rtol=1e-6, atol=1e-7)
 
 
 def _grad_set_to_none(rank, world_size):
