@@ -15,8 +15,8 @@ gradients ADDED to the parameters' .grad. Hence:
   `optimizer.zero_grad(set_to_none=False)` (train.py does so when training.cuda_graph is on);
 - nothing in the forward may synchronise with the host or choose shapes from data. That holds for Mamba-2 and
   MLP layers; attention (document masks built from seq_idx) and MoE (data-dependent token counts) do not
-  qualify, and train.py refuses them, with FSDP / PP / CP / EP and compile, before any compute. Plain data
-parallel works: its one gradient all-reduce runs after the replays (parallelisms/data_parallel.py).
+  qualify, and train.py refuses them, with FSDP / PP / CP / EP and compile, before any compute.
+Plain data parallel works: its one gradient all-reduce runs after the replays (parallelisms/data_parallel.py).
 Capture runs a few warm-up passes first on a side stream (Triton autotuning, cuBLAS workspaces, .grad
 allocation); their gradients are discarded, so the first step's gradients are exactly the eager ones.
 """
