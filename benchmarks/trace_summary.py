@@ -6,7 +6,8 @@ Prints, for the GPU of that trace: the step's wall time (the ProfilerStep annota
 kernels), the time the GPU computes (union of the non-NCCL kernels), the time NCCL kernels run and how much of
 it no compute kernel hides, the idle time (no kernel at all: the GPU waits for the host), the number of kernel
 launches, and the kernels that take the most time. A GPU idle for a large share of the step means the step is
-host-bound (launch or Python overhead); exposed NCCL means communication is not overlapped.
+host-bound (launch or Python overhead); exposed NCCL means communication is not overlapped. For the host, the
+busiest thread's ops by self time, and how much of the step no traced op covers (Python between ops).
 """
 
 from __future__ import annotations
@@ -36,6 +37,32 @@ def intersect_length(a: list[tuple[float, float]], b: list[tuple[float, float]])
     return union_length(a) + union_length(b) - union_length(a + b)
 
 
+def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
+    """The busiest host thread's ops in the window: their union (traced host time) and each name's self time
+    (duration minus that of the ops nested inside it), from the cpu_op / user_annotation / cuda_runtime events."""
+    by_tid: dict = collections.defaultdict(list)
+    for e in events:
+        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")
+                and window[0] <= e["ts"] < window[1] and not str(e.get("name", "")).startswith("ProfilerStep#")):
+            by_tid[e.get("tid")].append(e)
+    if not by_tid:
+        return {"traced_ms": 0.0, "self_ms": []}
+    tid, evs = max(by_tid.items(), key=lambda kv: union_length([(e["ts"], e["ts"] + e["dur"]) for e in kv[1]]))
+    evs = sorted(evs, key=lambda e: (e["ts"], -e["dur"]))  # a parent starts first (or together, and is longer)
+    self_us: dict = collections.defaultdict(float)
+    stack: list[tuple[float, str]] = []  # (end, name) of the open ops
+    for e in evs:
+        start, end = e["ts"], e["ts"] + e["dur"]
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        self_us[e["name"]] += e["dur"]
+        if stack:
+            self_us[stack[-1][1]] -= min(e["dur"], stack[-1][0] - start)  # the child's time is not its parent's
+        stack.append((end, e["name"]))
+    return {"thread": tid, "traced_ms": union_length([(e["ts"], e["ts"] + e["dur"]) for e in evs]) / 1e3,
+            "self_ms": sorted(((n, t / 1e3) for n, t in self_us.items()), key=lambda r: -r[1])}
+
+
 def summarize(path: str, top: int = 15) -> dict:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -61,8 +88,12 @@ def summarize(path: str, top: int = 15) -> dict:
         per_kernel[name][1] += clip(e)[1] - clip(e)[0]
     launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
                 and "Launch" in str(e.get("name", "")) and window[0] <= e["ts"] <= window[1]]
+    host = host_self_times(events, window)
     return {
         "trace": path,
+        "host_traced_ms": host["traced_ms"],
+        "host_untraced_ms": wall / 1e3 - host["traced_ms"],
+        "host_top": host["self_ms"][:top],
         "wall_ms": wall / 1e3,
         "compute_ms": union_length(compute) / 1e3,
         "nccl_ms": union_length(comm) / 1e3,
@@ -90,9 +121,13 @@ def main():
               f"{s['launch_calls']} launch calls taking {s['launch_cpu_ms']:.1f} ms of host time")
         for name, count, ms in s["top"]:
             print(f"  {ms:8.2f} ms {count:5d}x  {name}")
+        print(f"host: traced ops {s['host_traced_ms']:.1f} ms; outside any traced op {s['host_untraced_ms']:.1f} ms "
+              "(Python between ops: autograd glue, Triton launchers); self time of the busiest thread's ops:")
+        for name, ms in s["host_top"]:
+            print(f"  {ms:8.2f} ms  {name if len(name) < 90 else name[:87] + '...'}")
         if args.json:
             with open(args.json, "a") as f:
-                f.write(json.dumps({k: v for k, v in s.items() if k != "top"}) + "\n")
+                f.write(json.dumps({k: v for k, v in s.items() if k not in ("top", "host_top")}) + "\n")
 
 
 if __name__ == "__main__":

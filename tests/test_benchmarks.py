@@ -204,3 +204,15 @@ def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
     assert (s["wall_ms"], s["compute_ms"], s["nccl_ms"]) == (0.1, 0.06, 0.03)
     assert abs(s["nccl_exposed_ms"] - 0.01) < 1e-12 and abs(s["idle_ms"] - 0.03) < 1e-12
     assert s["kernels"] == 3 and s["top"][0][:2] == ("gemm", 1)
+
+
+def test_trace_summary_host_self_times():
+    """Nested host ops: each name's self time excludes the ops inside it; the busiest thread is chosen."""
+    from benchmarks.trace_summary import host_self_times
+
+    op = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
+    events = [op("step", 0, 10), op("a", 1, 2), op("b", 4, 4), op("launch", 5, 1), op("other", 0, 3, tid=2),
+              op("late", 50, 5)]  # outside the window
+    h = host_self_times(events, (0, 20))
+    assert h["thread"] == 1 and h["traced_ms"] == 0.01
+    assert dict(h["self_ms"]) == {"step": 0.004, "b": 0.003, "a": 0.002, "launch": 0.001}
