@@ -47,7 +47,9 @@ def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
             by_tid[e.get("tid")].append(e)
     if not by_tid:
         return {"traced_ms": 0.0, "self_ms": []}
-    tid, evs = max(by_tid.items(), key=lambda kv: union_length([(e["ts"], e["ts"] + e["dur"]) for e in kv[1]]))
+    covered = {tid: union_length([(e["ts"], e["ts"] + e["dur"]) for e in evs]) for tid, evs in by_tid.items()}
+    tid = max(covered, key=covered.get)
+    evs = by_tid[tid]
     evs = sorted(evs, key=lambda e: (e["ts"], -e["dur"]))  # a parent starts first (or together, and is longer)
     self_us: dict = collections.defaultdict(float)
     stack: list[tuple[float, str]] = []  # (end, name) of the open ops
@@ -59,7 +61,7 @@ def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
         if stack:
             self_us[stack[-1][1]] -= min(e["dur"], stack[-1][0] - start)  # the child's time is not its parent's
         stack.append((end, e["name"]))
-    return {"thread": tid, "traced_ms": union_length([(e["ts"], e["ts"] + e["dur"]) for e in evs]) / 1e3,
+    return {"thread": tid, "traced_ms": covered[tid] / 1e3,
             "self_ms": sorted(((n, t / 1e3) for n, t in self_us.items()), key=lambda r: -r[1])}
 
 

@@ -24,6 +24,14 @@ def mlp_hidden_dim(args: ModelArgs) -> int:
     return args.mlp_hidden_dim or round_up(int(8 * args.d_model / 3), 64)
 
 
+def swiglu_init_(full: torch.Tensor, weight: str, n_layers: int, generator, owner: str) -> None:
+    """Normal(0, 0.02) for w1 / w3; w2, the residual branch's output, scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
+    if weight not in ("w1", "w2", "w3"):
+        raise KeyError(f"{owner}.init_param: unknown parameter {weight!r}")
+    std = 0.02 / math.sqrt(2 * n_layers) if weight == "w2" else 0.02
+    nn.init.normal_(full, mean=0.0, std=std, generator=generator)
+
+
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, n_layers: int, hidden_dim: int | None = None):
         super().__init__()
@@ -36,12 +44,9 @@ class MLP(nn.Module):
     @torch.no_grad()
     def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
         """Fill the full (unsharded) tensor of parameter `name` (relative to this module) in place."""
-        std = 0.02
-        if name == "w2.weight":  # GPT-2: residual-branch output scaled by 1/sqrt(2 * n_layers)
-            std = 0.02 / math.sqrt(2 * self.n_layers)
-        elif name not in ("w1.weight", "w3.weight"):
+        if not name.endswith(".weight"):
             raise KeyError(f"MLP.init_param: unknown parameter {name!r}")
-        nn.init.normal_(full, mean=0.0, std=std, generator=generator)
+        swiglu_init_(full, name.removesuffix(".weight"), self.n_layers, generator, "MLP")
 
     def forward(self, x_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x_BSD)) * self.w3(x_BSD))

@@ -36,15 +36,13 @@ Balancing and metrics:
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from models.args import ModelArgs
-from models.hybrid.mlp import MLP, mlp_hidden_dim
+from models.hybrid.mlp import MLP, mlp_hidden_dim, swiglu_init_
 
 # Rows of each expert's group in the grouped GEMM are padded to a multiple of this (16 bytes of bf16 = 8 rows
 # is the TMA minimum; 16 also covers fp8), so the gemm and its weight-gradient gemm see aligned groups.
@@ -93,12 +91,7 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def init_param(self, name: str, full: torch.Tensor, generator: torch.Generator | None) -> None:
-        std = 0.02
-        if name == "w2":  # GPT-2: residual-branch output scaled by 1/sqrt(2 * n_layers)
-            std = 0.02 / math.sqrt(2 * self.n_layers)
-        elif name not in ("w1", "w3"):
-            raise KeyError(f"GroupedExperts.init_param: unknown parameter {name!r}")
-        nn.init.normal_(full, mean=0.0, std=std, generator=generator)
+        swiglu_init_(full, name, self.n_layers, generator, "GroupedExperts")
 
     def _use_grouped_mm(self, x_TD: torch.Tensor) -> bool:
         if self.backend == "loop":
