@@ -7,6 +7,7 @@
 #   ddp      weak scaling 1 / 2 / 4 GPUs with plain data parallel + training.cuda_graph (130M), and DDP4 eager
 #   units    FSDP4 with 1 vs 4 blocks per FSDP unit, and without resharding after forward (130M)
 #   eight    8 GPUs: 1.3B PP2 x CP2 x FSDP2 and hybrid MoE PP2 x CP2 x FSDP2 x EP2 vs 1 GPU; resume under FSDP8
+#   eight_ref  only eight's two 1-GPU reference runs (eight skips references that exist)
 #   nccl     collective time and bus bandwidth for 0.25-256 MiB per rank (benchmarks/nccl_bandwidth.py)
 #   parity   130M, seq 2048, global batch 16, 20 steps: 1 GPU vs FSDP4, HSDP 2x2, PP2xFSDP2, CP2xFSDP2 (balanced), PP2xCP2
 #   hybrid   hybrid MoE 1B, seq 2048, global batch 8, 20 steps: 1 GPU vs EP4, PP2xFSDP2xEP2
@@ -21,6 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-./outputs/multi_gpu}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TRITON_CACHE_AUTOTUNING=1
 NG=${NG:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}
+RDZV="--rdzv_backend c10d --rdzv_endpoint localhost:0"  # a free port: groups of GPUs can run phases side by side
 read -r -a EXTRA_ARGS <<< "${EXTRA:-}"  # appended to every run: later overrides win
 
 run() {  # run NAME NGPU CONFIG [overrides...]
@@ -84,26 +86,29 @@ for PHASE in "$@"; do
     run fsdp4_units4 4 $C "${A[@]}" --parallelism.fsdp_blocks_per_unit 4
     run fsdp4_noreshard 4 $C "${A[@]}" --parallelism.fsdp_reshard_after_forward never
     python3 benchmarks/compare_runs.py --ref "$OUT/units/fsdp4" "$OUT"/units/{fsdp4_units4,fsdp4_noreshard} --json "$OUT/units.json" ;;
-  eight)  # issue 8 on one 8-GPU host: PP2 x CP2 x FSDP2 (+EP2 for the MoE) vs 1 GPU, 20 steps; resume under FSDP8
+  eight_ref|eight)  # issue 8 on one 8-GPU host: PP2 x CP2 x FSDP2 (+EP2 for the MoE) vs 1 GPU, 20 steps; resume under FSDP8
+    # eight_ref runs only the two 1-GPU references (on a spare GPU beside other phases); eight runs what is missing.
     P=--parallelism
     L=(--training.steps 20 --training.seq_len 4096 --training.global_batch_size 8 --training.local_batch_size 2
        --lr_scheduler.warmup_steps 5 --metrics.log_freq 1 --training.seed 7 --model.tie_embeddings false
        --optimizer.lr 3e-4 --training.loss_chunk_tokens 8192)
     COMPOSE=($P.pipeline_parallel_degree 2 $P.context_parallel_degree 2 $P.data_parallel_shard_degree 2
              $P.pipeline_parallel_microbatch_size 1)
-    run 1gpu_1.3b 1 configs/mamba2_1.3b.toml "${L[@]}"
+    ONLY_REF=$([ "$PHASE" = eight_ref ] && echo 1); PHASE=eight
+    [ -s "$OUT/eight/1gpu_1.3b/metrics.jsonl" ] || run 1gpu_1.3b 1 configs/mamba2_1.3b.toml "${L[@]}"
+    [ -s "$OUT/eight/1gpu_moe/metrics.jsonl" ] || run 1gpu_moe 1 configs/hybrid_moe_1b.toml "${L[@]}" --model.moe_load_balance_coeff 1e-2
+    [ -n "$ONLY_REF" ] && continue
     run pp2cp2fsdp2_1.3b 8 configs/mamba2_1.3b.toml "${L[@]}" "${COMPOSE[@]}" --checkpoint.enable true --checkpoint.interval 10
-    mkdir -p "$OUT/eight/resume_fsdp8/checkpoint"
-    cp -r "$OUT/eight/pp2cp2fsdp2_1.3b/checkpoint/step-10" "$OUT/eight/resume_fsdp8/checkpoint/" 2>/dev/null
+    rm -rf "$OUT/eight/resume_fsdp8"; mkdir -p "$OUT/eight/resume_fsdp8/checkpoint"
+    cp -rl "$OUT/eight/pp2cp2fsdp2_1.3b/checkpoint/step-10" "$OUT/eight/resume_fsdp8/checkpoint/" 2>/dev/null  # hard links
     KEEP=1 run resume_fsdp8 8 configs/mamba2_1.3b.toml "${L[@]}" --checkpoint.enable true --checkpoint.interval 100 \
       $P.data_parallel_shard_degree 8 --training.local_batch_size 1
-    run 1gpu_moe 1 configs/hybrid_moe_1b.toml "${L[@]}" --model.moe_load_balance_coeff 1e-2
     run pp2cp2fsdp2ep2_moe 8 configs/hybrid_moe_1b.toml "${L[@]}" "${COMPOSE[@]}" $P.expert_parallel_degree 2 \
       --model.moe_load_balance_coeff 1e-2
     python3 benchmarks/compare_runs.py --ref "$OUT/eight/1gpu_1.3b" "$OUT"/eight/{pp2cp2fsdp2_1.3b,resume_fsdp8} --json "$OUT/eight_1.3b.json"
     python3 benchmarks/compare_runs.py --ref "$OUT/eight/1gpu_moe" "$OUT/eight/pp2cp2fsdp2ep2_moe" --json "$OUT/eight_moe.json" ;;
   nccl)  # collective time and bus bandwidth, 0.25-256 MiB per rank
-    python3 -m torch.distributed.run --nproc_per_node "$NG" benchmarks/nccl_bandwidth.py 2>&1 | grep -v Warn ;;
+    python3 -m torch.distributed.run --nproc_per_node "$NG" $RDZV benchmarks/nccl_bandwidth.py 2>&1 | grep -v Warn ;;
   hybrid)
     C=configs/hybrid_moe_1b.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 8 --training.local_batch_size 2
@@ -134,7 +139,7 @@ for PHASE in "$@"; do
     python3 benchmarks/compare_runs.py --rtol 1 --skip 2 --ref "$OUT/longctx/seq32768_cp1" "$OUT"/longctx/seq* --json "$OUT/longctx.json" ;;
   bubble)  # the whole log stays in $OUT/bubble.log (a failing schedule's traceback included)
     mkdir -p "$OUT/bubble"
-    timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/pp_bubble.py --flavor ${BUBBLE_FLAVOR:-370M} \
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 $RDZV benchmarks/pp_bubble.py --flavor ${BUBBLE_FLAVOR:-370M} \
       --n_layers 16 --seq_len ${BUBBLE_SEQ:-2048} --microbatches 8 --steps 4 --schedules ${BUBBLE_SCHEDULES:-GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble} \
       --json "$OUT/bubble/bubble.jsonl" > "$OUT/bubble.log" 2>&1
     grep -v Warning "$OUT/bubble.log" | grep -E "step .* bubble|Error|error:" | head -20 ;;

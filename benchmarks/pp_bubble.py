@@ -7,7 +7,8 @@ For every schedule: the median step time of schedule.step over --steps steps (af
 bubble fraction 1 - compute / step, where `compute` is the time this rank needs to run the forward and backward of
 all its stages for every microbatch back to back, without any pipeline (same shapes, no communication). The slowest
 rank's values are reported, next to the textbook bubble (p-1)/(v*m+p-1) for p ranks, v stages per rank and m
-microbatches (zero-bubble schedules aim below it). Rank 0 prints one line per schedule and, with --json, appends
+microbatches; for ZBVZeroBubble 0 (its aim when forward, input-gradient and weight-gradient steps take equal time;
+it splits the backward in two, which itself costs time). Rank 0 prints one line per schedule and, with --json, appends
 the records to that file.
 """
 
@@ -58,6 +59,13 @@ def compute_only_time(parts, first_ids, last_ids, n_mb, tokens_mb, device, dtype
                 out.backward(torch.randn_like(out))
     sync(device)
     return time.perf_counter() - t0
+
+
+def textbook_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """Idle fraction of an ideal pipeline: (p-1)/(v*m+p-1) for GPipe / 1F1B / interleaved; 0 for ZB-V."""
+    if schedule == "ZBVZeroBubble":
+        return 0.0
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
 
 
 def main() -> None:
@@ -146,7 +154,7 @@ def main() -> None:
             rec = dict(schedule=name, pp=world, stages_per_rank=v, microbatches=a.microbatches,
                        microbatch_size=a.microbatch_size, seq_len=a.seq_len, flavor=a.flavor,
                        step_s=float(worst[0]), bubble=float(worst[1]), compute_s=float(worst[2]),
-                       textbook_bubble=(world - 1) / (v * a.microbatches + world - 1), device=str(device))
+                       textbook_bubble=textbook_bubble(name, world, v, a.microbatches), device=str(device))
             print(f"{name:>22}: step {rec['step_s'] * 1e3:9.1f} ms  bubble {rec['bubble']:6.1%}  "
                   f"(textbook {rec['textbook_bubble']:6.1%}, {v} stage(s)/rank)", flush=True)
             if a.json:
