@@ -14,7 +14,9 @@
 #   scaling  370M, 8 x 2048 per GPU, 12 steps on 1, 2 and 4 GPUs (weak scaling of tokens/s per GPU)
 #   longctx  370M, one sequence of 32k tokens at cp 1 / 2 / 4 and 128k at cp 4, full activation checkpointing
 #   bubble   PP2 step time and bubble per schedule (benchmarks/pp_bubble.py, 370M width, 16 layers)
+#            env: BUBBLE_SCHEDULES, BUBBLE_FLAVOR, BUBBLE_SEQ, BUBBLE_MB (microbatches, default 8)
 #   pp370m   PP2 (1F1B, GPipe; 8 microbatches) trains the 48-layer 370M on 2 GPUs vs 1 GPU, 12 steps
+#            env: PP_SCHEDULES, PP_MB (microbatch size, default 1), SKIP_REF=1 (no 1-GPU run)
 # Each phase prints a table (benchmarks/compare_runs.py) and leaves metrics.jsonl + logs under $OUT/<phase>/.
 # Dry run of the plumbing on a CPU (gloo, a tiny model; no figures): NG=4 EXTRA="$(cat benchmarks/tiny_overrides.txt)"
 set -uo pipefail
@@ -140,7 +142,7 @@ for PHASE in "$@"; do
   bubble)  # the whole log stays in $OUT/bubble.log (a failing schedule's traceback included)
     mkdir -p "$OUT/bubble"
     timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 $RDZV benchmarks/pp_bubble.py --flavor ${BUBBLE_FLAVOR:-370M} \
-      --n_layers 16 --seq_len ${BUBBLE_SEQ:-2048} --microbatches 8 --steps 4 --schedules ${BUBBLE_SCHEDULES:-GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble} \
+      --n_layers 16 --seq_len ${BUBBLE_SEQ:-2048} --microbatches ${BUBBLE_MB:-8} --steps 4 --schedules ${BUBBLE_SCHEDULES:-GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble} \
       --json "$OUT/bubble/bubble.jsonl" > "$OUT/bubble.log" 2>&1
     grep -v Warning "$OUT/bubble.log" | grep -E "step .* bubble|Error|error:" | head -20 ;;
   pp370m)  # PP2 trains the whole 48-layer 370M config on 2 GPUs, next to the same global batch on 1 GPU
@@ -148,10 +150,11 @@ for PHASE in "$@"; do
     A=(--training.steps 12 --training.seq_len 2048 --training.global_batch_size 8 --training.local_batch_size 8
        --metrics.log_freq 1 --training.loss_chunk_tokens 8192 --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4
        --model.tie_embeddings false)
-    run 1gpu 1 $C "${A[@]}"
-    for S in 1F1B GPipe; do
-      run pp2_$S 2 $C "${A[@]}" --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule $S \
-        --parallelism.pipeline_parallel_microbatch_size 1
+    [ -n "${SKIP_REF:-}" ] || run 1gpu 1 $C "${A[@]}"
+    MB=${PP_MB:-1}; SUFFIX=$([ "$MB" = 1 ] || echo _mb$MB)
+    for S in ${PP_SCHEDULES:-1F1B GPipe}; do
+      run pp2_$S$SUFFIX 2 $C "${A[@]}" --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule $S \
+        --parallelism.pipeline_parallel_microbatch_size $MB
     done
     python3 benchmarks/compare_runs.py --ref "$OUT/pp370m/1gpu" "$OUT"/pp370m/pp2_* --json "$OUT/pp370m.json" ;;
   *) echo "unknown phase $PHASE" ;;

@@ -254,6 +254,39 @@ def _no_p2p_warmup_to_self(stage) -> None:
     stage._get_init_p2p_neighbors_ops = without_self
 
 
+def keep_graph_for_weight_grads(stage_backward_input: Callable) -> Callable:
+    """Wrap torch's `stage_backward_input` (zero-bubble schedules: input gradients now, weight gradients later) so
+    that the autograd nodes the later weight step starts from stay alive until then.
+
+    torch 2.11 / 2.12 detach the stage outputs after the input step, which frees the output side of the graph; an
+    intermediate node that belongs to a custom autograd.Function (mamba_ssm's fused scan on GPUs, this repo's
+    all-to-alls) is then gone, and the weight step fails with "Attribute '_input_metadata' is invalid for this
+    instance of _C._FunctionBase". Each param group returned keeps a view node of every stage output (a built-in
+    node that holds the output's graph, not its data) and drops it with the group after the weight step. The
+    memory cost is the output side's saved activations until that step, which torch 2.13 keeps as well."""
+
+    def keeping(stage_outputs_or_loss, *args, **kwargs):
+        with torch.enable_grad():
+            roots = [t.view_as(t).grad_fn for t in stage_outputs_or_loss
+                     if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        dinputs, param_groups = stage_backward_input(stage_outputs_or_loss, *args, **kwargs)
+        for group in param_groups:
+            group["graph_roots"] = roots
+        return dinputs, param_groups
+
+    keeping.keeps_graph = True
+    return keeping
+
+
+def _keep_graph_for_weight_grads_before_torch_2_13() -> None:
+    import torch.distributed.pipelining.stage as stage_module
+
+    from torch.torch_version import TorchVersion
+    if TorchVersion(torch.__version__) >= (2, 13) or getattr(stage_module.stage_backward_input, "keeps_graph", False):
+        return
+    stage_module.stage_backward_input = keep_graph_for_weight_grads(stage_module.stage_backward_input)
+
+
 def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.device,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                    parallelize: Callable[[nn.Module], nn.Module]):
@@ -290,6 +323,7 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
         _no_p2p_warmup_to_self(stage)
         stages.append(stage)
 
+    _keep_graph_for_weight_grads_before_torch_2_13()
     cls = get_schedule_class(schedule_name)
     n_mb = num_microbatches(cfg, pdims.dp)
     if schedule_name in SINGLE_STAGE_SCHEDULES:

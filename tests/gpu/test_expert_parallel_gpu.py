@@ -8,18 +8,15 @@ grouped-GEMM path runs only in bf16). Needs >= 2 GPUs; the 4-GPU case skips belo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu.launch import train
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")]
 
-REPO = Path(__file__).resolve().parents[2]
 ARGS = [
     "--job.config_file", "configs/hybrid_moe_debug.toml", "--model.moe_load_balance_coeff", "1e-2",
     "--training.seq_len", "256", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
@@ -30,15 +27,7 @@ FP32 = ["--training.mixed_precision_param", "float32", "--training.deterministic
 
 
 def _train(nproc: int, args: list[str], folder: Path) -> list[dict]:
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-                "--rdzv_endpoint=localhost:0"]
-    cmd += ["train.py", *args, "--job.dump_folder", str(folder)]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(nproc))), PYTHONUNBUFFERED="1")
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return train(args, folder, nproc)
 
 
 def _close(ref: list[dict], got: list[dict], key: str, rtol: float) -> None:
