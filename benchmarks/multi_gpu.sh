@@ -14,6 +14,7 @@
 #   scaling  370M, 8 x 2048 per GPU, 12 steps on 1, 2 and 4 GPUs (weak scaling of tokens/s per GPU)
 #   longctx  370M, one sequence of 32k tokens at cp 1 / 2 / 4 and 128k at cp 4, full activation checkpointing
 #   bubble   PP2 step time and bubble per schedule (benchmarks/pp_bubble.py, 370M width, 16 layers)
+#            (ZBVZeroBubble: add it to BUBBLE_SCHEDULES with torch >= 2.13)
 #            env: BUBBLE_SCHEDULES, BUBBLE_FLAVOR, BUBBLE_SEQ, BUBBLE_MB (microbatches, default 8)
 #   pp370m   PP2 (1F1B, GPipe; 8 microbatches) trains the 48-layer 370M on 2 GPUs vs 1 GPU, 12 steps
 #            env: PP_SCHEDULES, PP_MB (microbatch size, default 1), SKIP_REF=1 (no 1-GPU run)
@@ -142,7 +143,7 @@ for PHASE in "$@"; do
   bubble)  # the whole log stays in $OUT/bubble.log (a failing schedule's traceback included)
     mkdir -p "$OUT/bubble"
     timeout 300 python3 -m torch.distributed.run --nproc_per_node 2 $RDZV benchmarks/pp_bubble.py --flavor ${BUBBLE_FLAVOR:-370M} \
-      --n_layers 16 --seq_len ${BUBBLE_SEQ:-2048} --microbatches ${BUBBLE_MB:-8} --steps 4 --schedules ${BUBBLE_SCHEDULES:-GPipe,1F1B,Interleaved1F1B,ZBVZeroBubble} \
+      --n_layers 16 --seq_len ${BUBBLE_SEQ:-2048} --microbatches ${BUBBLE_MB:-8} --steps 4 --schedules ${BUBBLE_SCHEDULES:-GPipe,1F1B,Interleaved1F1B} \
       --json "$OUT/bubble/bubble.jsonl" > "$OUT/bubble.log" 2>&1
     grep -v Warning "$OUT/bubble.log" | grep -E "step .* bubble|Error|error:" | head -20 ;;
   pp370m)  # PP2 trains the whole 48-layer 370M config on 2 GPUs, next to the same global batch on 1 GPU

@@ -35,6 +35,8 @@ from torch import nn
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 V_SCHEDULES = ("ZBVZeroBubble",)
+# Backward split into an input-gradient and a later weight-gradient step (torch's _backward.stage_backward_weight).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
 
 
@@ -167,6 +169,9 @@ def validate_pipeline(cfg, pdims, model_args) -> list[str]:
         schedule = canonical_schedule(p.pipeline_parallel_schedule)
     except ValueError as e:
         return errs + [str(e)]
+    err = split_backward_error(schedule, torch.cuda.is_available(), torch.__version__)
+    if err:
+        errs.append(err)
     num_stages = None
     try:
         num_stages = len(stage_layer_ranges(
@@ -196,6 +201,21 @@ def validate_pipeline(cfg, pdims, model_args) -> list[str]:
                             f"{rounds} = microbatches // pipeline_parallel_degree; use a multiple of "
                             f"pipeline_parallel_degree={pdims.pp} microbatches")
     return errs
+
+
+def split_backward_error(schedule: str, on_gpu: bool, torch_version: str) -> str | None:
+    """Zero-bubble schedules on GPUs need torch >= 2.13: before it, the weight-gradient step adds up the gradients
+    of a node's several outputs and feeds the sum into its first output. mamba_ssm's fused add + RMSNorm is such a
+    node (normed hidden and residual), so the norm weights got wrong gradients (measured on 2 H200s, torch 2.11,
+    debug model, fp32 deterministic: ZBVZeroBubble drifted from one GPU by 3e-5 at step 2 and 1.3e-4 at step 5,
+    where 1F1B stayed within 2e-7). The CPU path has no such node (the references are plain torch ops)."""
+    from torch.torch_version import TorchVersion
+
+    if schedule in SPLIT_BACKWARD_SCHEDULES and on_gpu and TorchVersion(torch_version) < (2, 13):
+        return (f"parallelism.pipeline_parallel_schedule={schedule} on GPUs needs torch >= 2.13 (this is "
+                f"{torch_version}, whose zero-bubble weight step gives mamba_ssm's fused add+norm wrong gradients); "
+                "use 1F1B, Interleaved1F1B or GPipe, or upgrade torch")
+    return None
 
 
 # -------------------------------------------------------------------------------------------- building stages

@@ -298,3 +298,60 @@ def test_weight_step_after_input_step_through_a_custom_function():
     x_, w_ = x.detach(), w.detach()
     torch.testing.assert_close(w.grad, 2 * x_ * torch.cos(x_ * w_), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dx[0], 2 * w_ * torch.cos(x_ * w_), rtol=1e-6, atol=1e-6)
+
+
+class _AddNorm(torch.autograd.Function):
+    """(x, res, w) -> (rmsnorm(x + res) * w, x + res): one node, two outputs, like mamba_ssm's fused add + norm."""
+
+    @staticmethod
+    def forward(ctx, x, res, w):
+        s = x + res
+        r = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
+        ctx.save_for_backward(s, r, w)
+        return s * r * w, s
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s):
+        s, r, w = ctx.saved_tensors
+        n = s * r
+        grad_n = grad_y * w
+        grad_sum = r * (grad_n - n * (grad_n * n).mean(-1, keepdim=True)) + grad_s
+        return grad_sum, grad_sum, (grad_y * n).sum(0)
+
+
+def test_split_backward_through_a_two_output_node():
+    """The weight step behind a two-output node gives the plain backward's gradients on torch >= 2.13 (torch 2.11
+    feeds the two outputs' summed gradient into the first: off by ~0.9 here, hence split_backward_error)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.torch_version import TorchVersion
+
+    from parallelisms.pipeline import keep_graph_for_weight_grads
+
+    if TorchVersion(torch.__version__) < (2, 13):
+        pytest.skip("torch < 2.13 gets this wrong; zero-bubble schedules are refused on GPUs there")
+    torch.manual_seed(0)
+    w, v = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(6))
+    x, res = torch.randn(3, 6, requires_grad=True), torch.randn(3, 6)
+
+    def loss():
+        y, s = _AddNorm.apply(x, res, w)
+        return ((y * v).tanh() + s.sin()).sum()
+
+    loss().backward()
+    expected = [t.grad.clone() for t in (w, v, x)]
+    w.grad = v.grad = x.grad = None
+    _, groups = keep_graph_for_weight_grads(stage_backward_input)([loss()], None, [x], iter([w, v]))
+    stage_backward_weight(iter([w, v]), groups)
+    for got, want in zip((w.grad, v.grad, x.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_zero_bubble_on_gpus_needs_torch_2_13():
+    from parallelisms.pipeline import split_backward_error
+
+    err = split_backward_error("ZBVZeroBubble", on_gpu=True, torch_version="2.11.0+cu130")
+    assert "torch >= 2.13" in err and "1F1B" in err
+    assert split_backward_error("InterleavedZeroBubble", True, "2.12.1") is not None
+    assert split_backward_error("ZBVZeroBubble", True, "2.13.0") is None
+    assert split_backward_error("ZBVZeroBubble", False, "2.11.0") is None  # the CPU references: no two-output node
+    assert split_backward_error("1F1B", True, "2.11.0") is None

@@ -1,9 +1,10 @@
 """Pipeline parallel on 2 GPUs through the trainer, with mamba_ssm's kernels: every schedule kind reproduces one GPU.
 
 Zero-bubble schedules split each stage's backward into an input-gradient step and a weight-gradient step; on GPUs
-the weight step starts from mamba_ssm's custom autograd Functions (torch 2.11 lost those nodes: see
-parallelisms.pipeline.keep_graph_for_weight_grads). fp32 + deterministic kernels; the losses and gradient norms
-of the first steps agree to 1e-4 relative (microbatches change the order of GPU sums, not the maths).
+the weight step starts from mamba_ssm's custom autograd Functions. torch 2.11 / 2.12 get that step wrong behind
+the fused add + norm (parallelisms.pipeline.split_backward_error), so the trainer refuses them there and this case
+skips. fp32 + deterministic kernels; the losses and gradient norms of the first steps agree to 1e-4 relative
+(measured on 2 H200s with torch 2.11: 1F1B and Interleaved1F1B within 2e-7).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from parallelisms.pipeline import split_backward_error
 from tests.gpu.launch import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")]
@@ -30,6 +32,8 @@ def one_gpu(tmp_path_factory):
 
 @pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
 def test_pp2_matches_one_gpu(one_gpu, tmp_path: Path, schedule):
+    if split_backward_error(schedule, True, torch.__version__):
+        pytest.skip(f"{schedule} needs torch >= 2.13 on GPUs")
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule,
           "--parallelism.pipeline_parallel_microbatch_size", "2"]
     got = train(ARGS + pp, tmp_path / schedule, nproc=2)
