@@ -127,7 +127,7 @@ class Parallelism:
     pipeline_parallel_schedule: str = doc(
         "1F1B",
         "Pipeline schedule name from torch.distributed.pipelining (GPipe, 1F1B, Interleaved1F1B, "
-        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble).",
+        "LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble). The zero-bubble ones need torch >= 2.13 on GPUs.",
     )
     pipeline_parallel_microbatch_size: int = doc(1, "Sequences per pipeline microbatch.")
     pipeline_parallel_layers_per_stage: int = doc(
