@@ -18,6 +18,6 @@ for group in "$@"; do
 done
 wait
 for ((g = 1; g <= i; g++)); do echo "##### group $g: ${!g}"; grep -v -i "warn" "$RUNS/group$g.log" | tail -60; done
-cd "$RUNS" && find . -name '*.log' -o -name log.txt | while read -r f; do tail -40 "$f" > "$f.tail"; done
+cd "$RUNS" && find . \( -name '*.log' -not -name 'group*.log' \) -o -name log.txt | while read -r f; do tail -40 "$f" > "$f.tail"; done
 find . \( -name metrics.jsonl -o -name '*.json' -o -name '*.jsonl' -o -name '*.tail' -o -name 'group*.log' \) \
   -not -path '*/checkpoint/*' -not -path '*profile_trace*' -size -20M | tar czf "$OUT/results.tar.gz" -T -

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.torch_version import TorchVersion
 
 # Names as torch.distributed.pipelining.schedules.get_schedule_class spells them.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -209,8 +210,6 @@ def split_backward_error(schedule: str, on_gpu: bool, torch_version: str) -> str
     node (normed hidden and residual), so the norm weights got wrong gradients (measured on 2 H200s, torch 2.11,
     debug model, fp32 deterministic: ZBVZeroBubble drifted from one GPU by 3e-5 at step 2 and 1.3e-4 at step 5,
     where 1F1B stayed within 2e-7). The CPU path has no such node (the references are plain torch ops)."""
-    from torch.torch_version import TorchVersion
-
     if schedule in SPLIT_BACKWARD_SCHEDULES and on_gpu and TorchVersion(torch_version) < (2, 13):
         return (f"parallelism.pipeline_parallel_schedule={schedule} on GPUs needs torch >= 2.13 (this is "
                 f"{torch_version}, whose zero-bubble weight step gives mamba_ssm's fused add+norm wrong gradients); "
@@ -282,8 +281,8 @@ def keep_graph_for_weight_grads(stage_backward_input: Callable) -> Callable:
     intermediate node that belongs to a custom autograd.Function (mamba_ssm's fused scan on GPUs, this repo's
     all-to-alls) is then gone, and the weight step fails with "Attribute '_input_metadata' is invalid for this
     instance of _C._FunctionBase". Each param group returned keeps a view node of every stage output (a built-in
-    node that holds the output's graph, not its data) and drops it with the group after the weight step. The
-    memory cost is the output side's saved activations until that step, which torch 2.13 keeps as well."""
+    node that holds the output's graph, not its data) and drops it with the group after the weight step; the cost
+    is that the output side's saved activations also live until that step."""
 
     def keeping(stage_outputs_or_loss, *args, **kwargs):
         with torch.enable_grad():
@@ -301,7 +300,6 @@ def keep_graph_for_weight_grads(stage_backward_input: Callable) -> Callable:
 def _keep_graph_for_weight_grads_before_torch_2_13() -> None:
     import torch.distributed.pipelining.stage as stage_module
 
-    from torch.torch_version import TorchVersion
     if TorchVersion(torch.__version__) >= (2, 13) or getattr(stage_module.stage_backward_input, "keeps_graph", False):
         return
     stage_module.stage_backward_input = keep_graph_for_weight_grads(stage_module.stage_backward_input)
@@ -343,7 +341,8 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
         _no_p2p_warmup_to_self(stage)
         stages.append(stage)
 
-    _keep_graph_for_weight_grads_before_torch_2_13()
+    if schedule_name in SPLIT_BACKWARD_SCHEDULES:
+        _keep_graph_for_weight_grads_before_torch_2_13()
     cls = get_schedule_class(schedule_name)
     n_mb = num_microbatches(cfg, pdims.dp)
     if schedule_name in SINGLE_STAGE_SCHEDULES:

@@ -5,6 +5,7 @@ gradients of a packed multi-document batch."""
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 
 import pytest
@@ -292,7 +293,6 @@ def test_weight_step_after_input_step_through_a_custom_function():
     x = torch.randn(5, requires_grad=True)
     out = _Scale.apply(x, w).sin() * 2
     dx, groups = keep_graph_for_weight_grads(stage_backward_input)([out], [torch.ones(5)], [x], iter([w]))
-    import gc
     gc.collect()
     stage_backward_weight(iter([w]), groups)
     x_, w_ = x.detach(), w.detach()
