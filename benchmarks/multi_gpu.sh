@@ -103,7 +103,9 @@ for PHASE in "$@"; do
     [ -n "$ONLY_REF" ] && continue
     run pp2cp2fsdp2_1.3b 8 configs/mamba2_1.3b.toml "${L[@]}" "${COMPOSE[@]}" --checkpoint.enable true --checkpoint.interval 10
     rm -rf "$OUT/eight/resume_fsdp8"; mkdir -p "$OUT/eight/resume_fsdp8/checkpoint"
-    cp -rl "$OUT/eight/pp2cp2fsdp2_1.3b/checkpoint/step-10" "$OUT/eight/resume_fsdp8/checkpoint/" 2>/dev/null  # hard links
+    cp -rl "$OUT/eight/pp2cp2fsdp2_1.3b/checkpoint/step-10" "$OUT/eight/resume_fsdp8/checkpoint/" \
+      || echo "resume_fsdp8: no step-10 checkpoint to resume from: it would train from scratch; not run"  # hard links
+    [ -d "$OUT/eight/resume_fsdp8/checkpoint/step-10" ] && \
     KEEP=1 run resume_fsdp8 8 configs/mamba2_1.3b.toml "${L[@]}" --checkpoint.enable true --checkpoint.interval 100 \
       $P.data_parallel_shard_degree 8 --training.local_batch_size 1
     run pp2cp2fsdp2ep2_moe 8 configs/hybrid_moe_1b.toml "${L[@]}" "${COMPOSE[@]}" $P.expert_parallel_degree 2 \
