@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from typing import Any
@@ -173,7 +174,8 @@ def validate(cfg: JobConfig) -> None:
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         errs.append(f"training.global_batch_size={t.global_batch_size} must be >= 1, or -1 (= local x DP degree)")
     if cfg.lr_scheduler.warmup_steps < 0:
-        errs.append("lr_scheduler.warmup_steps must be >= 0")
+        errs.append(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
+    errs += _number_errors(cfg)
     if not (cfg.lr_scheduler.decay_ratio == -1 or 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0):
         errs.append(f"lr_scheduler.decay_ratio={cfg.lr_scheduler.decay_ratio} must be in [0, 1] or -1")
     if cfg.checkpoint.keep_latest_k < 0:
@@ -189,6 +191,28 @@ def validate(cfg: JobConfig) -> None:
         errs.append("parallelism.data_parallel_shard_degree must be >= 1, or -1 (the rest of the world)")
     if errs:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
+
+
+def _number_errors(cfg: JobConfig) -> list[str]:
+    """Float keys outside the range where they mean something (NaN fails every range)."""
+    o, sched = cfg.optimizer, cfg.lr_scheduler
+
+    def positive(v):
+        return math.isfinite(v) and v > 0
+
+    def non_negative(v):
+        return math.isfinite(v) and v >= 0
+
+    checks = (
+        ("optimizer.lr", o.lr, positive, "a finite number > 0"),
+        ("optimizer.eps", o.eps, positive, "a finite number > 0"),
+        ("optimizer.weight_decay", o.weight_decay, non_negative, "a finite number >= 0 (0 = no decay)"),
+        ("optimizer.beta1", o.beta1, lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("optimizer.beta2", o.beta2, lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("training.max_norm", cfg.training.max_norm, non_negative, "a finite number >= 0 (0 disables clipping)"),
+        ("lr_scheduler.min_lr_factor", sched.min_lr_factor, lambda v: 0 <= v <= 1, "in [0, 1]"),
+    )
+    return [f"{key}={v} must be {valid}" for key, v, ok, valid in checks if not ok(v)]
 
 
 def help_text() -> str:

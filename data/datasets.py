@@ -8,7 +8,12 @@ packer relies on for exact, cheap resume:
 
 Indexed sources (embedded corpus, local files) also support len() and [i], so resuming jumps straight
 to document i. A streamed HF source resumes by reading past the first `start` documents (no tokenizing;
-exact as long as the remote dataset does not change between the runs).
+exact as long as the remote dataset does not change between the runs). `describe_source(source)` names a
+source in error messages by its config key and value.
+
+Local files must be UTF-8, strictly: a bad byte is an error naming the file, line and byte, raised when the
+dataset is built (every .jsonl line and every .txt file is decoded once then), never a silent U+FFFD that
+would train the model on replacement characters. Parquet text columns must be string-typed.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import itertools
 import json
 import os
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "default_corpus" / "python_docs.jsonl.gz"
 # Every 20th document of the embedded corpus (indices 10, 30, 50, ...) is held out for validation.
@@ -30,6 +35,8 @@ _SUPPORTED_EXT = (".txt", ".jsonl", ".json", ".parquet")
 
 class TextSource(Protocol):
     num_documents: int | None
+    name: str  # the dataset as configured, for messages
+    config_key: str  # the config key that named it ("training.dataset"), for messages; "" when built by hand
 
     def __iter__(self) -> Iterator[str]: ...
 
@@ -38,6 +45,8 @@ class TextSource(Protocol):
 
 class IndexedSource:
     """Base of random-access sources: subclasses define __len__ and __getitem__."""
+
+    config_key = ""  # set by build_text_source
 
     @property
     def num_documents(self) -> int:
@@ -92,11 +101,32 @@ class ConcatSource(IndexedSource):
 # ---------------------------------------------------------------------------------------------- local files
 
 
-class TxtFile(IndexedSource):
-    """A .txt file is one document."""
+def _utf8_error(key: str, path: str, data: bytes, error: UnicodeDecodeError, first_line: int = 1) -> ValueError:
+    """A decoding failure at byte `error.start` of `data` (which starts at line `first_line` of `path`)."""
+    line = first_line + data.count(b"\n", 0, error.start)
+    column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+    bad = data[error.start : error.end].hex(" ")
+    return ValueError(
+        f"{key}: {path} line {line}, byte {column}: not valid UTF-8 (bytes {bad}: {error.reason}); local datasets "
+        "must be UTF-8 text: re-encode the file (e.g. `iconv -f latin1 -t utf-8`) or remove the bad bytes"
+    )
 
-    def __init__(self, path: str):
-        self.path = path
+
+def _decode_utf8(data: bytes, path: str, key: str, first_line: int = 1) -> str:
+    """Strict UTF-8, a leading byte-order mark dropped; a bad byte raises _utf8_error."""
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        raise _utf8_error(key, path, data, e, first_line) from None
+
+
+class TxtFile(IndexedSource):
+    """A .txt file is one document. It is decoded once when opened, so that a non-UTF-8 byte stops the run
+    before training (naming its line), not when the packer reaches the file."""
+
+    def __init__(self, path: str, key: str = "training.dataset"):
+        self.path, self.key = path, key
+        self._read()
 
     def __len__(self) -> int:
         return 1
@@ -104,27 +134,33 @@ class TxtFile(IndexedSource):
     def __getitem__(self, i: int) -> str:
         if i != 0:
             raise IndexError(i)
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        return self._read()
+
+    def _read(self) -> str:
+        with open(self.path, "rb") as f:
+            return _decode_utf8(f.read(), self.path, self.key)
 
 
-def _field(row, text_field: str, where: str, key: str) -> str:
+def _field(row, text_field: str, where: str | Callable[[], str], key: str) -> str:
+    """row[text_field], a string; `where` (or where(), computed only for an error) names the row."""
     if not isinstance(row, dict) or text_field not in row:
         fields = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise KeyError(
-            f"{where} has no field '{text_field}' (it has {fields}); "
+            f"{where() if callable(where) else where} has no field '{text_field}' (it has {fields}); "
             "set training.dataset_text_field to the field holding the text"
         )
     text = row[text_field]
     if not isinstance(text, str):
-        raise TypeError(f"{where}: field '{text_field}' is {type(text).__name__}, not a string")
+        raise TypeError(f"{where() if callable(where) else where}: field '{text_field}' is {type(text).__name__}, "
+                        "not a string; set training.dataset_text_field to the field holding the text")
     return text
 
 
 class JsonlFile(IndexedSource):
     """One JSON object per non-blank line; a line-offset index gives random access without holding the text.
 
-    A .json file whose first character is '[' is read whole as a JSON array of objects instead.
+    Building the index reads the file once and checks every line is UTF-8 (errors name the line). A .json file
+    whose first character is '[' is read whole as a JSON array of objects instead.
     """
 
     def __init__(self, path: str, text_field: str, key: str):
@@ -138,13 +174,15 @@ class JsonlFile(IndexedSource):
                 head = head[3:].lstrip()
             f.seek(0)
             if head.startswith(b"["):
+                text = _decode_utf8(f.read(), path, key)
                 try:
-                    self._rows = json.load(f)
+                    self._rows = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{key}: {path} is not valid JSON ({e})") from e
                 return
             pos = 0
-            for line in f:
+            for line_number, line in enumerate(f, 1):
+                _decode_utf8(line, path, key, first_line=line_number)
                 if line.strip():
                     self._offsets.append(pos)
                 pos += len(line)
@@ -159,29 +197,56 @@ class JsonlFile(IndexedSource):
             self._fh = open(self.path, "rb")
         self._fh.seek(self._offsets[i])
         line = self._fh.readline()
+        try:  # checked when the index was built; fails only if the file changed since
+            text = line.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError as e:
+            raise _utf8_error(self.key, self.path, line, e, self._line_number(i)) from None
         try:
-            row = json.loads(line)
+            row = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.key}: {self.path} document {i}: not a JSON object per line ({e})") from e
-        return _field(row, self.text_field, f"{self.path} document {i}", self.key)
+            raise ValueError(f"{self.key}: {self.path} line {self._line_number(i)}: not a JSON object per line "
+                             f"({e}); fix the line or remove it") from e
+        return _field(row, self.text_field, lambda: f"{self.path} line {self._line_number(i)}", self.key)
+
+    def _line_number(self, i: int) -> int:
+        """1-based line of document i (blank lines are not documents); reads the file up to it, so only for errors."""
+        if self._offsets[i] == 0:
+            return 1
+        with open(self.path, "rb") as f:
+            return f.read(self._offsets[i]).count(b"\n") + 1
 
     def __getstate__(self):  # open file handles do not pickle; reopened on demand
         return {**self.__dict__, "_fh": None}
 
 
 class ParquetFile(IndexedSource):
-    """The rows of a parquet file, read one row group at a time (the current one is cached)."""
+    """The rows of a parquet file, read one row group at a time (the current one is cached).
+
+    The text column must be string-typed (checked from the schema when opened); null rows are empty documents.
+    """
 
     def __init__(self, path: str, text_field: str, key: str):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.path, self.text_field = path, text_field
         meta = pq.ParquetFile(path)
-        names = meta.schema_arrow.names
-        if text_field not in names:
+        schema = meta.schema_arrow
+        if text_field not in schema.names:
             raise KeyError(
-                f"{path} has no field '{text_field}' (columns: {names}); "
+                f"{path} has no field '{text_field}' (columns: {schema.names}); "
                 "set training.dataset_text_field to the column holding the text"
+            )
+
+        def is_text(typ) -> bool:  # string_view is newer than some pyarrow versions
+            return pa.types.is_string(typ) or pa.types.is_large_string(typ) or str(typ) == "string_view"
+
+        # An all-null column has the null type: empty documents, which the packer reports.
+        if not (is_text(schema.field(text_field).type) or pa.types.is_null(schema.field(text_field).type)):
+            text_columns = [f.name for f in schema if is_text(f.type)]
+            raise ValueError(
+                f"{key}: {path}: column '{text_field}' holds {schema.field(text_field).type} values, not text; set "
+                f"training.dataset_text_field to a string column (this file's: {text_columns or 'none'})"
             )
         sizes = [meta.metadata.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._ends = list(itertools.accumulate(sizes))
@@ -206,7 +271,7 @@ class ParquetFile(IndexedSource):
 def _file_source(path: str, text_field: str, key: str) -> IndexedSource:
     ext = Path(path).suffix.lower()
     if ext == ".txt":
-        return TxtFile(path)
+        return TxtFile(path, key)
     if ext in (".jsonl", ".json"):
         return JsonlFile(path, text_field, key)
     if ext == ".parquet":
@@ -274,6 +339,7 @@ class HFStreamSource:
     """A HF hub dataset, streamed; each iteration starts again at the first row."""
 
     num_documents = None
+    config_key = ""  # set by build_text_source
 
     def __init__(self, name: str, split: str, text_field: str, dataset_path: str, dataset_config: str, key: str):
         self.name, self.split, self.text_field, self.key = name, split, text_field, key
@@ -325,16 +391,27 @@ def build_text_source(
 
     `split` selects the embedded corpus' split or the HF split (local files ignore it). `config_key`
     names the config key in error messages ("training.dataset" or "validation.dataset").
+    Local files are opened (indexed, UTF-8 checked) here; whether the documents hold any token is checked by the
+    packer (data/packing.py), which has the tokenizer.
     """
     if not dataset:
         raise ValueError(f"{config_key} is empty; use 'default', a local path, or a HF hub dataset name")
     if dataset == "default":
-        return load_default_corpus(split)
-    if _looks_local(dataset):
+        source = load_default_corpus(split)
+    elif _looks_local(dataset):
         files = _local_files(dataset, config_key)
         source = ConcatSource([_file_source(p, text_field, config_key) for p in files], name=dataset)
         if len(source) == 0:
             raise ValueError(f"{config_key}='{dataset}': contains no documents (empty files); give a non-empty dataset")
         source[0]  # fail now, not mid-training, on a missing text field or unreadable first row
-        return source
-    return HFStreamSource(dataset, split, text_field, dataset_path, dataset_config, config_key)
+    else:
+        source = HFStreamSource(dataset, split, text_field, dataset_path, dataset_config, config_key)
+    source.config_key = config_key
+    return source
+
+
+def describe_source(source) -> str:
+    """How error messages name a source: "<config key>='<dataset>'" for those of build_text_source."""
+    name = getattr(source, "name", type(source).__name__)
+    key = getattr(source, "config_key", "")
+    return f"{key}='{name}'" if key else f"dataset '{name}'"

@@ -16,6 +16,10 @@ ones read past the documents before it (see data/datasets.py).
 
 With infinite=False the stream is one epoch: the last row is padded (pad_id, labels IGNORE_INDEX, its own
 seq_idx segment) and next_row() then returns None.
+
+A source with no document, or whose documents all tokenize to nothing, is refused when the packer is built
+(its rows would hold only EOS, whose labels are ignored: a 0 / 0 loss). The check reads documents from the
+start up to the first one with a token: one document for a usable dataset, a single pass for an empty one.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from data.datasets import describe_source
 
 IGNORE_INDEX = -100
 
@@ -40,7 +46,24 @@ class DocumentPacker:
         if seq_len < 1:
             raise ValueError(f"training.seq_len={seq_len}: must be >= 1")
         self.source, self.tokenizer, self.seq_len, self.infinite = source, tokenizer, seq_len, infinite
+        self._check_source_has_tokens()
         self.load_state_dict(asdict(PackerState()))
+
+    def _check_source_has_tokens(self) -> None:
+        """Raise ValueError, naming the dataset and the fix, unless some document has a token."""
+        n_docs = 0
+        for text in self.source.iter_from(0):
+            if text and len(self.tokenizer.encode(text)) > 0:
+                return
+            n_docs += 1
+        where = describe_source(self.source)
+        if n_docs == 0:
+            raise ValueError(f"{where} yields no documents; give a non-empty dataset")
+        raise ValueError(
+            f"{where}: all {n_docs} documents are empty (no token after tokenization), so no position has a label "
+            "and the loss would be 0 / 0; check that training.dataset_text_field names the field holding the text "
+            "(parquet nulls read as empty), or give a non-empty dataset"
+        )
 
     # -------------------------------------------------------------------------------- document stream
 
@@ -57,9 +80,9 @@ class DocumentPacker:
                 break
             except StopIteration:
                 epoch, index = self._next_key
-                if self._yielded == 0 and index == 0:
-                    name = getattr(self.source, "name", type(self.source).__name__)
-                    raise ValueError(f"dataset '{name}' yields no documents; give a non-empty dataset") from None
+                if self._yielded == 0 and index == 0:  # the source changed since __init__ checked it
+                    raise ValueError(f"{describe_source(self.source)} yields no documents; give a non-empty dataset"
+                                     ) from None
                 if not self.infinite:
                     self._ended = True
                     return False

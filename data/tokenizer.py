@@ -6,7 +6,8 @@ Both expose the same small interface, which is all the packer and the trainer us
     decode(ids) -> str
     eos_id: int                   appended after every document
     pad_id: int                   fills the tail of the last batch of a finite (validation) pass
-    vocab_size: int               number of ids the model's embedding must cover
+    vocab_size: int               number of ids the model's embedding must cover: the largest id + 1
+                                  (more than the number of tokens when a tokenizer's ids have gaps)
 
 `build_tokenizer("")` gives the byte tokenizer (vocab 258, matching the "debug" flavors).
 """
@@ -82,7 +83,13 @@ class HFTokenizer:
                 f"model.tokenizer_path='{tokenizer_path}': {file} is not a valid tokenizer.json ({e})"
             ) from e
         self.path = str(file)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The largest id + 1, over the model's vocabulary and the added tokens: ids may have gaps, and then
+        # get_vocab_size() (a count) is too small for the embedding, which every id indexes.
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError(f"model.tokenizer_path='{tokenizer_path}': {file} has an empty vocabulary; "
+                             "give a trained tokenizer.json")
+        self.vocab_size = max(ids) + 1
 
         config = self._read_config(file.parent / "tokenizer_config.json")
         self.eos_id = self._find_special(config.get("eos_token"), _EOS_CANDIDATES)
