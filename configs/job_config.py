@@ -69,7 +69,8 @@ class Training:
     loss_chunk_tokens: int = doc(
         0, "Compute lm_head + cross-entropy over chunks of this many tokens (recomputed in backward) so the full "
         "[tokens, vocab] logits never exist; 0 = one pass. Not used on pipeline stages.")
-    max_norm: float = doc(1.0, "Gradient clipping by global L2 norm over all shards; <= 0 disables clipping.")
+    max_norm: float = doc(
+        1.0, "Gradient clipping by global L2 norm over all shards (finite, >= 0); 0 disables clipping.")
     mixed_precision_param: str = doc(
         "bfloat16", "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
         choices=("bfloat16", "float32"),
@@ -85,11 +86,12 @@ class Training:
 @dataclass
 class Optimizer:
     name: str = doc("AdamW", "Optimizer.", choices=("AdamW",))
-    lr: float = doc(8e-4, "Peak learning rate.")
-    beta1: float = doc(0.9, "Adam beta1.")
-    beta2: float = doc(0.95, "Adam beta2.")
-    eps: float = doc(1e-8, "Adam epsilon.")
-    weight_decay: float = doc(0.1, "Decoupled weight decay (not applied to biases, norms, A_log, D, dt_bias).")
+    lr: float = doc(8e-4, "Peak learning rate (finite, > 0).")
+    beta1: float = doc(0.9, "Adam beta1, in [0, 1).")
+    beta2: float = doc(0.95, "Adam beta2, in [0, 1).")
+    eps: float = doc(1e-8, "Adam epsilon (finite, > 0).")
+    weight_decay: float = doc(
+        0.1, "Decoupled weight decay (finite, >= 0; not applied to biases, norms, A_log, D, dt_bias).")
     implementation: str = doc(
         "auto", "auto: fused on GPU, foreach on CPU.", choices=("auto", "fused", "foreach", "for-loop")
     )
@@ -103,7 +105,7 @@ class LRScheduler:
         "Fraction of steps spent decaying at the end (warmup-stable-decay); -1 = decay over every step after warmup.",
     )
     decay_type: str = doc("cosine", "Shape of the decay.", choices=("linear", "sqrt", "cosine"))
-    min_lr_factor: float = doc(0.1, "The decay ends at lr * min_lr_factor.")
+    min_lr_factor: float = doc(0.1, "The decay ends at lr * min_lr_factor, in [0, 1].")
 
 
 @dataclass
