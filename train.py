@@ -33,6 +33,7 @@ from models.loss import cross_entropy_sum
 from parallelisms import parallelize_part
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.mesh import ParallelDims, coords, group
+from parallelisms.tied_weights import sum_tied_embedding_grads
 
 
 def log(msg: str) -> None:
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"complete checkpoint is {f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. "
                      "Lower optimizer.lr (or raise lr_scheduler.warmup_steps) or check the data.")
 
+        sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient
         grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)
         for opt in optimizers:
             opt.step()

@@ -4,6 +4,9 @@ Each pipeline rank deep-copies the (meta-device) model once per stage it owns an
 own: layers leave the `layers` ModuleDict (the kept ones keep their global names "0".."n-1", so state dicts and
 checkpoints are the same under every layout), and tok_embeddings / norm_f / lm_head become None off the first /
 last stage. Between stages hidden + residual travel as one plain tensor (`parallelism.pipeline_parallel_pack`).
+Tied embeddings: the last stage keeps a copy of the embedding as its head's weight, kept equal to the first
+stage's by summing their gradients every step (parallelisms/tied_weights.py; the trainer calls
+`sum_tied_embedding_grads` between the backward and the clipping).
 
 Splits (`stage_layer_ranges`), in order of precedence:
     parallelism.pipeline_parallel_split_points = [6, 12, 18]   explicit: first layer of every stage but the first
@@ -161,9 +164,10 @@ def num_microbatches(cfg, dp: int) -> int:
 def validate_pipeline(cfg, pdims, model_args) -> list[str]:
     """Every problem of the pipeline settings, each naming the key and the fix (empty when fine); no compute."""
     p, errs = cfg.parallelism, []
-    if model_args.tie_embeddings:
-        errs.append("model.tie_embeddings=true cannot be pipelined (the embedding and the head live on different "
-                    "stages); set --model.tie_embeddings false")
+    if model_args.tie_embeddings and p.fsdp_cpu_offload:
+        errs.append("model.tie_embeddings=true under pipeline parallel sums the tied weight's gradients between the "
+                    "first and the last stage over the GPU backend, which cannot reach parallelism.fsdp_cpu_offload's "
+                    "CPU gradients; set fsdp_cpu_offload false or --model.tie_embeddings false")
     if p.pipeline_parallel_pack not in ("stack", "sum"):
         errs.append(f"parallelism.pipeline_parallel_pack={p.pipeline_parallel_pack!r}; choose 'stack' or 'sum'")
     try:
@@ -219,13 +223,20 @@ def split_backward_error(schedule: str, on_gpu: bool, torch_version: str) -> str
 
 # -------------------------------------------------------------------------------------------- building stages
 def build_stage_module(model: nn.Module, layers: range, is_first: bool, is_last: bool, pack: str) -> nn.Module:
-    """A deep copy of `model` that keeps only `layers` (under their global names) and the ends it owns."""
+    """A deep copy of `model` that keeps only `layers` (under their global names) and the ends it owns.
+
+    With tied embeddings the last stage keeps tok_embeddings too, as the owner of its head's (shared) weight, but
+    does not embed (embeds_tokens = False): parallelisms/tied_weights.py keeps that copy equal to the first stage's.
+    """
     part = copy.deepcopy(model)
     for name in list(part.layers.keys()):
         if int(name) not in layers:
             del part.layers[name]
     if not is_first:
-        part.tok_embeddings = None
+        if is_last and model.args.tie_embeddings:
+            part.embeds_tokens = False
+        else:
+            part.tok_embeddings = None
     if not is_last:
         part.norm_f = None
         part.lm_head = None
@@ -318,6 +329,8 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
+    from parallelisms.tied_weights import build_tied_embedding_group, mark_tied_copy
+
     p = cfg.parallelism
     errs = validate_pipeline(cfg, pdims, model.args)
     if errs:
@@ -331,10 +344,18 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, pdims.pp, num_stages, schedule_name)
 
+    tied_group = None
+    if model.args.tie_embeddings:  # collective: every rank builds the groups of the two ranks holding copies
+        last_stage_rank = next(r for r in range(pdims.pp)
+                               if num_stages - 1 in stage_ids_for_rank(r, pdims.pp, num_stages, schedule_name))
+        tied_group = build_tied_embedding_group(world_mesh, pdims.pp, sorted({0, last_stage_rank}))
+
     stages, parts = [], []
     for sid in stage_ids:
         part = build_stage_module(model, ranges[sid], sid == 0, sid == num_stages - 1, p.pipeline_parallel_pack)
         part = parallelize(part)
+        if model.args.tie_embeddings and sid in (0, num_stages - 1):
+            mark_tied_copy(part, tied_group)
         parts.append(part)
         stage = PipelineStage(part, sid, num_stages, device, group=pp_mesh.get_group())
         _leave_no_trace_of_metadata_inference(stage)

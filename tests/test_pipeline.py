@@ -118,8 +118,10 @@ def test_validate_pipeline_errors():
     pd = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=2)
     ok = ModelArgs(n_layers=4, tie_embeddings=False)
     assert validate_pipeline(_cfg(pipeline_parallel_degree=2), pd, ok) == []
-    errs = validate_pipeline(_cfg(pipeline_parallel_degree=2), pd, ModelArgs(n_layers=4, tie_embeddings=True))
-    assert len(errs) == 1 and "model.tie_embeddings false" in errs[0]
+    tied = ModelArgs(n_layers=4, tie_embeddings=True)
+    assert validate_pipeline(_cfg(pipeline_parallel_degree=2), pd, tied) == []  # tests/test_pipeline_tied.py
+    errs = validate_pipeline(_cfg(fsdp_cpu_offload=True), pd, tied)  # the tied gradient sum cannot reach the CPU
+    assert len(errs) == 1 and "fsdp_cpu_offload false" in errs[0] and "tie_embeddings false" in errs[0]
     errs = validate_pipeline(_cfg(pipeline_parallel_microbatch_size=3), pd, ok)
     assert len(errs) == 1 and "training.global_batch_size" in errs[0] and "microbatch_size=3" in errs[0]
     errs = validate_pipeline(_cfg(pipeline_parallel_schedule="Nope"), pd, ok)

@@ -4,6 +4,9 @@
   remaining ones keep their names, so state dicts (and checkpoints) are the same under every layout.
 - `tok_embeddings`, `norm_f` and `lm_head` may be None; forward passes through whatever is missing:
   without tok_embeddings the input is the packed inter-stage tensor; without norm_f the output is.
+- Tied embeddings under pipeline parallel: the last stage keeps `tok_embeddings` only as the owner of the head's
+  shared weight (so it keeps the FQN "tok_embeddings.weight" and its initial values) and sets
+  `embeds_tokens = False`: its input is the packed inter-stage tensor all the same.
 - Between stages hidden and residual travel as ONE plain tensor (`pack_format`):
   "stack": [2, b, s, d] (hidden, residual); "sum": [b, s, d] = residual + hidden, exactly equivalent since the
   next block's first op is that same add (half the bytes).
@@ -48,6 +51,7 @@ class Mamba2LM(nn.Module):
         super().__init__()
         self.args = args
         self.pack_format = "sum"
+        self.embeds_tokens = True  # False: tok_embeddings only holds the tied head's weight (see the module doc)
         self.tok_embeddings = nn.Embedding(args.padded_vocab_size, args.d_model)
         self.layers = nn.ModuleDict(
             {str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)}
@@ -72,7 +76,7 @@ class Mamba2LM(nn.Module):
         labels: if given (last stage only), return the summed token loss instead of logits, computed over
         chunks of `loss_chunk_tokens` tokens when > 0 so the full logits never exist.
         """
-        if self.tok_embeddings is not None:
+        if self.tok_embeddings is not None and self.embeds_tokens:
             hidden, residual = self.tok_embeddings(inputs), None
         else:
             hidden, residual = unpack_hidden_residual(inputs, self.pack_format)
