@@ -18,10 +18,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from checkpoint.integrity import ChecksumError
 from checkpoint.manager import CheckpointManager, complete_steps
+from checkpoint.run_record import ResumeMismatch, build_run_record
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.optimizer import build_lr_scheduler, build_optimizer
 from components.profiling import StepProfiler, validate_profiling
+from components.run_lock import FolderInUseError, hold_run_folders
+from components.signals import EXIT_CODE_TERMINATED, GracefulStop, die_with_launcher
 from components.validation import PipelineEval, Validator
 from configs.job_config import JobConfig
 from configs.parser import ConfigError, load_config_or_exit
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config_or_exit(argv)
     if cfg is None:
         return
+    die_with_launcher()  # under torchrun: killed with the launcher, never left training on
+    stop = GracefulStop().install()  # SIGTERM: finish the step, save, exit
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         pdims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -80,6 +86,11 @@ def main(argv: list[str] | None = None) -> None:
         check_job(cfg, pdims, model_args, tokenizer)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         sys.exit(f"config error: {e}")
+    if rank == 0:  # one run per folder: locked before anything is written there, held until this process exits
+        try:
+            hold_run_folders(cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None)
+        except FolderInUseError as e:
+            sys.exit(str(e))
     device = init_distributed(world_size)
     if rank == 0 and cfg.job.print_config:
         from configs.parser import to_dict
@@ -135,9 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, pin_memory=on_gpu)
 
     # 6. Checkpoint: resume from the newest complete step-N (or checkpoint.load_step / initial_load_path).
+    #    A checkpoint trained with another model / tokenizer / data, or with corrupt files, stops here.
     checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model_parts, optimizers, lr_schedulers,
-                                     loader)
-    start_step = checkpointer.load()
+                                     loader, run_record=build_run_record(cfg, model_args, tokenizer))
+    try:
+        start_step = checkpointer.load()
+    except (ResumeMismatch, ChecksumError) as e:
+        sys.exit(f"checkpoint error: {e}")
     if start_step:
         log(f"resumed from step {start_step}")
     pipeline_eval = None
@@ -174,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # 7. The loop.
     t_last, tokens_since_log = time.perf_counter(), 0
+    nonfinite_streak, stopping = 0, False  # steps in a row with a non-finite gradient norm; SIGTERM agreed on
     for step in range(start_step + 1, cfg.training.steps + 1):
         profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
         batch = loader.next_batch()
@@ -205,43 +221,58 @@ def main(argv: list[str] | None = None) -> None:
                                         amp, moe_layers, graphed)
         if flat_grads is not None:
             flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
-        # The logged loss: mean over every token of the global batch (all ranks, all microbatches).
-        if world_size > 1:
-            dist.all_reduce(loss_sum)  # ranks without a loss (early pipeline stages) add zero
-        loss = (loss_sum / global_tokens).item()  # the step's one host sync
-        if not math.isfinite(loss):  # the same value on every rank (all-reduced), so all stop together
-            checkpointer.close()
-            saved = complete_steps(checkpointer.folder) if os.path.isdir(checkpointer.folder) else []
-            sys.exit(f"loss is {loss} at step {step}: stopped before the optimizer step, nothing saved; the newest "
-                     f"complete checkpoint is {f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. "
-                     "Lower optimizer.lr (or raise lr_scheduler.warmup_steps) or check the data.")
-
         sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)
+        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)  # equal on every rank
+        # The logged loss: mean over every token of the global batch (all ranks, all microbatches). A SIGTERM
+        # rides on the same all-reduce, so that every rank agrees to stop after this same step.
+        loss_and_stop = torch.stack([loss_sum.float(), loss_sum.new_full((), float(stop.requested))])
+        if world_size > 1:
+            dist.all_reduce(loss_and_stop)  # ranks without a loss (early pipeline stages) add zero
+        loss, stop_votes, grad_norm_value = torch.stack(  # the step's one host sync
+            [loss_and_stop[0] / global_tokens, loss_and_stop[1], grad_norm.float()]).tolist()
+        # Both values are the same on every rank (all-reduced), so every rank takes the same branch.
+        if not math.isfinite(loss):
+            stop_before_optimizer_step(checkpointer, f"loss is {loss} at step {step}")
+        skipped = not math.isfinite(grad_norm_value)
+        nonfinite_streak = nonfinite_streak + 1 if skipped else 0
+        if nonfinite_streak > cfg.training.skip_nonfinite_grads:
+            stop_before_optimizer_step(
+                checkpointer, f"the global gradient norm is {grad_norm_value} at step {step} (its loss {loss:.4f} is "
+                f"finite)", hint="" if cfg.training.skip_nonfinite_grads else
+                " To skip such steps instead, set --training.skip_nonfinite_grads N (N in a row at most).")
+        if skipped:
+            log(f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
+                f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads={cfg.training.skip_nonfinite_grads})")
         for opt in optimizers:
-            opt.step()
+            if not skipped:
+                opt.step()
             # a CUDA graph and the DDP buffer both hold on to the same .grad tensors
             opt.zero_grad(set_to_none=graphed is None and flat_grads is None)
-        worst_expert_load = moe_step(moe_layers, dp_cp_group, pp_group)
+        worst_expert_load = moe_step(moe_layers, dp_cp_group, pp_group, update=not skipped)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:
             sched.step()
         val = validator.maybe_run(step, last_step=step == cfg.training.steps) if validator else {}
 
         tokens_since_log += input_ids.numel()
-        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or val:
+        stopping = stop_votes > 0 and step < cfg.training.steps
+        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or val or skipped or stopping:
             if on_gpu:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t_last
             # tokens/s per device: tokens this rank's data-parallel replica processed / pp stages sharing them
             tps = tokens_since_log / dt / pdims.pp
-            record = {"loss": loss, "grad_norm": grad_norm.item(), "lr": lr, "tokens_per_sec": tps,
+            record = {"loss": loss, "grad_norm": grad_norm_value, "lr": lr, "tokens_per_sec": tps,
                       "mfu": tps * flops_per_token / peak if peak else 0.0, "memory_gib": memory_gib(device), **val}
+            if skipped:
+                record["skipped"] = True
             if worst_expert_load is not None:  # busiest expert / mean, worst MoE layer (E / top_k at most)
                 record["moe_max_load_ratio"] = worst_expert_load.item()
             metrics.log(step, record)
             t_last, tokens_since_log = time.perf_counter(), 0
-        checkpointer.save(step, last_step=step == cfg.training.steps)
+        checkpointer.save(step, last_step=step == cfg.training.steps, force=stopping)
+        if stopping:
+            break
 
     profiler.close()
     checkpointer.close()
@@ -249,6 +280,20 @@ def main(argv: list[str] | None = None) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if stopping:  # SIGTERM: the step finished and (with checkpointing on) was saved
+        saved = (f"saved as {checkpointer.step_dir(step)}; run the same command again to resume"
+                 if checkpointer.enabled else "nothing saved (checkpoint.enable is false)")
+        log(f"stopped by SIGTERM after step {step}: {saved}")
+        sys.exit(EXIT_CODE_TERMINATED)
+
+
+def stop_before_optimizer_step(checkpointer: CheckpointManager, what: str, hint: str = "") -> None:
+    """A non-finite loss or gradient norm: exit before the optimizer step, naming the checkpoint to resume from."""
+    checkpointer.close()
+    saved = complete_steps(checkpointer.folder) if os.path.isdir(checkpointer.folder) else []
+    sys.exit(f"{what}: stopped before the optimizer step, nothing saved; the newest complete checkpoint is "
+             f"{f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. Lower optimizer.lr (or raise "
+             f"lr_scheduler.warmup_steps) or check the data.{hint}")
 
 
 def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, loss_scale: torch.Tensor,
@@ -299,8 +344,10 @@ def pipeline_step(schedule, has_first: bool, has_last: bool, input_ids, labels, 
     return torch.stack([l.detach().float() for l in losses]).sum() * (global_tokens / grad_scale)
 
 
-def moe_step(moe_layers: list, dp_cp_group, pp_group) -> torch.Tensor | None:
+def moe_step(moe_layers: list, dp_cp_group, pp_group, update: bool = True) -> torch.Tensor | None:
     """After the optimizer step: global expert loads, the auxiliary-loss-free bias update, load metrics.
+
+    `update` False (a skipped step): the counts are dropped and the bias is left as it is.
 
     Each MoE layer counted the tokens routed to each expert on this rank; the sum over dp x cp is the global
     batch's load, identical on every rank, so the bias update keeps the replicas equal. Returns the busiest
@@ -315,7 +362,10 @@ def moe_step(moe_layers: list, dp_cp_group, pp_group) -> torch.Tensor | None:
             dist.all_reduce(moe.tokens_per_expert, group=dp_cp_group)
         load = moe.tokens_per_expert.float()
         ratios.append(load.max() / load.mean().clamp(min=1))
-        moe.update_expert_bias()
+        if update:
+            moe.update_expert_bias()
+        else:
+            moe.tokens_per_expert.zero_()
     worst = torch.stack(ratios).max()
     if pp_group is not None:  # stages hold different layers: report the worst of the whole model on every rank
         dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp_group)
@@ -325,6 +375,9 @@ def moe_step(moe_layers: list, dp_cp_group, pp_group) -> torch.Tensor | None:
 def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> None:
     """Combinations that would fail later, reported now with their fix."""
     t, errs = cfg.training, []
+    if cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
+        errs.append(f"checkpoint.load_step={cfg.checkpoint.load_step} resumes only with checkpointing on; set "
+                    "--checkpoint.enable true (or --checkpoint.initial_load_path DIR for weights alone)")
     if tokenizer.vocab_size > model_args.vocab_size:
         errs.append(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={model_args.vocab_size}; "
                     f"set --model.vocab_size {tokenizer.vocab_size} (or larger)")
@@ -344,6 +397,9 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
                 validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
         except ValueError as e:
             errs.append(str(e))
+    if t.skip_nonfinite_grads < 0:
+        errs.append(f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
+                    "non-finite gradient norm)")
     if cfg.parallelism.fsdp_blocks_per_unit < 1:
         errs.append(f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 1 "
                     "(1 = one FSDP unit per block)")

@@ -12,6 +12,11 @@ Saved entries (DCP flattens them to dotted keys):
     dataloader    dataloader.state_dict() (global, identical on all ranks)
     train_state   {"step": N, **extra_state}
     rng           rank 0's torch / cuda / numpy / python RNG state (restored on every rank)
+Every value is a tensor (checkpoint/state_adapters.py: non-tensor values travel as one uint8 JSON tensor per
+entry), so loading our own state never unpickles; optimizer hyperparameters and the LR schedule are not saved
+but taken from the current config. Beside the DCP files: run_record.json (what the run was trained with,
+compared on resume: checkpoint/run_record.py) and checksums.json (every file's CRC-32, verified before loading:
+checkpoint/integrity.py).
 A model-only save (last step with last_save_model_only) holds the FQN-keyed weights alone, like export.py.
 """
 
@@ -19,27 +24,21 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
-import random
 import re
 import shutil
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from checkpoint.disk_space import disk_full_error, state_bytes
 from checkpoint.export import (
     TRAIN_STATE_KEY,
     ModelState,
@@ -50,107 +49,24 @@ from checkpoint.export import (
     read_metadata,
     single_process_quiet,
 )
+from checkpoint.integrity import ChecksummingWriter, verify_checksums
+from checkpoint.run_record import check_resume, read_record, write_record
+from checkpoint.state_adapters import (  # noqa: F401 - the adapters' historical home; re-exported
+    JSON_KEY,
+    JsonTensorState,
+    LegacyRNGTarget,
+    OptimizerState,
+    RNGState,
+    SchedulerState,
+    TrainState,
+)
+from checkpoint.finite import any_rank_nonfinite, first_nonfinite_state
+from checkpoint.lineage import abandon_newer_steps
 
 logger = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _STALE_RE = re.compile(r"^\.step-\d+\.(partial|replaced)$")
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-# ----------------------------------------------------------------------------------------------- adapters
-class OptimizerState:
-    """Stateful adapter: flattened FQN-keyed optimizer state ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr")
-    merged over (model part, optimizer) pairs. Flattened keys are per parameter, so a rank owning a subset of
-    the parameters (pipeline stage, other FSDP degree) picks exactly its own on load."""
-
-    def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]):
-        if len(optimizers) != len(model_parts):
-            raise ValueError(
-                f"got {len(optimizers)} optimizers for {len(model_parts)} model parts: pass one optimizer per part"
-            )
-        self.pairs = list(zip(model_parts, optimizers))
-
-    def state_dict(self) -> dict:
-        merged: dict = {}
-        for model, optim in self.pairs:
-            merged.update(get_optimizer_state_dict(model, optim, options=_FLAT))
-        return merged
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for model, optim in self.pairs:
-            set_optimizer_state_dict(model, optim, optim_state_dict=state_dict, options=_FLAT)
-
-
-class SchedulerState:
-    """Stateful adapter: every part's LR scheduler steps identically, so one state is saved, all are loaded."""
-
-    def __init__(self, lr_schedulers: list):
-        self.lr_schedulers = list(lr_schedulers)
-
-    def state_dict(self) -> dict:
-        return self.lr_schedulers[0].state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        for sched in self.lr_schedulers:
-            sched.load_state_dict(dict(state_dict))
-
-
-class TrainState:
-    """Stateful adapter: the step and `extra_state` (values may be Stateful objects or plain picklables;
-    plain ones are replaced in the dict in place on load)."""
-
-    def __init__(self, extra_state: dict | None):
-        self.step = 0
-        self.extra_state = extra_state if extra_state is not None else {}
-        if "step" in self.extra_state:
-            raise ValueError("extra_state may not use the key 'step' (the train step is saved under it)")
-        self.load_only: set[str] | None = None  # extra keys present in the checkpoint being loaded
-
-    def state_dict(self) -> dict:
-        sd: dict = {"step": self.step}
-        for k, v in self.extra_state.items():
-            if self.load_only is None or k in self.load_only:
-                sd[k] = v.state_dict() if isinstance(v, Stateful) else v
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.step = int(state_dict["step"])
-        for k, v in state_dict.items():
-            if k == "step":
-                continue
-            if isinstance(self.extra_state.get(k), Stateful):
-                self.extra_state[k].load_state_dict(v)
-            else:
-                self.extra_state[k] = v
-
-
-class RNGState:
-    """Stateful adapter: rank 0's RNG states, broadcast so every rank saves (and later restores) the same."""
-
-    def __init__(self, process_group=None):
-        self.process_group = process_group
-
-    def state_dict(self) -> dict:
-        blob = pickle.dumps((np.random.get_state(), random.getstate()))
-        # numpy / python states as one pickled bytes object: DCP stores it whole (its length may vary, so it
-        # cannot be a tensor loaded in place)
-        sd = {"torch": torch.get_rng_state(), "host": blob}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            sd["cuda"] = torch.cuda.get_rng_state()
-        if dist.is_initialized():
-            box = [sd]
-            dist.broadcast_object_list(box, src=0, group=self.process_group)  # (dict of CPU tensors) rank 0 -> all
-            sd = box[0]
-        return sd
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        torch.set_rng_state(state_dict["torch"])
-        np_state, py_state = pickle.loads(state_dict["host"])
-        np.random.set_state(np_state)
-        random.setstate(py_state)
-        if "cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state_dict["cuda"])
 
 
 # --------------------------------------------------------------------------------------------- folders
@@ -203,8 +119,12 @@ class CheckpointManager:
         lr_schedulers: list,
         dataloader: Stateful | None,
         extra_state: dict | None = None,
+        run_record: dict | None = None,
     ):
+        """run_record: this run's checkpoint/run_record.build_run_record(...), saved into every step-N and
+        compared with the checkpoint's on resume; None (tests, tools) saves none and compares nothing."""
         self.cfg = ckpt_cfg
+        self.run_record = run_record
         self.enabled = bool(ckpt_cfg.enable)
         folder = os.path.expanduser(ckpt_cfg.folder)
         self.folder = folder if os.path.isabs(folder) else os.path.join(dump_folder, folder)
@@ -239,6 +159,10 @@ class CheckpointManager:
         if self.distributed and (self.enabled or ckpt_cfg.initial_load_path):
             self.pg = dist.new_group(backend="gloo")
         self.rng = RNGState(self.pg)
+        # the non-tensor state travels as JSON in a tensor (never pickled): the wrappers DCP sees
+        self._json_states = {name: JsonTensorState(inner, name) for name, inner in (
+            ("train_state", self.train_state), ("rng", self.rng), ("lr_scheduler", self.lr_scheduler),
+            ("dataloader", self.dataloader)) if inner is not None}
         self.use_async = self.enabled and ckpt_cfg.async_mode == "async"
         if self.use_async and not hasattr(dcp, "async_save"):
             logger.warning("this torch has no dcp.async_save: checkpoints are saved synchronously")
@@ -276,18 +200,20 @@ class CheckpointManager:
     def _full_state(self, step: int) -> dict:
         self.train_state.step = step
         self.train_state.load_only = None
-        state: dict = {"model": self.model, "train_state": self.train_state, "rng": self.rng}
+        state: dict = {"model": self.model}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer
-        if self.lr_scheduler is not None:
-            state["lr_scheduler"] = self.lr_scheduler
-        if self.dataloader is not None:
-            state["dataloader"] = self.dataloader
+        for name, wrapped in self._json_states.items():
+            wrapped.prepare_load(None)
+            state[name] = wrapped
         return state
 
     # ------------------------------------------------------------------------------------------- save
-    def save(self, step: int, last_step: bool = False) -> bool:
-        """Save when enabled and (step % interval == 0 or last_step). Returns whether a save was started.
+    def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
+        """Save when enabled and (step % interval == 0 or last_step or force). Returns whether a save was started.
+
+        `force` (a stop requested by SIGTERM) saves a full checkpoint off the interval. Every save first checks
+        that the training state is finite on every rank (checkpoint/finite.py) and refuses otherwise.
 
         Async mode: starts a background write (at most one in flight) and returns; the folder is renamed to
         step-N when it completes (noticed here at a later call, or in wait() / close()). Last-step saves are
@@ -296,18 +222,21 @@ class CheckpointManager:
         if not self.enabled:
             return False
         self._poll()
-        if not (step % self.cfg.interval == 0 or last_step):
+        if not (step % self.cfg.interval == 0 or last_step or force):
             return False
         self.wait()
+        self._refuse_nonfinite(step)
         model_only = last_step and self.cfg.last_save_model_only
         partial = self._partial_dir(step)
         if self.rank == 0:
             os.makedirs(self.folder, exist_ok=True)
             self._remove_stale()
             os.makedirs(partial)
+            if self.run_record is not None:  # before the data: the checksums of the folder cover it
+                write_record(partial, {**self.run_record, "step": step})
         self._barrier()
         state = cast_floating(self.model.state_dict(), self.export_dtype) if model_only else self._full_state(step)
-        writer = FileSystemWriter(partial)
+        writer = ChecksummingWriter(partial) if self.cfg.checksums else FileSystemWriter(partial)
         if self.use_async and not last_step:
             try:
                 with single_process_quiet():
@@ -318,12 +247,27 @@ class CheckpointManager:
             else:
                 self._pending = _Pending(future, step)
                 return True
-        with single_process_quiet():
-            dcp.save(state, storage_writer=writer, process_group=self.pg)
+        try:
+            with single_process_quiet():
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk is re-raised with its fix
+            self._raise_if_disk_full(e, step)
+            raise
         self._barrier()
         self._finalize(step)
         self._barrier()
         return True
+
+    def _refuse_nonfinite(self, step: int) -> None:
+        """Nothing non-finite is ever saved: check every rank's state before writing a byte."""
+        optimizers = [opt for _, opt in self.optimizer.pairs] if self.optimizer is not None else []
+        culprit = any_rank_nonfinite(first_nonfinite_state(self.model_parts, optimizers), self.pg)
+        if culprit is not None:
+            saved = complete_steps(self.folder)
+            raise FloatingPointError(
+                f"step {step} was not saved: {culprit} holds NaN or inf values. The newest complete checkpoint is "
+                f"{f'step-{saved[-1]}' if saved else 'none'} in {self.folder}; resume from it with a lower "
+                "optimizer.lr (or more lr_scheduler.warmup_steps), or check the data.")
 
     def _finalize(self, step: int) -> None:
         """Rank 0, once every rank's data and the metadata are written: publish step-N, apply retention."""
@@ -348,6 +292,16 @@ class CheckpointManager:
                 logger.info(f"keep_latest_k={k}: deleting {self.step_dir(old)}")
                 shutil.rmtree(self.step_dir(old), ignore_errors=True)
 
+    def _raise_if_disk_full(self, exc: BaseException, step: int) -> None:
+        """A save that failed for lack of disk space: raise CheckpointDiskFullError (folder, free, needed, fix)."""
+        optimizers = [opt for _, opt in self.optimizer.pairs] if self.optimizer is not None else []
+        error = disk_full_error(exc, step=step, folder=self.folder, partial=self._partial_dir(step),
+                                previous_steps=complete_steps(self.folder), keep_latest_k=self.cfg.keep_latest_k,
+                                estimate_state_bytes=lambda: state_bytes(self.model_parts, optimizers),
+                                remove_partial=self.rank == 0)
+        if error is not None:
+            raise error from exc
+
     def _poll(self) -> None:
         """Finish an async save that has completed, without blocking."""
         if self._pending is not None and self._done(self._pending.future):
@@ -367,6 +321,7 @@ class CheckpointManager:
         try:
             fut.result()
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised with the step
+            self._raise_if_disk_full(e, pending.step)
             # the .step-N.partial folder stays unpublished and is removed at the next save / load
             raise RuntimeError(f"async checkpoint save of step {pending.step} failed: {e}") from e
         # rank 0's future completes after DCP gathered every rank's write results and wrote .metadata
@@ -395,9 +350,13 @@ class CheckpointManager:
                 raise FileNotFoundError(error)
             if step is not None:
                 self._load_full(step)
+                if self.rank == 0:  # a resume from an older step starts a new branch (checkpoint/lineage.py)
+                    abandon_newer_steps(self.folder, step)
                 return step
         if self.cfg.initial_load_path:
             logger.info(f"loading initial model weights from {self.cfg.initial_load_path}")
+            if self.cfg.checksums:  # ours carry checksums.json; foreign conversions may not (then unchecked)
+                verify_checksums(self.cfg.initial_load_path, self.pg)
             load_model_weights(self.model_parts, self.cfg.initial_load_path, process_group=self.pg)
         return 0
 
@@ -416,6 +375,8 @@ class CheckpointManager:
 
     def _load_full(self, step: int) -> None:
         path = self.step_dir(step)
+        self._verify(path)
+        check_resume(path, read_record(path), self.run_record, self.cfg)
         metadata = read_metadata(path)
         keys = metadata.state_dict_metadata.keys()
         if TRAIN_STATE_KEY not in keys:
@@ -429,9 +390,7 @@ class CheckpointManager:
             return any(k.startswith(prefix) for k in keys)
 
         state = self._full_state(step)
-        self.train_state.load_only = {k for k in self.extra_state if has(f"train_state.{k}")}
-        for k in set(self.extra_state) - self.train_state.load_only:
-            logger.warning(f"{path} has no train_state.{k}; keeping its current value")
+        self._prepare_json_load(state, metadata.state_dict_metadata, path)
         if self.optimizer is not None and not has("optimizer."):
             raise ValueError(f"{path} has no optimizer state; it cannot resume training with an optimizer")
         for name in ("lr_scheduler", "dataloader", "rng"):
@@ -450,3 +409,33 @@ class CheckpointManager:
             ) from e
         finally:
             self.train_state.load_only = None
+            for wrapped in self._json_states.values():
+                wrapped.prepare_load(None)
+
+    def _verify(self, path: str) -> None:
+        """Check the folder's checksums.json before anything reads the folder (collective)."""
+        if not self.cfg.checksums:
+            logger.warning(f"checkpoint.checksums is off: {path} is loaded without verifying its files")
+        elif not verify_checksums(path, self.pg) and self.rank == 0:
+            logger.warning(f"{path} has no checksums.json (saved before checksums, or by another tool): its files "
+                           "cannot be verified; loading it unverified")
+
+    def _prepare_json_load(self, state: dict, md: dict, path: str) -> None:
+        """Load targets: the JSON tensors sized from the metadata; for a legacy checkpoint (saved before the
+        pickle-free format: no "train_state.json") the unwrapped adapters, whose items DCP unpickles."""
+        if f"train_state.{JSON_KEY}" in md:
+            for name, wrapped in self._json_states.items():
+                if f"{name}.{JSON_KEY}" in md:
+                    wrapped.prepare_load(md[f"{name}.{JSON_KEY}"].size.numel())
+            return
+        logger.warning(f"{path} was saved before the pickle-free format: its non-tensor state is unpickled by DCP "
+                       "(trust it as much as its source)")
+        self.train_state.load_only = {k for k in self.extra_state if any(
+            key.startswith(f"train_state.{k}") for key in md)}
+        state["train_state"] = self.train_state
+        for name in ("lr_scheduler", "dataloader"):
+            if name in state:
+                state[name] = getattr(self, name)
+        if "rng.host" in md and isinstance(md["rng.host"], BytesStorageMetadata):
+            cuda = md.get("rng.cuda")
+            state["rng"] = LegacyRNGTarget(self.rng, None if cuda is None else cuda.size.numel())

@@ -71,6 +71,11 @@ class Training:
         "[tokens, vocab] logits never exist; 0 = one pass. Not used on pipeline stages.")
     max_norm: float = doc(
         1.0, "Gradient clipping by global L2 norm over all shards (finite, >= 0); 0 disables clipping.")
+    skip_nonfinite_grads: int = doc(
+        0, "A step whose global gradient norm is NaN / inf (with a finite loss) stops the run before the optimizer "
+        "step, like a non-finite loss, unless this is > 0: then up to this many such steps in a row are skipped "
+        "(gradients dropped, no optimizer step; the step's batch is consumed and the LR schedule advances), and "
+        "the next one stops the run.")
     mixed_precision_param: str = doc(
         "bfloat16", "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
         choices=("bfloat16", "float32"),
@@ -163,6 +168,18 @@ class Checkpoint:
     )
     last_save_model_only: bool = doc(False, "At the last step, save only the model weights (an export).")
     export_dtype: str = doc("float32", "Dtype of a model-only export.", choices=("float32", "bfloat16"))
+    checksums: bool = doc(
+        True, "Write checksums.json (every file's size + CRC-32) into each step-N when saving, and verify it before "
+        "loading (the work spread over ranks; about 3 GB/s per rank, see README 'Checkpoints'). A mismatch is an "
+        "error naming the file; false skips both.")
+    allow_changed_data: bool = doc(
+        False, "Resume although the checkpoint's run_record.json names other data: training.dataset, dataset_path, "
+        "dataset_config, dataset_split, dataset_text_field, seq_len, document_masking or seed (logged as a warning). "
+        "false: such a resume is an error listing the differences.")
+    allow_changed_tokenizer: bool = doc(
+        False, "Resume although the checkpoint was trained with another tokenizer (vocabulary / special ids; logged "
+        "as a warning). false: an error. A changed model is never loadable; optimizer.*, lr_scheduler.* and "
+        "training.steps changes always apply from the first resumed step (logged).")
 
 
 @dataclass
