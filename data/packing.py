@@ -59,8 +59,9 @@ class DocumentPacker:
         where = describe_source(self.source)
         if n_docs == 0:
             raise ValueError(f"{where} yields no documents; give a non-empty dataset")
+        documents = "its one document is" if n_docs == 1 else f"all {n_docs} documents are"
         raise ValueError(
-            f"{where}: all {n_docs} documents are empty (no token after tokenization), so no position has a label "
+            f"{where}: {documents} empty (no token after tokenization), so no position has a label "
             "and the loss would be 0 / 0; check that training.dataset_text_field names the field holding the text "
             "(parquet nulls read as empty), or give a non-empty dataset"
         )

@@ -33,9 +33,10 @@ def test_empty_documents_are_refused_when_the_loader_is_built(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "blank.jsonl").write_text("\n".join(json.dumps({"text": ""}) for _ in range(3)) + "\n")
     _write_parquet(tmp_path / "nulls.parquet", text=[None, None], other=["not", "this"])
-    for name, n_docs in (("empty.txt", 1), ("blank.jsonl", 3), ("nulls.parquet", 2)):
+    for name, documents in (("empty.txt", "its one document is"), ("blank.jsonl", "all 3 documents are"),
+                            ("nulls.parquet", "all 2 documents are")):
         source = build_text_source(str(tmp_path / name), "train", "text")
-        with pytest.raises(ValueError, match=rf"training.dataset='.*{name}': all {n_docs} documents are empty "
+        with pytest.raises(ValueError, match=rf"training.dataset='.*{name}': {documents} empty "
                                              r".*check that training.dataset_text_field"):
             StepBatchLoader(ByteTokenizer(), source, seq_len=8, global_batch_size=2)
     # The check stops at the first document with a token: empty documents before it stay legal.
@@ -60,7 +61,7 @@ def test_train_py_stops_on_an_empty_corpus_before_step_1(tmp_path):
                         "--metrics.enable_tensorboard", "false"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
-    assert "all 1 documents are empty" in r.stderr and "loss is nan" not in r.stderr, r.stderr[-2000:]
+    assert "its one document is empty" in r.stderr and "loss is nan" not in r.stderr, r.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------- encodings
