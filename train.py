@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     # 5. Data: every dp rank reads its slice of the one global batch; cp / pp ranks of a dp rank share it.
     dp_rank, dp_degree = coords(mesh, "dp")
     cp_rank, _ = coords(mesh, "cp")
-    loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, pin_memory=on_gpu)
+    with data_errors_exit():
+        loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, pin_memory=on_gpu)
 
     # 6. Checkpoint: resume from the newest complete step-N (or checkpoint.load_step / initial_load_path).
     #    A checkpoint trained with another model / tokenizer / data, or with corrupt files, stops here.
@@ -159,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     if pdims.pp_enabled:  # validation's forward-only pass through the same schedule, its loss_fn left unscaled
         pipeline_eval = PipelineEval(pp_schedule, has_first_stage, has_last_stage,
                                      lambda: loss_scale.update(global_tokens=grad_scale))
-    validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, device, pipeline=pipeline_eval)
-                 if cfg.validation.enable else None)
+    with data_errors_exit():
+        validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, device, pipeline=pipeline_eval)
+                     if cfg.validation.enable else None)
     metrics = MetricsLogger(cfg.job.dump_folder, rank == 0, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
                             cfg.training.steps)
     if rank == 0:
@@ -287,6 +289,16 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_CODE_TERMINATED)
 
 
+@contextlib.contextmanager
+def data_errors_exit():
+    """A dataset that cannot be read (empty, undecodable, wrong column) ends the run with its message, not a
+    traceback; every rank opens the same data and exits with the same message."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, FileNotFoundError, UnicodeDecodeError) as e:
+        sys.exit(f"data error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+
+
 def stop_before_optimizer_step(checkpointer: CheckpointManager, what: str, hint: str = "") -> None:
     """A non-finite loss or gradient norm: exit before the optimizer step, naming the checkpoint to resume from."""
     checkpointer.close()
@@ -379,8 +391,8 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
         errs.append(f"checkpoint.load_step={cfg.checkpoint.load_step} resumes only with checkpointing on; set "
                     "--checkpoint.enable true (or --checkpoint.initial_load_path DIR for weights alone)")
     if tokenizer.vocab_size > model_args.vocab_size:
-        errs.append(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={model_args.vocab_size}; "
-                    f"set --model.vocab_size {tokenizer.vocab_size} (or larger)")
+        errs.append(f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but model.vocab_size="
+                    f"{model_args.vocab_size}; set --model.vocab_size {tokenizer.vocab_size} (or larger)")
     gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * pdims.dp
     if gbs % pdims.dp:
         errs.append(f"training.global_batch_size={gbs} must divide by the data-parallel degree "

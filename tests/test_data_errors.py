@@ -62,6 +62,7 @@ def test_train_py_stops_on_an_empty_corpus_before_step_1(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert "its one document is empty" in r.stderr and "loss is nan" not in r.stderr, r.stderr[-2000:]
+    assert "data error:" in r.stderr and "Traceback" not in r.stderr  # a message, not a crash
 
 
 # ------------------------------------------------------------------------------------- encodings
