@@ -34,7 +34,7 @@ class ModelArgs:
     A_init_max: float = doc(16.0, "See A_init_min.")
     norm_eps: float = doc(1e-5, "RMSNorm epsilon (block norms, gated norm, norm_f).")
     residual_in_fp32: bool = doc(True, "Keep the residual stream in float32 under bf16 compute.")
-    tie_embeddings: bool = doc(True, "lm_head shares tok_embeddings' weight (not allowed under PP).")
+    tie_embeddings: bool = doc(True, "lm_head shares tok_embeddings' weight (PP: the last stage keeps a synced copy).")
     initializer_range: float = doc(0.02, "Std of the embedding initialisation.")
     rescale_prenorm_residual: bool = doc(True, "Scale out_proj init by 1/sqrt(n_layers) as mamba-ssm does.")
     use_fused_path: bool = doc(True, "On CUDA without CP: mamba_split_conv1d_scan_combined (conv+SSD+norm fused).")

@@ -125,9 +125,31 @@ def test_tied_copies_get_one_gradient_and_stay_identical(schedules):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["ref_losses"]), rtol=1e-5, atol=0)
 
 
+def _group_worker(rank, world_size):
+    from parallelisms.mesh import ParallelDims
+    from parallelisms.tied_weights import build_tied_embedding_group
+
+    pdims = ParallelDims(pp=3, dp_replicate=1, dp_shard=2, cp=1, ep=1, world_size=6)
+    mesh = pdims.build_mesh("cpu")
+    group = build_tied_embedding_group(mesh, 3, [0, 2])
+    if group is None:
+        return None
+    x = torch.tensor([float(rank)])
+    torch.distributed.all_reduce(x, group=group)
+    return x.item()
+
+
+@pytest.mark.slow
+def test_tied_group_pairs_the_first_and_last_pp_rank_of_each_column():
+    """pp 3 x dp_shard 2 (global rank = 2 * pp_rank + dp_rank): the copies live on pp ranks 0 and 2, so the groups
+    are {0, 4} and {1, 5}, and the middle pp rank (global 2, 3) belongs to none."""
+    assert run_distributed(_group_worker, 6) == [4.0, 6.0, None, None, 4.0, 6.0]
+
+
 # ------------------------------------------------------------------------------ train.py vs one process
 TIED = PARITY_ARGS + ["--model.tie_embeddings", "true"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2_FSDP2 = PP2 + ["--parallelism.data_parallel_shard_degree", "2"]
 
 
 def assert_same_norms(ref: list[dict], got: list[dict], rtol: float = 1e-5) -> None:
@@ -144,12 +166,14 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc, layout", [
     (2, PP2),
-    pytest.param(4, PP2 + ["--parallelism.data_parallel_shard_degree", "2"], marks=pytest.mark.slow),
+    pytest.param(4, PP2_FSDP2, marks=pytest.mark.slow),
     # 4 virtual stages of one layer, two per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
     pytest.param(2, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], marks=pytest.mark.slow),
     # the V: rank 0 holds stages 0 and 3, so both copies of the tied weight
     pytest.param(2, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], marks=pytest.mark.slow),
-], ids=["pp2", "pp2xfsdp2", "pp2-interleaved1f1b", "pp2-zbv"])
+    # pp 4: the copies on pp ranks 0 and 3, summed over a group of just those two (one per dp column)
+    pytest.param(4, ["--parallelism.pipeline_parallel_degree", "4"], marks=pytest.mark.slow),
+], ids=["pp2", "pp2xfsdp2", "pp2-interleaved1f1b", "pp2-zbv", "pp4"])
 def test_tied_pipeline_matches_single_process(reference, tmp_path, nproc, layout):
     got = run_training(nproc, TIED + layout, tmp_path)
     assert_same_losses(reference, got)
@@ -162,19 +186,22 @@ def _tied_keys(step_dir) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save, resume", [(2, 1), (1, 2)], ids=["pp2-to-one-process", "one-process-to-pp2"])
+@pytest.mark.parametrize("save, resume", [
+    ((2, PP2), (1, [])),
+    ((1, []), (2, PP2)),
+    ((4, PP2_FSDP2), (1, [])),  # both stages write the same shards of the tied weight and its optimizer state
+], ids=["pp2-to-one-process", "one-process-to-pp2", "pp2xfsdp2-to-one-process"])
 def test_tied_checkpoint_resumes_in_the_other_layout(reference, tmp_path, save, resume):
-    """A step-2 checkpoint written under one layout resumes under the other with the uninterrupted losses; both
-    layouts write the same keys for the tied weight (the single-process key set)."""
+    """A step-2 checkpoint written under one layout resumes under the other with the uninterrupted losses; every
+    layout writes the same keys for the tied weight (the single-process key set)."""
     args = TIED + ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
-    layout = {1: [], 2: PP2}
-    run_training(save, args + layout[save], tmp_path / "first")
+    run_training(save[0], args + save[1], tmp_path / "first")
     step2 = tmp_path / "first" / "checkpoint" / "step-2"
     keys = _tied_keys(step2)
     assert {k for k in keys if k.startswith("model.")} == {"model.tok_embeddings.weight", "model.lm_head.weight"}
     optimizer_keys = {k for k in keys if k.startswith("optimizer.state.")}
     assert optimizer_keys == {f"optimizer.state.tok_embeddings.weight.{s}" for s in ("step", "exp_avg", "exp_avg_sq")}
     shutil.copytree(step2, tmp_path / "resumed" / "checkpoint" / "step-2")
-    resumed = run_training(resume, args + layout[resume], tmp_path / "resumed")
+    resumed = run_training(resume[0], args + resume[1], tmp_path / "resumed")
     assert sorted(losses_by_step(resumed)) == [3, 4]
     assert_same_losses(reference, resumed, steps=[3, 4])
