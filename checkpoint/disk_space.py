@@ -109,9 +109,12 @@ def disk_full_error(
     except OSError:
         free = "unknown"
     kept = ", ".join(f"step-{s}" for s in previous_steps) or "none"
+    # torch.save's zip writer turns any failed write into "unexpected pos"; a full disk is by far the usual one
+    what = (f"failed writing to {folder}, most likely out of disk space" if "unexpected pos" in str(cause)
+            else f"ran out of disk space in {folder}")
     return CheckpointDiskFullError(
         errno.ENOSPC,
-        f"checkpoint save of step {step} ran out of disk space in {folder}: {free} free, about {_human(needed)} "
+        f"checkpoint save of step {step} {what}: {free} free, about {_human(needed)} "
         f"needed ({how}). The unfinished save was removed; the earlier checkpoints ({kept}) are intact. Free space "
         f"on that filesystem, lower --checkpoint.keep_latest_k (now {keep_latest_k or 'keep all'}), or point "
         f"--checkpoint.folder at a disk with room, then resume. Cause: {type(cause).__name__}: {cause}",
