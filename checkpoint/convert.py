@@ -2,14 +2,17 @@
 
     python -m checkpoint.convert from-mamba-ssm state-spaces/mamba2-130m  weights/130m  [--untie] [--dtype float32]
     python -m checkpoint.convert from-hf        hf_mamba2_folder          weights/hf    [--untie]
-    python -m checkpoint.convert to-hf          outputs/checkpoint/step-1000 hf_out  [--config model.toml] [--dtype bfloat16]
+    python -m checkpoint.convert to-hf          outputs/checkpoint/step-1000 hf_out  [--config job.toml] [--dtype bfloat16]
     python -m checkpoint.convert to-mamba-ssm   weights/130m              ssm_out       [--model.d_model 768 ...]
 
 An import writes a weights-only DCP folder (what checkpoint.initial_load_path loads, under any layout) and,
-inside it, `model.toml`: the [model] section (flavor + overrides) the trainer needs for these weights. An
+inside it, `model.toml`: the [model] section (flavor + overrides) the trainer needs for these weights, with
+tokenizer_path = the source's tokenizer.json when the folder has one. An
 export reads a training checkpoint (step-N) or a weights-only folder in one process (no process group), and
 needs the model's [model] section: `--config FILE` (a job TOML or a model.toml), by default the folder's own
-model.toml; `--model.<key> value` overrides it.
+model.toml; `--model.<key> value` overrides it. The HF export also takes the run's tokenizer from that section
+(model.tokenizer_path, '' = the byte tokenizer): its bos / eos / pad ids go into config.json and
+generation_config.json, and a tokenizer.json run's tokenizer files are copied beside the weights.
 """
 
 from __future__ import annotations
@@ -90,17 +93,22 @@ def read_foreign_weights(folder: str) -> dict[str, torch.Tensor]:
         f"pytorch_model.bin")
 
 
-def read_dcp_weights(path: str) -> dict[str, torch.Tensor]:
-    """Model tensors of a training checkpoint (step-N) or weights-only DCP folder, FQN-keyed, on the CPU.
-
-    One process, no process group: tensors are allocated from the checkpoint's metadata and filled by dcp.load.
-    """
+def read_checkpoint_metadata(path: str):
+    """The DCP metadata of a step-N / weights-only folder; a clear error for the checkpoint.folder above them."""
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
         steps = sorted(n for n in os.listdir(path) if n.startswith("step-"))
         if steps:
             raise FileNotFoundError(f"{path} is a checkpoint.folder, not a checkpoint: pick one of its step-N "
                                     f"folders, e.g. {os.path.join(path, steps[-1])}")
-    metadata = read_metadata(path)
+    return read_metadata(path)
+
+
+def read_dcp_weights(path: str) -> dict[str, torch.Tensor]:
+    """Model tensors of a training checkpoint (step-N) or weights-only DCP folder, FQN-keyed, on the CPU.
+
+    One process, no process group: tensors are allocated from the checkpoint's metadata and filled by dcp.load.
+    """
+    metadata = read_checkpoint_metadata(path)
     prefix = model_prefix(metadata)
     weights = {k[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
                for k, md in metadata.state_dict_metadata.items()
@@ -180,27 +188,107 @@ def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
     if args.tie_embeddings:
         sd["lm_head.weight"] = sd["tok_embeddings.weight"]
     label = "mamba_ssm" if fmt == "mamba_ssm" else "HF transformers Mamba2"
-    write_dcp_weights(sd, out_dir, {MODEL_TOML: model_toml(fields, f"{label} checkpoint {os.path.abspath(src)}")})
+    tokenizer_json = os.path.abspath(os.path.join(src, "tokenizer.json"))
+    tokenizer_path = tokenizer_json if os.path.isfile(tokenizer_json) else ""
+    write_dcp_weights(sd, out_dir, {MODEL_TOML: model_toml(fields, f"{label} checkpoint {os.path.abspath(src)}",
+                                                           tokenizer_path)})
     return args
 
 
 # ------------------------------------------------------------------------------------------ export
-def load_model_args(config_file: str, overrides: list[str] | None = None) -> ModelArgs:
-    """ModelArgs from a TOML file's [model] section (job file or model.toml) and `--model.key value` overrides."""
+def load_model_section(config_file: str, overrides: list[str] | None = None) -> tuple[ModelArgs, str]:
+    """(ModelArgs, model.tokenizer_path) from a TOML file's [model] section (job file or model.toml) and
+    `--model.key value` overrides."""
     from configs.parser import load_config
     from models.args import build_model_args
 
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"model config {config_file} does not exist")
     cfg = load_config(["--job.config_file", config_file, *(overrides or [])])
-    return build_model_args(cfg.model.flavor, cfg.model_overrides)
+    return build_model_args(cfg.model.flavor, cfg.model_overrides), cfg.model.tokenizer_path
+
+
+# Copied from beside a run's tokenizer.json when present (transformers' AutoTokenizer reads them).
+_HF_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def hf_token_ids(tokenizer_path: str, args: ModelArgs) -> dict[str, int]:
+    """bos / eos / pad ids of the run's tokenizer ('' = the byte tokenizer), keyed as HF configs spell them.
+
+    pad = eos when the tokenizer has none (data/tokenizer.py's rule); bos = the byte tokenizer's bos, else
+    tokenizer_config.json's bos_token, else eos (the packer separates documents with EOS and adds no BOS).
+    """
+    from data.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(tokenizer_path)
+    if tok.vocab_size > args.vocab_size:
+        raise ValueError(f"the tokenizer ({tokenizer_path or 'the built-in byte tokenizer'}) has {tok.vocab_size} "
+                         f"tokens but the model only {args.vocab_size}: this is not the run's tokenizer; pass "
+                         f"--model.tokenizer_path with the tokenizer.json the run trained with")
+    bos = getattr(tok, "bos_id", None)
+    if bos is None:
+        bos = _configured_token_id(tok.path, "bos_token")
+    return {"bos_token_id": tok.eos_id if bos is None else bos, "eos_token_id": tok.eos_id,
+            "pad_token_id": tok.pad_id}
+
+
+def _configured_token_id(tokenizer_json: str, key: str) -> int | None:
+    """The id of tokenizer_config.json's `key` token (a string or {"content": ...}) beside tokenizer_json."""
+    from tokenizers import Tokenizer
+
+    config_file = os.path.join(os.path.dirname(tokenizer_json), "tokenizer_config.json")
+    if not os.path.isfile(config_file):
+        return None
+    name = _read_json(config_file).get(key)
+    name = name.get("content") if isinstance(name, dict) else name
+    return Tokenizer.from_file(tokenizer_json).token_to_id(name) if isinstance(name, str) else None
+
+
+def write_hf_tokenizer_files(tokenizer_path: str, folder: str, ids: dict[str, int]) -> list[str]:
+    """Copy a tokenizer.json run's tokenizer files into folder; none for the byte tokenizer (no HF file holds it).
+
+    Without a tokenizer_config.json beside tokenizer.json, one is written that names the generic fast tokenizer
+    and the special tokens: transformers would otherwise pick GPT-NeoX's class for model_type mamba2, which does
+    not read this tokenizer.json as it is.
+    """
+    if not tokenizer_path:
+        return []
+    from tokenizers import Tokenizer
+
+    from data.tokenizer import HFTokenizer
+
+    tokenizer_json = HFTokenizer(tokenizer_path).path
+    src_dir = os.path.dirname(tokenizer_json)
+    shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    files = ["tokenizer.json"]
+    for name in _HF_TOKENIZER_SIDE_FILES:
+        if os.path.isfile(os.path.join(src_dir, name)):
+            shutil.copyfile(os.path.join(src_dir, name), os.path.join(folder, name))
+            files.append(name)
+    if "tokenizer_config.json" not in files:
+        tok = Tokenizer.from_file(tokenizer_json)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  **{k.removesuffix("_id"): tok.id_to_token(v) for k, v in ids.items()}}
+        with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        files.append("tokenizer_config.json")
+    return files
 
 
 def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
-                      dtype: str | torch.dtype = "float32", max_shard_bytes: int = _MAX_SHARD_BYTES) -> list[str]:
+                      dtype: str | torch.dtype = "float32", max_shard_bytes: int = _MAX_SHARD_BYTES,
+                      tokenizer_path: str | None = None) -> list[str]:
     """Our DCP folder -> HF ("hf": model.safetensors + config.json) or mamba_ssm ("mamba_ssm": pytorch_model.bin
-    + config.json). Returns the files written."""
+    + config.json). Returns the files written.
+
+    tokenizer_path (HF only) is the run's model.tokenizer_path ('' = the byte tokenizer): its bos / eos / pad ids
+    go into config.json and a generation_config.json, and a tokenizer.json's files are copied. None (weights
+    alone, tokenizer unknown) writes no ids, so transformers' Mamba2Config defaults apply; the CLI always has one.
+    """
     config = hf_config_from_args(args) if fmt == "hf" else mamba_ssm_config_from_args(args)
+    read_checkpoint_metadata(dcp_path)  # a wrong path is named before the tokenizer is judged
+    token_ids = hf_token_ids(tokenizer_path, args) if fmt == "hf" and tokenizer_path is not None else {}
+    config.update(token_ids)
     sd = read_dcp_weights(dcp_path)
     check_shapes(sd, args, dcp_path)
     dt = parse_dtype(dtype)
@@ -219,6 +307,10 @@ def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
         if args.tie_embeddings:
             foreign.pop("lm_head.weight")  # HF re-ties it from the embedding (tie_word_embeddings), as save_pretrained does
         files = _write_safetensors(foreign, tmp, max_shard_bytes)
+        if token_ids:
+            with open(os.path.join(tmp, "generation_config.json"), "w") as f:  # generate() reads its defaults here
+                json.dump(token_ids, f, indent=2)
+            files += ["generation_config.json", *write_hf_tokenizer_files(tokenizer_path, tmp, token_ids)]
     else:
         torch.save(foreign, os.path.join(tmp, "pytorch_model.bin"))  # tied: both keys share one storage
         files = ["pytorch_model.bin"]
@@ -292,8 +384,12 @@ def main(argv: list[str] | None = None) -> None:
             if not os.path.isfile(config):
                 p.error(f"no model config: {config} does not exist; pass --config with the [model] section of the "
                         f"run that wrote {args.src} (e.g. its job TOML)")
-            files = export_checkpoint(args.src, args.out, args.fmt, load_model_args(config, rest), args.dtype)
+            margs, tokenizer_path = load_model_section(config, rest)
+            files = export_checkpoint(args.src, args.out, args.fmt, margs, args.dtype, tokenizer_path=tokenizer_path)
             print(f"wrote {', '.join(files)} to {os.path.abspath(args.out)}")
+            if args.fmt == "hf":
+                print(f"token ids from {tokenizer_path or 'the built-in byte tokenizer (model.tokenizer_path empty)'};"
+                      f" pass --model.tokenizer_path if the run used another")
     except (UnsupportedCheckpoint, FileNotFoundError, FileExistsError, ValueError) as e:
         raise SystemExit(f"convert error: {e}") from None
 

@@ -15,6 +15,8 @@ state_size, head_dim, num_heads, n_groups, ...). Differences that matter for num
 - HF's mixer always gates before the norm (norm(x * silu(z)), our norm_before_gate=False) and its D is
   per head only (no D_has_hdim); models outside that cannot be exported to HF.
 - mamba_ssm hard-codes eps 1e-5 in every norm; HF has layer_norm_epsilon.
+- transformers applies its init rules to a loaded model, and rescale_prenorm_residual=true scales the loaded
+  out_proj weights: exports always say false.
 Mamba-1 checkpoints (x_proj / dt_proj, ssm_cfg layer "Mamba1" or none) and hybrids are rejected by name.
 """
 
@@ -197,7 +199,9 @@ def hf_config_from_args(a: ModelArgs) -> dict[str, Any]:
         "hidden_act": "silu", "residual_in_fp32": a.residual_in_fp32, "tie_word_embeddings": a.tie_embeddings,
         "layer_norm_epsilon": a.norm_eps, "time_step_min": a.dt_min, "time_step_max": a.dt_max,
         "time_step_floor": a.dt_init_floor, "time_step_limit": [a.dt_limit_min, a.dt_limit_max],
-        "rescale_prenorm_residual": a.rescale_prenorm_residual, "initializer_range": a.initializer_range,
+        # false whatever our init used: transformers (5.x) runs _init_weights over the loaded model, and with true
+        # it divides every loaded (trained) out_proj by sqrt(num_hidden_layers). It is an init rule, not a weight fact.
+        "rescale_prenorm_residual": False, "initializer_range": a.initializer_range,
         "use_cache": True,
     }
 
@@ -240,13 +244,16 @@ def _toml_value(v: Any) -> str:
     return str(v)
 
 
-def model_toml(fields: dict[str, Any], source: str) -> str:
-    """A [model] TOML section (flavor + overrides) that rebuilds these ModelArgs in the trainer."""
+def model_toml(fields: dict[str, Any], source: str, tokenizer_path: str = "") -> str:
+    """A [model] TOML section (flavor + overrides) that rebuilds these ModelArgs in the trainer, and the source's
+    tokenizer.json when it had one (training and the HF export need the tokenizer the weights were trained with)."""
     flavor, overrides = flavor_and_overrides(fields)
     source = re.sub(r"[\r\n]", " ", source)
     lines = [f"# Converted from {source}.",
              "# Put this [model] section in your job TOML (or pass --job.config_file this file for evaluate.py).",
              "[model]", f'flavor = "{flavor}"']
+    if tokenizer_path:
+        lines.append(f"tokenizer_path = {_toml_value(tokenizer_path)}")
     lines += [f"{k} = {_toml_value(v)}" for k, v in overrides.items()]
     if not overrides:
         lines.insert(2, f"# exactly the '{flavor}' flavor")

@@ -56,6 +56,7 @@ def our_model(dcp_path) -> Mamba2LM:
     cfg = tomllib.loads(text)["model"]
     from models.args import build_model_args
 
+    cfg.pop("tokenizer_path", None)
     args = build_model_args(cfg.pop("flavor"), cfg)
     model = Mamba2LM(args).eval()
     model.load_state_dict(read_dcp_weights(str(dcp_path)))
@@ -87,10 +88,14 @@ def test_hf_roundtrip_logits(tmp_path, ngroups, tie):
 
 
 def test_untie_and_cli(tmp_path):
+    from tests.test_hf_export import tiny_tokenizer
+
     hf, src = tiny_hf(tmp_path, 2, tie=True)
+    tiny_tokenizer(src, with_config=True)
     main(["from-hf", str(src), str(tmp_path / "dcp"), "--untie"])
     toml = tomllib.loads((tmp_path / "dcp" / "model.toml").read_text())["model"]
     assert toml["tie_embeddings"] is False and toml["ngroups"] == 2
+    assert toml["tokenizer_path"] == str(src / "tokenizer.json")  # the export (and training) need it
     sd = read_dcp_weights(str(tmp_path / "dcp"))
     assert torch.equal(sd["lm_head.weight"], sd["tok_embeddings.weight"])
     ours = our_model(tmp_path / "dcp")
@@ -102,6 +107,9 @@ def test_untie_and_cli(tmp_path):
     main(["to-hf", str(tmp_path / "dcp"), str(tmp_path / "out"), "--dtype", "bfloat16"])
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["n_groups"] == 2 and cfg["tie_word_embeddings"] is False
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (2, 0, 1)  # the source's tokenizer's
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (src / name).read_bytes(), name
     from safetensors.torch import load_file
 
     st = load_file(tmp_path / "out" / "model.safetensors")
