@@ -26,7 +26,9 @@ def doc(default: Any, text: str, choices: tuple | None = None):
 @dataclass
 class Job:
     config_file: str = doc("", "The TOML job file this run was started from.")
-    dump_folder: str = doc("./outputs", "Run folder: metrics.jsonl, tb/ and (by default) checkpoints go here.")
+    dump_folder: str = doc("./outputs", "Run folder: metrics.jsonl, tb/ and (by default) checkpoints go here. "
+                           "One run at a time: rank 0 locks <dump_folder>/.lock until its process exits, and a "
+                           "second run into the folder stops at once, naming the first.")
     description: str = doc("", "Free text, printed at start.")
     print_config: bool = doc(False, "Print the resolved configuration at start (rank 0).")
 
@@ -159,10 +161,12 @@ class Checkpoint:
     enable: bool = doc(False, "Save DCP checkpoints and resume from the latest complete one.")
     folder: str = doc("checkpoint", "Relative to job.dump_folder unless absolute; holds step-N/ folders.")
     interval: int = doc(500, "Save every this many steps (and at the last step).")
-    keep_latest_k: int = doc(0, "Keep only the newest k complete checkpoints; 0 keeps all.")
+    keep_latest_k: int = doc(0, "Keep only the newest k complete step-N checkpoints (abandoned-step-N folders are "
+                                "never counted nor deleted); 0 keeps all.")
     async_mode: str = doc("disabled", "disabled or async (async_save; overlaps the write with training).",
                           choices=("disabled", "async"))
-    load_step: int = doc(-1, "Resume from step-N; -1 = the latest complete checkpoint, if any.")
+    load_step: int = doc(-1, "Resume from step-N; -1 = the latest complete checkpoint, if any. A step older than "
+                             "the newest starts a new branch: the newer step-M folders become abandoned-step-M.")
     initial_load_path: str = doc(
         "", "A DCP folder of model weights (e.g. from checkpoint.convert) to start from at step 0."
     )
