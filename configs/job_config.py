@@ -59,6 +59,18 @@ class Training:
     dataset_config: str = doc("", "For a HF hub dataset: the config (subset) name.")
     dataset_split: str = doc("train", "Split of a HF hub dataset.")
     dataset_text_field: str = doc("text", "Field holding the document text in jsonl / parquet / HF rows.")
+    datasets: list = doc(
+        [], "A weighted mixture of token-shard folders (made by `python -m data.preprocess`), replacing "
+        "training.dataset: in TOML one [[training.datasets]] table per dataset with `path` and `weight`; on the "
+        "command line \"path:weight,path:weight\". Weights are relative shares of the training rows (tokens), "
+        "realised by a fixed interleave pattern (data/mixture.py); each dataset repeats on its own epochs.")
+    shuffle: bool = doc(
+        True, "Token-shard datasets (a folder from data.preprocess, or training.datasets): visit the documents of "
+        "each epoch in a permutation seeded by (training.seed, dataset index, epoch); false: file order. Text "
+        "datasets packed on the fly are always read in file order.")
+    prefetch_batches: int = doc(
+        2, "Training batches built ahead in a background thread (checkpoints keep the position of the batches "
+        "trained on, not of the prefetched ones); 0 builds each batch when the step asks for it.")
     global_batch_size: int = doc(
         -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree."
     )

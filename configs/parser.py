@@ -173,6 +173,7 @@ def validate(cfg: JobConfig) -> None:
             errs.append(f"{key}={v} must be >= 1")
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         errs.append(f"training.global_batch_size={t.global_batch_size} must be >= 1, or -1 (= local x DP degree)")
+    errs += _data_errors(t)
     if cfg.lr_scheduler.warmup_steps < 0:
         errs.append(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
     errs += _number_errors(cfg)
@@ -191,6 +192,24 @@ def validate(cfg: JobConfig) -> None:
         errs.append("parallelism.data_parallel_shard_degree must be >= 1, or -1 (the rest of the world)")
     if errs:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
+
+
+def _data_errors(t) -> list[str]:
+    """training.datasets entries and weights, prefetch depth (the folders themselves are opened by the loader)."""
+    from data.mixture import mixture_counts, parse_mixture
+
+    errs = []
+    if t.prefetch_batches < 0:
+        errs.append(f"training.prefetch_batches={t.prefetch_batches} must be >= 0 (0 = no prefetching)")
+    if t.datasets:
+        if t.dataset != "default":
+            errs.append(f"training.dataset='{t.dataset}' and training.datasets are both set: the mixture replaces "
+                        "the single dataset; keep one (a one-entry training.datasets is a single shard folder)")
+        try:
+            mixture_counts([w for _, w in parse_mixture(t.datasets)])
+        except ValueError as e:
+            errs.append(str(e))
+    return errs
 
 
 def _number_errors(cfg: JobConfig) -> list[str]:

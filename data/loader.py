@@ -12,6 +12,12 @@ any layout sees the single-process batches (loss parity).
 
 The loader implements torch.distributed.checkpoint's Stateful protocol; its state is a small dict of ints
 (JSON-able): steps and rows consumed, plus the packer position (epoch, doc_index, token_offset).
+
+Token shards (data/shards.py, made by `python -m data.preprocess`) and mixtures of them (data/mixture.py) go
+through RowStepLoader instead: there any row of the global stream is computed from its index, so a rank builds
+only its own rows (its data work per step does not grow with the number of ranks), and the position is just
+the global row count. build_loader wraps the training loader in a PrefetchLoader (data/prefetch.py) that
+builds the next batches in a background thread.
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ from __future__ import annotations
 import torch
 
 from data.datasets import build_text_source
+from data.mixture import MixtureRows, parse_mixture
 from data.packing import IGNORE_INDEX, DocumentPacker
+from data.prefetch import PrefetchLoader
+from data.shards import PackedRows, ShardDataset, check_tokenizer, is_shard_folder
 
-__all__ = ["StepBatchLoader", "build_loader", "IGNORE_INDEX"]
+__all__ = ["StepBatchLoader", "RowStepLoader", "build_loader", "IGNORE_INDEX"]
 
 
 class StepBatchLoader:
@@ -119,12 +128,105 @@ class StepBatchLoader:
         self.rows_consumed = as_int(state_dict["rows_consumed"])
 
 
+class RowStepLoader:
+    """StepBatchLoader's batches and contract, for row sources computable by index (row(k) -> numpy row, or
+    None past the end of a finite source): dp rank r builds only rows [rows_consumed + r*n, ... + n) of the
+    step. state_dict() = {"steps", "rows_consumed", "seq_len"}, global and layout-free."""
+
+    def __init__(self, rows, seq_len: int, global_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, *,
+                 pad_id: int, pin_memory: bool = False, infinite: bool = True):
+        if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"data-parallel rank {dp_rank} is not in [0, dp_degree={dp_degree})")
+        if global_batch_size < 1 or global_batch_size % dp_degree != 0:
+            raise ValueError(
+                f"training.global_batch_size={global_batch_size} is not a positive multiple of the data-parallel "
+                f"degree {dp_degree} (dp_replicate x dp_shard); set it to a multiple of {dp_degree}"
+            )
+        self.rows, self.seq_len, self.global_batch_size = rows, seq_len, global_batch_size
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.local_batch_size = global_batch_size // dp_degree
+        self.pad_id, self.infinite = pad_id, infinite
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.steps = self.rows_consumed = 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        first = self.rows_consumed + self.dp_rank * self.local_batch_size
+        if not self.infinite and self.rows.row(self.rows_consumed) is None:
+            raise StopIteration
+        rows = [self.rows.row(first + i) for i in range(self.local_batch_size)]
+        L = self.seq_len
+        batch = {"input_ids": torch.full((len(rows), L), self.pad_id, dtype=torch.int64),
+                 "labels": torch.full((len(rows), L), IGNORE_INDEX, dtype=torch.int64),
+                 "seq_idx": torch.zeros((len(rows), L), dtype=torch.int32)}
+        for i, row in enumerate(rows):
+            if row is not None:  # past the end of a finite pass: a padding row
+                for k, v in row.items():
+                    batch[k][i] = torch.from_numpy(v)
+        self.steps += 1
+        self.rows_consumed += self.global_batch_size
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        return self.next_batch()
+
+    def reset(self) -> None:
+        self.steps = self.rows_consumed = 0
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "rows_consumed": self.rows_consumed, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        missing = {"steps", "rows_consumed"} - set(state_dict)
+        if missing:
+            raise KeyError(f"data loader state lacks {sorted(missing)}: not a RowStepLoader state_dict")
+        as_int = lambda v: int(v.item()) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
+        self.steps, self.rows_consumed = as_int(state_dict["steps"]), as_int(state_dict["rows_consumed"])
+
+
+def build_row_source(job_config, tokenizer, split: str = "train"):
+    """The row source of token-shard training data (PackedRows, or MixtureRows for training.datasets); None
+    when the data is text, packed on the fly. Opening reads manifests and document offsets only."""
+    t = job_config.training
+    if split == "train" and t.datasets:
+        entries = parse_mixture(t.datasets)
+        streams = []
+        for i, (path, _) in enumerate(entries):
+            key = f"training.datasets[{i}].path"
+            if not is_shard_folder(path):
+                raise ValueError(f"{key}='{path}' is not a token-shard folder (no manifest.json): mixtures read "
+                                 "preprocessed shards; make them with `python -m data.preprocess --input ... --out "
+                                 f"{path}`")
+            ds = ShardDataset(path, key)
+            check_tokenizer(ds, tokenizer)
+            streams.append(PackedRows(ds, t.seq_len, shuffle=t.shuffle, seed=t.seed, pad_id=tokenizer.pad_id,
+                                      stream_id=i))
+        return MixtureRows(streams, [w for _, w in entries])
+    dataset, key = (t.dataset, "training.dataset") if split == "train" else (job_config.validation.dataset,
+                                                                             "validation.dataset")
+    if not is_shard_folder(dataset):
+        return None
+    ds = ShardDataset(dataset, key)
+    check_tokenizer(ds, tokenizer)
+    if split == "train":
+        return PackedRows(ds, t.seq_len, shuffle=t.shuffle, seed=t.seed, pad_id=tokenizer.pad_id)
+    # Validation: file order; one pass when validation.steps == -1.
+    return PackedRows(ds, t.seq_len, shuffle=False, seed=t.seed, pad_id=tokenizer.pad_id,
+                      finite=job_config.validation.steps == -1)
+
+
 def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str = "train", *,
-                 pin_memory: bool = False) -> StepBatchLoader:
+                 pin_memory: bool = False):
     """The loader of `job_config` for one data-parallel rank.
 
-    split="train": training.dataset / dataset_path / dataset_config / dataset_split / dataset_text_field,
-    training.seq_len and training.global_batch_size (-1 = local_batch_size x dp_degree); an endless stream.
+    split="train": training.datasets (a mixture of shard folders), else training.dataset (a shard folder, or
+    text: dataset_path / dataset_config / dataset_split / dataset_text_field), training.seq_len and
+    training.global_batch_size (-1 = local_batch_size x dp_degree); an endless stream, prefetched
+    training.prefetch_batches ahead in a background thread (0: built in next_batch()).
     split="validation": validation.dataset / dataset_split, validation.local_batch_size x dp_degree rows per
     batch, training.seq_len and dataset_text_field (dataset_path / dataset_config too when the validation
     dataset is the training one); one pass when validation.steps == -1, else endless (call reset() before
@@ -132,12 +234,22 @@ def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str
     """
     t = job_config.training
     if split == "train":
-        source = build_text_source(t.dataset, t.dataset_split, t.dataset_text_field, t.dataset_path,
-                                   t.dataset_config, config_key="training.dataset")
         gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
-        return StepBatchLoader(tokenizer, source, t.seq_len, gbs, dp_rank, dp_degree, pin_memory=pin_memory)
+        rows = build_row_source(job_config, tokenizer, "train")
+        if rows is not None:
+            loader = RowStepLoader(rows, t.seq_len, gbs, dp_rank, dp_degree, pad_id=tokenizer.pad_id,
+                                   pin_memory=pin_memory)
+        else:
+            source = build_text_source(t.dataset, t.dataset_split, t.dataset_text_field, t.dataset_path,
+                                       t.dataset_config, config_key="training.dataset")
+            loader = StepBatchLoader(tokenizer, source, t.seq_len, gbs, dp_rank, dp_degree, pin_memory=pin_memory)
+        return PrefetchLoader(loader, t.prefetch_batches) if t.prefetch_batches > 0 else loader
     if split == "validation":
         v = job_config.validation
+        rows = build_row_source(job_config, tokenizer, "validation")
+        if rows is not None:
+            return RowStepLoader(rows, t.seq_len, v.local_batch_size * dp_degree, dp_rank, dp_degree,
+                                 pad_id=tokenizer.pad_id, pin_memory=pin_memory, infinite=v.steps != -1)
         same = v.dataset == t.dataset
         source = build_text_source(v.dataset, v.dataset_split, t.dataset_text_field,
                                    t.dataset_path if same else "", t.dataset_config if same else "",
