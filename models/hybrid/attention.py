@@ -1,6 +1,8 @@
 """Grouped-query attention layer ('*' in a hybrid layer pattern), document-masked, with rotary positions.
 
-A "mixer": Attention(args, layer_id, n_layers), forward(x_BSD, seq_idx_BS=None) -> y_BSD.
+A "mixer": Attention(args, layer_id, n_layers), forward(x_BSD, seq_idx_BS=None) -> y_BSD. Recurrent decoding
+(models.inference): `prefill` is the forward that also writes the rotated keys and values into a KV cache;
+`step` attends one new token to the cached columns of its row (SDPA, the left padding masked out).
 
 Masking: causal AND block-diagonal by seq_idx (int32 [b, s], non-decreasing document ids per row): token t
 attends to token u iff u <= t and seq_idx[t] == seq_idx[u]. Rotary positions are 0..s-1 of the whole row
@@ -40,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.args import ModelArgs
+from models.inference import InferenceCache, KVCache
 
 BACKENDS = ("auto", "sdpa", "flex", "flash")
 
@@ -65,11 +68,15 @@ def head_dims(args: ModelArgs) -> tuple[int, int, int]:
 
 
 def rotary_cos_sin(
-    seqlen: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
+    seqlen: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [s, head_dim/2] for positions 0..s-1 (frequency j: theta^(-2j/head_dim)), float32 or float64."""
+    """cos, sin [s, head_dim/2] for positions offset..offset+s-1 (frequency j: theta^(-2j/head_dim)), fp32 or fp64.
+
+    A position gets the same angles whatever the offset (decoding one token at a time = the whole row at once).
+    """
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
-    angle_SJ = torch.arange(seqlen, device=device, dtype=dtype)[:, None] * inv_freq[None, :]
+    angle_SJ = torch.arange(offset, offset + seqlen, device=device, dtype=dtype)[:, None] * inv_freq[None, :]
     return angle_SJ.cos(), angle_SJ.sin()
 
 
@@ -234,11 +241,25 @@ class Attention(nn.Module):
             return flex_attention_core(q, k, v, seq_idx_BS, scale)
         return sdpa_attention(q, k, v, seq_idx_BS, scale)
 
+    def _project_qkv(self, x_BSD: torch.Tensor):
+        b, s, _ = x_BSD.shape
+        q_BSHD = self.wq(x_BSD).view(b, s, self.n_heads, self.head_dim)
+        k_BSHD = self.wk(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        v_BSHD = self.wv(x_BSD).view(b, s, self.n_kv_heads, self.head_dim)
+        return q_BSHD, k_BSHD, v_BSHD
+
+    def _rotate(self, q_BSHD: torch.Tensor, k_BSHD: torch.Tensor, offset: int = 0):
+        """Rotary at positions offset..offset+s-1 (a no-op with rope_theta=0)."""
+        if not self.rope_theta:
+            return q_BSHD, k_BSHD
+        # fp32 angles (fp64 only for fp64 tests): bf16 angles would be wrong by whole radians at long positions.
+        dtype = torch.float64 if q_BSHD.dtype == torch.float64 else torch.float32
+        cos, sin = rotary_cos_sin(q_BSHD.shape[1], self.head_dim, self.rope_theta, q_BSHD.device, dtype, offset)
+        return apply_rotary(q_BSHD, cos, sin), apply_rotary(k_BSHD, cos, sin)
+
     def forward(self, x_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         b, s_local, _ = x_BSD.shape
-        q_BSHD = self.wq(x_BSD).view(b, s_local, self.n_heads, self.head_dim)
-        k_BSHD = self.wk(x_BSD).view(b, s_local, self.n_kv_heads, self.head_dim)
-        v_BSHD = self.wv(x_BSD).view(b, s_local, self.n_kv_heads, self.head_dim)
+        q_BSHD, k_BSHD, v_BSHD = self._project_qkv(x_BSD)
 
         cp = self.cp
         if cp is not None:
@@ -249,16 +270,53 @@ class Attention(nn.Module):
                 f"seq_idx has shape {tuple(seq_idx.shape)}, expected [b, s] = {(b, s)} (under context parallel "
                 "pass the full-length seq_idx)"
             )
-        if self.rope_theta:
-            # fp32 angles (fp64 only for fp64 tests): bf16 angles would be wrong by whole radians at long positions.
-            dtype = torch.float64 if q_BSHD.dtype == torch.float64 else torch.float32
-            cos, sin = rotary_cos_sin(s, self.head_dim, self.rope_theta, x_BSD.device, dtype)
-            q_BSHD, k_BSHD = apply_rotary(q_BSHD, cos, sin), apply_rotary(k_BSHD, cos, sin)
+        q_BSHD, k_BSHD = self._rotate(q_BSHD, k_BSHD)
 
         o_BSHD = self._core(q_BSHD, k_BSHD, v_BSHD, seq_idx)
         if cp is not None:
             o_BSHD = cp.heads_to_seq(o_BSHD)
         return self.wo(o_BSHD.reshape(b, s_local, self.n_heads * self.head_dim))
+
+    # ---- recurrent decoding (models.inference) -------------------------------------------------------
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype,
+                                 device: torch.device) -> KVCache:
+        shape = (batch_size, max_seqlen, self.n_kv_heads, self.head_dim)
+        return KVCache(k_BLHD=torch.zeros(shape, dtype=dtype, device=device),
+                       v_BLHD=torch.zeros(shape, dtype=dtype, device=device))
+
+    def prefill(self, x_BSD: torch.Tensor, cache: InferenceCache, seq_idx: torch.Tensor | None = None):
+        """forward(x_BSD, seq_idx), writing the rotated keys and the values of columns 0..s-1 into the cache."""
+        if self.cp is not None:
+            raise ValueError("Attention.prefill: recurrent decoding does not run under context parallel")
+        b, s, _ = x_BSD.shape
+        if seq_idx is not None and seq_idx.shape != (b, s):
+            raise ValueError(f"seq_idx has shape {tuple(seq_idx.shape)}, expected [b, s] = {(b, s)}")
+        q_BSHD, k_BSHD, v_BSHD = self._project_qkv(x_BSD)
+        q_BSHD, k_BSHD = self._rotate(q_BSHD, k_BSHD)
+        kv = cache.layers[str(self.layer_id)]
+        kv.k_BLHD[:, :s] = k_BSHD
+        kv.v_BLHD[:, :s] = v_BSHD
+        o_BSHD = self._core(q_BSHD, k_BSHD, v_BSHD, seq_idx)
+        return self.wo(o_BSHD.reshape(b, s, self.n_heads * self.head_dim))
+
+    def step(self, x_B1D: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """One token at column cache.seqlen: attends to the cached columns [first_real, seqlen] of its row."""
+        if self.cp is not None:
+            raise ValueError("Attention.step: recurrent decoding does not run under context parallel")
+        b, pos = x_B1D.shape[0], cache.seqlen
+        q_B1HD, k_B1HD, v_B1HD = self._project_qkv(x_B1D)
+        q_B1HD, k_B1HD = self._rotate(q_B1HD, k_B1HD, offset=pos)
+        kv = cache.layers[str(self.layer_id)]
+        kv.k_BLHD[:, pos] = k_B1HD[:, 0]
+        kv.v_BLHD[:, pos] = v_B1HD[:, 0]
+        mask_B11L = None
+        if cache.first_real_B is not None:  # left padding is never attended to
+            cols_L = torch.arange(pos + 1, device=x_B1D.device)
+            mask_B11L = (cols_L[None, :] >= cache.first_real_B[:, None])[:, None, None, :]
+        q, k, v = (t.transpose(1, 2) for t in (q_B1HD, kv.k_BLHD[:, : pos + 1], kv.v_BLHD[:, : pos + 1]))
+        o_BH1D = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B11L, scale=1.0 / math.sqrt(self.head_dim),
+                                                enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(o_BH1D.transpose(1, 2).reshape(b, 1, self.n_heads * self.head_dim))
 
     def _cp_seq_to_heads(self, cp, q_BSHD, k_BSHD, v_BSHD):
         """q [b, s/cp, h, d] -> [b, s, h/cp, d]; k, v [b, s/cp, kv, d] -> [b, s, max(kv, cp)/cp, d]."""

@@ -46,3 +46,21 @@ class Block(nn.Module):
                 seq_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         normed_BSD, residual_BSD = self.norm.add_and_norm(hidden_BSD, residual_BSD, self.residual_in_fp32)
         return self.mixer(normed_BSD, seq_idx=seq_idx), residual_BSD
+
+    # Recurrent decoding (models.inference). Mixers with state between tokens (Mamba-2, attention) have
+    # prefill / step methods that read and write their entry of the cache; MLP and MoE are per token.
+    @property
+    def keeps_state(self) -> bool:
+        return hasattr(self.mixer, "allocate_inference_cache")
+
+    def prefill(self, hidden_BSD, residual_BSD, cache, seq_idx=None) -> tuple[torch.Tensor, torch.Tensor]:
+        normed_BSD, residual_BSD = self.norm.add_and_norm(hidden_BSD, residual_BSD, self.residual_in_fp32)
+        if self.keeps_state:
+            return self.mixer.prefill(normed_BSD, cache, seq_idx=seq_idx), residual_BSD
+        return self.mixer(normed_BSD, seq_idx=seq_idx), residual_BSD
+
+    def step(self, hidden_B1D, residual_B1D, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        normed_B1D, residual_B1D = self.norm.add_and_norm(hidden_B1D, residual_B1D, self.residual_in_fp32)
+        if self.keeps_state:
+            return self.mixer.step(normed_B1D, cache), residual_B1D
+        return self.mixer(normed_B1D), residual_B1D

@@ -4,6 +4,10 @@ Kernels come from models.kernels.ops: mamba_ssm's Triton SSD / causal_conv1d on 
 references elsewhere. Under context parallel, `self.cp` (a parallelisms.context_parallel.MambaContextParallel)
 turns the sequence-sharded in_proj output into whole sequences for a slice of heads before the conv and
 the SSD, and back after, so the gated norm and out_proj run on the rank's own tokens.
+
+Recurrent decoding (models.inference): `prefill` is the forward that also leaves the conv inputs and the SSM
+state of the last token in the cache; `step` advances them by one token with the step kernels
+(models.kernels.step_ops: mamba_ssm's selective_state_update / causal_conv1d_update, or their references).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 from torch import nn
 
 from models.args import ModelArgs
-from models.kernels import ops
+from models.inference import InferenceCache, MambaLayerCache, last_conv_inputs
+from models.kernels import ops, step_ops
 from models.norms import GatedRMSNorm
 
 
@@ -41,9 +46,15 @@ class Mamba2Mixer(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, u_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
-        zxbcdt = self.in_proj(u_BSD)
-        if self.cp is None and self.args.use_fused_path and u_BSD.is_cuda and self.backend != "reference":
-            return self._fused_forward(zxbcdt, seq_idx)
+        return self._forward(self.in_proj(u_BSD), seq_idx)[0]
+
+    def _forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool = False):
+        """in_proj output -> (out [b, s, d_model], the SSM state after the last token [b, H, P, N] or None)."""
+        if self.cp is None and self.args.use_fused_path and zxbcdt.is_cuda and self.backend != "reference":
+            return self._fused_forward(zxbcdt, seq_idx, return_final_states)
+        if self.cp is not None and return_final_states:
+            raise ValueError("Mamba2Mixer: final SSM states (inference prefill) are not available under context "
+                             "parallel; decode with a model built without context parallel")
         z_BSE, xBCdt = zxbcdt.split([self.d_inner, self.conv_dim + self.nheads], dim=-1)
         if self.cp is not None:
             # [b, s/cp, conv_dim + H] -> [b, s, (conv_dim + H) of this rank's heads]
@@ -68,23 +79,71 @@ class Mamba2Mixer(nn.Module):
             x_BSI.reshape(b, s, -1, self.headdim), dt_BSH, -torch.exp(A_log.float()),
             B_BSG.reshape(b, s, ngroups, self.d_state), C_BSG.reshape(b, s, ngroups, self.d_state),
             self.args.chunk_size, D=D_ssd, dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
-            seq_idx=seq_idx, backend=self.backend,
+            seq_idx=seq_idx, return_final_states=return_final_states, backend=self.backend,
         )
+        y_BSHP, final_BHPN = y_BSHP if return_final_states else (y_BSHP, None)
         y_BSI = y_BSHP.reshape(b, s, -1)
         if self.cp is not None:
             y_BSI = self.cp.post_conv_ssm(y_BSI)  # [b, s, d_inner/cp] -> [b, s/cp, d_inner]
-        return self.out_proj(self.norm(y_BSI, z_BSE))
+        return self.out_proj(self.norm(y_BSI, z_BSE)), final_BHPN
 
-    def _fused_forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
-        """conv + SSD + gated norm + out_proj in mamba_ssm's fused kernel (CUDA, no CP)."""
+    def _fused_forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool):
+        """conv + SSD + gated norm + out_proj in mamba_ssm's fused kernel (CUDA, no CP): (out, final or None)."""
         D = self.D.view(-1, self.headdim) if self.args.D_has_hdim else self.D
-        return ops.mamba_split_conv1d_scan(
+        out = ops.mamba_split_conv1d_scan(
             zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()),
             D, self.args.chunk_size, seq_idx=seq_idx, dt_limit=self.dt_limit, activation="silu",
             rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight,
             outproj_bias=self.out_proj.bias, headdim=self.headdim, ngroups=self.ngroups,
-            norm_before_gate=self.args.norm_before_gate, backend=self.backend,
+            norm_before_gate=self.args.norm_before_gate, return_final_states=return_final_states,
+            backend=self.backend,
         )
+        return out if return_final_states else (out, None)
+
+    # ---- recurrent decoding (models.inference) -------------------------------------------------------
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype,
+                                 device: torch.device) -> MambaLayerCache:
+        """Zeroed conv state [b, conv_dim, d_conv] in `dtype` and SSM state [b, H, P, N] in float32."""
+        return MambaLayerCache(
+            conv_state_BCW=torch.zeros(batch_size, self.conv_dim, self.args.d_conv, dtype=dtype, device=device),
+            ssm_state_BHPN=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32,
+                                       device=device),
+        )
+
+    def prefill(self, u_BSD: torch.Tensor, cache: InferenceCache, seq_idx: torch.Tensor | None = None):
+        """forward(u_BSD, seq_idx), leaving the conv inputs and the SSM state after the last token in the cache."""
+        zxbcdt = self.in_proj(u_BSD)
+        out_BSD, final_BHPN = self._forward(zxbcdt, seq_idx, return_final_states=True)
+        layer = cache.layers[str(self.layer_id)]
+        xBC_BSC = zxbcdt[..., self.d_inner : self.d_inner + self.conv_dim]
+        layer.conv_state_BCW.copy_(last_conv_inputs(xBC_BSC, seq_idx, self.args.d_conv))
+        layer.ssm_state_BHPN.copy_(final_BHPN)
+        return out_BSD
+
+    def step(self, u_B1D: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """One token [b, 1, d_model] -> [b, 1, d_model], advancing this layer's conv and SSM states in place.
+
+        The same math as forward at that position: conv over the last d_conv inputs, then
+        state = exp(dt A) state + dt x B^T, y = C state + D x, gated norm with z, out_proj.
+        """
+        if self.cp is not None:
+            raise ValueError("Mamba2Mixer.step: recurrent decoding does not run under context parallel")
+        layer = cache.layers[str(self.layer_id)]
+        b = u_B1D.shape[0]
+        H, P, N, G = self.nheads, self.headdim, self.d_state, self.ngroups
+        z_BI, xBC_BC, dt_BH = self.in_proj(u_B1D[:, 0]).split([self.d_inner, self.conv_dim, H], dim=-1)
+        xBC_BC = step_ops.causal_conv1d_update(xBC_BC, layer.conv_state_BCW, self.conv1d.weight.squeeze(1),
+                                               self.conv1d.bias, "silu", backend=self.backend)
+        x_BI, B_BGN, C_BGN = xBC_BC.split([self.d_inner, G * N, G * N], dim=-1)
+        # Per-head quantities as the step kernel's [H, P(, N)] stride-0 views (its fast "tied head dim" path).
+        D_HP = self.D.view(H, P) if self.args.D_has_hdim else self.D[:, None].expand(H, P)
+        y_BHP = step_ops.selective_state_update(
+            layer.ssm_state_BHPN, x_BI.view(b, H, P), dt_BH[:, :, None].expand(b, H, P),
+            (-torch.exp(self.A_log.float()))[:, None, None].expand(H, P, N), B_BGN.view(b, G, N),
+            C_BGN.view(b, G, N), D_HP, None, self.dt_bias[:, None].expand(H, P), dt_softplus=True,
+            dt_limit=self.dt_limit, backend=self.backend,
+        )
+        return self.out_proj(self.norm(y_BHP.reshape(b, 1, self.d_inner), z_BI[:, None]))
 
     # ---- initialisation (mamba_ssm's scheme; called on full, unsharded tensors by models.init) --------
     @torch.no_grad()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from models.args import ModelArgs
+from models.inference import InferenceCache, left_padding_seq_idx
 from models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from models.mamba2.block import Block
 from models.norms import RMSNorm
@@ -91,6 +92,95 @@ class Mamba2LM(nn.Module):
             return chunked_cross_entropy_sum(h_BSD, self.lm_head.weight, labels, loss_chunk_tokens)
         logits_BSV = self.lm_head(h_BSD)
         return logits_BSV if labels is None else cross_entropy_sum(logits_BSV, labels)
+
+    # ---- recurrent decoding (models.inference: the cache layout and the left-padding rule) ---------------
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None,
+                                 device: torch.device | str | None = None) -> InferenceCache:
+        """A zeroed cache for `batch_size` rows of up to `max_seqlen` tokens (prompt + generated).
+
+        dtype / device default to the embedding's: the conv inputs and the KV cache are kept in `dtype`,
+        the SSM states always in float32.
+        """
+        self._check_can_decode()
+        if batch_size < 1 or max_seqlen < 1:
+            raise ValueError(f"allocate_inference_cache: batch_size={batch_size} and max_seqlen={max_seqlen} "
+                             "must both be >= 1")
+        weight = self.tok_embeddings.weight
+        dtype, device = dtype or weight.dtype, torch.device(device) if device is not None else weight.device
+        cache = InferenceCache(batch_size=batch_size, max_seqlen=max_seqlen)
+        for name, layer in self.layers.items():
+            if layer.keeps_state:
+                cache.layers[name] = layer.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype, device)
+        return cache
+
+    @torch.no_grad()
+    def prefill(self, input_ids_BS: torch.Tensor, cache: InferenceCache,
+                prompt_lengths_B: torch.Tensor | None = None) -> torch.Tensor:
+        """The parallel forward over left-padded prompts, filling the cache -> logits of the last column [B, V].
+
+        Row b's prompt is its last prompt_lengths_B[b] tokens (None: no padding); see models.inference for
+        the padding rule. Runs the training kernels (chunked SSD, fused path on CUDA).
+        """
+        self._check_can_decode()
+        if input_ids_BS.dim() != 2 or input_ids_BS.dtype.is_floating_point:
+            raise ValueError(f"prefill: input_ids must be integer token ids [batch, seqlen], got "
+                             f"{input_ids_BS.dtype} {list(input_ids_BS.shape)}")
+        b, s = input_ids_BS.shape
+        if cache.batch_size != b:
+            raise ValueError(f"prefill: the cache holds {cache.batch_size} rows but {b} prompts were given; "
+                             "allocate the cache for this batch size")
+        if cache.seqlen != 0:
+            raise ValueError(f"prefill: the cache already holds {cache.seqlen} tokens; call cache.reset() "
+                             "(or allocate a new cache) before a new batch")
+        if s > cache.max_seqlen:
+            raise ValueError(f"prefill: {s} prompt columns exceed the cache's max_seqlen={cache.max_seqlen}; "
+                             "allocate a longer cache")
+        seq_idx_BS = None
+        if prompt_lengths_B is not None:
+            lengths_B = torch.as_tensor(prompt_lengths_B, device=input_ids_BS.device).to(torch.int64)
+            if lengths_B.shape != (b,) or bool(((lengths_B < 1) | (lengths_B > s)).any()):
+                raise ValueError(f"prefill: prompt_lengths must be [batch] = [{b}] values in [1, {s}] "
+                                 f"(every prompt needs a token), got {lengths_B.tolist()}")
+            seq_idx_BS = left_padding_seq_idx(lengths_B, s)
+            if seq_idx_BS is not None:
+                cache.first_real_B = s - lengths_B
+        hidden_BSD, residual_BSD = self.tok_embeddings(input_ids_BS), None
+        for layer in self.layers.values():
+            hidden_BSD, residual_BSD = layer.prefill(hidden_BSD, residual_BSD, cache, seq_idx_BS)
+        cache.seqlen = s
+        return self._last_logits(hidden_BSD[:, -1:], residual_BSD[:, -1:])
+
+    @torch.no_grad()
+    def decode_step(self, token_ids_B: torch.Tensor, cache: InferenceCache) -> torch.Tensor:
+        """Feed one token per row (at column cache.seqlen), advancing every layer's state -> logits [B, V]."""
+        self._check_can_decode()
+        if token_ids_B.shape != (cache.batch_size,) or token_ids_B.dtype.is_floating_point:
+            raise ValueError(f"decode_step: token_ids must be integer ids [batch] = [{cache.batch_size}], got "
+                             f"{token_ids_B.dtype} {list(token_ids_B.shape)}")
+        if cache.seqlen == 0:
+            raise ValueError("decode_step: the cache is empty; call prefill with the prompts first")
+        if cache.seqlen >= cache.max_seqlen:
+            raise ValueError(f"decode_step: the cache is full (max_seqlen={cache.max_seqlen}); allocate it with "
+                             "room for the prompt plus every token to generate")
+        hidden_B1D, residual_B1D = self.tok_embeddings(token_ids_B[:, None]), None
+        for layer in self.layers.values():
+            hidden_B1D, residual_B1D = layer.step(hidden_B1D, residual_B1D, cache)
+        cache.seqlen += 1
+        return self._last_logits(hidden_B1D, residual_B1D)
+
+    def _last_logits(self, hidden_B1D: torch.Tensor, residual_B1D: torch.Tensor) -> torch.Tensor:
+        h_B1D, _ = self.norm_f.add_and_norm(hidden_B1D, residual_B1D, self.args.residual_in_fp32)
+        return self.lm_head(h_B1D)[:, 0]
+
+    def _check_can_decode(self) -> None:
+        whole = (self.tok_embeddings is not None and self.embeds_tokens and self.norm_f is not None
+                 and self.lm_head is not None and len(self.layers) == self.args.n_layers)
+        if not whole:
+            raise ValueError("recurrent decoding needs the whole model (embedding, every layer, norm_f and lm_head); "
+                             "this one is a pipeline stage: build the model without pipeline parallel")
+        if self.training:
+            raise ValueError("recurrent decoding runs in eval mode (MoE layers would count tokens and add "
+                             "auxiliary losses as in training); call model.eval() first")
 
     def set_kernel_backend(self, backend: str) -> None:
         """'auto' or 'reference' for the Mamba mixers and the norms (see model.kernels).

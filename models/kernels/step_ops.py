@@ -1,0 +1,109 @@
+"""The one-token ops of recurrent decoding: mamba_ssm / causal_conv1d step kernels on CUDA, references elsewhere.
+
+``backend`` means what it means in models.kernels.ops: "auto" (the kernels for CUDA tensors when they import,
+else the reference), "reference", "cuda" (the kernels or a clear error), "triton" (our Triton kernels have no
+step kernel: as "auto"). The kernels are imported on first use, never at module import.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.kernels.ssd_reference import process_dt
+from models.kernels.step_reference import causal_conv1d_update_ref, selective_state_update_ref
+
+__all__ = ["step_kernels_available", "step_kernels_import_error", "selective_state_update", "causal_conv1d_update"]
+
+BACKENDS = ("auto", "reference", "cuda", "triton")
+_KERNELS: dict | None = None
+_IMPORT_ERROR: str | None = None
+
+
+def _load() -> dict | None:
+    global _KERNELS, _IMPORT_ERROR
+    if _KERNELS is not None or _IMPORT_ERROR is not None:
+        return _KERNELS
+    if not torch.cuda.is_available():
+        _IMPORT_ERROR = "CUDA is not available"
+        return None
+    try:
+        from causal_conv1d import causal_conv1d_update
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except Exception as e:  # ImportError, or an OSError / RuntimeError from a mismatched CUDA build
+        _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+        return None
+    _KERNELS = dict(selective_state_update=selective_state_update, causal_conv1d_update=causal_conv1d_update)
+    return _KERNELS
+
+
+def step_kernels_available() -> bool:
+    """True when CUDA is present and mamba_ssm's selective_state_update and causal_conv1d_update import."""
+    return _load() is not None
+
+
+def step_kernels_import_error() -> str | None:
+    _load()
+    return _IMPORT_ERROR
+
+
+def _use_kernels(backend: str, t: torch.Tensor) -> bool:
+    if backend == "reference":
+        return False
+    if backend in ("auto", "triton"):
+        return t.is_cuda and step_kernels_available()
+    if backend == "cuda":
+        if not t.is_cuda:
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}; use backend='auto'")
+        if not step_kernels_available():
+            raise RuntimeError(
+                f"backend='cuda' but the step kernels are unavailable ({_IMPORT_ERROR}); install mamba-ssm and "
+                "causal-conv1d, or use backend='auto' / 'reference'"
+            )
+        return True
+    raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
+
+
+def selective_state_update(
+    state_BHPN: torch.Tensor,
+    x_BHP: torch.Tensor,
+    dt_BHP: torch.Tensor,
+    A_HPN: torch.Tensor,
+    B_BGN: torch.Tensor,
+    C_BGN: torch.Tensor,
+    D_HP: torch.Tensor | None = None,
+    z_BHP: torch.Tensor | None = None,
+    dt_bias_HP: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One SSM step (see step_reference.selective_state_update_ref); updates the state in place, returns y."""
+    if not _use_kernels(backend, x_BHP):
+        return selective_state_update_ref(
+            state_BHPN, x_BHP, dt_BHP, A_HPN, B_BGN, C_BGN, D_HP, z_BHP, dt_bias_HP, dt_softplus, dt_limit
+        )
+    if tuple(dt_limit) != (0.0, float("inf")):
+        # The kernel has no clamp: hand it the final dt (bias, softplus and clamp in fp32, as the reference).
+        dt_BHP = process_dt(dt_BHP, dt_bias_HP, dt_softplus, dt_limit, torch.float32)
+        dt_bias_HP, dt_softplus = None, False
+    return _load()["selective_state_update"](
+        state_BHPN, x_BHP, dt_BHP, A_HPN, B_BGN, C_BGN, D=D_HP, z=z_BHP, dt_bias=dt_bias_HP, dt_softplus=dt_softplus
+    )
+
+
+def causal_conv1d_update(
+    x_BD: torch.Tensor,
+    conv_state_BDS: torch.Tensor,
+    weight_DW: torch.Tensor,
+    bias_D: torch.Tensor | None = None,
+    activation: str | None = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One conv step (see step_reference.causal_conv1d_update_ref); updates conv_state in place, returns out."""
+    if not _use_kernels(backend, x_BD):
+        return causal_conv1d_update_ref(x_BD, conv_state_BDS, weight_DW, bias_D, activation)
+    if bias_D is not None and bias_D.dtype != weight_DW.dtype:
+        bias_D = bias_D.to(weight_DW.dtype)  # the kernel requires bias and weight of one dtype
+    return _load()["causal_conv1d_update"](x_BD, conv_state_BDS, weight_DW.contiguous(), bias_D, activation)
