@@ -67,7 +67,11 @@ class Training:
     shuffle: bool = doc(
         True, "Token-shard datasets (a folder from data.preprocess, or training.datasets): visit the documents of "
         "each epoch in a permutation seeded by (training.seed, dataset index, epoch); false: file order. Text "
-        "datasets packed on the fly are always read in file order.")
+        "datasets packed on the fly are read in file order unless training.shuffle_buffer is set.")
+    shuffle_buffer: int = doc(
+        0, "Text datasets packed on the fly (local files or a streamed HF dataset): pass the documents through a "
+        "shuffle buffer of this many documents, seeded by (training.seed, epoch); resuming re-reads (without "
+        "tokenizing) the epoch's documents up to the position. 0: file order.")
     prefetch_batches: int = doc(
         2, "Training batches built ahead in a background thread (checkpoints keep the position of the batches "
         "trained on, not of the prefetched ones); 0 builds each batch when the step asks for it.")

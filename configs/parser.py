@@ -195,12 +195,14 @@ def validate(cfg: JobConfig) -> None:
 
 
 def _data_errors(t) -> list[str]:
-    """training.datasets entries and weights, prefetch depth (the folders themselves are opened by the loader)."""
+    """training.datasets entries and weights, prefetch depth, shuffle buffer (the folders themselves are opened by the loader)."""
     from data.mixture import mixture_counts, parse_mixture
 
     errs = []
     if t.prefetch_batches < 0:
         errs.append(f"training.prefetch_batches={t.prefetch_batches} must be >= 0 (0 = no prefetching)")
+    if t.shuffle_buffer < 0:
+        errs.append(f"training.shuffle_buffer={t.shuffle_buffer} must be >= 0 (0 = file order)")
     if t.datasets:
         if t.dataset != "default":
             errs.append(f"training.dataset='{t.dataset}' and training.datasets are both set: the mixture replaces "

@@ -11,6 +11,9 @@ to document i. A streamed HF source resumes by reading past the first `start` do
 exact as long as the remote dataset does not change between the runs). `describe_source(source)` names a
 source in error messages by its config key and value.
 
+`ShuffleBufferSource` wraps any source in a seeded, per-epoch shuffle buffer (training.shuffle_buffer);
+the packer passes it the epoch.
+
 Local files must be UTF-8, strictly: a bad byte is an error naming the file, line and byte, raised when the
 dataset is built (every .jsonl line and every .txt file is decoded once then), never a silent U+FFFD that
 would train the model on replacement characters. Parquet text columns must be string-typed.
@@ -370,6 +373,51 @@ class HFStreamSource:
     def iter_from(self, start: int) -> Iterator[str]:
         for i, row in enumerate(itertools.islice(self._dataset(), start, None), start):
             yield _field(row, self.text_field, f"{self.key}='{self.name}' row {i}", self.key)
+
+    def __iter__(self) -> Iterator[str]:
+        return self.iter_from(0)
+
+
+# ---------------------------------------------------------------------------------------------- shuffle buffer
+
+
+class ShuffleBufferSource:
+    """The documents of `source` through a seeded shuffle buffer, a different order each epoch.
+
+    Epoch e reads the source in order into a buffer of `buffer_size` documents; each further document replaces
+    a buffer slot drawn by numpy PCG64 seeded with (seed, e), whose document is yielded; at the end the rest of
+    the buffer is yielded in a seeded order. A document moves at most about buffer_size places earlier, any
+    number later. iter_from(start, epoch) replays the epoch from its first document and drops `start` outputs:
+    exact resume reads (never tokenizes) the documents before the position again, like a streamed source.
+    """
+
+    epoch_dependent = True  # the packer passes the epoch to iter_from
+
+    def __init__(self, source, buffer_size: int, seed: int):
+        if buffer_size < 1:
+            raise ValueError(f"training.shuffle_buffer={buffer_size}: must be >= 1 (0 = no shuffle buffer)")
+        self.source, self.buffer_size, self.seed = source, buffer_size, seed
+        self.name = getattr(source, "name", type(source).__name__)
+        self.config_key = getattr(source, "config_key", "")
+        self.num_documents = source.num_documents
+
+    def _epoch(self, epoch: int) -> Iterator[str]:
+        import numpy as np
+
+        rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+        buffer: list[str] = []
+        for text in self.source.iter_from(0):
+            if len(buffer) < self.buffer_size:
+                buffer.append(text)
+                continue
+            slot = int(rng.integers(len(buffer)))
+            yield buffer[slot]
+            buffer[slot] = text
+        for i in rng.permutation(len(buffer)):
+            yield buffer[i]
+
+    def iter_from(self, start: int, epoch: int = 0) -> Iterator[str]:
+        return itertools.islice(self._epoch(epoch), start, None)
 
     def __iter__(self) -> Iterator[str]:
         return self.iter_from(0)

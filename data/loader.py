@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from data.datasets import build_text_source
+from data.datasets import ShuffleBufferSource, build_text_source
 from data.mixture import MixtureRows, parse_mixture
 from data.packing import IGNORE_INDEX, DocumentPacker
 from data.prefetch import PrefetchLoader
@@ -224,7 +224,7 @@ def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str
     """The loader of `job_config` for one data-parallel rank.
 
     split="train": training.datasets (a mixture of shard folders), else training.dataset (a shard folder, or
-    text: dataset_path / dataset_config / dataset_split / dataset_text_field), training.seq_len and
+    text: dataset_path / dataset_config / dataset_split / dataset_text_field, shuffle_buffer), training.seq_len and
     training.global_batch_size (-1 = local_batch_size x dp_degree); an endless stream, prefetched
     training.prefetch_batches ahead in a background thread (0: built in next_batch()).
     split="validation": validation.dataset / dataset_split, validation.local_batch_size x dp_degree rows per
@@ -242,6 +242,8 @@ def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str
         else:
             source = build_text_source(t.dataset, t.dataset_split, t.dataset_text_field, t.dataset_path,
                                        t.dataset_config, config_key="training.dataset")
+            if t.shuffle_buffer > 0:
+                source = ShuffleBufferSource(source, t.shuffle_buffer, t.seed)
             loader = StepBatchLoader(tokenizer, source, t.seq_len, gbs, dp_rank, dp_degree, pin_memory=pin_memory)
         return PrefetchLoader(loader, t.prefetch_batches) if t.prefetch_batches > 0 else loader
     if split == "validation":

@@ -70,7 +70,9 @@ class DocumentPacker:
 
     def _restart_iterator(self, epoch: int, doc_index: int) -> None:
         self._next_key = (epoch, doc_index)  # (epoch, index) of the next document _fetch() reads
-        self._it = self.source.iter_from(doc_index)
+        # A shuffle buffer (datasets.ShuffleBufferSource) orders each epoch differently: it needs the epoch.
+        self._it = (self.source.iter_from(doc_index, epoch) if getattr(self.source, "epoch_dependent", False)
+                    else self.source.iter_from(doc_index))
         self._yielded = 0  # documents this iterator has produced
 
     def _fetch(self) -> bool:
