@@ -17,8 +17,10 @@ last label), and is computed from k alone: epoch = position // tokens_per_epoch,
 epoch's cumulative document lengths. So any rank builds exactly the rows it trains on, and a data position is
 one global row count, whatever the number of ranks.
 
-Cost: opening reads the manifest and the document offsets (8 bytes per document, no token); each epoch's index
-(permutation + cumulative lengths, 16 bytes per document) is built when first needed and the last two are kept.
+Cost: opening reads the manifest and the document offsets (no token) and keeps each document's length (4 bytes
+per document); each epoch's index (permutation + cumulative lengths, 12-16 bytes per document) is built when
+first needed, and the last two are kept. So start-up and memory grow with the number of documents, never with
+the number of tokens (measured in docs/performance.md).
 """
 
 from __future__ import annotations
@@ -84,21 +86,20 @@ class ShardDataset:
         self.dtype = np.dtype(self.manifest["dtype"])
         self.eos_id = int(self.manifest["eos_id"])
         self._tokens: list[np.ndarray] = []
-        offsets, self._first_doc = [], [0]
+        self._offsets: list[np.ndarray] = []
+        first_doc = [0]
         for index, shard in enumerate(self.manifest["shards"]):
             tokens, docs = self._open_shard(index, shard)
             self._tokens.append(tokens)
-            offsets.append(docs[:-1])
-            self._first_doc.append(self._first_doc[-1] + len(docs) - 1)
-        self.num_documents = self._first_doc[-1]
+            self._offsets.append(docs)
+            first_doc.append(first_doc[-1] + len(docs) - 1)
+        self.num_documents = first_doc[-1]
         if self.num_documents == 0:
             raise ValueError(f"{where}: the shards hold no document; preprocess a non-empty dataset")
-        # Per global document: its start in its shard and its length (EOS included).
-        self._start = np.concatenate(offsets)
-        ends = np.concatenate([np.append(o[1:], len(t)) for o, t in zip(offsets, self._tokens)])
-        self.doc_lengths = ends - self._start
-        self._first_doc_arr = np.asarray(self._first_doc[1:], dtype=np.int64)
-        self.num_tokens = int(self.doc_lengths.sum())
+        self._first_doc = np.asarray(first_doc, dtype=np.int64)
+        # The length (EOS included) of every global document: the one per-document array kept in memory.
+        self.doc_lengths = np.concatenate([np.diff(d).astype(np.int32) for d in self._offsets])
+        self.num_tokens = int(self.doc_lengths.sum(dtype=np.int64))
 
     def _open_shard(self, index: int, shard: dict) -> tuple[np.ndarray, np.ndarray]:
         arrays = []
@@ -118,17 +119,17 @@ class ShardDataset:
                                  f"{dtype} [{count}]; {_rerun_hint(self.folder)}")
             arrays.append(a)
         tokens, docs = arrays
-        d = np.asarray(docs)
-        if d[0] != 0 or d[-1] != len(tokens) or (len(d) > 1 and not np.all(d[1:] > d[:-1])):
+        if docs[0] != 0 or docs[-1] != len(tokens) or (len(docs) > 1 and not np.all(docs[1:] > docs[:-1])):
             raise ValueError(f"{self.key}: shard file {os.path.join(self.folder, shard['docs'])} has inconsistent "
                              f"document offsets (not rising from 0 to {len(tokens)}); {_rerun_hint(self.folder)}")
-        return tokens, d
+        return tokens, docs
 
     def doc_tokens(self, doc: int) -> np.ndarray:
         """The tokens of global document `doc`, its EOS last (a view into the memory map)."""
-        shard = int(np.searchsorted(self._first_doc_arr, doc, side="right"))
-        start = int(self._start[doc])
-        return self._tokens[shard][start : start + int(self.doc_lengths[doc])]
+        shard = int(np.searchsorted(self._first_doc, doc, side="right")) - 1
+        local = doc - int(self._first_doc[shard])
+        start, end = self._offsets[shard][local : local + 2]
+        return self._tokens[shard][int(start) : int(end)]
 
     def __repr__(self) -> str:
         return (f"ShardDataset('{self.folder}', {self.num_documents} documents, {self.num_tokens} tokens, "
@@ -157,10 +158,12 @@ class PackedRows:
         """(document order, cumulative lengths in that order with a leading 0) of `epoch`."""
         if epoch not in self._epochs:
             n = self.dataset.num_documents
+            index_dtype = np.int32 if n < 2**31 else np.int64
             if self.shuffle:
-                order = np.random.Generator(np.random.PCG64([self.seed, self.stream_id, epoch])).permutation(n)
+                rng = np.random.Generator(np.random.PCG64([self.seed, self.stream_id, epoch]))
+                order = rng.permutation(n).astype(index_dtype)
             else:
-                order = np.arange(n)
+                order = np.arange(n, dtype=index_dtype)
             cum = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(self.dataset.doc_lengths[order], out=cum[1:])
             if len(self._epochs) >= 2:  # rows move forward: the oldest epoch is done with
