@@ -85,7 +85,8 @@ def selective_state_update(
         )
     if tuple(dt_limit) != (0.0, float("inf")):
         # The kernel has no clamp: hand it the final dt (bias, softplus and clamp in fp32, as the reference).
-        dt_BHP = process_dt(dt_BHP, dt_bias_HP, dt_softplus, dt_limit, torch.float32)
+        # contiguous: the kernel's "tied head dim" test reads dt_bias.stride() unless dt's last stride is non-zero.
+        dt_BHP = process_dt(dt_BHP, dt_bias_HP, dt_softplus, dt_limit, torch.float32).contiguous()
         dt_bias_HP, dt_softplus = None, False
     return _load()["selective_state_update"](
         state_BHPN, x_BHP, dt_BHP, A_HPN, B_BGN, C_BGN, D=D_HP, z=z_BHP, dt_bias=dt_bias_HP, dt_softplus=dt_softplus
@@ -102,8 +103,16 @@ def causal_conv1d_update(
     backend: str = "auto",
 ) -> torch.Tensor:
     """One conv step (see step_reference.causal_conv1d_update_ref); updates conv_state in place, returns out."""
-    if not _use_kernels(backend, x_BD):
+    width = weight_DW.shape[-1]
+    if backend == "cuda" and not 2 <= width <= 4:
+        raise ValueError(f"causal_conv1d_update supports conv widths 2..4, got d_conv={width}; use backend='auto'")
+    if not (2 <= width <= 4 and _use_kernels(backend, x_BD)):
         return causal_conv1d_update_ref(x_BD, conv_state_BDS, weight_DW, bias_D, activation)
-    if bias_D is not None and bias_D.dtype != weight_DW.dtype:
-        bias_D = bias_D.to(weight_DW.dtype)  # the kernel requires bias and weight of one dtype
-    return _load()["causal_conv1d_update"](x_BD, conv_state_BDS, weight_DW.contiguous(), bias_D, activation)
+    # The kernel wants x, the state, the weight and the bias in one dtype: the state's (the model's dtype unless
+    # the cache was allocated otherwise, e.g. fp32 weights under autocast).
+    dtype = conv_state_BDS.dtype
+    out_BD = _load()["causal_conv1d_update"](
+        x_BD.to(dtype), conv_state_BDS, weight_DW.to(dtype).contiguous(),
+        None if bias_D is None else bias_D.to(dtype), activation,
+    )
+    return out_BD.to(x_BD.dtype)
