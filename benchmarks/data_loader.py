@@ -1,12 +1,14 @@
 """Data pipeline timings: offline tokenization throughput, per-rank loader time vs dp degree, data stall in training.
 
     python3 benchmarks/data_loader.py preprocess --corpus_mb 1024 --workers 1,2        # tokens/s of data.preprocess
+    python3 benchmarks/data_loader.py preprocess --corpus_mb 256 --corpus_text python_docs --bpe_vocab 16000
     python3 benchmarks/data_loader.py loader --dp 1,8,512 --seq_len 2048 --local_batch_size 8
     python3 benchmarks/data_loader.py stall --config configs/mamba2_370m.toml --steps 30   # GPU: data time / step
     python3 benchmarks/data_loader.py stall --config configs/debug.toml --steps 4 --cpu    # CPU smoke run
 
-preprocess: writes a synthetic jsonl corpus of --corpus_mb MB (or uses --input) and times
-`data.preprocess.preprocess` for each worker count (fresh output folder each), printing MB/s and tokens/s.
+preprocess: writes a jsonl corpus of --corpus_mb MB (synthetic words, or the embedded corpus repeated; or uses
+--input) and times `data.preprocess.preprocess` for each worker count (fresh output folder each), printing MB/s
+and tokens/s; the byte tokenizer by default, a real BPE with --bpe_vocab (trained here) or --tokenizer.
 
 loader: the rank-0 loader of a shard folder (generated if --shards is not given) at each dp degree, with
 --local_batch_size rows per rank (so the global batch grows with dp, as in a real run), timed over --steps
@@ -53,6 +55,38 @@ def write_corpus(path: Path, n_bytes: int, seed: int = 0) -> int:
     return docs
 
 
+def write_python_docs_corpus(path: Path, n_bytes: int) -> int:
+    """A jsonl corpus of real prose and code: the embedded corpus' documents, repeated to about n_bytes."""
+    from data.datasets import load_default_corpus
+
+    docs = load_default_corpus("train").docs
+    written = count = 0
+    with open(path, "w") as f:
+        while written < n_bytes:
+            line = json.dumps({"text": docs[count % len(docs)]}) + "\n"
+            f.write(line)
+            written += len(line)
+            count += 1
+    return count
+
+
+def train_bpe(folder: Path, vocab_size: int) -> str:
+    """A byte-level BPE tokenizer.json of vocab_size ids trained on the embedded corpus (GPT-2 style)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from data.datasets import load_default_corpus
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator(load_default_corpus("train").docs, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tk.save(str(folder / "tokenizer.json"))
+    return str(folder / "tokenizer.json")
+
+
 def emit(record: dict, json_path: str | None) -> None:
     line = json.dumps(record)
     print(line, flush=True)
@@ -64,21 +98,38 @@ def emit(record: dict, json_path: str | None) -> None:
 def cmd_preprocess(args, work: Path) -> None:
     from data.preprocess import preprocess
 
-    inputs = args.input or [str(work / "corpus.jsonl")]
-    if not args.input:
-        write_corpus(work / "corpus.jsonl", args.corpus_mb * 2**20)
+    inputs = args.input or [str(work / f"corpus_{args.corpus_text}.jsonl")]
+    if not args.input and not os.path.isfile(inputs[0]):
+        writer = write_corpus if args.corpus_text == "synthetic" else write_python_docs_corpus
+        writer(Path(inputs[0]), args.corpus_mb * 2**20)
+    tokenizer = train_bpe(work / "bpe", args.bpe_vocab) if args.bpe_vocab else args.tokenizer
     n_bytes = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p))
     for workers in [int(w) for w in args.workers.split(",")]:
         out = work / f"shards_w{workers}"
         shutil.rmtree(out, ignore_errors=True)
         started = time.perf_counter()
-        m = preprocess(inputs, args.tokenizer, str(out), workers=workers, docs_per_shard=args.docs_per_shard,
+        m = preprocess(inputs, tokenizer, str(out), workers=workers, docs_per_shard=args.docs_per_shard,
                        progress=False)
         seconds = time.perf_counter() - started
-        emit({"bench": "preprocess", "workers": workers, "cpus": os.cpu_count(), "input_mb": n_bytes / 2**20,
+        emit({"bench": "preprocess", "workers": workers, "cpus": os.cpu_count(), "corpus": args.corpus_text,
+              "tokenizer": f"bpe{args.bpe_vocab}" if args.bpe_vocab else (tokenizer or "byte"),
+              "input_mb": round(n_bytes / 2**20, 1),
               "docs": m["n_docs"], "tokens": m["n_tokens"], "seconds": round(seconds, 2),
               "mb_per_s": round(n_bytes / 2**20 / seconds, 1), "tokens_per_s": round(m["n_tokens"] / seconds)},
              args.json)
+
+
+def _generated_shards(work: Path, corpus: Path, corpus_mb: int, tokenizer: str) -> str:
+    """Shards of the synthetic corpus in `work` (reused when a kept --work folder already has them)."""
+    from data.preprocess import preprocess
+    from data.shards import is_shard_folder
+
+    if not corpus.is_file():
+        write_corpus(corpus, corpus_mb * 2**20)
+    shards = work / f"shards_{Path(tokenizer).parent.name if tokenizer else 'byte'}"
+    if not is_shard_folder(str(shards)):
+        preprocess([str(corpus)], tokenizer, str(shards), workers=os.cpu_count() or 1, progress=False)
+    return str(shards)
 
 
 def _time_calls(fn, warmup: int, steps: int) -> float:
@@ -92,15 +143,11 @@ def _time_calls(fn, warmup: int, steps: int) -> float:
 
 def cmd_loader(args, work: Path) -> None:
     from data.loader import RowStepLoader, StepBatchLoader
-    from data.preprocess import preprocess
     from data.shards import PackedRows, ShardDataset
     from data.tokenizer import ByteTokenizer
 
-    shards = args.shards
-    if not shards:
-        write_corpus(work / "corpus.jsonl", args.corpus_mb * 2**20)
-        shards = str(work / "shards")
-        preprocess([str(work / "corpus.jsonl")], "", shards, workers=os.cpu_count() or 1, progress=False)
+    corpus = work / "corpus_synthetic.jsonl"
+    shards = args.shards or _generated_shards(work, corpus, args.corpus_mb, "")
     opened = time.perf_counter()
     ds = ShardDataset(shards)
     open_s = time.perf_counter() - opened
@@ -115,7 +162,7 @@ def cmd_loader(args, work: Path) -> None:
     if args.text_dp and not args.shards:
         from data.datasets import build_text_source
 
-        source = build_text_source(str(work / "corpus.jsonl"), "train", "text")
+        source = build_text_source(str(corpus), "train", "text")
         for dp in [int(d) for d in args.text_dp.split(",")]:
             loader = StepBatchLoader(tok, source, args.seq_len, args.local_batch_size * dp, 0, dp)
             per_step = _time_calls(loader.next_batch, min(args.warmup, 1), max(1, args.steps // 4))
@@ -127,16 +174,11 @@ def cmd_loader(args, work: Path) -> None:
 def cmd_stall(args, work: Path) -> None:
     import train
     from configs.parser import load_config
-    from data.preprocess import preprocess
 
     base = ["--job.config_file", args.config]
     cfg = load_config(base + args.overrides)
-    shards = args.shards
-    if not shards:
-        write_corpus(work / "corpus.jsonl", args.corpus_mb * 2**20)
-        shards = str(work / "shards")
-        preprocess([str(work / "corpus.jsonl")], cfg.model.tokenizer_path, shards, workers=os.cpu_count() or 1,
-                   progress=False)
+    shards = args.shards or _generated_shards(work, work / "corpus_synthetic.jsonl", args.corpus_mb,
+                                              cfg.model.tokenizer_path)
     waits: list[float] = []
     real_build = train.build_loader
 
@@ -190,6 +232,10 @@ def main() -> None:
     sp.add_argument("--input", nargs="*", default=None, help="files / globs instead of the generated corpus")
     sp.add_argument("--tokenizer", default="", help="tokenizer.json (default: the byte tokenizer)")
     sp.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    sp.add_argument("--corpus_text", default="synthetic", choices=("synthetic", "python_docs"),
+                    help="generated words, or the embedded corpus' prose and code repeated")
+    sp.add_argument("--bpe_vocab", type=int, default=0, help="train a byte-level BPE of this many ids on the "
+                    "embedded corpus and tokenize with it (0: --tokenizer)")
     sp.add_argument("--docs_per_shard", type=int, default=50_000)
     sl = sub.choices["loader"]
     sl.add_argument("--dp", default="1,8,512")

@@ -28,9 +28,9 @@ from data.datasets import ShuffleBufferSource, build_text_source
 from data.mixture import MixtureRows, parse_mixture
 from data.packing import IGNORE_INDEX, DocumentPacker
 from data.prefetch import PrefetchLoader
-from data.shards import PackedRows, ShardDataset, check_tokenizer, is_shard_folder
+from data.shards import PackedRows, ShardDataset, check_tokenizer, is_shard_folder, shard_identity
 
-__all__ = ["StepBatchLoader", "RowStepLoader", "build_loader", "IGNORE_INDEX"]
+__all__ = ["StepBatchLoader", "RowStepLoader", "build_loader", "data_identity", "IGNORE_INDEX"]
 
 
 class StepBatchLoader:
@@ -217,6 +217,16 @@ def build_row_source(job_config, tokenizer, split: str = "train"):
     # Validation: file order; one pass when validation.steps == -1.
     return PackedRows(ds, t.seq_len, shuffle=False, seed=t.seed, pad_id=tokenizer.pad_id,
                       finite=job_config.validation.steps == -1)
+
+
+def data_identity(job_config) -> dict:
+    """The training data beyond training.dataset & co., for the checkpoint's run record to compare on resume:
+    the mixture, the shuffle settings, and each shard folder's content identity (data/shards.shard_identity)."""
+    t = job_config.training
+    mixture = parse_mixture(t.datasets) if t.datasets else []
+    folders = [p for p, _ in mixture] or ([t.dataset] if is_shard_folder(t.dataset) else [])
+    return {"datasets": [[p, w] for p, w in mixture], "shuffle": t.shuffle, "shuffle_buffer": t.shuffle_buffer,
+            "shards": {p: shard_identity(p) for p in folders if is_shard_folder(p)}}
 
 
 def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str = "train", *,

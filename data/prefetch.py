@@ -29,14 +29,16 @@ class PrefetchLoader:
     def _start(self) -> None:
         self._queue: queue.Queue = queue.Queue(self.depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, args=(self._queue, self._stop), daemon=True,
-                                        name="data-prefetch")
+        # The thread holds the inner loader, not this wrapper, so that dropping the wrapper stops it (__del__).
+        self._thread = threading.Thread(target=self._work, args=(self.loader, self._queue, self._stop),
+                                        daemon=True, name="data-prefetch")
         self._thread.start()
 
-    def _work(self, out: queue.Queue, stop: threading.Event) -> None:
+    @staticmethod
+    def _work(loader, out: queue.Queue, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                item = (self.loader.next_batch(), self.loader.state_dict(), None)
+                item = (loader.next_batch(), loader.state_dict(), None)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
                 item = (None, None, e)
             while not stop.is_set():
@@ -75,6 +77,10 @@ class PrefetchLoader:
             self._stop.set()
             self._thread.join()
             self._thread = None
+
+    def __del__(self):
+        if self.__dict__.get("_thread") is not None:
+            self._stop.set()  # no join: the thread ends within its put timeout
 
     def state_dict(self) -> dict:
         return dict(self._state)

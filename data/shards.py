@@ -216,3 +216,16 @@ def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
             f"({dataset.manifest.get('tokenizer', {}).get('path') or 'built-in'}) than this run's "
             f"({getattr(tokenizer, 'path', '') or 'built-in'}): {'; '.join(diff)}. Set model.tokenizer_path to the "
             "tokenizer the shards were made with, or re-run `python -m data.preprocess` with this one")
+
+
+def shard_identity(folder: str) -> dict:
+    """What identifies a shard folder's content, from its manifest alone (cheap): counts, token dtype and a
+    sha256 over the shard list (file names, counts, CRC-32s). Re-preprocessing other data into the same path
+    changes it; moving the folder does not."""
+    import hashlib
+
+    with open(os.path.join(os.path.expanduser(folder), MANIFEST)) as f:
+        manifest = json.load(f)
+    shards = json.dumps(manifest["shards"], sort_keys=True)
+    return {"n_docs": manifest["n_docs"], "n_tokens": manifest["n_tokens"], "dtype": manifest["dtype"],
+            "shards_sha256": hashlib.sha256(shards.encode()).hexdigest()}

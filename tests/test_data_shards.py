@@ -336,6 +336,23 @@ def test_training_datasets_table_in_toml(tmp_path, three_datasets):
         build_loader(_job(datasets=[{"path": str(tmp_path), "weight": 1}]), ByteTokenizer(), 0, 1)
 
 
+def test_data_identity_follows_the_shards_content(tmp_path, three_datasets):
+    from data.loader import data_identity
+
+    cfg = _job(datasets=[f"{three_datasets[0]}:2", f"{three_datasets[1]}:1"])
+    before = data_identity(cfg)
+    assert before["datasets"] == [[three_datasets[0], 2.0], [three_datasets[1], 1.0]] and before["shuffle"]
+    assert data_identity(cfg) == before
+    import shutil
+
+    shutil.rmtree(three_datasets[1])
+    make_shards(tmp_path, labelled_docs("beta", 200, seed=9), "beta")  # other documents, same path
+    after = data_identity(cfg)
+    assert after["shards"][three_datasets[0]] == before["shards"][three_datasets[0]]
+    assert after["shards"][three_datasets[1]] != before["shards"][three_datasets[1]]
+    assert data_identity(_job())["shards"] == {}
+
+
 def test_validation_over_shards_is_one_padded_pass(tmp_path):
     folder = make_shards(tmp_path, DOCS)
     cfg = _job()
