@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> None:
     if cfg is None:
         return
     die_with_launcher()  # under torchrun: killed with the launcher, never left training on
-    stop = GracefulStop().install()  # SIGTERM: finish the step, save, exit
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
         pdims = ParallelDims.from_config(cfg.parallelism, world_size)
@@ -189,7 +188,9 @@ def main(argv: list[str] | None = None) -> None:
 
         graphed = GraphedMicrobatch(model_parts[0], compute_dtype, cfg.training.loss_chunk_tokens)
 
-    # 7. The loop.
+    # 7. The loop. From here on SIGTERM finishes the step, saves and exits (before it, it ends the process at
+    #    once: there is nothing to save, and torchrun's shutdown of a failed start must not wait for us).
+    stop = GracefulStop().install()
     t_last, tokens_since_log = time.perf_counter(), 0
     nonfinite_streak, stopping = 0, False  # steps in a row with a non-finite gradient norm; SIGTERM agreed on
     for step in range(start_step + 1, cfg.training.steps + 1):

@@ -44,6 +44,7 @@ from checkpoint.formats import (
     model_toml,
     ours_to_foreign,
 )
+from checkpoint.run_record import read_record
 from models.args import ModelArgs
 
 MODEL_TOML = "model.toml"
@@ -145,6 +146,8 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 def check_shapes(sd: dict, args: ModelArgs, where: str) -> None:
     want = expected_shapes(args)
+    if args.tie_embeddings and "lm_head.weight" not in sd:  # our checkpoints hold a tied weight once
+        del want["lm_head.weight"]
     missing = sorted(set(want) - set(sd))
     extra = sorted(set(sd) - set(want))
     bad = [f"{k}: {tuple(sd[k].shape)} (expected {want[k]})" for k in want if k in sd and tuple(sd[k].shape) != want[k]]
@@ -175,7 +178,7 @@ def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
                          f"fix tie_embeddings / tie_word_embeddings in config.json")
     if tied:
         sd["lm_head.weight"] = sd["tok_embeddings.weight"]
-        if untie:  # PP puts the embedding and the head on different stages, so they must be separate tensors
+        if untie:  # the head becomes a weight of its own (e.g. to fine-tune it apart from the embedding)
             fields["tie_embeddings"] = False
             sd["lm_head.weight"] = sd["tok_embeddings.weight"].clone()
     args = ModelArgs(**fields)
@@ -185,8 +188,8 @@ def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
     check_shapes(sd, args, src)
     dt = parse_dtype(dtype)
     sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
-    if args.tie_embeddings:
-        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+    if args.tie_embeddings:  # one tensor per logical weight, as our checkpoints hold it (the head loads through the tie)
+        sd.pop("lm_head.weight", None)
     label = "mamba_ssm" if fmt == "mamba_ssm" else "HF transformers Mamba2"
     tokenizer_json = os.path.abspath(os.path.join(src, "tokenizer.json"))
     tokenizer_path = tokenizer_json if os.path.isfile(tokenizer_json) else ""
@@ -206,6 +209,17 @@ def load_model_section(config_file: str, overrides: list[str] | None = None) -> 
         raise FileNotFoundError(f"model config {config_file} does not exist")
     cfg = load_config(["--job.config_file", config_file, *(overrides or [])])
     return build_model_args(cfg.model.flavor, cfg.model_overrides), cfg.model.tokenizer_path
+
+
+def model_section_from_record(record: dict, overrides: list[str], src: str) -> tuple[ModelArgs, str]:
+    """(ModelArgs, model.tokenizer_path) from a step-N folder's run_record.json; of the overrides only
+    --model.tokenizer_path applies (the weights fix every other model field)."""
+    tokenizer_path = record["job_config"]["model"]["tokenizer_path"]
+    pairs = dict(zip(overrides[::2], overrides[1::2]))
+    if len(overrides) % 2 or set(pairs) - {"--model.tokenizer_path"}:
+        raise ValueError(f"{src} is exported with the model of its run_record.json; only --model.tokenizer_path "
+                         f"may be overridden (got {' '.join(overrides)}); pass --config to use another [model]")
+    return ModelArgs(**record["model_args"]), pairs.get("--model.tokenizer_path", tokenizer_path)
 
 
 # Copied from beside a run's tokenizer.json when present (transformers' AutoTokenizer reads them).
@@ -357,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("src", help="folder with config.json and the weights")
         s.add_argument("out", help="output DCP folder (must not exist)")
         s.add_argument("--untie", action="store_true",
-                       help="give lm_head its own copy of the tied embedding (needed for pipeline parallel)")
+                       help="give lm_head its own copy of the tied embedding, trained apart from it from then on (pipeline "
+                            "parallel does not need this: it keeps tied weights tied)")
         s.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the stored weights")
         s.set_defaults(fmt=fmt)
     for name, fmt in (("to-hf", "hf"), ("to-mamba-ssm", "mamba_ssm")):
@@ -381,10 +396,14 @@ def main(argv: list[str] | None = None) -> None:
             if bad:
                 p.error(f"unrecognized arguments: {' '.join(bad)} (only --model.<key> value overrides pass through)")
             config = args.config or os.path.join(args.src, MODEL_TOML)
-            if not os.path.isfile(config):
+            record = None if args.config else read_record(args.src)
+            if record is not None and not os.path.isfile(config):  # a step-N folder knows its own run
+                margs, tokenizer_path = model_section_from_record(record, rest, args.src)
+            elif not os.path.isfile(config):
                 p.error(f"no model config: {config} does not exist; pass --config with the [model] section of the "
                         f"run that wrote {args.src} (e.g. its job TOML)")
-            margs, tokenizer_path = load_model_section(config, rest)
+            else:
+                margs, tokenizer_path = load_model_section(config, rest)
             files = export_checkpoint(args.src, args.out, args.fmt, margs, args.dtype, tokenizer_path=tokenizer_path)
             print(f"wrote {', '.join(files)} to {os.path.abspath(args.out)}")
             if args.fmt == "hf":

@@ -69,10 +69,22 @@ class ModelState:
             raise TypeError("model_parts must be a non-empty list of nn.Module (one per pipeline stage held)")
         self.model_parts = list(model_parts)
 
+    def aliases(self) -> set[str]:
+        """FQNs naming a parameter that an earlier FQN already names (tied weights: `lm_head.weight` is
+        `tok_embeddings.weight`, also on a last pipeline stage that holds the tied copy). Saved once, under the
+        owner's name; loading the owner fills the alias."""
+        names: set[str] = set()
+        for part in self.model_parts:
+            every = {n for n, _ in part.named_parameters(remove_duplicate=False)}
+            names |= every - {n for n, _ in part.named_parameters()}
+        return names
+
     def state_dict(self) -> dict:
         merged: dict = {}
         for part in self.model_parts:
             merged.update(get_model_state_dict(part, options=StateDictOptions()))
+        for alias in self.aliases():  # one tensor per logical weight in the checkpoint
+            merged.pop(alias, None)
         return merged
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -120,9 +132,11 @@ def _gather_keys(keys: set[str], process_group) -> set[str]:
     return set().union(*map(set, gathered))
 
 
-def check_model_keys(local: dict, metadata: Metadata, prefix: str, path: str, process_group=None) -> None:
+def check_model_keys(local: dict, metadata: Metadata, prefix: str, path: str, process_group=None,
+                     aliases: set[str] = frozenset()) -> None:
     """Raise if the checkpoint and the model disagree: keys missing from the checkpoint, checkpoint keys that
-    no rank's model has (pipeline stages together own every layer), or shapes that differ.
+    no rank's model has (pipeline stages together own every layer), or shapes that differ. `aliases` (tied
+    weights' second names) may be in the checkpoint (older saves wrote them) and are not loaded.
 
     Collective when a process group is initialised (every rank must call it).
     """
@@ -133,7 +147,7 @@ def check_model_keys(local: dict, metadata: Metadata, prefix: str, path: str, pr
     }
     all_model_keys = _gather_keys(set(local), process_group)
     missing = sorted(k for k in local if k not in ckpt)
-    unexpected = sorted(k for k in ckpt if k not in all_model_keys)
+    unexpected = sorted(k for k in ckpt if k not in all_model_keys and k not in aliases)
     mismatched = [
         f"{k}: checkpoint {tuple(ckpt[k].size)} vs model {tuple(v.shape)}"
         for k, v in local.items()
@@ -190,7 +204,7 @@ def load_model_weights(model_parts: list[nn.Module], path: str, process_group=No
     prefix = model_prefix(metadata)
     model = ModelState(model_parts)
     local = model.state_dict()
-    check_model_keys(local, metadata, prefix, path, process_group)
+    check_model_keys(local, metadata, prefix, path, process_group, aliases=model.aliases())
     target = {"model": local} if prefix else local
     try:
         with single_process_quiet():

@@ -397,7 +397,7 @@ class CheckpointManager:
             if name in state and not has(f"{name}."):
                 logger.warning(f"{path} has no {name} state; {name} starts fresh")
                 del state[name]
-        check_model_keys(self.model.state_dict(), metadata, "model.", path, self.pg)
+        check_model_keys(self.model.state_dict(), metadata, "model.", path, self.pg, aliases=self.model.aliases())
         logger.info(f"resuming from {path}")
         try:
             with single_process_quiet():

@@ -97,6 +97,14 @@ def test_trained_export_loads_in_transformers_with_our_logits_and_greedy_tokens(
         assert_our_greedy_choices(ours, got[0].tolist(), len(prompt), 16, BYTE_EOS)
 
 
+def test_a_step_folder_exports_without_config_from_its_run_record(trained_step, tmp_path):
+    main(["to-hf", str(trained_step), str(tmp_path / "with"), "--config", "configs/debug.toml", *MODEL_ARGS])
+    main(["to-hf", str(trained_step), str(tmp_path / "without")])  # the model comes from run_record.json
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((tmp_path / "with" / name).read_text()) == json.loads((tmp_path / "without" / name).read_text())
+    assert (tmp_path / "with" / "model.safetensors").read_bytes() == (tmp_path / "without" / "model.safetensors").read_bytes()
+
+
 def _perturbed_weights(args: ModelArgs, folder) -> Mamba2LM:
     """Every tensor moved off any init (deterministically), written as a weights-only DCP folder."""
     from models.init import init_weights

@@ -47,6 +47,14 @@ def unpack_hidden_residual(packed: torch.Tensor, fmt: str) -> tuple[torch.Tensor
     raise ValueError(f"parallelism.pipeline_parallel_pack={fmt!r}; choose one of {PACK_FORMATS}")
 
 
+def _fill_tied_head(module, state_dict, prefix, *_):
+    """Checkpoints hold a tied weight once, under `tok_embeddings.weight`: let a strict load_state_dict fill the
+    head's name from it."""
+    tied = module.args.tie_embeddings and module.lm_head is not None and module.tok_embeddings is not None
+    if tied and prefix + "tok_embeddings.weight" in state_dict:
+        state_dict.setdefault(prefix + "lm_head.weight", state_dict[prefix + "tok_embeddings.weight"])
+
+
 class Mamba2LM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -60,6 +68,7 @@ class Mamba2LM(nn.Module):
         self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.d_model, args.padded_vocab_size, bias=False)
         self.tie_weights()
+        self.register_load_state_dict_pre_hook(_fill_tied_head)
 
     def tie_weights(self) -> None:
         """Share lm_head's weight with tok_embeddings (when tied and both ends are on this stage).
