@@ -22,10 +22,11 @@ VOCAB = 258
 
 
 @functools.lru_cache(maxsize=None)
-def perturbed_model(flavor: str):
+def perturbed_model(flavor: str, overrides: tuple = ()):
     """The debug model with initialised weights moved off their init values (D != 1, norms != 1, a non-zero
-    MoE selection bias, ...), so that no term of the step can be silently wrong because its weight is trivial."""
-    model = build_model_on_meta(build_model_args(flavor))
+    MoE selection bias, ...), so that no term of the step can be silently wrong because its weight is trivial.
+    overrides: (name, value) pairs of ModelArgs fields."""
+    model = build_model_on_meta(build_model_args(flavor, dict(overrides)))
     model.to_empty(device="cpu")
     model.tie_weights()
     init_weights(model, seed=0)
@@ -116,6 +117,27 @@ def test_decode_steps_equal_the_parallel_forward(flavor, k):
     got = prefill_then_decode(model, ids_BS, k)
     for i in range(got.shape[1]):
         assert_logits_close(got[:, i], want_BSV[:, k - 1 + i], f"{flavor}, prefill {k}, column {k - 1 + i}")
+
+
+# The branches the default flavors leave out: groups of B / C, D per channel, norm before gate, a dt clamp, a
+# conv of width 3, in/out projection biases; attention without rotary or GQA, sigmoid routing with renormalisation.
+VARIANTS = {
+    "debug": dict(ngroups=2, D_has_hdim=True, norm_before_gate=True, dt_limit_min=0.01, dt_limit_max=0.2, d_conv=3,
+                  bias=True, conv_bias=False),
+    "hybrid_moe_debug": dict(rope_theta=0.0, n_kv_heads=4, moe_score_func="sigmoid", moe_route_norm=True),
+}
+
+
+@pytest.mark.parametrize("flavor", ["debug", "hybrid_moe_debug"])
+def test_decode_steps_equal_the_parallel_forward_in_model_variants(flavor):
+    model = perturbed_model(flavor, tuple(VARIANTS[flavor].items()))
+    k = 35
+    ids_BS = tokens(2, k + 4, seed=3)
+    with torch.no_grad():
+        want_BSV = model(ids_BS)
+    got = prefill_then_decode(model, ids_BS, k)
+    for i in range(got.shape[1]):
+        assert_logits_close(got[:, i], want_BSV[:, k - 1 + i], f"{flavor} {VARIANTS[flavor]}, column {k - 1 + i}")
 
 
 @pytest.mark.parametrize("flavor", ["debug", "hybrid_moe_debug"])
