@@ -117,6 +117,19 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
         build_loader(cfg, ByteTokenizer(), 0, 1)
 
 
+def test_preprocess_a_hf_dataset_saved_to_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    docs = DOCS * 5
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs, "n": list(range(len(docs)))})}
+                         ).save_to_disk(str(tmp_path / "hf"))
+    preprocess([str(tmp_path / "hf")], "", str(tmp_path / "out"), text_field="body", docs_per_shard=8,
+               workers=2, progress=False)
+    ds = ShardDataset(str(tmp_path / "out"))
+    assert [ds.doc_tokens(g).tolist() for g in range(len(docs))] == [list(d.encode()) + [256] for d in docs]
+    with pytest.raises(ValueError, match="without split 'test'.*pass --split"):
+        preprocess([str(tmp_path / "hf")], "", str(tmp_path / "o2"), text_field="body", split="test", progress=False)
+
+
 def test_damaged_shards_name_the_file(tmp_path):
     folder = make_shards(tmp_path, labelled_docs("d", 40), docs_per_shard=10)
     tokens = folder / "shard_00002.tokens.npy"
