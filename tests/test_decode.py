@@ -154,6 +154,19 @@ def test_left_padded_batch_gives_each_prompts_own_logits(flavor):
         assert_logits_close(batch[row], alone[0], f"{flavor}, prompt of {n} tokens in a padded batch")
 
 
+def test_a_reset_cache_serves_a_new_batch_like_a_fresh_one():
+    model = perturbed_model("hybrid_moe_debug")
+    first, second = tokens(2, 12, seed=5), tokens(2, 6, seed=6)
+    cache = model.allocate_inference_cache(2, 12)
+    model.prefill(first[:, :3], cache, torch.tensor([3, 1]))  # padded, then 9 steps: every KV column is written
+    for t in range(3, 12):
+        model.decode_step(first[:, t], cache)
+    cache.reset()
+    reused = [model.prefill(second[:, :4], cache)] + [model.decode_step(second[:, t], cache) for t in range(4, 6)]
+    fresh = prefill_then_decode(model, second, 4)
+    torch.testing.assert_close(torch.stack(reused, dim=1), fresh, rtol=0, atol=0)
+
+
 def test_decode_api_errors_name_the_fix():
     model = perturbed_model("debug")
     cache = model.allocate_inference_cache(2, 4)
