@@ -31,6 +31,8 @@ import numpy as np
 
 from data.datasets import describe_source
 
+# The label of tokens with no target (a document's EOS, padding): the loss skips it (models/loss.py holds the
+# same value; kept apart so data/ imports neither torch nor models/, tests/test_import_boundaries.py checks).
 IGNORE_INDEX = -100
 
 

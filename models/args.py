@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from configs.job_config import doc
+
+def doc(default: Any, text: str, choices: tuple | None = None):
+    """A ModelArgs field with its default, a help text and optional allowed values.
+
+    The metadata keys ("doc", "choices") are the ones configs/parser.py reads for --help and for checking
+    --model.* overrides; the helper lives here so that models/ imports nothing from configs/.
+    """
+    meta = {"doc": text} if choices is None else {"doc": text, "choices": choices}
+    return field(default=default, metadata=meta)
 
 
 @dataclass

@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from data.packing import IGNORE_INDEX  # the label the packer gives document ends and padding
+# Labels equal to this don't count: document ends and padding. data/packing.py gives them the same value
+# (its own constant, so that data/ and its preprocessing workers need neither torch nor models/;
+# tests/test_import_boundaries.py checks the two agree).
+IGNORE_INDEX = -100
 
 
 def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
