@@ -427,3 +427,24 @@ def test_mixture_run_resumes_on_another_layout(tmp_path, three_datasets):
     run_training(2, args + ["--checkpoint.enable", "true", "--training.steps", "3"], tmp_path / "run")
     resumed = run_training(1, args + ["--checkpoint.enable", "true"], tmp_path / "run")
     assert_same_losses(reference, resumed)
+
+
+def test_loader_benchmark_runs(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/data_loader.py", "loader", "--corpus_mb", "1", "--dp", "1,64",
+                        "--text_dp", "1", "--seq_len", "64", "--local_batch_size", "2", "--warmup", "1", "--steps", "3",
+                        "--work", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(x["kind"], x["dp"]) for x in records] == [("shards", 1), ("shards", 64), ("text_on_the_fly", 1)]
+    assert all(x["ms_per_step"] > 0 for x in records)
+
+
+@pytest.mark.slow
+def test_stall_benchmark_runs_on_cpu(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/data_loader.py", "stall", "--config", "configs/debug.toml", "--cpu",
+                        "--corpus_mb", "1", "--warmup", "1", "--steps", "2", "--work", str(tmp_path), "--",
+                        "--training.seq_len", "64", "--training.local_batch_size", "2",
+                        "--training.global_batch_size", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads(r.stdout.strip().splitlines()[-1])
+    assert record["steps"] == 2 and 0 < record["data_fraction"] < 1
