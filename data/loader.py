@@ -130,8 +130,9 @@ class StepBatchLoader:
 
 class RowStepLoader:
     """StepBatchLoader's batches and contract, for row sources computable by index (row(k) -> numpy row, or
-    None past the end of a finite source): dp rank r builds only rows [rows_consumed + r*n, ... + n) of the
-    step. state_dict() = {"steps", "rows_consumed", "seq_len"}, global and layout-free."""
+    None past the end of a finite source, whose num_rows counts its rows): dp rank r builds only rows
+    [rows_consumed + r*n, ... + n) of the step. state_dict() = {"steps", "rows_consumed", "seq_len"}, global and
+    layout-free."""
 
     def __init__(self, rows, seq_len: int, global_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, *,
                  pad_id: int, pin_memory: bool = False, infinite: bool = True):
@@ -151,7 +152,7 @@ class RowStepLoader:
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         first = self.rows_consumed + self.dp_rank * self.local_batch_size
-        if not self.infinite and self.rows.row(self.rows_consumed) is None:
+        if not self.infinite and self.rows_consumed >= self.rows.num_rows:
             raise StopIteration
         rows = [self.rows.row(first + i) for i in range(self.local_batch_size)]
         L = self.seq_len
@@ -184,7 +185,11 @@ class RowStepLoader:
         missing = {"steps", "rows_consumed"} - set(state_dict)
         if missing:
             raise KeyError(f"data loader state lacks {sorted(missing)}: not a RowStepLoader state_dict")
-        as_int = lambda v: int(v.item()) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
+        def as_int(v):
+            return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
+
+        # A StepBatchLoader state loads too: its rows_consumed counts the same global rows, so a run moving from
+        # text to shards of the same documents (training.shuffle false) continues at the same row.
         self.steps, self.rows_consumed = as_int(state_dict["steps"]), as_int(state_dict["rows_consumed"])
 
 

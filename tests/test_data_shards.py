@@ -68,6 +68,17 @@ def test_unshuffled_shard_rows_are_the_packers_rows(tmp_path, seq_len):
             assert got[key].dtype == expected[key].dtype and np.array_equal(got[key], expected[key]), (k, key)
 
 
+def test_a_text_run_continues_on_shards_of_the_same_documents(tmp_path):
+    from data.loader import StepBatchLoader
+
+    ds = ShardDataset(str(make_shards(tmp_path, DOCS * 2)))
+    text = StepBatchLoader(ByteTokenizer(), ListSource(DOCS * 2), 16, 4)
+    rows_of(text, 3)
+    shards = RowStepLoader(PackedRows(ds, 16, shuffle=False, seed=0, pad_id=PAD), 16, 4, pad_id=PAD)
+    shards.load_state_dict(text.state_dict())
+    assert_batches_equal(rows_of(shards, 4), rows_of(text, 4))
+
+
 def test_preprocess_is_deterministic_parallel_and_resumable(tmp_path):
     docs = labelled_docs("d", 300)
     one = make_shards(tmp_path, docs, "one", docs_per_shard=32, workers=1)
