@@ -21,6 +21,14 @@ RTOL = 1e-5
 VOCAB = 258
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model, one token at a time: more threads only contend on a busy CPU (5x here)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.lru_cache(maxsize=None)
 def perturbed_model(flavor: str, overrides: tuple = ()):
     """The debug model with initialised weights moved off their init values (D != 1, norms != 1, a non-zero
