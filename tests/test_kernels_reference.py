@@ -437,8 +437,10 @@ def test_dispatch_on_cpu():
                                    ssd_call(ssd_chunk_scan_ref, inp, 8))
     with pytest.raises(ValueError, match="CUDA tensors"):
         ssd_call(ssd_chunk_scan, inp, 8, backend="cuda")
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        ssd_call(ssd_chunk_scan, inp, 8, backend="triton")  # ours, CUDA only (CPU: tests/test_ssd_triton.py)
     with pytest.raises(ValueError, match="unknown"):
-        ssd_call(ssd_chunk_scan, inp, 8, backend="triton")
+        ssd_call(ssd_chunk_scan, inp, 8, backend="nope")
     x = torch.randn(1, 4, 6)
     w = torch.randn(4, 3)
     torch.testing.assert_close(causal_conv1d(x, w, backend="auto"), causal_conv1d_ref(x, w))

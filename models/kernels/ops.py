@@ -4,15 +4,21 @@ Every op has its reference's signature plus a keyword ``backend``:
   "auto"      the mamba_ssm / causal_conv1d kernels when the input is on CUDA and they import,
               else the reference;
   "reference" always the pure-PyTorch reference (any device);
-  "cuda"      the kernels, or a clear error naming what is missing.
-mamba_ssm is never imported when this module is imported (see cuda.py).
+  "cuda"      the kernels, or a clear error naming what is missing;
+  "triton"    our own Triton SSD kernels (models/kernels/ssd_triton) for the chunked scan, on CUDA
+              tensors (or on the CPU under TRITON_INTERPRET=1, for tests); every other op as "auto".
+mamba_ssm and triton are never imported when this module is imported (see cuda.py, ssd_triton).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from models.kernels import cuda as _cuda
+from models.kernels import ssd_triton as _ssd_triton
+from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_composed
 from models.kernels.reference import (
     add_rmsnorm_ref,
     causal_conv1d_ref,
@@ -24,6 +30,7 @@ from models.kernels.reference import (
 __all__ = [
     "BACKENDS",
     "use_cuda_kernels",
+    "use_triton_ssd",
     "ssd_chunk_scan",
     "causal_conv1d",
     "rmsnorm_gated",
@@ -31,14 +38,14 @@ __all__ = [
     "mamba_split_conv1d_scan",
 ]
 
-BACKENDS = ("auto", "reference", "cuda")
+BACKENDS = ("auto", "reference", "cuda", "triton")
 
 
 def use_cuda_kernels(backend: str, t: torch.Tensor) -> bool:
     """Whether an op on tensor ``t`` runs the GPU kernels under ``backend`` (raises for 'cuda' when it can't)."""
     if backend == "reference":
         return False
-    if backend == "auto":
+    if backend in ("auto", "triton"):  # "triton" replaces only the SSD (use_triton_ssd)
         return t.is_cuda and _cuda.cuda_kernels_available()
     if backend == "cuda":
         if not t.is_cuda:
@@ -50,6 +57,22 @@ def use_cuda_kernels(backend: str, t: torch.Tensor) -> bool:
             )
         return True
     raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
+
+
+def use_triton_ssd(backend: str, t: torch.Tensor) -> bool:
+    """Whether the SSD on tensor ``t`` runs our Triton kernels (backend 'triton'); raises when it can't."""
+    if backend != "triton":
+        return False
+    if not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got a tensor on {t.device}); use backend='auto' or 'reference'"
+        )
+    if not _ssd_triton.triton_available():
+        raise RuntimeError(
+            f"backend='triton' but triton does not import ({_ssd_triton.triton_import_error()}); "
+            "pip install triton, or use backend='auto'"
+        )
+    return True
 
 
 def ssd_chunk_scan(
@@ -71,7 +94,10 @@ def ssd_chunk_scan(
     backend: str = "auto",
 ):
     """Chunked SSD scan (mamba_chunk_scan_combined). y [B, L, H, P] (, final_states [B, H, P, N] fp32)."""
-    fn = _cuda.ssd_chunk_scan_cuda if use_cuda_kernels(backend, x_BLHP) else ssd_chunk_scan_ref
+    if use_triton_ssd(backend, x_BLHP):
+        fn = _ssd_triton.ssd_chunk_scan_triton
+    else:
+        fn = _cuda.ssd_chunk_scan_cuda if use_cuda_kernels(backend, x_BLHP) else ssd_chunk_scan_ref
     return fn(
         x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
         dt_limit=dt_limit, seq_idx=seq_idx, initial_states=initial_states, return_final_states=return_final_states,
@@ -144,7 +170,18 @@ def mamba_split_conv1d_scan(
     *,
     backend: str = "auto",
 ):
-    """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined)."""
+    """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
+
+    Under backend 'triton' the stages run as separate ops (split_conv1d_scan.py) with our SSD kernels.
+    """
+    if use_triton_ssd(backend, zxbcdt):
+        return mamba_split_conv1d_scan_composed(
+            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,
+            activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
+            outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
+            norm_before_gate=norm_before_gate, initial_states=initial_states,
+            return_final_states=return_final_states, ssd_backend="triton",
+        )
     fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
     return fn(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,

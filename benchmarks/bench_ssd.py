@@ -1,0 +1,278 @@
+"""Chunked SSD forward + backward: our Triton kernels next to mamba_ssm's, in one run, on one GPU.
+
+    bash .gpu/setup.sh && python3 benchmarks/bench_ssd.py --out $OUT/bench_ssd.json
+
+For each shape (1.3B: batch 4 x 4096, 64 heads; 370M: batch 8 x 2048, 32 heads; both headdim 64,
+d_state 128, ngroups 1, chunk 256, bf16), with and without seq_idx (documents), it reports:
+  - time of forward + backward (median of triton.testing.do_bench, inputs rotated over 3 sets so the
+    50 MB L2 does not hold them) and of the forward alone, for mamba_ssm and for ours, and the ratio;
+  - per-stage device time (torch.profiler, kernel names aggregated over 5 iterations), both sides;
+  - numerics at a smaller shape: ||out - ref|| / ||ref|| of y, final states and every gradient against the
+    float64 PyTorch reference on the same inputs, for both kernels, and our error over mamba_ssm's.
+"GPU time" is the sum of the profiled kernel times of one forward + backward: what the step pays when
+the host runs ahead (as in training); the do_bench time of an isolated call also contains host gaps.
+With --tune, instead times our kernels under each tile variant in TUNE_VARIANTS (per-kernel times).
+Prints the tables last and writes every number to --out (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+SHAPES = {
+    "1.3b": dict(b=4, L=4096, H=64, P=64, N=128, G=1, Q=256),
+    "370m": dict(b=8, L=2048, H=32, P=64, N=128, G=1, Q=256),
+    "small": dict(b=2, L=1000, H=8, P=64, N=128, G=1, Q=256),  # numerics (float64 reference) and smoke
+}
+
+
+# Tile variants for --tune: overrides of models.kernels.ssd_triton.config.block_config's choice.
+TUNE_VARIANTS = {
+    "base": {},
+    "wide8": dict(scan_m=128, scan_n=128, scan_warps=8, state_n=128, state_warps=8, bwd_warps=8, bwd_n=128),
+    "stages3": dict(stages=3, state_k=32, scan_k=32, bwd_k=32),
+    "m128_w8_s3": dict(scan_m=128, scan_warps=8, stages=3, bwd_m=128, bwd_warps=8),
+    "hpp4": dict(heads_per_prog=4, scan_n=128, state_n=128, bwd_n=128),
+    "hpp16_k32": dict(heads_per_prog=16, bwd_k=32, bwd_m=64, scan_k=32),
+    "w8_s1": dict(stages=1, scan_warps=8, bwd_warps=8, state_warps=8, cb_warps=8),
+}
+
+
+def make_inputs(shape, with_seq, seed, device="cuda", dtype=torch.bfloat16, with_init=False):
+    b, L, H, P, N, G = (shape[k] for k in "bLHPNG")
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*s, scale=1.0, dt=dtype):
+        return (torch.randn(*s, generator=g) * scale).to(device, dt)
+
+    # mamba_ssm's initialisation: dt in [1e-3, 1e-1] through softplus(dt + dt_bias), A in -[1, 16].
+    dt0 = torch.exp(torch.rand(H, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    inp = dict(
+        x=r(b, L, H, P), dt=r(b, L, H, scale=0.5), A=-torch.empty(H).uniform_(1, 16, generator=g).to(device),
+        B=r(b, L, G, N), C=r(b, L, G, N), D=r(H, dt=torch.float32),
+        dt_bias=(dt0 + torch.log(-torch.expm1(-dt0))).to(device),
+        initial_states=r(b, H, P, N, dt=torch.float32) if with_init else None, seq_idx=None,
+    )
+    if with_seq:
+        # Packed documents of random lengths (mean ~700 tokens), as the data loader makes them.
+        lens = torch.randint(64, 1400, (b, 64), generator=g)
+        seq = torch.zeros(b, L, dtype=torch.int32)
+        for row in range(b):
+            starts = torch.cumsum(lens[row], 0)
+            for s in starts[starts < L].tolist():
+                seq[row, s:] += 1
+        inp["seq_idx"] = seq.to(device)
+    return inp
+
+
+def call(fn, inp, Q, return_final=False):
+    return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], Q, D=inp["D"], dt_bias=inp["dt_bias"],
+              dt_softplus=True, seq_idx=inp["seq_idx"], initial_states=inp["initial_states"],
+              return_final_states=return_final)
+
+
+def kernels():
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    from models.kernels.ssd_triton import ssd_chunk_scan_triton
+
+    return {"mamba_ssm": mamba_chunk_scan_combined, "ours": ssd_chunk_scan_triton}
+
+
+def fwd_bwd_fn(fn, inp, Q, dy):
+    leaves = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+              for k, v in inp.items()}
+
+    def step():
+        for v in leaves.values():
+            if isinstance(v, torch.Tensor):
+                v.grad = None
+        call(fn, leaves, Q).backward(dy)
+
+    def fwd():
+        with torch.no_grad():
+            call(fn, leaves, Q)
+
+    return step, fwd
+
+
+def time_shape(name, shape, with_seq, fns, reps_ms):
+    from triton.testing import do_bench
+
+    sets = [make_inputs(shape, with_seq, seed) for seed in range(3)]
+    dy = torch.randn_like(sets[0]["x"])
+    out = {}
+    for kname, fn in fns.items():
+        steps = [fwd_bwd_fn(fn, s, shape["Q"], dy) for s in sets]
+        it = {"i": 0}
+
+        def rotate(which):
+            i = it["i"] = (it["i"] + 1) % len(steps)
+            steps[i][which]()
+
+        t_fb = do_bench(lambda: rotate(0), warmup=100, rep=reps_ms, return_mode="median")
+        t_fb2 = do_bench(lambda: rotate(0), warmup=25, rep=reps_ms, return_mode="median")
+        t_f = do_bench(lambda: rotate(1), warmup=25, rep=reps_ms, return_mode="median")
+        out[kname] = dict(fwd_bwd_ms=t_fb, fwd_bwd_ms_repeat=t_fb2, fwd_ms=t_f, stages=stage_times(steps[0][0]))
+    out["ratio_fwd_bwd"] = out["ours"]["fwd_bwd_ms"] / out["mamba_ssm"]["fwd_bwd_ms"]
+    out["ratio_fwd"] = out["ours"]["fwd_ms"] / out["mamba_ssm"]["fwd_ms"]
+    return out
+
+
+def stage_times(step, iters=5):
+    """Device time per kernel name (ms per iteration), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    times = defaultdict(float)
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = e.self_cuda_time_total
+        if t > 0:
+            times[e.key[:60]] += t / 1000.0 / iters
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def gpu_time(stages):
+    return sum(stages.values())
+
+
+def tune(shape_names, reps_ms):
+    """Our kernels' per-kernel device times under each tile variant (mamba_ssm not run)."""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd as ours_autograd
+    from models.kernels.ssd_triton.config import block_config
+
+    fn = kernels()["ours"]
+    record = {}
+    for sname in shape_names:
+        for with_seq in (False, True):
+            inp = make_inputs(SHAPES[sname], with_seq, seed=0)
+            dy = torch.randn_like(inp["x"])
+            for vname, over in TUNE_VARIANTS.items():
+                ours_autograd.block_config = lambda q, p, n, over=over: dataclasses.replace(block_config(q, p, n),
+                                                                                            **over)
+                try:
+                    step, _ = fwd_bwd_fn(fn, inp, SHAPES[sname]["Q"], dy)
+                    st = stage_times(step)
+                except Exception as e:  # e.g. out of shared memory for a tile shape
+                    print(f"tune {sname} seq={with_seq} {vname}: FAILED {type(e).__name__}: {str(e)[:200]}",
+                          flush=True)
+                    continue
+                finally:
+                    ours_autograd.block_config = block_config
+                ours = {k: v for k, v in st.items() if "kernel" in k and "at::" not in k}
+                record[f"{sname} seq={with_seq} {vname}"] = st
+                print(f"tune {sname} seq={with_seq} {vname:12s} gpu {gpu_time(st):.3f} ms: "
+                      + ", ".join(f"{k.replace('_kernel', '')} {v:.3f}" for k, v in ours.items()), flush=True)
+    return record
+
+
+def numerics(fns, shape, with_seq, with_init):
+    """Relative errors of both kernels against the float64 reference, forward and every gradient."""
+    from models.kernels.ssd_reference import ssd_chunk_scan_ref
+
+    inp = make_inputs(shape, with_seq, seed=7, with_init=with_init)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, L, H, P, N = (shape[k] for k in "bLHPN")
+    gy = torch.randn(b, L, H, P, device="cuda", generator=g, dtype=torch.float64)
+    gf = torch.randn(b, H, P, N, device="cuda", generator=g, dtype=torch.float64)
+    grads, outs = {}, {}
+    for kname, fn in list(fns.items()) + [("ref", ssd_chunk_scan_ref)]:
+        leaves = {k: (v.detach().clone().to(torch.float64 if kname == "ref" else v.dtype).requires_grad_()
+                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inp.items()}
+        y, fin = call(fn, leaves, shape["Q"], return_final=True)
+        ((y.double() * gy).sum() + (fin.double() * gf).sum()).backward()
+        outs[kname] = (y.double(), fin.double())
+        grads[kname] = {k: v.grad.double() for k, v in leaves.items() if isinstance(v, torch.Tensor) and
+                        v.grad is not None}
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    res = {}
+    for kname in fns:
+        e = {"y": rel(outs[kname][0], outs["ref"][0]), "final_states": rel(outs[kname][1], outs["ref"][1])}
+        for k, v in grads["ref"].items():
+            e["d" + k] = rel(grads[kname][k], v)
+        res[kname] = e
+    res["ratio_ours_over_mamba"] = {k: res["ours"][k] / max(res["mamba_ssm"][k], 1e-30) for k in res["ours"]}
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1.3b,370m")
+    ap.add_argument("--rep_ms", type=int, default=300, help="do_bench repetition time per measurement (ms)")
+    ap.add_argument("--skip_numerics", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time our kernels under TUNE_VARIANTS instead")
+    ap.add_argument("--out", default="outputs/bench_ssd.json")
+    args = ap.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    if args.tune:
+        rec = tune(args.shapes.split(","), args.rep_ms)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
+        return
+    fns = kernels()
+    record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    import triton
+
+    record["triton"] = triton.__version__
+    lines = []
+    if not args.skip_numerics:
+        for with_seq, with_init in ((True, True), (False, False)):
+            key = f"numerics small seq={with_seq} init={with_init}"
+            record[key] = r = numerics(fns, SHAPES["small"], with_seq, with_init)
+            lines.append(f"{key}:")
+            for k in r["ours"]:
+                lines.append(f"  {k:18s} ours {r['ours'][k]:.2e}  mamba_ssm {r['mamba_ssm'][k]:.2e}  "
+                             f"ratio {r['ratio_ours_over_mamba'][k]:.2f}")
+            print("\n".join(lines[-len(r['ours']) - 1:]), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    for sname in [s for s in args.shapes.split(",") if s]:
+        for with_seq in (False, True):
+            key = f"{sname} seq_idx={with_seq}"
+            record[key] = r = time_shape(sname, SHAPES[sname], with_seq, fns, args.rep_ms)
+            m, o = r["mamba_ssm"], r["ours"]
+            r["gpu_ms"] = {k: gpu_time(r[k]["stages"]) for k in ("mamba_ssm", "ours")}
+            r["ratio_gpu"] = r["gpu_ms"]["ours"] / r["gpu_ms"]["mamba_ssm"]
+            lines.append(
+                f"{key:22s} fwd+bwd mamba_ssm {m['fwd_bwd_ms']:.3f} ({m['fwd_bwd_ms_repeat']:.3f}) ms  ours "
+                f"{o['fwd_bwd_ms']:.3f} ({o['fwd_bwd_ms_repeat']:.3f}) ms  ratio {r['ratio_fwd_bwd']:.2f} | fwd "
+                f"mamba_ssm {m['fwd_ms']:.3f}  ours {o['fwd_ms']:.3f}  ratio {r['ratio_fwd']:.2f} | GPU time fwd+bwd "
+                f"mamba_ssm {r['gpu_ms']['mamba_ssm']:.3f}  ours {r['gpu_ms']['ours']:.3f}  ratio {r['ratio_gpu']:.2f}"
+            )
+            print(lines[-1], flush=True)
+            for kname in ("mamba_ssm", "ours"):
+                print(f"  stages {kname}: " + ", ".join(f"{k} {v:.3f}" for k, v in list(r[kname]["stages"].items())[:14]),
+                      flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The chunked SSD as one autograd Function over our Triton kernels, plus the public entry point.
+
+Split of the work:
+  - dt preprocessing (bias, softplus, clamp), dA = dt * A, and the z gate are a few small PyTorch ops
+    around the Function; autograd differentiates them (they touch [B, L, H] tensors, or y once for z,
+    which the model never passes);
+  - the Function ``_SSDChunked`` takes the processed dt and dA as float32 [B, H, NC, Q] tensors (the
+    last chunk padded with dt = 0, so padding neither decays nor adds), takes the within-chunk
+    cumulative sum a = cumsum(dA) itself, and runs the kernels: forward CB -> chunk states -> state
+    passing -> chunk scan; backward recomputes CB, the states and the states entering each chunk
+    (nothing [B, NC, H, P, N] is kept between forward and backward), then dS_in -> state passing
+    backward -> dx / ddt / dD -> dC (+ decay terms) -> dB.
+
+The gradient with respect to dA_t is, within its chunk, the sum of four parts, each a sum of
+same-signed-structure terms (no large sums subtracted from each other, which would cost bf16 runs
+two digits, as the first version here did):
+    sum_{l >= t} O_l            y's state term (O from the dC kernel)
+  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (dC kernel)
+  + sum_{s < t} q_s             chunk-state terms: exp(a_last - a_s) spans t for s < t (dx kernel)
+  + dtot_c                      the decay between chunks, exp(a_last), spans every t (state passing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from models.kernels._utils import no_autocast
+from models.kernels.ssd_reference import _check_inputs, process_dt
+from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
+from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
+from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
+from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
+from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel, chunk_state_fwd_kernel
+from models.kernels.ssd_triton.config import BlockConfig, block_config
+from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel, state_passing_fwd_kernel
+
+__all__ = ["ssd_chunk_scan_triton"]
+
+
+def _dummy(device) -> torch.Tensor:
+    # Stand-in pointer for an absent optional tensor (its kernel branch is compiled out).
+    return torch.empty(1, device=device, dtype=torch.float32)
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    # float32 inputs: full-precision dots (tf32 would cost the cumulative-decay gradients, which are differences
+    # of large sums, two digits); bf16 / fp16 operands are exact products on the tensor cores anyway.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q: int, cfg: BlockConfig):
+    """CB [b, NC, G, Q, Q] and chunk states (float32), states entering each chunk S_in (x's dtype), final (fp32)."""
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC = dt_p.shape[2]
+    dev = x.device
+    has_seq = seq is not None
+    seq_arg = seq if has_seq else _dummy(dev)
+
+    CB = torch.empty(b, NC, G, Q, Q, device=dev, dtype=torch.float32)
+    grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
+    cb_fwd_kernel[grid](
+        C, B, CB, L, Q, NC, G, N, *C.stride(), *B.stride(),
+        BLOCK_M=cfg.cb_m, BLOCK_S=cfg.cb_s, BLOCK_N=cfg.cb_n, PREC=_dot_precision(x), num_warps=cfg.cb_warps, num_stages=cfg.stages,
+    )
+
+    states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
+    grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    chunk_state_fwd_kernel[grid](
+        x, B, dt_p, dA_cs, seq_arg, states, L, Q, NC, H, G, P, N, *x.stride(), *B.stride(),
+        HAS_SEQ=has_seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k,
+        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.stages,
+    )
+
+    S_in = torch.empty_like(states, dtype=x.dtype)
+    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    PN = P * N
+    grid = (b * H, triton.cdiv(PN, cfg.pass_block))
+    state_passing_fwd_kernel[grid](
+        states, dA_cs, seq_arg, init if init is not None else _dummy(dev), S_in, final, L, Q, NC, H, PN,
+        HAS_SEQ=has_seq, HAS_INIT=init is not None, BLOCK=cfg.pass_block, num_warps=4,
+    )
+    return CB, states, S_in, final
+
+
+def _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC = dt_p.shape[2]
+    CB, _, S_in, final = _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q, cfg)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    grid = (b * NC * H, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
+    chunk_scan_fwd_kernel[grid](
+        CB, x, dt_p, dA_cs, C, S_in, D if D is not None else _dummy(x.device), seq if seq is not None else
+        _dummy(x.device), y, L, Q, NC, H, G, P, N, *x.stride(), *C.stride(), *y.stride(),
+        HAS_SEQ=seq is not None, HAS_D=D is not None, D_HAS_HDIM=D is not None and D.dim() == 2,
+        BLOCK_M=cfg.scan_m, BLOCK_K=cfg.scan_k, BLOCK_P=cfg.scan_p, BLOCK_N=cfg.scan_n,
+        PREC=_dot_precision(x), num_warps=cfg.scan_warps, num_stages=cfg.stages,
+    )
+    return y, final
+
+
+def _heads_per_prog(R: int, want: int) -> int:
+    # The largest divisor of the heads per group that is <= want: each program sums whole head blocks.
+    return max(d for d in range(1, min(R, want) + 1) if R % d == 0)
+
+
+def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC = dt_p.shape[2]
+    dev = x.device
+    has_seq = seq is not None
+    seq_arg = seq if has_seq else _dummy(dev)
+    CB, states, S_in, _ = _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q, cfg)
+
+    # Gradient reaching each chunk's entering state through y's state term.
+    dS_in = torch.empty_like(states, dtype=torch.float32)
+    grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    chunk_scan_bwd_dstates_kernel[grid](
+        dy, C, dA_cs, seq_arg, dS_in, L, Q, NC, H, G, P, N, *dy.stride(), *C.stride(),
+        HAS_SEQ=has_seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k,
+        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.stages,
+    )
+
+    # Reverse recurrence: dH (gradient of each chunk's state), dinit, and the a_last terms.
+    PN = P * N
+    n_blocks = triton.cdiv(PN, cfg.pass_block)
+    dH = torch.empty_like(states, dtype=torch.float32)
+    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    dtot = torch.empty(n_blocks, b, H, NC, device=dev, dtype=torch.float32)
+    state_passing_bwd_kernel[(b * H, n_blocks)](
+        dS_in, S_in, dA_cs, seq_arg, dfinal if dfinal is not None else _dummy(dev), dH, dinit, dtot,
+        L, Q, NC, H, PN, b, HAS_SEQ=has_seq, HAS_DFINAL=dfinal is not None, BLOCK=cfg.pass_block, num_warps=4,
+    )
+    del dS_in, states
+
+    # dx, ddt, dD.
+    BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ddt = torch.empty_like(dt_p)
+    q = torch.empty_like(dt_p)
+    n_k = triton.cdiv(Q, cfg.bwd_k)
+    dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else _dummy(dev)
+    chunk_scan_bwd_dx_kernel[(b * NC * H, n_k)](
+        CB, x, dt_p, dA_cs, B, dy, dH, D if D is not None else _dummy(dev), seq_arg, dx, ddt, q, dD_part,
+        L, Q, NC, H, G, P, N, *x.stride(), *B.stride(), *dy.stride(), *dx.stride(),
+        HAS_SEQ=has_seq, HAS_D=D is not None, D_HAS_HDIM=D is not None and D.dim() == 2,
+        BLOCK_K=cfg.bwd_k, BLOCK_M=cfg.bwd_m, BLOCK_P=BP, BLOCK_N=cfg.bwd_n,
+        PREC=_dot_precision(x), num_warps=cfg.bwd_warps, num_stages=cfg.stages,
+    )
+    dD = None
+    if D is not None:
+        dD = dD_part.view(b, NC, H, n_k, P).sum(dim=(0, 1, 3))
+        dD = dD if D.dim() == 2 else dD.sum(dim=-1)
+
+    # dC (and the per-head a_l gradient), then dB; summed over head blocks.
+    R = H // G
+    hpp = _heads_per_prog(R, cfg.heads_per_prog)
+    n_hb = R // hpp
+    dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    O = torch.empty_like(dt_p)
+    n_m = triton.cdiv(Q, cfg.bwd_m)
+    R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
+    chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
+        dy, x, dt_p, dA_cs, B, C, CB, S_in, seq_arg, dC_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
+        *x.stride(), *B.stride(), *C.stride(), *dy.stride(),
+        HAS_SEQ=has_seq, BLOCK_M=cfg.bwd_m, BLOCK_K=cfg.bwd_k, BLOCK_P=BP, BLOCK_N=BN,
+        PREC=_dot_precision(x), num_warps=cfg.bwd_warps, num_stages=cfg.stages,
+    )
+    dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    chunk_state_bwd_db_kernel[(b * NC * G * n_hb, triton.cdiv(Q, cfg.bwd_k))](
+        dy, x, dt_p, dA_cs, C, dH, seq_arg, dB_part, L, Q, NC, H, G, P, N, hpp, b,
+        *x.stride(), *C.stride(), *dy.stride(),
+        HAS_SEQ=has_seq, BLOCK_K=cfg.bwd_k, BLOCK_M=cfg.bwd_m, BLOCK_P=BP, BLOCK_N=BN,
+        PREC=_dot_precision(x), num_warps=cfg.bwd_warps, num_stages=cfg.stages,
+    )
+    dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
+    dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
+
+    # Cumulative-decay gradient: later side (dC kernel), earlier side (-dt ddt), chunk ends (state passing).
+    g = torch.flip(torch.cumsum(torch.flip(O, [-1]), -1), [-1])
+    g += R_part.sum(0) if R_part.shape[0] > 1 else R_part[0]
+    g += torch.cumsum(q, -1) - q
+    g += dtot.sum(0)[..., None]
+    return dx, ddt, g, dB, dC, dD, dinit
+
+
+class _SSDChunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt_p, dA_p, B, C, D, init, seq, Q, cfg):
+        dA_cs = torch.cumsum(dA_p, dim=-1)
+        y, final = _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg)
+        ctx.save_for_backward(x, dt_p, dA_cs, B, C, D, init, seq)
+        ctx.Q, ctx.cfg = Q, cfg
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt_p, dA_cs, B, C, D, init, seq = ctx.saved_tensors
+        dy = dy.to(x.dtype).contiguous()
+        dfinal = None if dfinal is None else dfinal.float().contiguous()
+        dx, ddt, ddA, dB, dC, dD, dinit = _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg)
+        return (
+            dx, ddt, ddA, dB, dC, dD, dinit if init is not None else None, None, None, None,
+        )
+
+
+def ssd_chunk_scan_triton(
+    x_BLHP: torch.Tensor,
+    dt_BLH: torch.Tensor,
+    A_H: torch.Tensor,
+    B_BLGN: torch.Tensor,
+    C_BLGN: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    seq_idx: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
+):
+    """Our Triton chunked SSD: ssd_chunk_scan_ref's signature, semantics and output dtypes.
+
+    y [B, L, H, P] in x's dtype (, final_states [B, H, P, N] float32). B and C are used in x's dtype
+    (their gradients come back in their own). Any chunk size >= 1 and any length work; CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1 (the CPU tests).
+    """
+    _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
+    b, L, H, P = x_BLHP.shape
+    Q = chunk_size
+    NC = math.ceil(L / Q)
+    cfg = block_config(Q, P, B_BLGN.shape[-1])
+    with no_autocast(x_BLHP.device):
+        dt = process_dt(dt_BLH, dt_bias, dt_softplus, dt_limit, torch.float32)  # [b, L, H]
+        dt = F.pad(dt, (0, 0, 0, NC * Q - L))  # padded tokens: dt = 0
+        dt_p = dt.view(b, NC, Q, H).permute(0, 3, 1, 2).contiguous()  # [b, H, NC, Q]
+        dA_p = dt_p * A_H.float().view(1, H, 1, 1)
+        dtype = x_BLHP.dtype
+        seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
+        init = None if initial_states is None else initial_states.float().contiguous()
+        y, final = _SSDChunked.apply(
+            x_BLHP, dt_p, dA_p, B_BLGN.to(dtype), C_BLGN.to(dtype),
+            None if D is None else D.float().contiguous(), init, seq, Q, cfg,
+        )
+        if z is not None:
+            y = (y.float() * F.silu(z.float())).to(dtype)
+    return (y, final) if return_final_states else y

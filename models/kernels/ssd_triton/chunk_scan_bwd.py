@@ -1,0 +1,109 @@
+"""Backward of the chunk scan for x (with dt, D and the decay of the chunk states folded in).
+
+For position s of chunk c, head h (dy: the gradient of y; dH: the gradient of the state after chunk c):
+    acc_s = sum_{l >= s, seq_l == seq_s} CB_ls exp(a_l - a_s) dy_l             (intra-chunk term)
+          + [seq_s == seq_last] exp(a_last - a_s) dH B_s                        (chunk-state term)
+    dx_s  = dt_s acc_s + D dy_s
+    ddt_s = acc_s · x_s          (both terms are linear in dt_s)
+    dD   += dy_s · x_s           (partial sums per program, reduced on the host)
+and q_s = dt_s (chunk-state part of acc_s) · x_s, whose exclusive prefix sum over s is the chunk-state
+term of the decay gradient (autograd.py).
+One program per (batch, chunk, head, block of s), holding all of P so ddt_s is complete.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_scan_bwd_dx_kernel(
+    CB_ptr, x_ptr, dt_ptr, dA_ptr, B_ptr, dy_ptr, dH_ptr, D_ptr, seq_ptr,
+    dx_ptr, ddt_ptr, q_ptr, dD_ptr,
+    L, Q, NC, H, G, P, N,
+    s_x_b, s_x_l, s_x_h, s_x_p,
+    s_b_b, s_b_l, s_b_g, s_b_n,
+    s_y_b, s_y_l, s_y_h, s_y_p,
+    s_dx_b, s_dx_l, s_dx_h, s_dx_p,
+    HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_bch = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    h = pid_bch % H
+    c = (pid_bch // H) % NC
+    b = pid_bch // (H * NC)
+    g = h // (H // G)
+    t0 = c * Q
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_p = tl.arange(0, BLOCK_P)
+    mask_p = offs_p < P
+    valid_k = (offs_k < Q) & (t0 + offs_k < L)
+    t_k = (t0 + offs_k).to(tl.int64)
+    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    dt_base = dt_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+    dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
+    a_last = tl.load(dA_base + Q - 1)
+    keep_k = valid_k
+    if HAS_SEQ:
+        seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t_k, mask=valid_k, other=-1)
+        seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
+        keep_k = keep_k & (seq_k == seq_last)
+
+    # Chunk-state term: B_s · dHᵀ over N.
+    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l
+    dH_base = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[None, :] * N
+    acc = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        b_tile = tl.load(B_base + offs_n[None, :] * s_b_n, mask=valid_k[:, None] & mask_n[None, :], other=0.0)
+        dHT = tl.load(dH_base + offs_n[:, None], mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+        acc += tl.dot(b_tile, dHT.to(b_tile.dtype), input_precision=PREC)
+    acc = acc * tl.where(keep_k, tl.exp(a_last - a_k), 0.0)[:, None]
+    mask_kp = valid_k[:, None] & mask_p[None, :]
+    x_k = tl.load(
+        x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+        mask=mask_kp, other=0.0,
+    ).to(tl.float32)
+    head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
+    tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
+
+    # Intra-chunk term, l >= s.
+    dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
+    CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_k[:, None]
+    for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        valid_m = (offs_m < Q) & (t0 + offs_m < L)
+        a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
+        keep = (offs_k[:, None] <= offs_m[None, :]) & valid_k[:, None] & valid_m[None, :]
+        if HAS_SEQ:
+            seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-2)
+            keep = keep & (seq_k[:, None] == seq_m[None, :])
+        cbT = tl.load(CB_base + offs_m[None, :] * Q, mask=keep, other=0.0)
+        decay = tl.exp(tl.where(keep, a_m[None, :] - a_k[:, None], float("-inf")))
+        wT = tl.where(keep, cbT * decay, 0.0)
+        dy_m = tl.load(
+            dy_base + (t0 + offs_m).to(tl.int64)[:, None] * s_y_l + offs_p[None, :] * s_y_p,
+            mask=valid_m[:, None] & mask_p[None, :], other=0.0,
+        )
+        acc += tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
+
+    ddt_k = tl.sum(acc * x_k, axis=1)
+    tl.store(ddt_ptr + head_q + offs_k, ddt_k, mask=offs_k < Q)
+    dx = acc * dt_k[:, None]
+    if HAS_D:
+        dy_k = tl.load(dy_base + t_k[:, None] * s_y_l + offs_p[None, :] * s_y_p, mask=mask_kp, other=0.0)
+        dy_k = dy_k.to(tl.float32)
+        if D_HAS_HDIM:
+            dx += dy_k * tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)[None, :]
+        else:
+            dx += dy_k * tl.load(D_ptr + h)
+        # dD partial sums: [B * NC * H, num_k_blocks, P], reduced on the host.
+        dD_base = dD_ptr + (pid_bch.to(tl.int64) * tl.num_programs(1) + pid_k) * P
+        tl.store(dD_base + offs_p, tl.sum(dy_k * x_k, axis=0), mask=mask_p)
+    tl.store(
+        dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,
+        dx.to(dx_ptr.dtype.element_ty), mask=mask_kp,
+    )

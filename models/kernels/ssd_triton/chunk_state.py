@@ -1,0 +1,121 @@
+"""Chunk states and their transposed twin in the backward.
+
+chunk_state_fwd_kernel: the state each chunk builds from its own tokens, at its last token,
+    states[b, c, h] = sum_s [seq_s == seq_last] exp(a_last - a_s) dt_s x_s B_sᵀ      ([P, N], float32)
+chunk_scan_bwd_dstates_kernel: the gradient of the state entering each chunk (through y's state term),
+    dS_in[b, c, h] = sum_l [seq_l == seq_prev] exp(a_l) dy_l C_lᵀ                      ([P, N], float32)
+Both are one [P, chunk] x [chunk, N] product per (batch, chunk, head) with a per-position scale;
+a_* is the within-chunk cumulative sum of dt * A (float32), seq_prev the document of the state
+entering the chunk (0 for the first chunk: the initial state belongs to document 0).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_state_fwd_kernel(
+    x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, states_ptr,
+    L, Q, NC, H, G, P, N,
+    s_x_b, s_x_l, s_x_h, s_x_p,
+    s_b_b, s_b_l, s_b_g, s_b_n,
+    HAS_SEQ: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_bch = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    h = pid_bch % H
+    c = (pid_bch // H) % NC
+    b = pid_bch // (H * NC)
+    g = h // (H // G)
+    t0 = c * Q
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    dt_base = dt_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    a_last = tl.load(dA_base + Q - 1)
+    if HAS_SEQ:
+        seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
+    x_base = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
+    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, Q, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        valid_k = (offs_k < Q) & (t0 + offs_k < L)
+        a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+        dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
+        keep = valid_k
+        if HAS_SEQ:
+            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
+            keep = keep & (seq_k == seq_last)
+        scale_k = tl.where(keep, tl.exp(a_last - a_k) * dt_k, 0.0)
+        t_k = (t0 + offs_k).to(tl.int64)
+        xT = tl.load(
+            x_base + t_k[None, :] * s_x_l + offs_p[:, None] * s_x_p,
+            mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0,
+        )
+        b_tile = tl.load(
+            B_base + t_k[:, None] * s_b_l + offs_n[None, :] * s_b_n,
+            mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0,
+        )
+        acc += tl.dot((xT * scale_k[None, :]).to(b_tile.dtype), b_tile, input_precision=PREC)
+    out_base = states_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
+    tl.store(
+        out_base + offs_p[:, None] * N + offs_n[None, :], acc,
+        mask=(offs_p < P)[:, None] & (offs_n < N)[None, :],
+    )
+
+
+@triton.jit
+def chunk_scan_bwd_dstates_kernel(
+    dy_ptr, C_ptr, dA_ptr, seq_ptr, dS_ptr,
+    L, Q, NC, H, G, P, N,
+    s_y_b, s_y_l, s_y_h, s_y_p,
+    s_c_b, s_c_l, s_c_g, s_c_n,
+    HAS_SEQ: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_bch = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    pid_n = tl.program_id(2)
+    h = pid_bch % H
+    c = (pid_bch // H) % NC
+    b = pid_bch // (H * NC)
+    g = h // (H // G)
+    t0 = c * Q
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    if HAS_SEQ:
+        prev = tl.load(seq_ptr + b.to(tl.int64) * L + tl.maximum(t0 - 1, 0))
+        seq_prev = tl.where(c > 0, prev, 0)
+    dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
+    C_base = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, Q, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        valid_k = (offs_k < Q) & (t0 + offs_k < L)
+        a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+        keep = valid_k
+        if HAS_SEQ:
+            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
+            keep = keep & (seq_k == seq_prev)
+        scale_k = tl.where(keep, tl.exp(a_k), 0.0)
+        t_k = (t0 + offs_k).to(tl.int64)
+        dyT = tl.load(
+            dy_base + t_k[None, :] * s_y_l + offs_p[:, None] * s_y_p,
+            mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0,
+        )
+        c_tile = tl.load(
+            C_base + t_k[:, None] * s_c_l + offs_n[None, :] * s_c_n,
+            mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0,
+        )
+        acc += tl.dot((dyT * scale_k[None, :]).to(c_tile.dtype), c_tile, input_precision=PREC)
+    out_base = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
+    tl.store(
+        out_base + offs_p[:, None] * N + offs_n[None, :], acc,
+        mask=(offs_p < P)[:, None] & (offs_n < N)[None, :],
+    )

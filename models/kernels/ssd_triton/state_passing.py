@@ -1,0 +1,83 @@
+"""The recurrence between chunks, forward and backward (carried in float32; S_in stored in x's dtype,
+the operand precision its consumers' dot products use anyway).
+
+Forward, per (batch, head) and a block of the flattened [P*N] state, sequentially over chunks c:
+    S_in[c] = H_{c-1}                      (the state entering chunk c; H_{-1} = initial state, document 0)
+    H_c     = decay_c * H_{c-1} + states[c],   decay_c = exp(a_last_c) * [seq_bound_c == seq_bound_{c-1}]
+with seq_bound_c the document of chunk c's last token (seq_bound_{-1} = 0); final = H_{NC-1}.
+
+Backward, in reverse, given dS_in (the gradient reaching each S_in directly) and dfinal:
+    dH_c = dS_in[c+1] + decay_{c+1} * dH_{c+1}  (dH_{NC-1} = dfinal)  -> also the gradient of states[c]
+    dtot_c = decay_c <dH_c, S_in[c]>      (through decay_c = exp(a_last_c) [...]; it reaches every dA_t of c)
+    dinit = dS_in[0] + decay_0 * dH_0.
+The two inner products are reduced per block and written as partial sums (summed on the host).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ: tl.constexpr):
+    a_last = tl.load(dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q + Q - 1)
+    decay = tl.exp(a_last)
+    if HAS_SEQ:
+        bound = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(c * Q + Q, L) - 1)
+        prev = tl.load(seq_ptr + b.to(tl.int64) * L + tl.maximum(c * Q - 1, 0))
+        prev = tl.where(c > 0, prev, 0)
+        decay = tl.where(bound == prev, decay, 0.0)
+    return decay
+
+
+@triton.jit
+def state_passing_fwd_kernel(
+    states_ptr, dA_ptr, seq_ptr, init_ptr, S_in_ptr, final_ptr,
+    L, Q, NC, H, PN,
+    HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    h = pid_bh % H
+    b = pid_bh // H
+    offs = pid_k * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < PN
+    if HAS_INIT:
+        state = tl.load(init_ptr + (b.to(tl.int64) * H + h) * PN + offs, mask=mask, other=0.0)
+    else:
+        state = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(NC):
+        base = ((b.to(tl.int64) * NC + c) * H + h) * PN
+        tl.store(S_in_ptr + base + offs, state.to(S_in_ptr.dtype.element_ty), mask=mask)
+        new = tl.load(states_ptr + base + offs, mask=mask, other=0.0)
+        decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
+        state = decay * state + new
+    tl.store(final_ptr + (b.to(tl.int64) * H + h) * PN + offs, state, mask=mask)
+
+
+@triton.jit
+def state_passing_bwd_kernel(
+    dS_in_ptr, S_in_ptr, dA_ptr, seq_ptr, dfinal_ptr, dH_ptr, dinit_ptr, dtot_ptr,
+    L, Q, NC, H, PN, BATCH,
+    HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    h = pid_bh % H
+    b = pid_bh // H
+    offs = pid_k * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < PN
+    if HAS_DFINAL:
+        dstate = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h) * PN + offs, mask=mask, other=0.0)
+    else:
+        dstate = tl.zeros((BLOCK,), dtype=tl.float32)
+    # dtot partial sums: [num_blocks, BATCH, H, NC]
+    dtot_base = dtot_ptr + ((pid_k.to(tl.int64) * BATCH + b) * H + h) * NC
+    for i in range(NC):
+        c = NC - 1 - i
+        base = ((b.to(tl.int64) * NC + c) * H + h) * PN
+        tl.store(dH_ptr + base + offs, dstate, mask=mask)
+        s_in = tl.load(S_in_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
+        tl.store(dtot_base + c, decay * tl.sum(dstate * s_in, axis=0))
+        dstate = tl.load(dS_in_ptr + base + offs, mask=mask, other=0.0) + decay * dstate
+    tl.store(dinit_ptr + (b.to(tl.int64) * H + h) * PN + offs, dstate, mask=mask)

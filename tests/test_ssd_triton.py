@@ -1,0 +1,159 @@
+"""Our Triton SSD kernels (models/kernels/ssd_triton) on the CPU, through Triton's interpreter.
+
+Forward and every gradient (x, dt, A, B, C, D, dt_bias, z, initial states; final states as an
+output with its own cotangent) against the float64 PyTorch reference, with documents (seq_idx,
+including a boundary exactly at a chunk start and a one-token document), initial states, lengths
+that are not a multiple of the chunk, ngroups 1 and 2, D of shape [H] and [H, P], and chunk sizes
+that are not powers of two. The interpreter runs the kernels in float32 numpy, so errors sit near
+1e-7; the tolerance (2e-5) leaves room for long reductions and fails on any real indexing error.
+
+Triton reads TRITON_INTERPRET when it is first imported (its own helpers such as tl.zeros are
+defined then), so each case runs in a fresh Python process with the variable set; nothing leaks into
+other tests (mamba_ssm's kernels on a GPU machine).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from models.kernels.ssd_reference import ssd_chunk_scan_ref  # noqa: E402
+
+TOL = 2e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _patch_interpreter_scalar_index():
+    """Triton 3.6's interpreter turns scalar kernel arguments into 1-element arrays and calls int() on them
+    for Python ``range`` bounds; numpy >= 2.4 refuses int() of a 1-d array. Index the single element."""
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
+def run_case_in_child(**case):
+    """Entry point of the child process: kernels under the interpreter, checked against the reference."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    _patch_interpreter_scalar_index()
+    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
+
+    call = case.pop("call", {})
+    inp = make_inputs(**case)
+    errors = check_against_reference(ssd_chunk_scan_triton, inp, **call)
+    print(json.dumps(errors))
+
+
+def interpret(**case):
+    """Run one case in a fresh interpreter process; fail with its output if it fails."""
+    code = f"import tests.test_ssd_triton as t; t.run_case_in_child(**{case!r})"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def make_inputs(b, L, H, P, G, N, seed, D_shape="H", with_z=False, with_init=True, seq_cuts=None):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g, dtype=torch.float64) * scale
+
+    inp = dict(
+        x_BLHP=r(b, L, H, P), dt_BLH=r(b, L, H, scale=0.5), A_H=-(torch.rand(H, generator=g, dtype=torch.float64)
+                                                                   * 2 + 0.3),
+        B_BLGN=r(b, L, G, N), C_BLGN=r(b, L, G, N),
+        D={"H": r(H), "HP": r(H, P), None: None}[D_shape],
+        z=r(b, L, H, P) if with_z else None,
+        dt_bias=r(H, scale=0.3),
+        initial_states=r(b, H, P, N) if with_init else None,
+        seq_idx=None,
+    )
+    if seq_cuts is not None:
+        seq = torch.zeros(b, L, dtype=torch.int32)
+        for row, cuts in enumerate(seq_cuts[:b]):
+            for cut in cuts:
+                seq[row, cut:] += 1
+        inp["seq_idx"] = seq
+    return inp
+
+
+def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0, float("inf")), tol=TOL):
+    """Run fn in float32 and the reference in float64 on the same inputs; compare outputs and all gradients."""
+    g = torch.Generator().manual_seed(123)
+    results = {}
+    for name, f, dtype in (("kernel", fn, torch.float32), ("ref", ssd_chunk_scan_ref, torch.float64)):
+        leaves = {
+            k: (v.detach().clone().to(dtype).requires_grad_() if v is not None and v.is_floating_point() else v)
+            for k, v in inp.items()
+        }
+        y, final = f(**leaves, chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                     return_final_states=True)
+        results[name] = (y, final, leaves)
+    gy = torch.randn(results["ref"][0].shape, generator=g, dtype=torch.float64)
+    gf = torch.randn(results["ref"][1].shape, generator=g, dtype=torch.float64)
+    for y, final, _ in results.values():
+        ((y.double() * gy).sum() + (final.double() * gf).sum()).backward()
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    (yk, fk, lk), (yr, fr, lr) = results["kernel"], results["ref"]
+    assert yk.dtype == torch.float32 and fk.dtype == torch.float32
+    errors = {"y": rel(yk, yr), "final_states": rel(fk, fr)}
+    for k, v in lr.items():
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            assert lk[k].grad is not None, f"no gradient for {k}"
+            errors["d" + k] = rel(lk[k].grad, v.grad)
+    bad = {k: e for k, e in errors.items() if not e <= tol}
+    assert not bad, f"over {tol}: {bad}; all: {errors}"
+    return errors
+
+
+# Row 0: a boundary exactly at a chunk start (16), a one-token document (at 30), a short one; row 1: one cut.
+CUTS = [[5, 16, 30, 31], [21]]
+
+
+def test_documents_initial_states_two_groups_remainder():
+    """seq_idx + initial states + final states, ngroups 2, D [H], L = 2 chunks + a remainder."""
+    interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=0, seq_cuts=CUTS, call=dict(chunk_size=16))
+
+
+def test_one_group_D_per_channel_z_odd_chunk():
+    """No documents, ngroups 1, D [H, P], z gating, dt limits, chunk 24 (not a power of two), remainder 2."""
+    interpret(b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
+              call=dict(chunk_size=24, dt_limit=(0.01, 1.5)))
+
+
+def test_bad_input_raises_before_compute():
+    # Checked before any kernel runs, so no interpreter is needed.
+    from models.kernels.ssd_triton import ssd_chunk_scan_triton
+
+    inp = make_inputs(b=1, L=8, H=4, P=16, G=3, N=16, seed=2, with_init=False)
+    with pytest.raises(ValueError, match="ngroups=3 must divide nheads=4"):
+        ssd_chunk_scan_triton(**inp, chunk_size=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk_size", [16, 32, 20])
+@pytest.mark.parametrize("G", [1, 2])
+@pytest.mark.parametrize("variant", ["seq_init", "seq_noinit_noD", "noseq_init_z", "exact_multiple_no_softplus"])
+def test_sweep(chunk_size, G, variant):
+    L = 64 if variant == "exact_multiple_no_softplus" else 45
+    interpret(
+        b=2, L=L, H=4, P=16, G=G, N=32, seed=chunk_size * 10 + G,
+        D_shape=None if variant == "seq_noinit_noD" else "H", with_z=variant == "noseq_init_z",
+        with_init=variant in ("seq_init", "noseq_init_z"), seq_cuts=CUTS if variant.startswith("seq") else None,
+        call=dict(chunk_size=chunk_size, dt_softplus=variant != "exact_multiple_no_softplus"),
+    )
