@@ -1,4 +1,6 @@
-"""All-to-all context parallel (CP) for Mamba-2 mixers, after Megatron-LM's MambaContextParallel design.
+"""All-to-all context parallel (CP): the hooks of the Mamba-2 mixers and attention layers, after Megatron-LM's
+MambaContextParallel design. Which tokens a rank holds (and the load-balanced order) is
+parallelisms/sequence_sharding.py; this file is the collectives and the per-layer hooks.
 
 Outside the conv + SSM every CP rank holds s/cp tokens of every sequence ("sequence-sharded", [b, s/cp, D]).
 The SSM is a recurrence over the whole sequence, so before the conv one all-to-all turns a rank's
@@ -11,10 +13,12 @@ Conventions: tensors are batch-first [b, s, d]. seq_idx under CP is the FULL-len
 tensor of the rank's rows, in natural token order (each layer sees the whole sequence after the
 all-to-all, so nothing else is needed).
 
-Load balance (for the attention layers of hybrids): the sequence is cut into 2*cp chunks and rank r
-holds chunks r and 2cp-1-r. The all-to-all delivers them in rank order (cp=3, 1-based: 1 6 2 5 3 4);
-undo_load_balance restores 1 2 3 4 5 6 for the conv / SSM, redo_load_balance goes back before the
-inverse all-to-all.
+Load balance (sequence_sharding.py): with it, the all-to-all delivers the 2*cp chunks in rank order
+(cp=3, 1-based: 1 6 2 5 3 4); the hooks undo_load_balance to 1 2 3 4 5 6 for the conv / SSM / attention
+core and redo_load_balance before the inverse all-to-all.
+
+The hooks: `apply_context_parallel` finds the layers by class (models.mamba2.mixer.Mamba2Mixer,
+models.hybrid.attention.Attention) and sets their `.cp` attribute; the layers call it in their forward.
 
 Tensor-parallel: this repo has none. The constructor keeps Megatron's argument names
 (d_inner_local_tp, ...) for familiarity; pass the FULL sizes (tp = 1).
@@ -28,16 +32,14 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+
+from models.hybrid.attention import Attention
+from models.mamba2.mixer import Mamba2Mixer
+from parallelisms.sequence_sharding import redo_load_balance, undo_load_balance
 
 __all__ = [
     "all_to_all_seq_to_heads",
     "all_to_all_heads_to_seq",
-    "undo_load_balance",
-    "redo_load_balance",
-    "load_balance_order",
-    "shard_sequence",
-    "validate_cp_shapes",
     "validate_cp_mamba",
     "MambaContextParallel",
     "AttentionContextParallel",
@@ -139,89 +141,6 @@ def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Load balance and data sharding
-# ----------------------------------------------------------------------------------------------------
-
-
-def load_balance_order(cp: int) -> list[int]:
-    """Chunk ids (0-based, of 2*cp chunks) in the order the ranks hold them: [0, 2cp-1, 1, 2cp-2, ...]."""
-    order = []
-    for r in range(cp):
-        order += [r, 2 * cp - 1 - r]
-    return order
-
-
-def _permute_chunks(x: torch.Tensor, n_chunks: int, src_of_dst: list[int], seq_dim: int) -> torch.Tensor:
-    seq_dim = seq_dim % x.dim()
-    if x.shape[seq_dim] % n_chunks:
-        raise ValueError(f"sequence length {x.shape[seq_dim]} (dim {seq_dim}) must divide by 2*cp={n_chunks}")
-    # cat of views: one copy, no index tensor to ship to the device
-    chunks = x.chunk(n_chunks, dim=seq_dim)
-    return torch.cat([chunks[i] for i in src_of_dst], dim=seq_dim)
-
-
-def undo_load_balance(x: torch.Tensor, cp: int, seq_dim: int = 1) -> torch.Tensor:
-    """Balanced (rank) order -> natural order along seq_dim: cp=3 chunks 1 6 2 5 3 4 -> 1 2 3 4 5 6."""
-    if cp == 1:
-        return x
-    order = load_balance_order(cp)  # position p holds chunk order[p]
-    src_of_dst = [0] * (2 * cp)
-    for p, c in enumerate(order):
-        src_of_dst[c] = p
-    return _permute_chunks(x, 2 * cp, src_of_dst, seq_dim)
-
-
-def redo_load_balance(x: torch.Tensor, cp: int, seq_dim: int = 1) -> torch.Tensor:
-    """Natural order -> balanced (rank) order along seq_dim: cp=3 chunks 1 2 3 4 5 6 -> 1 6 2 5 3 4."""
-    if cp == 1:
-        return x
-    return _permute_chunks(x, 2 * cp, load_balance_order(cp), seq_dim)
-
-
-def validate_cp_shapes(seq_len: int, cp: int, load_balance: bool) -> None:
-    """Raise if training.seq_len cannot be sharded over cp (2*cp chunks when load-balanced)."""
-    if cp < 1:
-        raise ValueError(f"parallelism.context_parallel_degree={cp} must be >= 1")
-    if load_balance and cp > 1:
-        if seq_len % (2 * cp):
-            fix_up = (seq_len // (2 * cp) + 1) * (2 * cp)
-            raise ValueError(
-                f"training.seq_len={seq_len} must divide by 2*cp={2 * cp} with "
-                f"parallelism.context_parallel_load_balance=true; use e.g. training.seq_len={fix_up}, "
-                f"another context_parallel_degree, or turn the load balance off"
-            )
-    elif seq_len % cp:
-        fix_up = (seq_len // cp + 1) * cp
-        raise ValueError(
-            f"training.seq_len={seq_len} must divide by cp={cp} (parallelism.context_parallel_degree); "
-            f"use e.g. training.seq_len={fix_up} or another context_parallel_degree"
-        )
-
-
-def shard_sequence(
-    t: torch.Tensor, cp_rank: int, cp_size: int, load_balance: bool, seq_dim: int = 1
-) -> torch.Tensor:
-    """This CP rank's tokens of a per-token tensor (input_ids, labels, embeddings ...), along seq_dim.
-
-    [b, s, ...] -> [b, s/cp, ...]: the contiguous block cp_rank, or with load_balance the two chunks
-    cp_rank and 2cp-1-cp_rank (of 2*cp) concatenated. Matches the layout all_to_all_seq_to_heads (+
-    undo_load_balance) expects. seq_idx is NOT sharded: every rank keeps its rows' full [b, s] seq_idx.
-    """
-    if cp_size == 1:
-        return t
-    seq_dim = seq_dim % t.dim()
-    s = t.shape[seq_dim]
-    validate_cp_shapes(s, cp_size, load_balance)
-    if not load_balance:
-        n = s // cp_size
-        return t.narrow(seq_dim, cp_rank * n, n)
-    n = s // (2 * cp_size)
-    first = t.narrow(seq_dim, cp_rank * n, n)
-    second = t.narrow(seq_dim, (2 * cp_size - 1 - cp_rank) * n, n)
-    return torch.cat([first, second], dim=seq_dim)
-
-
-# ----------------------------------------------------------------------------------------------------
 # Mamba mixer CP
 # ----------------------------------------------------------------------------------------------------
 
@@ -278,7 +197,7 @@ class MambaContextParallel:
             conv_dim = d_inner + 2*ngroups*d_state, channels [x (h*P+p) | B (g*N+n) | C (g*N+n)].
         dt_bias_cp1, A_log_cp1: [nheads]; D_cp1: [nheads], or [nheads*headdim] / [nheads, headdim] when
             D_has_hdim. Each a tensor or (module, attribute_name) (see ParamSource).
-        load_balance: the tokens are in the balanced layout (see shard_sequence).
+        load_balance: the tokens are in the balanced layout (see sequence_sharding.shard_sequence).
 
     Per rank: d_inner_local = d_inner/cp, nheads_local = nheads/cp, ngroups_local = ngroups/cp or 1 (with
     replication), conv1d_channels = d_inner_local + 2*ngroups_local*d_state.
@@ -327,10 +246,6 @@ class MambaContextParallel:
         self.d_inner_local = self.d_inner // cp
         self.ngroups_local = max(self.ngroups // cp, 1)
         self.conv1d_channels = self.d_inner_local + 2 * self.ngroups_local * d_state
-        # Megatron's names, for familiarity
-        self.d_inner_local_tpcp = self.d_inner_local
-        self.nheads_local_tpcp = self.nheads_local
-        self.ngroups_local_tpcp = self.ngroups_local
 
     @classmethod
     def from_mixer(cls, mixer: nn.Module, cp_group, load_balance: bool = False) -> "MambaContextParallel":
@@ -391,25 +306,6 @@ class MambaContextParallel:
         if self.load_balance:
             y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
         return all_to_all_heads_to_seq(y_BSd, self.cp_group)
-
-    def conv1d(
-        self, x_BDL: torch.Tensor, seq_idx_BL: Optional[torch.Tensor] = None, activation: Optional[str] = None
-    ) -> torch.Tensor:
-        """Causal depthwise conv of this rank's channels [b, conv1d_channels, s] -> same shape, with the
-        sliced weight / bias; resets at document starts when seq_idx_BL (full-length [b, s]) is given."""
-        weight_DW, bias_D = self.get_conv1d_weight().squeeze(1), self.get_conv1d_bias()
-        try:
-            from models.kernels.ops import causal_conv1d
-        except ImportError:
-            causal_conv1d = None
-        if causal_conv1d is not None:
-            return causal_conv1d(x_BDL, weight_DW, bias_D, seq_idx_BL, activation=activation)
-        if seq_idx_BL is not None:
-            raise ImportError("conv1d with seq_idx needs models.kernels.ops.causal_conv1d")
-        W = weight_DW.shape[-1]
-        out = F.conv1d(x_BDL, weight_DW.unsqueeze(1), bias_D, padding=W - 1, groups=weight_DW.shape[0])
-        out = out[..., : x_BDL.shape[-1]]
-        return F.silu(out) if activation in ("silu", "swish") else out
 
     # ---- parameter slices (taken in the forward) ----------------------------------------------------
 
@@ -504,20 +400,19 @@ class AttentionContextParallel:
 
 
 def apply_context_parallel(model: nn.Module, cp_group, load_balance: bool = False) -> int:
-    """Set `.cp` on every Mamba mixer (has conv1d and A_log) and attention layer (has n_heads and
-    n_kv_heads) of `model`; checks every layer's heads / groups against cp first (before any compute).
-    Returns how many layers got a hook. With cp = 1 nothing is set (the hooks stay None and cost nothing).
-    The caller also shards input_ids / labels with shard_sequence and passes the FULL seq_idx."""
+    """Set `.cp` on every Mamba2Mixer (a MambaContextParallel) and Attention layer (an
+    AttentionContextParallel) of `model`; checks every layer's heads / groups against cp first (before any
+    compute). Returns how many layers got a hook. With cp = 1 nothing is set (the hooks stay None and cost
+    nothing). The caller also shards input_ids / labels with sequence_sharding.shard_sequence and passes the
+    FULL seq_idx."""
     cp = _group_size(cp_group)
     if cp == 1:
         return 0
     hooks = []
     for name, m in model.named_modules():
-        if not hasattr(m, "cp"):
-            continue
-        if hasattr(m, "conv1d") and hasattr(m, "A_log"):
+        if isinstance(m, Mamba2Mixer):
             hooks.append((m, MambaContextParallel.from_mixer(m, cp_group, load_balance)))
-        elif hasattr(m, "n_heads") and hasattr(m, "n_kv_heads"):
+        elif isinstance(m, Attention):
             kv = m.n_kv_heads
             if m.n_heads % cp or (kv % cp and cp % kv):
                 raise ValueError(

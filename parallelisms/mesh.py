@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from configs.job_config import Parallelism
@@ -120,7 +119,3 @@ def coords(mesh: DeviceMesh | None, dim: str) -> tuple[int, int]:
 
 def group(mesh: DeviceMesh | None, dim: str):
     return None if mesh is None else mesh[dim].get_group()
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()

@@ -20,11 +20,13 @@ from parallelisms.context_parallel import (
     MambaContextParallel,
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
+    validate_cp_mamba,
+)
+from parallelisms.sequence_sharding import (
     load_balance_order,
     redo_load_balance,
     shard_sequence,
     undo_load_balance,
-    validate_cp_mamba,
     validate_cp_shapes,
 )
 from tests.dist_utils import run_distributed
@@ -244,23 +246,35 @@ def test_cp1_is_identity_and_follows_swapped_parameters():
     assert m2.cp.get_A_log().eq(3.0).all() and m.cp.get_A_log().eq(0.0).all()
 
 
-def test_apply_context_parallel_wires_hooks_and_checks_heads():
+def test_apply_context_parallel_wires_hooks_by_class_and_checks_heads():
+    from models.args import ModelArgs
+    from models.hybrid.attention import Attention
+    from models.mamba2.mixer import Mamba2Mixer
     from parallelisms.context_parallel import AttentionContextParallel, apply_context_parallel
 
-    class _Attn(nn.Module):
-        def __init__(self, n_heads, n_kv_heads):
-            super().__init__()
-            self.n_heads, self.n_kv_heads, self.cp = n_heads, n_kv_heads, None
+    class _LooksLikeAMixer(nn.Module):
+        """Has every attribute the hooks read, but is not one of the model's layer classes: no hook."""
 
-    mixer = _Mixer(nheads=8, ngroups=2)
-    mixer.cp = None
-    model = nn.ModuleDict({"0": mixer, "1": _Attn(8, 2), "2": nn.Linear(2, 2)})
-    assert apply_context_parallel(model, None) == 0 and mixer.cp is None  # cp = 1: hooks stay off
+        def __init__(self, like: nn.Module):
+            super().__init__()
+            self.conv1d, self.A_log, self.n_heads, self.n_kv_heads, self.cp = like.conv1d, like.A_log, 8, 2, None
+
+    def layers(n_heads, n_kv_heads):
+        args = ModelArgs(d_model=32, n_layers=3, d_state=4, headdim=4, ngroups=2, n_heads=n_heads,
+                         n_kv_heads=n_kv_heads, attn_head_dim=4)
+        with torch.device("meta"):
+            mixer = Mamba2Mixer(args, 0, 3)
+            return nn.ModuleDict({"0": mixer, "1": Attention(args, 1, 3), "2": nn.Linear(2, 2),
+                                  "3": _LooksLikeAMixer(mixer)})
+
+    model = layers(8, 2)
+    assert apply_context_parallel(model, None) == 0 and model["0"].cp is None  # cp = 1: hooks stay off
     assert apply_context_parallel(model, _FakeGroup(4, 1), load_balance=True) == 2
-    assert isinstance(mixer.cp, MambaContextParallel) and mixer.cp.load_balance and mixer.cp.ngroups_local == 1
+    assert isinstance(model["0"].cp, MambaContextParallel) and model["0"].cp.load_balance
+    assert model["0"].cp.ngroups_local == 1 and model["0"].cp.nheads_local == 4
     assert isinstance(model["1"].cp, AttentionContextParallel) and model["1"].cp.degree == 4
-    bad = nn.ModuleDict({"0": _Mixer(nheads=8, ngroups=2), "1": _Attn(6, 3)})
-    bad["0"].cp = None
+    assert model["3"].cp is None  # found by class, not by its attributes
+    bad = layers(6, 3)
     with pytest.raises(ValueError, match="n_heads=6, n_kv_heads=3, cp=2"):
         apply_context_parallel(bad, _FakeGroup(2, 0))
     assert bad["0"].cp is None  # checked before anything is set
