@@ -1,9 +1,11 @@
 """Recurrent decoding (CPU, fp32): the step ops against the parallel references, prefill + decode_step against the
-parallel forward, left-padded batches against single prompts, and the sampler / generate loop."""
+parallel forward, left-padded batches against single prompts, the sampler / generate loop, and greedy generation
+against HF transformers' own recurrent decoding of the exported weights."""
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from models.kernels.step_reference import causal_conv1d_update_ref, selective_st
 
 RTOL = 1e-5
 VOCAB = 258
+DEBUG_TOML = Path(__file__).resolve().parents[1] / "configs" / "debug.toml"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -271,3 +274,32 @@ def test_generate_samples_only_real_vocabulary_ids_and_checks_prompts():
         generate(model, [[1], []], 2)
     with pytest.raises(ValueError, match=r"outside \[0, 258\)"):
         generate(model, [[1, 300]], 2)
+
+
+def test_greedy_generation_equals_transformers_recurrent_decoding(tmp_path):
+    """An independent implementation: our weights exported to HF Mamba2ForCausalLM (checkpoint.convert), its
+    cached greedy generate (restricted to the real vocabulary, as ours) gives our batched tokens, and its scores
+    are our decode-step logits."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint.convert import main as convert_main
+    from checkpoint.convert import write_dcp_weights
+
+    overrides = {"d_model": 64, "n_layers": 4, "chunk_size": 16, "ngroups": 2}
+    model = perturbed_model("debug", tuple(overrides.items()))
+    write_dcp_weights(model.state_dict(), str(tmp_path / "weights"))
+    convert_main(["to-hf", str(tmp_path / "weights"), str(tmp_path / "hf"), "--config", str(DEBUG_TOML),
+                  *[a for k, v in overrides.items() for a in (f"--model.{k}", str(v))]])
+    hf = transformers.Mamba2ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    prompts, n_new, V = [list(b"Once upon a time, there"), list(b"q")], 24, model.args.vocab_size
+    ours = generate(model, prompts, n_new, SamplingParams(temperature=0))
+    for prompt, out in zip(prompts, ours):
+        got = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, eos_token_id=None,
+                          suppress_tokens=list(range(V, model.args.padded_vocab_size)), output_scores=True,
+                          return_dict_in_generate=True)
+        assert got.sequences[0, len(prompt):].tolist() == out
+        cache = model.allocate_inference_cache(1, len(prompt) + n_new)
+        logits = [model.prefill(torch.tensor([prompt]), cache)]
+        logits += [model.decode_step(torch.tensor([t]), cache) for t in out[:-1]]
+        assert_logits_close(torch.stack(logits, 1)[0, :, :V], torch.stack(got.scores, 1)[0, :, :V],
+                            f"transformers' scores, prompt of {len(prompt)}")
