@@ -68,7 +68,8 @@ def test_selective_state_update_ref_steps_equal_the_chunked_scan():
     b, L, H, P, G, N = 2, 11, 4, 3, 2, 5
     g = torch.Generator().manual_seed(0)
     x, z = torch.randn(b, L, H, P, generator=g), torch.randn(b, L, H, P, generator=g)
-    dt, Bm, Cm = torch.randn(b, L, H, generator=g), torch.randn(b, L, G, N, generator=g), torch.randn(b, L, G, N, generator=g)
+    dt = torch.randn(b, L, H, generator=g)
+    Bm, Cm = torch.randn(b, L, G, N, generator=g), torch.randn(b, L, G, N, generator=g)
     A, D, dt_bias = -torch.rand(H, generator=g) - 0.5, torch.randn(H, P, generator=g), torch.randn(H, generator=g)
     init = torch.randn(b, H, P, N, generator=g)
     dt_limit = (0.05, 1.5)  # a real clamp, so both ends of dt_limit matter
