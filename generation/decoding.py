@@ -60,7 +60,7 @@ def generate(
     _check_prompts(prompts, vocab_size)
     if not 0 <= pad_id < vocab_size:
         raise ValueError(f"generate: pad_id={pad_id} must be a token id in [0, {vocab_size})")
-    device = model.tok_embeddings.weight.device
+    device = next(model.parameters()).device  # (a pipeline stage without an embedding is refused at allocation)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
 
     ids_BS, lengths_B = left_pad(prompts, pad_id, device)
