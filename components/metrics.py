@@ -10,6 +10,8 @@ import time
 import torch
 
 from models.args import ModelArgs
+from models.hybrid.mlp import mlp_hidden_dim
+from models.hybrid.moe import moe_hidden_dim
 
 # Dense bf16 peak FLOP/s by device-name substring (datasheet values).
 _PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "GH200": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
@@ -42,16 +44,12 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> tuple[float, float]:
             matmul += d * hd * (2 * args.n_heads + 2 * kv)
             extra += 2 * seq_len * args.n_heads * hd  # QK^T and AV over the causal half, 2 FLOPs per MAC
         elif letter == "-":
-            matmul += 3 * d * _mlp_hidden(args)
-        elif letter == "E":
-            moe_hidden = args.moe_hidden_dim or max(_mlp_hidden(args) // args.moe_top_k, 1)
+            matmul += 3 * d * mlp_hidden_dim(args)
+        elif letter == "E":  # the layers' own size formulas, so the count cannot drift from what is built
+            moe_hidden = moe_hidden_dim(args)
             matmul += d * args.moe_num_experts + 3 * d * moe_hidden * (args.moe_top_k + args.moe_shared_experts)
     matmul += d * args.padded_vocab_size  # lm_head
     return 3.0 * (2.0 * matmul + extra), 6.0 * matmul
-
-
-def _mlp_hidden(args: ModelArgs) -> int:
-    return args.mlp_hidden_dim or ((int(8 * args.d_model / 3) + 63) // 64) * 64
 
 
 def memory_gib(device: torch.device) -> float:

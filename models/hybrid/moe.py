@@ -50,6 +50,8 @@ GROUP_ALIGN = 16
 
 
 def moe_hidden_dim(args: ModelArgs) -> int:
+    """moe_hidden_dim, or the dense MLP's hidden size split over the top_k experts a token uses (the same active
+    size). The one formula: components/metrics.py counts FLOPs with it too."""
     return args.moe_hidden_dim or mlp_hidden_dim(args) // args.moe_top_k
 
 
