@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.export import load_model_weights
-from checkpoint.manager import complete_steps
+from checkpoint.manager import complete_steps, resolve_checkpoint_folder
 from components.validation import Validator
 from configs.parser import ConfigError, load_config_or_exit
 from data.tokenizer import build_tokenizer
@@ -40,7 +40,7 @@ def resolve_weights(cfg) -> str:
     if c.initial_load_path:
         return c.initial_load_path
     raw = os.path.expanduser(c.folder)
-    folder = raw if os.path.isabs(raw) else os.path.join(cfg.job.dump_folder, raw)
+    folder = resolve_checkpoint_folder(c.folder, cfg.job.dump_folder)
     if not os.path.isdir(folder) and os.path.isdir(raw):
         folder = raw
     if os.path.isfile(os.path.join(folder, ".metadata")):

@@ -11,6 +11,7 @@ _WHERE = {
     "convert_to_weights_only": "checkpoint.export",
     "export_model_weights": "checkpoint.export",
     "load_model_weights": "checkpoint.export",
+    "resolve_checkpoint_folder": "checkpoint.manager",
 }
 __all__ = sorted(_WHERE)
 

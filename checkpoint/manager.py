@@ -70,6 +70,15 @@ _STALE_RE = re.compile(r"^\.step-\d+\.(partial|replaced)$")
 
 
 # --------------------------------------------------------------------------------------------- folders
+def resolve_checkpoint_folder(folder: str, dump_folder: str) -> str:
+    """The path checkpoint.folder names: `~` expanded; relative to job.dump_folder unless absolute.
+
+    The one place this is decided: CheckpointManager saves and resumes there and evaluate.py reads from there.
+    """
+    folder = os.path.expanduser(folder)
+    return folder if os.path.isabs(folder) else os.path.join(dump_folder, folder)
+
+
 def complete_steps(folder: str) -> list[int]:
     """Sorted steps N with a complete `folder/step-N` (its DCP `.metadata` exists)."""
     if not os.path.isdir(folder):
@@ -126,8 +135,7 @@ class CheckpointManager:
         self.cfg = ckpt_cfg
         self.run_record = run_record
         self.enabled = bool(ckpt_cfg.enable)
-        folder = os.path.expanduser(ckpt_cfg.folder)
-        self.folder = folder if os.path.isabs(folder) else os.path.join(dump_folder, folder)
+        self.folder = resolve_checkpoint_folder(ckpt_cfg.folder, dump_folder)
         if os.path.exists(self.folder) and not os.path.isdir(self.folder):
             raise NotADirectoryError(
                 f"checkpoint.folder {self.folder} exists and is a file; point --checkpoint.folder at a directory"

@@ -404,3 +404,24 @@ def test_sigkill_mid_save_never_leaves_a_complete_looking_folder(tmp_path):
         train_step(model, opt, sched, loader)
         mgr.save(4)
         assert complete_steps(str(folder)) == [2, 4] and not partial.exists()
+
+
+def test_checkpoint_folder_is_resolved_in_one_place(tmp_path):
+    """checkpoint.folder -> a path: relative to job.dump_folder unless absolute, `~` expanded; the manager saves
+    there and evaluate.py reads from there (both through checkpoint.resolve_checkpoint_folder)."""
+    import evaluate
+    from checkpoint import resolve_checkpoint_folder
+    from configs.job_config import JobConfig
+
+    dump = str(tmp_path / "run")
+    assert resolve_checkpoint_folder("ckpt", dump) == os.path.join(dump, "ckpt")
+    assert resolve_checkpoint_folder(str(tmp_path / "elsewhere"), dump) == str(tmp_path / "elsewhere")
+    assert resolve_checkpoint_folder("~/ckpt", dump) == os.path.expanduser("~/ckpt")
+    model, opt, sched = build(0)
+    mgr = CheckpointManager(cfg(folder="ckpt"), dump, [model], [opt], [sched], None)
+    assert mgr.folder == resolve_checkpoint_folder("ckpt", dump)
+    os.makedirs(os.path.join(mgr.folder, "step-3"))
+    open(os.path.join(mgr.folder, "step-3", ".metadata"), "wb").close()
+    job = JobConfig()
+    job.job.dump_folder, job.checkpoint.folder = dump, "ckpt"
+    assert evaluate.resolve_weights(job) == os.path.join(mgr.folder, "step-3")
