@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         if pdims.cp_enabled:
             # Tokens and labels are split along the sequence; seq_idx stays whole, since after the all-to-all
             # every layer sees the whole sequence for its slice of heads.
-            from parallelisms.context_parallel import shard_sequence
+            from parallelisms.sequence_sharding import shard_sequence
 
             input_ids, labels = (shard_sequence(t, cp_rank, pdims.cp, cfg.parallelism.context_parallel_load_balance)
                                  for t in (input_ids, labels))
@@ -402,7 +402,8 @@ def check_job(cfg: JobConfig, pdims: ParallelDims, model_args, tokenizer) -> Non
         errs.append(f"training.global_batch_size / dp = {gbs // pdims.dp} rows per rank must divide by "
                     f"training.local_batch_size={t.local_batch_size} (gradient accumulation steps)")
     if pdims.cp_enabled:
-        from parallelisms.context_parallel import validate_cp_mamba, validate_cp_shapes
+        from parallelisms.context_parallel import validate_cp_mamba
+        from parallelisms.sequence_sharding import validate_cp_shapes
 
         try:
             validate_cp_shapes(t.seq_len, pdims.cp, cfg.parallelism.context_parallel_load_balance)

@@ -98,7 +98,7 @@ class Validator:
                 input_ids, labels, seq_idx = (batch[k].to(self.device, non_blocking=True)
                                               for k in ("input_ids", "labels", "seq_idx"))
                 if self.cp > 1:
-                    from parallelisms.context_parallel import shard_sequence
+                    from parallelisms.sequence_sharding import shard_sequence
 
                     lb = self.cfg.parallelism.context_parallel_load_balance
                     input_ids, labels = (shard_sequence(t, self.cp_rank, self.cp, lb) for t in (input_ids, labels))
