@@ -152,7 +152,7 @@ def cmd_loader(args, work: Path) -> None:
     ds = ShardDataset(shards)
     open_s = time.perf_counter() - opened
     tok = ByteTokenizer()
-    for dp in [int(d) for d in args.dp.split(",")]:
+    for dp in [int(d) for d in args.dp.split(",")] * args.repeat:
         rows = PackedRows(ds, args.seq_len, shuffle=True, seed=0, pad_id=tok.pad_id)
         loader = RowStepLoader(rows, args.seq_len, args.local_batch_size * dp, 0, dp, pad_id=tok.pad_id)
         per_step = _time_calls(loader.next_batch, args.warmup, args.steps)
@@ -242,6 +242,7 @@ def main() -> None:
     sl.add_argument("--text_dp", default="1,8", help="dp degrees for the on-the-fly loader ('' to skip)")
     sl.add_argument("--seq_len", type=int, default=2048)
     sl.add_argument("--local_batch_size", type=int, default=8)
+    sl.add_argument("--repeat", type=int, default=1, help="cycle through --dp this many times (noise on a shared host)")
     ss = sub.choices["stall"]
     ss.add_argument("--config", default="configs/mamba2_370m.toml")
     ss.add_argument("--cpu", action="store_true", help="hide CUDA (smoke run)")

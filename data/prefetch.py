@@ -12,9 +12,22 @@ would have returned that batch. wait_seconds sums the time next_batch() blocked:
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+
+# Every prefetch thread started, with its stop event (the thread outlives a dropped wrapper by up to one
+# batch). At interpreter exit they are stopped and joined before the runtime is torn down: a daemon thread
+# caught inside a torch op at that moment aborts the process ("terminate called without an active exception").
+_THREADS: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_threads() -> None:
+    for thread, stop in list(_THREADS.items()):
+        stop.set()
+        thread.join()
 
 
 class PrefetchLoader:
@@ -32,10 +45,18 @@ class PrefetchLoader:
         # The thread holds the inner loader, not this wrapper, so that dropping the wrapper stops it (__del__).
         self._thread = threading.Thread(target=self._work, args=(self.loader, self._queue, self._stop),
                                         daemon=True, name="data-prefetch")
+        _THREADS[self._thread] = self._stop
         self._thread.start()
 
     @staticmethod
     def _work(loader, out: queue.Queue, stop: threading.Event) -> None:
+        try:
+            PrefetchLoader._produce(loader, out, stop)
+        finally:
+            _THREADS.pop(threading.current_thread(), None)
+
+    @staticmethod
+    def _produce(loader, out: queue.Queue, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 item = (loader.next_batch(), loader.state_dict(), None)
