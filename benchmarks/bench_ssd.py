@@ -11,7 +11,8 @@ d_state 128, ngroups 1, chunk 256, bf16), with and without seq_idx (documents), 
     float64 PyTorch reference on the same inputs, for both kernels, and our error over mamba_ssm's.
 "GPU time" is the sum of the profiled kernel times of one forward + backward: what the step pays when
 the host runs ahead (as in training); the do_bench time of an isolated call also contains host gaps.
-With --tune, instead times our kernels under each tile variant in TUNE_VARIANTS (per-kernel times).
+With --tune 1.3b, first times our kernels under each tile variant in TUNE_VARIANTS (per-kernel times,
+and each variant's outputs against the first's), then runs the comparison with the best per kernel group.
 Prints the tables last and writes every number to --out (JSON).
 """
 
@@ -37,15 +38,30 @@ SHAPES = {
 }
 
 
-# Tile variants for --tune: overrides of models.kernels.ssd_triton.config.block_config's choice.
+# Tile variants for --tune: overrides of models.kernels.ssd_triton.config.block_config's choice. Each sets several
+# kernels at once; the profiler attributes time per kernel, so the best of each kernel group is then combined.
+_WARPS = ("cb_warps", "state_warps", "scan_warps", "dx_warps", "dc_warps", "db_warps")
+_STAGES = ("cb_stages", "state_stages", "scan_stages", "dx_stages", "dc_stages", "db_stages")
+_BIG = dict(scan_m=128, scan_n=128, state_n=128, dx_n=128, dx_k=128, db_k=128, cb_m=128, pass_block=2048)
 TUNE_VARIANTS = {
     "base": {},
-    "wide8": dict(scan_m=128, scan_n=128, scan_warps=8, state_n=128, state_warps=8, bwd_warps=8, bwd_n=128),
-    "stages3": dict(stages=3, state_k=32, scan_k=32, bwd_k=32),
-    "m128_w8_s3": dict(scan_m=128, scan_warps=8, stages=3, bwd_m=128, bwd_warps=8),
-    "hpp4": dict(heads_per_prog=4, scan_n=128, state_n=128, bwd_n=128),
-    "hpp16_k32": dict(heads_per_prog=16, bwd_k=32, bwd_m=64, scan_k=32),
-    "w8_s1": dict(stages=1, scan_warps=8, bwd_warps=8, state_warps=8, cb_warps=8),
+    "w8": {**{k: 8 for k in _WARPS}, "pass_block": 256},
+    "s3": {k: 3 for k in _STAGES},
+    "s3_w8": {**{k: 3 for k in _STAGES}, **{k: 8 for k in _WARPS}},
+    "big": _BIG,
+    "big_w8": {**_BIG, **{k: 8 for k in _WARPS}},
+    "small_s3": dict(scan_k=32, state_k=32, dx_m=32, dc_k=32, db_m=32, heads_per_prog=4, pass_block=512,
+                     **{k: 3 for k in _STAGES}),
+    "hpp16_s1": dict(heads_per_prog=16, **{k: 1 for k in _STAGES}),
+}
+# Kernel groups -> the config fields that only they use.
+TUNE_GROUPS = {
+    "cb": (("cb_fwd_kernel",), ("cb_",)),
+    "state": (("chunk_state_fwd_kernel", "chunk_scan_bwd_dstates_kernel"), ("state_",)),
+    "pass": (("state_passing_fwd_kernel", "state_passing_bwd_kernel"), ("pass_",)),
+    "scan": (("chunk_scan_fwd_kernel",), ("scan_",)),
+    "dx": (("chunk_scan_bwd_dx_kernel",), ("dx_",)),
+    "dcdb": (("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_db_kernel"), ("dc_", "db_", "heads_per_prog")),
 }
 
 
@@ -154,36 +170,72 @@ def gpu_time(stages):
     return sum(stages.values())
 
 
-def tune(shape_names, reps_ms):
-    """Our kernels' per-kernel device times under each tile variant (mamba_ssm not run)."""
+def _patched_config(over):
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ours_autograd
     from models.kernels.ssd_triton.config import block_config
 
+    ours_autograd.block_config = lambda q, p, n: dataclasses.replace(block_config(q, p, n), **over)
+
+
+def _outputs_and_grads(fn, inp, Q, dy):
+    leaves = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                  else v) for k, v in inp.items()}
+    y = call(fn, leaves, Q)
+    y.backward(dy)
+    return [y.detach().float()] + [v.grad.float() for v in leaves.values() if isinstance(v, torch.Tensor) and
+                                   v.grad is not None]
+
+
+def tune(shape_names):
+    """Our kernels' per-kernel device times under each tile variant; returns (record, best overrides)."""
+    from models.kernels.ssd_triton.config import block_config
+
     fn = kernels()["ours"]
-    record = {}
+    record, group_times = {}, defaultdict(lambda: defaultdict(float))
     for sname in shape_names:
+        Q = SHAPES[sname]["Q"]
         for with_seq in (False, True):
             inp = make_inputs(SHAPES[sname], with_seq, seed=0)
             dy = torch.randn_like(inp["x"])
+            base_out = None
             for vname, over in TUNE_VARIANTS.items():
-                ours_autograd.block_config = lambda q, p, n, over=over: dataclasses.replace(block_config(q, p, n),
-                                                                                            **over)
+                _patched_config(over)
                 try:
-                    step, _ = fwd_bwd_fn(fn, inp, SHAPES[sname]["Q"], dy)
-                    st = stage_times(step)
+                    step, _ = fwd_bwd_fn(fn, inp, Q, dy)
+                    st = stage_times(step, iters=3)
+                    outs = _outputs_and_grads(fn, inp, Q, dy)
                 except Exception as e:  # e.g. out of shared memory for a tile shape
-                    print(f"tune {sname} seq={with_seq} {vname}: FAILED {type(e).__name__}: {str(e)[:200]}",
+                    print(f"tune {sname} seq={with_seq} {vname}: FAILED {type(e).__name__}: {str(e)[:300]}",
                           flush=True)
+                    for grp in TUNE_GROUPS:
+                        group_times[grp][vname] += float("inf")
                     continue
-                finally:
-                    ours_autograd.block_config = block_config
+                if base_out is None:
+                    base_out = outs
+                diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(outs, base_out))
+                record[f"{sname} seq={with_seq} {vname}"] = dict(stages=st, max_rel_diff_vs_base=diff)
+                for grp, (names, _) in TUNE_GROUPS.items():
+                    group_times[grp][vname] += sum(v for k, v in st.items() if any(k.startswith(n) for n in names))
                 ours = {k: v for k, v in st.items() if "kernel" in k and "at::" not in k}
-                record[f"{sname} seq={with_seq} {vname}"] = st
-                print(f"tune {sname} seq={with_seq} {vname:12s} gpu {gpu_time(st):.3f} ms: "
+                print(f"tune {sname} seq={with_seq} {vname:9s} gpu {gpu_time(st):.3f} ms, diff vs base {diff:.1e}: "
                       + ", ".join(f"{k.replace('_kernel', '')} {v:.3f}" for k, v in ours.items()), flush=True)
-    return record
+                if diff > 2e-2:  # a variant must compute the same function; never pick a broken one
+                    for grp in TUNE_GROUPS:
+                        group_times[grp][vname] += float("inf")
+    _patched_config({})
+    base = block_config(SHAPES[shape_names[0]]["Q"], SHAPES[shape_names[0]]["P"], SHAPES[shape_names[0]]["N"])
+    best = {}
+    for grp, (_, prefixes) in TUNE_GROUPS.items():
+        winner = min(group_times[grp], key=group_times[grp].get)
+        full = {**{f: getattr(base, f) for f in base.__dataclass_fields__}, **TUNE_VARIANTS[winner]}
+        best.update({f: v for f, v in full.items() if f.startswith(prefixes)})
+        print(f"tune best {grp}: {winner} ({', '.join(f'{v}={t:.3f}' for v, t in group_times[grp].items())})",
+              flush=True)
+    record["best_overrides"] = best
+    print("tune best overrides:", json.dumps(best), flush=True)
+    return record, best
 
 
 def numerics(fns, shape, with_seq, with_init):
@@ -221,21 +273,21 @@ def numerics(fns, shape, with_seq, with_init):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1.3b,370m")
-    ap.add_argument("--rep_ms", type=int, default=300, help="do_bench repetition time per measurement (ms)")
+    ap.add_argument("--rep_ms", type=int, default=200, help="do_bench repetition time per measurement (ms)")
     ap.add_argument("--skip_numerics", action="store_true")
-    ap.add_argument("--tune", action="store_true", help="time our kernels under TUNE_VARIANTS instead")
+    ap.add_argument("--tune", default="", help="shapes (e.g. 1.3b) to tune our tiles on first (TUNE_VARIANTS); "
+                    "the comparison then runs the best combination")
     ap.add_argument("--out", default="outputs/bench_ssd.json")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    if args.tune:
-        rec = tune(args.shapes.split(","), args.rep_ms)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
-        return
-    fns = kernels()
     record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    if args.tune:
+        record["tune"], best = tune(args.tune.split(","))
+        _patched_config(best)  # the comparison below runs the combined best tiles
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    fns = kernels()
     import triton
 
     record["triton"] = triton.__version__

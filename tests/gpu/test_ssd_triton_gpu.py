@@ -119,11 +119,12 @@ def test_split_conv1d_scan_triton_backend_matches_reference():
     def r(*s, dt=torch.bfloat16, scale=1.0):
         return (torch.randn(*s, generator=gen) * scale).to(DEV, dt)
 
+    # Weights in the activation dtype, as the model's bf16 parameters under FSDP (test_kernels_gpu does the same).
     tensors = dict(
-        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H), conv1d_weight=r(conv_dim, 4, dt=torch.float32, scale=0.3),
-        conv1d_bias=r(conv_dim, dt=torch.float32), dt_bias=r(H, dt=torch.float32, scale=0.3) - 2,
+        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H), conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1), dt_bias=r(H, dt=torch.float32, scale=0.3) - 2,
         A=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV), D=r(H, dt=torch.float32),
-        rmsnorm_weight=r(dim, dt=torch.float32), outproj_weight=r(d_model, dim, dt=torch.float32, scale=0.05),
+        rmsnorm_weight=1 + r(dim, scale=0.1), outproj_weight=r(d_model, dim, scale=dim ** -0.5),
     )
     seq = seq_idx_for(b, L)
 

@@ -65,7 +65,8 @@ def _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q: int, cfg: BlockConfig):
     grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
     cb_fwd_kernel[grid](
         C, B, CB, L, Q, NC, G, N, *C.stride(), *B.stride(),
-        BLOCK_M=cfg.cb_m, BLOCK_S=cfg.cb_s, BLOCK_N=cfg.cb_n, PREC=_dot_precision(x), num_warps=cfg.cb_warps, num_stages=cfg.stages,
+        BLOCK_M=cfg.cb_m, BLOCK_S=cfg.cb_s, BLOCK_N=cfg.cb_n, PREC=_dot_precision(x), num_warps=cfg.cb_warps,
+        num_stages=cfg.cb_stages,
     )
 
     states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
@@ -73,7 +74,7 @@ def _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q: int, cfg: BlockConfig):
     chunk_state_fwd_kernel[grid](
         x, B, dt_p, dA_cs, seq_arg, states, L, Q, NC, H, G, P, N, *x.stride(), *B.stride(),
         HAS_SEQ=has_seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k,
-        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.stages,
+        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.state_stages,
     )
 
     S_in = torch.empty_like(states, dtype=x.dtype)
@@ -99,7 +100,7 @@ def _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
         _dummy(x.device), y, L, Q, NC, H, G, P, N, *x.stride(), *C.stride(), *y.stride(),
         HAS_SEQ=seq is not None, HAS_D=D is not None, D_HAS_HDIM=D is not None and D.dim() == 2,
         BLOCK_M=cfg.scan_m, BLOCK_K=cfg.scan_k, BLOCK_P=cfg.scan_p, BLOCK_N=cfg.scan_n,
-        PREC=_dot_precision(x), num_warps=cfg.scan_warps, num_stages=cfg.stages,
+        PREC=_dot_precision(x), num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
     )
     return y, final
 
@@ -124,7 +125,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     chunk_scan_bwd_dstates_kernel[grid](
         dy, C, dA_cs, seq_arg, dS_in, L, Q, NC, H, G, P, N, *dy.stride(), *C.stride(),
         HAS_SEQ=has_seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k,
-        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.stages,
+        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.state_stages,
     )
 
     # Reverse recurrence: dH (gradient of each chunk's state), dinit, and the a_last terms.
@@ -144,14 +145,14 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
-    n_k = triton.cdiv(Q, cfg.bwd_k)
+    n_k = triton.cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else _dummy(dev)
     chunk_scan_bwd_dx_kernel[(b * NC * H, n_k)](
         CB, x, dt_p, dA_cs, B, dy, dH, D if D is not None else _dummy(dev), seq_arg, dx, ddt, q, dD_part,
         L, Q, NC, H, G, P, N, *x.stride(), *B.stride(), *dy.stride(), *dx.stride(),
         HAS_SEQ=has_seq, HAS_D=D is not None, D_HAS_HDIM=D is not None and D.dim() == 2,
-        BLOCK_K=cfg.bwd_k, BLOCK_M=cfg.bwd_m, BLOCK_P=BP, BLOCK_N=cfg.bwd_n,
-        PREC=_dot_precision(x), num_warps=cfg.bwd_warps, num_stages=cfg.stages,
+        BLOCK_K=cfg.dx_k, BLOCK_M=cfg.dx_m, BLOCK_P=BP, BLOCK_N=cfg.dx_n,
+        PREC=_dot_precision(x), num_warps=cfg.dx_warps, num_stages=cfg.dx_stages,
     )
     dD = None
     if D is not None:
@@ -164,20 +165,20 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     n_hb = R // hpp
     dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)
-    n_m = triton.cdiv(Q, cfg.bwd_m)
+    n_m = triton.cdiv(Q, cfg.dc_m)
     R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
         dy, x, dt_p, dA_cs, B, C, CB, S_in, seq_arg, dC_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
         *x.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        HAS_SEQ=has_seq, BLOCK_M=cfg.bwd_m, BLOCK_K=cfg.bwd_k, BLOCK_P=BP, BLOCK_N=BN,
-        PREC=_dot_precision(x), num_warps=cfg.bwd_warps, num_stages=cfg.stages,
+        HAS_SEQ=has_seq, BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_k, BLOCK_P=BP, BLOCK_N=BN,
+        PREC=_dot_precision(x), num_warps=cfg.dc_warps, num_stages=cfg.dc_stages,
     )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    chunk_state_bwd_db_kernel[(b * NC * G * n_hb, triton.cdiv(Q, cfg.bwd_k))](
+    chunk_state_bwd_db_kernel[(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k))](
         dy, x, dt_p, dA_cs, C, dH, seq_arg, dB_part, L, Q, NC, H, G, P, N, hpp, b,
         *x.stride(), *C.stride(), *dy.stride(),
-        HAS_SEQ=has_seq, BLOCK_K=cfg.bwd_k, BLOCK_M=cfg.bwd_m, BLOCK_P=BP, BLOCK_N=BN,
-        PREC=_dot_precision(x), num_warps=cfg.bwd_warps, num_stages=cfg.stages,
+        HAS_SEQ=has_seq, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=BP, BLOCK_N=BN,
+        PREC=_dot_precision(x), num_warps=cfg.db_warps, num_stages=cfg.db_stages,
     )
     dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
     dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
