@@ -43,8 +43,10 @@ class Model:
     kernels: str = doc(
         "auto",
         "auto: mamba_ssm / causal_conv1d kernels on CUDA, pure-PyTorch references on CPU; "
-        "reference: the references everywhere (slow, for debugging).",
-        choices=("auto", "reference"),
+        "reference: the references everywhere (slow, for debugging); "
+        "triton: our own Triton SSD kernels (models/kernels/ssd_triton) for the chunked scan on CUDA, every other "
+        "kernel as auto (correct, not yet faster than mamba_ssm: docs/performance.md).",
+        choices=("auto", "reference", "triton"),
     )
 
 
