@@ -143,6 +143,10 @@ def test_bad_input_raises_before_compute():
     inp = make_inputs(b=1, L=8, H=4, P=16, G=3, N=16, seed=2, with_init=False)
     with pytest.raises(ValueError, match="ngroups=3 must divide nheads=4"):
         ssd_chunk_scan_triton(**inp, chunk_size=16)
+    inp = make_inputs(b=1, L=8, H=4, P=16, G=1, N=16, seed=2, with_init=False, seq_cuts=[[3]])
+    inp["seq_idx"][0, 5:] = 0  # a document id that goes back down
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ssd_chunk_scan_triton(**inp, chunk_size=16)
 
 
 @pytest.mark.slow

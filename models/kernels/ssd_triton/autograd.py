@@ -231,10 +231,19 @@ def ssd_chunk_scan_triton(
 
     y [B, L, H, P] in x's dtype (, final_states [B, H, P, N] float32). B and C are used in x's dtype
     (their gradients come back in their own). Any chunk size >= 1 and any length work; CUDA tensors,
-    or CPU tensors under TRITON_INTERPRET=1 (the CPU tests).
+    or CPU tensors under TRITON_INTERPRET=1 (the CPU tests). seq_idx must be non-decreasing along each
+    row (checked on the CPU only: on CUDA the check would synchronise the device on every call).
     """
-    _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
+    _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, None, initial_states)
     b, L, H, P = x_BLHP.shape
+    if seq_idx is not None:
+        if seq_idx.shape != (b, L) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+            raise ValueError(f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
+                             f"{seq_idx.dtype} {tuple(seq_idx.shape)}")
+        if not seq_idx.is_cuda:
+            # The non-decreasing check reads values; on CUDA that would synchronise the device on every call
+            # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.
+            _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
     Q = chunk_size
     NC = math.ceil(L / Q)
     cfg = block_config(Q, P, B_BLGN.shape[-1])
