@@ -49,6 +49,9 @@ def run_case_in_child(**case):
     from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
 
     call = case.pop("call", {})
+    if case.pop("split_path", False):
+        print(json.dumps(check_split_path(**case)))
+        return
     inp = make_inputs(**case)
     errors = check_against_reference(ssd_chunk_scan_triton, inp, **call)
     print(json.dumps(errors))
@@ -121,6 +124,39 @@ def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0
     return errors
 
 
+def check_split_path(b, L, H, P, G, N, seed, chunk_size):
+    """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj; conv and norm run
+    their references on the CPU) against mamba_split_conv1d_scan_ref in float64, output and all gradients."""
+    from models.kernels import ops
+    from models.kernels.reference import mamba_split_conv1d_scan_ref
+
+    g = torch.Generator().manual_seed(seed)
+    dim, conv_dim = H * P, H * P + 2 * G * N
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g, dtype=torch.float64) * scale
+
+    tensors = dict(
+        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H), conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1), dt_bias=r(H, scale=0.3) - 1, A=-(torch.rand(H, generator=g) + 0.5).double(),
+        D=r(H), rmsnorm_weight=1 + r(dim, scale=0.1), outproj_weight=r(24, dim, scale=dim ** -0.5),
+    )
+    seq = torch.zeros(b, L, dtype=torch.int32)
+    seq[:, L // 3:] = 1
+    cot = r(b, L, 24)
+    res = {}
+    for name, fn, dtype, kw in (("ours", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton")),
+                                ("ref", mamba_split_conv1d_scan_ref, torch.float64, {})):
+        leaves = {k: v.detach().clone().to(dtype).requires_grad_() for k, v in tensors.items()}
+        out = fn(**leaves, chunk_size=chunk_size, seq_idx=seq, headdim=P, ngroups=G, rmsnorm_eps=1e-5, **kw)
+        (out.double() * cot).sum().backward()
+        res[name] = {"out": out.double(), **{"d" + k: v.grad.double() for k, v in leaves.items()}}
+    errors = {k: ((res["ours"][k] - v).norm() / v.norm()).item() for k, v in res["ref"].items()}
+    bad = {k: e for k, e in errors.items() if not e <= TOL}
+    assert not bad, f"over {TOL}: {bad}; all: {errors}"
+    return errors
+
+
 # Row 0: a boundary exactly at a chunk start (16), a one-token document (at 30), a short one; row 1: one cut.
 CUTS = [[5, 16, 30, 31], [21]]
 
@@ -134,6 +170,11 @@ def test_one_group_D_per_channel_z_odd_chunk():
     """No documents, ngroups 1, D [H, P], z gating, dt limits, chunk 24 (not a power of two), remainder 2."""
     interpret(b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
               call=dict(chunk_size=24, dt_limit=(0.01, 1.5)))
+
+
+def test_fused_path_contract_under_triton_backend():
+    """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, composed with our SSD."""
+    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True)
 
 
 def test_bad_input_raises_before_compute():
