@@ -4,10 +4,12 @@
     python train.py ... --training.dataset shards/corpus          # trains from it by memory map
     python -m data.preprocess --verify shards/corpus              # re-reads every shard against its CRC-32
 
-The documents (files sorted by path within each --input, inputs in the order given) are cut into units of
---docs-per-shard consecutive documents; unit k becomes shard k (data/shards.py has the format). Shards are
-written by a pool of --workers processes, each unit a pure function of its documents, so the output is
-byte-identical whatever the worker count or the order units finish in.
+The documents (files sorted by path within each --input, inputs in the order given) are cut into units:
+--mb-per-shard of a line-delimited .jsonl file, cut at line ends (planned with a seek per cut: nothing is read
+before the workers start), or --docs-per-shard documents of the other inputs (.json arrays, .txt, .parquet, HF
+datasets); unit k becomes shard k (data/shards.py has the format). Shards are written by a pool of --workers
+processes, each unit a pure function of its input bytes, so the output is byte-identical whatever the worker
+count or the order units finish in.
 
 Resumable: a shard is published by renaming its files into place and then writing shard_NNNNN.json (its
 counts and CRC-32); a killed run re-started with the same arguments skips the published shards. plan.json
@@ -28,7 +30,7 @@ import zlib
 
 import numpy as np
 
-from data.datasets import IndexedSource, _field, _file_source, _local_files
+from data.datasets import IndexedSource, _field, _file_source, _local_files, _utf8_error
 from data.shards import FORMAT, MANIFEST, docs_file, token_dtype, tokens_file
 from data.tokenizer import ByteTokenizer, build_tokenizer
 
@@ -36,7 +38,7 @@ PLAN = "plan.json"
 _INPUT_KEY = "--input"
 
 # Set in the parent before the pool forks, so that workers inherit the opened sources and the tokenizer.
-_SOURCES: list[IndexedSource] = []
+_SOURCES: list = []  # IndexedSource or JsonlByteRanges
 _TOKENIZER = None
 
 
@@ -72,15 +74,72 @@ def _is_hf_disk_dataset(path: str) -> bool:
                                        for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
 
 
-def open_inputs(inputs: list[str], text_field: str, split: str) -> list[IndexedSource]:
-    """One source per file (or per HF dataset folder), in order; local files are UTF-8 checked here."""
-    sources: list[IndexedSource] = []
+class JsonlByteRanges:
+    """A line-delimited .jsonl file cut into byte ranges at line ends, planned without reading the file (one
+    seek + readline per cut), so that a corpus of any size is planned in moments and holds no per-line index.
+    Each range is read, decoded (strict UTF-8) and parsed by a worker; errors name the file and line, with the
+    data.datasets.JsonlFile rules (blank lines skipped, a byte-order mark dropped)."""
+
+    def __init__(self, path: str, text_field: str, bytes_per_range: int):
+        self.path, self.text_field = path, text_field
+        size = os.path.getsize(path)
+        cuts = [0]
+        with open(path, "rb") as f:
+            while cuts[-1] + bytes_per_range < size:
+                f.seek(cuts[-1] + bytes_per_range - 1)  # a line starts at the target if this byte is a newline
+                f.readline()
+                if f.tell() >= size:
+                    break
+                cuts.append(f.tell())
+        self.ranges = list(zip(cuts, cuts[1:] + [size])) if size else []
+
+    def _line_number(self, offset: int) -> int:
+        """1-based line at byte `offset` (reads the file up to it: for error messages only)."""
+        with open(self.path, "rb") as f:
+            return f.read(offset).count(b"\n") + 1
+
+    def texts_in(self, start: int, end: int) -> list[str]:
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        texts = []
+        for i, line in enumerate(data.split(b"\n")):
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8").removeprefix("\ufeff")
+            except UnicodeDecodeError as e:
+                raise _utf8_error(_INPUT_KEY, self.path, line, e, self._line_number(start) + i) from None
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_INPUT_KEY}: {self.path} line {self._line_number(start) + i}: not a JSON object "
+                                 f"per line ({e}); fix the line or remove it") from e
+            texts.append(_field(row, self.text_field, lambda: f"{self.path} line {self._line_number(start) + i}",
+                                _INPUT_KEY))
+        return texts
+
+
+def _is_json_array(path: str) -> bool:
+    """A .json / .jsonl file whose first character is '[' (data.datasets.JsonlFile reads it whole)."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
+
+
+def open_inputs(inputs: list[str], text_field: str, split: str, bytes_per_range: int) -> list:
+    """One source per file (or per HF dataset folder), in order. Line-delimited jsonl is planned in byte ranges
+    (JsonlByteRanges); other files are opened as for training (.txt decoded, parquet schema checked)."""
+    sources: list = []
     for item in inputs:
         path = os.path.expanduser(item)
         if _is_hf_disk_dataset(path):
             sources.append(HFDiskSource(path, split, text_field))
             continue
         for file in _local_files(item, _INPUT_KEY):
+            if file.lower().endswith((".jsonl", ".json")) and not _is_json_array(file):
+                sources.append(JsonlByteRanges(file, text_field, bytes_per_range))
+                continue
             src = _file_source(file, text_field, _INPUT_KEY)
             src.path = file
             sources.append(src)
@@ -109,8 +168,11 @@ def _write_atomic(path: str, write) -> None:
 def write_shard(out: str, unit: dict) -> dict:
     """Tokenize the unit's documents and publish shard unit["shard"]; returns its manifest entry."""
     src = _SOURCES[unit["source"]]
-    start, stop = unit["first_doc"], unit["first_doc"] + unit["n_docs"]
-    texts = src.texts(start, stop) if hasattr(src, "texts") else [src[i] for i in range(start, stop)]
+    if "bytes" in unit:
+        texts = src.texts_in(*unit["bytes"])
+    else:
+        start, stop = unit["first_doc"], unit["first_doc"] + unit["n_docs"]
+        texts = src.texts(start, stop) if hasattr(src, "texts") else [src[i] for i in range(start, stop)]
     ids = encode_documents(_TOKENIZER, texts)
     dtype = token_dtype(_TOKENIZER.vocab_size)
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
@@ -144,27 +206,34 @@ def _published(out: str, unit: dict) -> dict | None:
 
 
 def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: str = "text", split: str = "train",
-               workers: int = 1, docs_per_shard: int = 50_000, progress: bool = True) -> dict:
-    """Tokenize `inputs` into shards under `out` (resuming an interrupted run); returns the manifest."""
+               workers: int = 1, docs_per_shard: int = 50_000, bytes_per_shard: int = 64 << 20,
+               progress: bool = True) -> dict:
+    """Tokenize `inputs` into shards under `out` (resuming an interrupted run); returns the manifest.
+
+    A shard is `bytes_per_shard` of a line-delimited jsonl file (cut at line ends) or `docs_per_shard`
+    documents of any other input; shards never span two files."""
     global _SOURCES, _TOKENIZER
     from checkpoint.run_record import tokenizer_fingerprint
 
-    if docs_per_shard < 1 or workers < 1:
-        raise ValueError("--docs-per-shard and --workers must be >= 1")
+    if docs_per_shard < 1 or bytes_per_shard < 1 or workers < 1:
+        raise ValueError("--docs-per-shard, --mb-per-shard and --workers must be > 0")
     tokenizer = build_tokenizer(tokenizer_path)
-    sources = open_inputs(inputs, text_field, split)
-    units, n_docs = [], 0
+    sources = open_inputs(inputs, text_field, split, bytes_per_shard)
+    units = []
     for s, src in enumerate(sources):
+        if isinstance(src, JsonlByteRanges):
+            units += [{"shard": len(units) + i, "source": s, "bytes": list(r)} for i, r in enumerate(src.ranges)]
+            continue
         for first in range(0, len(src), docs_per_shard):
             units.append({"shard": len(units), "source": s, "first_doc": first,
                           "n_docs": min(docs_per_shard, len(src) - first)})
-        n_docs += len(src)
-    if n_docs == 0:
+    if not units:
         raise ValueError(f"{_INPUT_KEY} {inputs}: no documents; give non-empty files")
     plan = {
         "format": FORMAT, "inputs": list(inputs), "text_field": text_field, "split": split,
-        "docs_per_shard": docs_per_shard, "tokenizer": tokenizer_fingerprint(tokenizer),
-        "files": [{"path": getattr(src, "path", ""), "n_docs": len(src),
+        "docs_per_shard": docs_per_shard, "bytes_per_shard": bytes_per_shard,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "files": [{"path": getattr(src, "path", ""),
                    "bytes": os.path.getsize(src.path) if os.path.isfile(getattr(src, "path", "")) else None}
                   for src in sources],
     }
@@ -184,7 +253,7 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
     _SOURCES, _TOKENIZER = sources, tokenizer
     from tqdm import tqdm
 
-    bar = tqdm(total=n_docs, initial=sum(e["n_docs"] for e in entries.values()), unit="doc", disable=not progress,
+    bar = tqdm(total=len(units), initial=len(entries), unit="shard", disable=not progress,
                desc=f"tokenizing into {out}", file=sys.stderr)
     started = time.perf_counter()
     if workers == 1 or len(todo) <= 1:
@@ -194,16 +263,23 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
         pool = multiprocessing.get_context("fork").Pool(workers)
         results = pool.imap_unordered(_worker_write, [(out, u) for u in todo])
+    docs_done = sum(e["n_docs"] for e in entries.values())
     try:
         for entry in results:
             entries[entry["unit"]["shard"]] = entry
-            bar.update(entry["n_docs"])
+            docs_done += entry["n_docs"]
+            bar.set_postfix(docs=docs_done, refresh=False)
+            bar.update(1)
     finally:
         bar.close()
         if pool is not None:
             pool.close()
             pool.join()
     shards = [entries[u["shard"]] for u in units]
+    if not any(e["n_docs"] for e in shards):
+        raise ValueError(f"{_INPUT_KEY} {inputs}: no documents (only blank lines); give non-empty files")
+    for s, file in enumerate(plan["files"]):
+        file["n_docs"] = sum(e["n_docs"] for e in shards if e["unit"]["source"] == s)
     manifest = {
         "format": FORMAT, "complete": True, "dtype": token_dtype(tokenizer.vocab_size).name,
         "eos_id": int(tokenizer.eos_id), "tokenizer": plan["tokenizer"],
@@ -243,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-field", default="text", help="field / column holding the text (jsonl, parquet, HF)")
     p.add_argument("--split", default="train", help="split of a saved HF DatasetDict")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
-    p.add_argument("--docs-per-shard", type=int, default=50_000, help="documents per shard (the unit of work)")
+    p.add_argument("--mb-per-shard", type=float, default=64, help="MiB of a line-delimited jsonl file per shard "
+                   "(the unit of work; cut at line ends)")
+    p.add_argument("--docs-per-shard", type=int, default=50_000, help="documents per shard for the other inputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verify", metavar="DIR", help="check every shard of DIR against its CRC-32, then exit")
     args = p.parse_args(argv)
@@ -255,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.input or not args.out:
             p.error("--input and --out are required (or --verify DIR)")
         preprocess(args.input, args.tokenizer, args.out, text_field=args.text_field, split=args.split,
-                   workers=args.workers, docs_per_shard=args.docs_per_shard, progress=not args.quiet)
+                   workers=args.workers, docs_per_shard=args.docs_per_shard,
+                   bytes_per_shard=int(args.mb_per_shard * 2**20), progress=not args.quiet)
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2

@@ -58,8 +58,8 @@ def rows_of(loader, steps):
 def test_unshuffled_shard_rows_are_the_packers_rows(tmp_path, seq_len):
     """Same documents, file order: every row byte-identical to DocumentPacker's, over several epochs."""
     docs = DOCS * 3
-    ds = ShardDataset(str(make_shards(tmp_path, docs, docs_per_shard=4)))  # several shards, an empty document
-    assert ds.num_documents == len(docs) and len(ds.manifest["shards"]) == 6
+    ds = ShardDataset(str(make_shards(tmp_path, docs, bytes_per_shard=100)))  # several shards, an empty document
+    assert ds.num_documents == len(docs) and len(ds.manifest["shards"]) >= 5
     rows = PackedRows(ds, seq_len, shuffle=False, seed=0, pad_id=PAD)
     packer = DocumentPacker(ListSource(docs), ByteTokenizer(), seq_len)
     for k in range((3 * ds.num_tokens) // seq_len):
@@ -81,10 +81,10 @@ def test_a_text_run_continues_on_shards_of_the_same_documents(tmp_path):
 
 def test_preprocess_is_deterministic_parallel_and_resumable(tmp_path):
     docs = labelled_docs("d", 300)
-    one = make_shards(tmp_path, docs, "one", docs_per_shard=32, workers=1)
-    two = make_shards(tmp_path, docs, "two", docs_per_shard=32, workers=2)
+    one = make_shards(tmp_path, docs, "one", bytes_per_shard=4000, workers=1)
+    two = make_shards(tmp_path, docs, "two", bytes_per_shard=4000, workers=2)
     files = sorted(p.name for p in one.iterdir())
-    assert files == sorted(p.name for p in two.iterdir()) and len([f for f in files if f.endswith(".tokens.npy")]) == 10
+    assert files == sorted(p.name for p in two.iterdir()) and len([f for f in files if f.endswith(".tokens.npy")]) > 5
     for f in files:
         if f not in ("plan.json", "manifest.json"):  # these two name the inputs' paths, which differ
             assert (one / f).read_bytes() == (two / f).read_bytes(), f
@@ -96,12 +96,39 @@ def test_preprocess_is_deterministic_parallel_and_resumable(tmp_path):
     (two / "shard_00003.tokens.npy").write_bytes(reference[:100])
     (two / "manifest.json").unlink()
     before = {p.name: p.stat().st_mtime_ns for p in two.iterdir()}
-    preprocess([str(tmp_path / "two.jsonl")], "", str(two), docs_per_shard=32, workers=2, progress=False)
+    preprocess([str(tmp_path / "two.jsonl")], "", str(two), bytes_per_shard=4000, workers=2, progress=False)
     assert (two / "shard_00003.tokens.npy").read_bytes() == reference
     rewritten = {p.name for p in two.iterdir() if before.get(p.name) != p.stat().st_mtime_ns}
     assert rewritten == {"shard_00003.tokens.npy", "shard_00003.docs.npy", "shard_00003.json", "manifest.json"}
     with pytest.raises(ValueError, match="holds the shards of another preprocessing"):
-        preprocess([str(tmp_path / "two.jsonl")], "", str(two), docs_per_shard=16, progress=False)
+        preprocess([str(tmp_path / "two.jsonl")], "", str(two), bytes_per_shard=2000, progress=False)
+
+
+@pytest.mark.parametrize("bytes_per_range", [1, 7, 50, 10**6])
+def test_jsonl_byte_ranges_read_the_documents_of_jsonlfile(tmp_path, bytes_per_range):
+    from data.datasets import JsonlFile
+    from data.preprocess import JsonlByteRanges
+
+    path = tmp_path / "a.jsonl"
+    lines = [json.dumps({"text": d, "id": i}, ensure_ascii=i % 2 == 0) for i, d in enumerate(DOCS * 3)]
+    path.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(lines[:5]).encode() + b"\r\n  \n" + "\n".join(lines[5:]).encode())
+    src = JsonlByteRanges(str(path), "text", bytes_per_range)
+    assert src.ranges[0][0] == 0 and src.ranges[-1][1] == path.stat().st_size
+    assert all(a < b and (a == 0 or path.read_bytes()[a - 1:a] == b"\n") for a, b in src.ranges)
+    assert [t for r in src.ranges for t in src.texts_in(*r)] == list(JsonlFile(str(path), "text", "k")) == DOCS * 3
+
+
+def test_jsonl_errors_name_the_line(tmp_path):
+    from data.preprocess import JsonlByteRanges
+
+    good = [json.dumps({"text": f"doc {i}"}).encode() for i in range(8)]
+    for bad, match in ((b'{"text": "caf\xe9"}', r"a.jsonl line 6, byte 14: not valid UTF-8"),
+                       (b'{"text": ', r"a.jsonl line 6: not a JSON object per line"),
+                       (b'{"body": "x"}', r"a.jsonl line 6 has no field 'text'")):
+        (tmp_path / "a.jsonl").write_bytes(b"\n".join(good[:5] + [bad] + good[5:]))
+        src = JsonlByteRanges(str(tmp_path / "a.jsonl"), "text", 60)
+        with pytest.raises((ValueError, KeyError), match=match):
+            [src.texts_in(*r) for r in src.ranges]
 
 
 def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
@@ -111,7 +138,7 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
     src = write_jsonl(tmp_path / "in" / "a.jsonl", DOCS * 4)
     r = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(tmp_path / "in" / "*.jsonl"),
                         "--tokenizer", str(tok_dir), "--out", str(tmp_path / "out"), "--workers", "2",
-                        "--docs-per-shard", "5"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                        "--mb-per-shard", "0.0002"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["n_docs"] == 28 and manifest["dtype"] == "uint16"
@@ -142,7 +169,7 @@ def test_preprocess_a_hf_dataset_saved_to_disk(tmp_path):
 
 
 def test_damaged_shards_name_the_file(tmp_path):
-    folder = make_shards(tmp_path, labelled_docs("d", 40), docs_per_shard=10)
+    folder = make_shards(tmp_path, labelled_docs("d", 40), bytes_per_shard=1000)
     tokens = folder / "shard_00002.tokens.npy"
     good = tokens.read_bytes()
     tokens.write_bytes(good[: len(good) // 2])  # truncated
@@ -161,7 +188,7 @@ def test_damaged_shards_name_the_file(tmp_path):
     (folder / "shard_00003.docs.npy").unlink()
     with pytest.raises(FileNotFoundError, match=r"shard file .*shard_00003\.docs\.npy is missing"):
         ShardDataset(str(folder))
-    preprocess([str(tmp_path / "shards.jsonl")], "", str(folder), docs_per_shard=10, progress=False)  # repairs
+    preprocess([str(tmp_path / "shards.jsonl")], "", str(folder), bytes_per_shard=1000, progress=False)  # repairs
     ShardDataset(str(folder))
     flipped = bytearray(good)
     flipped[-1] ^= 1  # same size, valid header: only the checksum sees it
