@@ -109,12 +109,12 @@ def cmd_preprocess(args, work: Path) -> None:
         shutil.rmtree(out, ignore_errors=True)
         started = time.perf_counter()
         m = preprocess(inputs, tokenizer, str(out), workers=workers, docs_per_shard=args.docs_per_shard,
-                       progress=False)
+                       bytes_per_shard=int(args.mb_per_shard * 2**20), progress=False)
         seconds = time.perf_counter() - started
         emit({"bench": "preprocess", "workers": workers, "cpus": os.cpu_count(), "corpus": args.corpus_text,
               "tokenizer": f"bpe{args.bpe_vocab}" if args.bpe_vocab else (tokenizer or "byte"),
               "input_mb": round(n_bytes / 2**20, 1),
-              "docs": m["n_docs"], "tokens": m["n_tokens"], "seconds": round(seconds, 2),
+              "docs": m["n_docs"], "tokens": m["n_tokens"], "shards": len(m["shards"]), "seconds": round(seconds, 2),
               "mb_per_s": round(n_bytes / 2**20 / seconds, 1), "tokens_per_s": round(m["n_tokens"] / seconds)},
              args.json)
 
@@ -237,6 +237,7 @@ def main() -> None:
     sp.add_argument("--bpe_vocab", type=int, default=0, help="train a byte-level BPE of this many ids on the "
                     "embedded corpus and tokenize with it (0: --tokenizer)")
     sp.add_argument("--docs_per_shard", type=int, default=50_000)
+    sp.add_argument("--mb_per_shard", type=float, default=64, help="jsonl MiB per shard (the unit of work)")
     sl = sub.choices["loader"]
     sl.add_argument("--dp", default="1,8,512")
     sl.add_argument("--text_dp", default="1,8", help="dp degrees for the on-the-fly loader ('' to skip)")

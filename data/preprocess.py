@@ -27,6 +27,7 @@ import os
 import sys
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 
@@ -248,6 +249,8 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
     else:
         _write_atomic(plan_path, lambda f: f.write(json.dumps(plan, indent=1).encode()))
 
+    for leftover in Path(out).glob("*.tmp[0-9]*"):  # half-written files of a killed run
+        leftover.unlink()
     entries = {u["shard"]: e for u in units if (e := _published(out, u)) is not None}
     todo = [u for u in units if u["shard"] not in entries]
     _SOURCES, _TOKENIZER = sources, tokenizer

@@ -95,9 +95,11 @@ def test_preprocess_is_deterministic_parallel_and_resumable(tmp_path):
     (two / "shard_00003.json").unlink()
     (two / "shard_00003.tokens.npy").write_bytes(reference[:100])
     (two / "manifest.json").unlink()
+    (two / "shard_00004.tokens.npy.tmp12345").write_bytes(b"half")  # a killed worker's file
     before = {p.name: p.stat().st_mtime_ns for p in two.iterdir()}
     preprocess([str(tmp_path / "two.jsonl")], "", str(two), bytes_per_shard=4000, workers=2, progress=False)
     assert (two / "shard_00003.tokens.npy").read_bytes() == reference
+    assert not (two / "shard_00004.tokens.npy.tmp12345").exists()
     rewritten = {p.name for p in two.iterdir() if before.get(p.name) != p.stat().st_mtime_ns}
     assert rewritten == {"shard_00003.tokens.npy", "shard_00003.docs.npy", "shard_00003.json", "manifest.json"}
     with pytest.raises(ValueError, match="holds the shards of another preprocessing"):
