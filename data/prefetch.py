@@ -27,7 +27,7 @@ _THREADS: dict[threading.Thread, threading.Event] = {}
 def _stop_threads() -> None:
     for thread, stop in list(_THREADS.items()):
         stop.set()
-        thread.join()
+        thread.join(timeout=60)  # a batch is milliseconds; only a hung read (a stalled stream) waits this long
 
 
 class PrefetchLoader:
