@@ -26,12 +26,11 @@ import torch.distributed as dist
 
 from checkpoint.export import load_model_weights
 from checkpoint.manager import complete_steps, resolve_checkpoint_folder
+from components.distributed import destroy_distributed, init_distributed, set_determinism
 from components.validation import Validator
+from configs.checks import resolve_job
 from configs.parser import ConfigError, load_config_or_exit
-from data.tokenizer import build_tokenizer
-from models import build_model_args, build_model_on_meta
-from models.init import init_weights
-from parallelisms.mesh import ParallelDims
+from parallelisms.parallelize import build_model_parts
 
 
 def resolve_weights(cfg) -> str:
@@ -57,46 +56,23 @@ def resolve_weights(cfg) -> str:
 
 
 def evaluate(cfg, device: torch.device, world_size: int) -> dict:
-    """Build, load, validate; collective under torchrun. Returns Validator.run's dict plus the checkpoint path."""
-    pdims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if pdims.pp_enabled:
+    """Build (train.py's build path), load, validate; collective under torchrun. Returns Validator.run's dict plus
+    the checkpoint path."""
+    job = resolve_job(cfg, world_size, training=False)
+    if job.pdims.pp_enabled:
         raise ConfigError("evaluate.py does not run pipeline parallel; use FSDP (--parallelism.pipeline_parallel_degree 1)")
-    model_args = build_model_args(cfg.model.flavor, cfg.model_overrides)
-    tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-    if tokenizer.vocab_size > model_args.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
-                          f"{model_args.vocab_size}; set --model.tokenizer_path / --model.vocab_size to match the checkpoint")
     path = resolve_weights(cfg)
-    mesh = pdims.build_mesh(device.type)
-    torch.manual_seed(cfg.training.seed)
+    mesh = job.pdims.build_mesh(device.type)
+    set_determinism(cfg.training.seed, cfg.training.deterministic, device)
     bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
-    model = build_model_on_meta(model_args)
-    model.set_kernel_backend("reference" if cfg.model.kernels == "reference" else "auto")
-    if pdims.cp_enabled:
-        from parallelisms.context_parallel import apply_context_parallel
-
-        apply_context_parallel(model, mesh["cp"].get_group(), cfg.parallelism.context_parallel_load_balance)
-    if pdims.ep_enabled:
-        from parallelisms.expert_parallel import apply_expert_parallel
-
-        apply_expert_parallel(model, pdims)
-    if pdims.fsdp_enabled:
-        from parallelisms.fsdp import apply_fsdp
-
-        apply_fsdp(model, mesh, cfg.parallelism, param_dtype=torch.bfloat16 if bf16 else torch.float32, pdims=pdims)
-    model.to_empty(device=device)
-    if not pdims.fsdp_enabled:
-        model.tie_weights()  # to_empty unties shared meta parameters (FSDP keeps the tie)
-    init_weights(model, seed=cfg.training.seed, init_std=model_args.initializer_range)  # buffers; weights overwritten
+    model = build_model_parts(cfg, job.pdims, mesh, job.model_args, device, torch.bfloat16 if bf16 else torch.float32)
     pg = dist.new_group(backend="gloo") if dist.is_initialized() else None  # DCP coordinates over CPU objects
-    load_model_weights([model], path, process_group=pg)
-    out = Validator(cfg, [model], tokenizer, mesh, pdims, device).run(0)
+    load_model_weights(model.parts, path, process_group=pg)  # the initialised weights are all overwritten
+    out = Validator(cfg, model.parts, job.tokenizer, mesh, job.pdims, device).run(0)
     return {**out, "checkpoint": os.path.abspath(path)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    from train import init_distributed
-
     cfg = load_config_or_exit(argv, usage=__doc__)
     if cfg is None:
         return
@@ -111,9 +87,7 @@ def main(argv: list[str] | None = None) -> None:
               f"| {result['checkpoint']}")
         print("evaluation: " + json.dumps(result), flush=True)
     assert math.isfinite(result["val_loss"])
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from configs.job_config import JobConfig
 from models import build_model_args, build_model_on_meta
 from models.init import init_weights
 from parallelisms.mesh import ParallelDims
-from parallelisms.pipeline import SCHEDULES, pipeline_model
+from parallelisms.pipeline import SCHEDULES, pipeline_model, validate_pipeline
 
 
 def sync(device):
@@ -112,13 +112,13 @@ def main() -> None:
         p.pipeline_parallel_degree, p.pipeline_parallel_schedule = world, name
         p.pipeline_parallel_microbatch_size, p.pipeline_parallel_pack = a.microbatch_size, a.pack
         model = build_model_on_meta(model_args)
-        try:
-            schedule, parts, has_first, has_last = pipeline_model(model, mesh, pdims, cfg, device, loss_fn,
-                                                                  lambda part: part)
-        except ValueError as e:
+        errs = validate_pipeline(cfg, pdims, model_args, a.microbatches)
+        if errs:
             if rank == 0:
-                print(f"{name}: skipped ({e})", flush=True)
+                print(f"{name}: skipped ({'; '.join(errs)})", flush=True)
             continue
+        schedule, parts, has_first, has_last = pipeline_model(model, mesh, pdims, cfg, device, loss_fn,
+                                                              lambda part: part, a.microbatches)
         for part in parts:
             part.to_empty(device=device)
             init_weights(part, seed=0, init_std=model_args.initializer_range)

@@ -322,8 +322,11 @@ def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
             foreign.pop("lm_head.weight")  # HF re-ties it from the embedding (tie_word_embeddings), as save_pretrained does
         files = _write_safetensors(foreign, tmp, max_shard_bytes)
         if token_ids:
+            generation = dict(token_ids)
+            if args.padded_vocab_size > args.vocab_size:  # rows that pad the vocabulary are no tokens: never emit them
+                generation["suppress_tokens"] = list(range(args.vocab_size, args.padded_vocab_size))
             with open(os.path.join(tmp, "generation_config.json"), "w") as f:  # generate() reads its defaults here
-                json.dump(token_ids, f, indent=2)
+                json.dump(generation, f, indent=2)
             files += ["generation_config.json", *write_hf_tokenizer_files(tokenizer_path, tmp, token_ids)]
     else:
         torch.save(foreign, os.path.join(tmp, "pytorch_model.bin"))  # tied: both keys share one storage

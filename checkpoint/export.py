@@ -239,6 +239,9 @@ def convert_to_weights_only(checkpoint_dir: str, out_dir: str, dtype: str | torc
     shutil.rmtree(tmp, ignore_errors=True)
     with single_process_quiet():
         dcp.save(weights, storage_writer=FileSystemWriter(tmp))
+    record = os.path.join(checkpoint_dir, "run_record.json")  # keeps the export self-describing (model, tokenizer)
+    if os.path.isfile(record):
+        shutil.copy2(record, tmp)
     os.rename(tmp, out_dir)
     return sorted(weights)
 

@@ -19,6 +19,8 @@ import socket
 import sys
 import time
 
+from checkpoint.manager import resolve_checkpoint_folder
+
 LOCK_NAME = ".lock"
 _held: dict[str, int] = {}  # realpath of a locked folder -> the open lock file's descriptor (kept for the process)
 
@@ -85,7 +87,7 @@ def hold_run_folders(dump_folder: str, checkpoint_folder: str | None) -> None:
     checkpoint.folder shared by two runs with different dump folders would collide just the same)."""
     hold_folder(dump_folder, "job.dump_folder")
     if checkpoint_folder:
-        path = os.path.join(dump_folder, os.path.expanduser(checkpoint_folder))  # as CheckpointManager resolves it
+        path = resolve_checkpoint_folder(checkpoint_folder, dump_folder)
         dump, ckpt = os.path.realpath(dump_folder), os.path.realpath(path)
         if os.path.commonpath([dump, ckpt]) != dump:
             hold_folder(path, "checkpoint.folder")

@@ -22,24 +22,25 @@ import torch.distributed as dist
 
 from data.loader import IGNORE_INDEX, build_loader
 from models.loss import cross_entropy_sum
+from parallelisms.sequence_sharding import shard_sequence
 from parallelisms.mesh import coords, group
 
 
 class PipelineEval:
-    """What validation needs of the training pipeline: the schedule, this rank's ends, and a way to make the
-    schedule's loss_fn return plain token-loss sums (train.py's loss_fn scales by `scale_for_sums()`'s inverse)."""
+    """What validation needs of the training pipeline: the schedule, this rank's ends, and the step's loss object,
+    whose `unscaled()` makes the schedule's loss_fn return plain token-loss sums (components/step_loss.py)."""
 
-    def __init__(self, schedule, has_first: bool, has_last: bool, set_unscaled_loss):
+    def __init__(self, schedule, has_first: bool, has_last: bool, step_loss):
         self.schedule, self.has_first, self.has_last = schedule, has_first, has_last
-        self.set_unscaled_loss = set_unscaled_loss
+        self.step_loss = step_loss
 
     def loss_sum(self, input_ids, labels, seq_idx) -> torch.Tensor:
         """Forward-only pass of the whole batch through the pipeline; the summed token loss on the last stage."""
-        self.set_unscaled_loss()
         losses = [] if self.has_last else None
         kwargs = {} if seq_idx is None else {"seq_idx": seq_idx}
         args = (input_ids,) if self.has_first else ()
-        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
+        with self.step_loss.unscaled():
+            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64, device=labels.device)
         return torch.stack([l.detach().double() for l in losses]).sum()
@@ -98,8 +99,6 @@ class Validator:
                 input_ids, labels, seq_idx = (batch[k].to(self.device, non_blocking=True)
                                               for k in ("input_ids", "labels", "seq_idx"))
                 if self.cp > 1:
-                    from parallelisms.sequence_sharding import shard_sequence
-
                     lb = self.cfg.parallelism.context_parallel_load_balance
                     input_ids, labels = (shard_sequence(t, self.cp_rank, self.cp, lb) for t in (input_ids, labels))
                 if not self.cfg.training.document_masking:

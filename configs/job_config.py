@@ -80,7 +80,9 @@ class Training:
     global_batch_size: int = doc(
         -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree."
     )
-    local_batch_size: int = doc(8, "Sequences per forward/backward on one data-parallel rank (the microbatch).")
+    local_batch_size: int = doc(
+        8, "Sequences per forward/backward on one data-parallel rank (the microbatch; global_batch_size / dp / "
+        "local_batch_size steps of gradient accumulation); -1 = the rank's whole share (no accumulation).")
     seq_len: int = doc(256, "Tokens per sequence (packed from several documents).")
     steps: int = doc(100, "Optimizer steps to train.")
     document_masking: bool = doc(

@@ -167,10 +167,14 @@ def validate(cfg: JobConfig) -> None:
         errs += build_model_args(cfg.model.flavor, cfg.model_overrides).validate()
     t = cfg.training
     for key, v in (("training.steps", t.steps), ("training.seq_len", t.seq_len),
-                   ("training.local_batch_size", t.local_batch_size), ("metrics.log_freq", cfg.metrics.log_freq),
+                   ("metrics.log_freq", cfg.metrics.log_freq),
                    ("checkpoint.interval", cfg.checkpoint.interval)):
         if v < 1:
             errs.append(f"{key}={v} must be >= 1")
+    if t.local_batch_size != -1 and t.local_batch_size < 1:
+        errs.append(f"training.local_batch_size={t.local_batch_size} must be >= 1, or -1 (= the rows per rank)")
+    if t.global_batch_size == -1 and t.local_batch_size == -1:
+        errs.append("training.global_batch_size and training.local_batch_size are both -1; set one of them")
     if t.global_batch_size != -1 and t.global_batch_size < 1:
         errs.append(f"training.global_batch_size={t.global_batch_size} must be >= 1, or -1 (= local x DP degree)")
     errs += _data_errors(t)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from models.hybrid.moe import GroupedExperts
+from models.hybrid.moe import GroupedExperts, MoE
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -170,13 +170,11 @@ def apply_expert_parallel(model: nn.Module, pdims) -> list[GroupedExperts]:
     converted = []
     for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
-        if not isinstance(experts, GroupedExperts) or not hasattr(module, "update_expert_bias"):
+        if not isinstance(module, MoE) or not isinstance(experts, GroupedExperts):
             continue
         if isinstance(experts, ExpertParallelGroupedExperts):
             continue
-        if experts.num_experts % pdims.ep:
-            raise ValueError(f"{name}: parallelism.expert_parallel_degree={pdims.ep} must divide "
-                             f"model.moe_num_experts={experts.num_experts}")
+        # ep divides num_experts: validate_expert_parallel, from configs/checks.py
         for pname in ("w1", "w2", "w3"):
             setattr(experts, pname, _shard_over_ep(getattr(experts, pname), ep_mesh))
         experts.__class__ = ExpertParallelGroupedExperts

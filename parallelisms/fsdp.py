@@ -27,9 +27,7 @@ def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_d
     if pdims is not None and pdims.ep > 1:
         expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
     layers = list(model.layers.values())
-    k = p.fsdp_blocks_per_unit
-    if k < 1:
-        raise ValueError(f"parallelism.fsdp_blocks_per_unit={k} must be >= 1")
+    k = p.fsdp_blocks_per_unit  # >= 1 (configs/checks.py)
     units = [layers[i:i + k] for i in range(0, len(layers), k)]
     pipelined = pdims is not None and pdims.pp > 1
     for i, unit in enumerate(units):

@@ -149,27 +149,15 @@ def stage_ids_for_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) ->
     return list(range(pp_rank, num_stages, pp))
 
 
-def rows_per_dp_rank(cfg, dp: int) -> int:
-    t = cfg.training
-    gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp
-    return gbs // dp
-
-
-def num_microbatches(cfg, dp: int) -> int:
-    """Pipeline microbatches per optimizer step: (global_batch_size / dp) / pipeline_parallel_microbatch_size."""
-    return rows_per_dp_rank(cfg, dp) // cfg.parallelism.pipeline_parallel_microbatch_size
-
-
 # --------------------------------------------------------------------------------------------- validation
-def validate_pipeline(cfg, pdims, model_args) -> list[str]:
-    """Every problem of the pipeline settings, each naming the key and the fix (empty when fine); no compute."""
+def validate_pipeline(cfg, pdims, model_args, n_microbatches: int) -> list[str]:
+    """Every problem of the pipeline settings, each naming the key and the fix (empty when fine); no compute.
+    `n_microbatches` comes from the BatchPlan (parallelisms/batch_plan.py), which checks that the batch divides."""
     p, errs = cfg.parallelism, []
     if model_args.tie_embeddings and p.fsdp_cpu_offload:
         errs.append("model.tie_embeddings=true under pipeline parallel sums the tied weight's gradients between the "
                     "first and the last stage over the GPU backend, which cannot reach parallelism.fsdp_cpu_offload's "
                     "CPU gradients; set fsdp_cpu_offload false or --model.tie_embeddings false")
-    if p.pipeline_parallel_pack not in ("stack", "sum"):
-        errs.append(f"parallelism.pipeline_parallel_pack={p.pipeline_parallel_pack!r}; choose 'stack' or 'sum'")
     try:
         schedule = canonical_schedule(p.pipeline_parallel_schedule)
     except ValueError as e:
@@ -184,17 +172,8 @@ def validate_pipeline(cfg, pdims, model_args) -> list[str]:
             p.pipeline_parallel_split_points, p.pipeline_parallel_first_last_stage_weight))
     except ValueError as e:
         errs.append(str(e))
-    mbs = p.pipeline_parallel_microbatch_size
-    rows = rows_per_dp_rank(cfg, pdims.dp)
-    if mbs < 1:
-        errs.append(f"parallelism.pipeline_parallel_microbatch_size={mbs} must be >= 1")
-        return errs
-    if rows < 1 or rows % mbs:
-        errs.append(f"training.global_batch_size / dp = {rows} rows per data-parallel rank must divide by "
-                    f"parallelism.pipeline_parallel_microbatch_size={mbs}; change either")
-        return errs
-    n_mb = rows // mbs
-    if num_stages is not None:
+    n_mb = n_microbatches
+    if num_stages is not None and n_mb >= 1:
         if schedule in ("1F1B",) and n_mb < num_stages:
             errs.append(f"{schedule} needs at least as many microbatches as stages: {n_mb} microbatches "
                         f"(training.global_batch_size / dp / parallelism.pipeline_parallel_microbatch_size) < "
@@ -318,13 +297,14 @@ def _keep_graph_for_weight_grads_before_torch_2_13() -> None:
 
 def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.device,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   parallelize: Callable[[nn.Module], nn.Module]):
+                   parallelize: Callable[[nn.Module], nn.Module], n_microbatches: int):
     """Split `model` (on the meta device) into this pp rank's stages and build the schedule.
 
     Returns (schedule, model_parts, has_first_stage, has_last_stage). The parts are still on the meta device when
     `parallelize` returned them: the caller materialises (to_empty) and initialises them in place; the stages keep
     references to the same modules and infer the inter-stage shapes at the first step, so they need no real
-    tensors now. loss_fn(logits_BSV, labels_BS) must return the already-scaled loss (scale_grads=False).
+    tensors now. loss_fn(logits_BSV, labels_BS) must return the already-scaled loss (scale_grads=False). The
+    settings are validated beforehand (validate_pipeline, from configs/checks.py).
     """
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
@@ -332,9 +312,6 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
     from parallelisms.tied_weights import build_tied_embedding_group, mark_tied_copy
 
     p = cfg.parallelism
-    errs = validate_pipeline(cfg, pdims, model.args)
-    if errs:
-        raise ValueError("invalid pipeline settings:\n  - " + "\n  - ".join(errs))
     schedule_name = canonical_schedule(p.pipeline_parallel_schedule)
     ranges = stage_layer_ranges(model.args.n_layers, model.args.layer_pattern, pdims.pp, schedule_name,
                                 p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
@@ -365,7 +342,7 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
     if schedule_name in SPLIT_BACKWARD_SCHEDULES:
         _keep_graph_for_weight_grads_before_torch_2_13()
     cls = get_schedule_class(schedule_name)
-    n_mb = num_microbatches(cfg, pdims.dp)
+    n_mb = n_microbatches
     if schedule_name in SINGLE_STAGE_SCHEDULES:
         schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
     else:

@@ -151,15 +151,13 @@ def test_changed_lr_weight_decay_and_schedule_apply_from_the_first_resumed_step(
 
 
 def test_load_step_with_checkpointing_off_is_a_config_error():
+    from configs.checks import resolve_job
     from configs.parser import ConfigError, load_config
-    from parallelisms.mesh import ParallelDims
-    from train import check_job
 
     job = load_config(["--job.config_file", "configs/debug.toml", "--checkpoint.load_step", "3"])
-    args = build_model_args(job.model.flavor, job.model_overrides)
     with pytest.raises(ConfigError, match=r"checkpoint.load_step=3 resumes only with checkpointing on; set "
                                           r"--checkpoint.enable true"):
-        check_job(job, ParallelDims.from_config(job.parallelism, 1), args, ByteTokenizer())
+        resolve_job(job, 1)
 
 
 # ------------------------------------------------------------------------------------- item 5: checksums

@@ -80,7 +80,7 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
     from configs.parser import load_config
     from models import build_model_args
     from parallelisms.mesh import ParallelDims
-    from train import cuda_graph_errors
+    from configs.checks import cuda_graph_errors
 
     def errors(argv, world):
         cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.cuda_graph", "true", *argv])

@@ -130,11 +130,13 @@ def test_tokenizer_with_sparse_ids_reports_largest_id_plus_one(tmp_path):
     assert tok.vocab_size == 701 and tok.eos_id == 20 and tok.pad_id == 4
     assert max(tok.encode("a b a")) < tok.vocab_size
 
+    from configs.checks import job_errors
     from models.args import build_model_args
+    from parallelisms.batch_plan import BatchPlan
     from parallelisms.mesh import ParallelDims
-    from train import check_job
 
     cfg = JobConfig()
     pdims = ParallelDims.from_config(cfg.parallelism, 1)
-    with pytest.raises(ValueError, match="set --model.vocab_size 701"):  # the debug flavor has 258 ids
-        check_job(cfg, pdims, build_model_args("debug", {}), tok)
+    errs = job_errors(cfg, pdims, build_model_args("debug", {}), tok,
+                      BatchPlan.from_config(cfg.training, cfg.parallelism, pdims))
+    assert any("set --model.vocab_size 701" in e for e in errs), errs  # the debug flavor has 258 ids

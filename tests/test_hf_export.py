@@ -2,7 +2,7 @@
 
 - A model trained a few steps by train.py gives our logits (1e-5 relative) after
   `Mamba2ForCausalLM.from_pretrained`, and HF's greedy `generate` (its recurrent decoding) emits the tokens of a
-  greedy loop over our full forward (this repo has no generate of its own yet). Our own weights, not an HF
+  greedy loop over our full forward (tests/test_decode.py also checks generation.generate against it). Our own weights, not an HF
   import: test_convert's round trips start from HF models whose config says rescale_prenorm_residual=false, so
   transformers' init pass over the loaded model (which divides every out_proj by sqrt(n_layers) when it is true)
   never showed. config.json / generation_config.json carry the byte tokenizer's ids.
@@ -81,7 +81,8 @@ def test_trained_export_loads_in_transformers_with_our_logits_and_greedy_tokens(
     assert cfg["rescale_prenorm_residual"] is False and cfg["n_groups"] == 2 and cfg["tie_word_embeddings"] is True
     ids = {"bos_token_id": BYTE_EOS, "eos_token_id": BYTE_EOS, "pad_token_id": BYTE_PAD}
     assert {k: cfg[k] for k in ids} == ids
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == ids
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation == {**ids, "suppress_tokens": list(range(258, 272))}  # the padding rows are never emitted
     assert (hf.generation_config.eos_token_id, hf.generation_config.pad_token_id) == (BYTE_EOS, BYTE_PAD)
     assert not (tmp_path / "hf" / "tokenizer.json").exists()  # the byte tokenizer has no HF file
 

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 
 from configs.job_config import JobConfig
 from models.args import ModelArgs
+from parallelisms.batch_plan import BatchPlan
 from parallelisms.mesh import ParallelDims
 from parallelisms.pipeline import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     build_stage_module,
     canonical_schedule,
-    num_microbatches,
     ranges_from_pattern,
     split_layers,
     stage_ids_for_rank,
@@ -114,34 +114,59 @@ def _cfg(**parallelism):
     return cfg
 
 
+def _pipeline_errors(cfg, pd, model_args) -> list[str]:
+    """What configs/checks.py reports for the pipeline: the batch plan's errors, then validate_pipeline's."""
+    plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd)
+    return plan.errors(pd.dp) or validate_pipeline(cfg, pd, model_args, plan.n_microbatches)
+
+
 def test_validate_pipeline_errors():
     pd = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=2)
     ok = ModelArgs(n_layers=4, tie_embeddings=False)
-    assert validate_pipeline(_cfg(pipeline_parallel_degree=2), pd, ok) == []
+    assert _pipeline_errors(_cfg(pipeline_parallel_degree=2), pd, ok) == []
     tied = ModelArgs(n_layers=4, tie_embeddings=True)
-    assert validate_pipeline(_cfg(pipeline_parallel_degree=2), pd, tied) == []  # tests/test_pipeline_tied.py
-    errs = validate_pipeline(_cfg(fsdp_cpu_offload=True), pd, tied)  # the tied gradient sum cannot reach the CPU
+    assert _pipeline_errors(_cfg(pipeline_parallel_degree=2), pd, tied) == []  # tests/test_pipeline_tied.py
+    errs = _pipeline_errors(_cfg(fsdp_cpu_offload=True), pd, tied)  # the tied gradient sum cannot reach the CPU
     assert len(errs) == 1 and "fsdp_cpu_offload false" in errs[0] and "tie_embeddings false" in errs[0]
-    errs = validate_pipeline(_cfg(pipeline_parallel_microbatch_size=3), pd, ok)
+    errs = _pipeline_errors(_cfg(pipeline_parallel_microbatch_size=3), pd, ok)
     assert len(errs) == 1 and "training.global_batch_size" in errs[0] and "microbatch_size=3" in errs[0]
-    errs = validate_pipeline(_cfg(pipeline_parallel_schedule="Nope"), pd, ok)
+    assert "--parallelism.pipeline_parallel_microbatch_size 2" in errs[0]  # a value that works
+    errs = _pipeline_errors(_cfg(pipeline_parallel_schedule="Nope"), pd, ok)
     assert len(errs) == 1 and all(s in errs[0] for s in SCHEDULES)
-    errs = validate_pipeline(_cfg(), pd, ModelArgs(n_layers=1, tie_embeddings=False))
+    errs = _pipeline_errors(_cfg(), pd, ModelArgs(n_layers=1, tie_embeddings=False))
     assert len(errs) == 1 and "only 1 layers" in errs[0]
-    errs = validate_pipeline(_cfg(pipeline_parallel_microbatch_size=8), pd, ok)  # 1 microbatch < 2 stages
+    errs = _pipeline_errors(_cfg(pipeline_parallel_microbatch_size=8), pd, ok)  # 1 microbatch < 2 stages
     assert len(errs) == 1 and "at least as many microbatches" in errs[0]
     pd4 = ParallelDims(pp=4, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=4)
-    errs = validate_pipeline(_cfg(pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=1,
-                                  pipeline_parallel_split_points=[1, 2, 3, 4, 5, 6, 7]), pd4,
-                             ModelArgs(n_layers=8, tie_embeddings=False))
+    errs = _pipeline_errors(_cfg(pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=1,
+                                 pipeline_parallel_split_points=[1, 2, 3, 4, 5, 6, 7]), pd4,
+                            ModelArgs(n_layers=8, tie_embeddings=False))
     assert errs == []  # 8 microbatches, 2 rounds
     cfg = _cfg(pipeline_parallel_schedule="Interleaved1F1B")
     cfg.training.global_batch_size = 6  # 6 microbatches over pp 4: rounds = 1, fine; 10 over 4: 2 rounds, 10 % 2 = 0
-    assert validate_pipeline(cfg, pd4, ModelArgs(n_layers=8, tie_embeddings=False)) == []
+    assert _pipeline_errors(cfg, pd4, ModelArgs(n_layers=8, tie_embeddings=False)) == []
     cfg.training.global_batch_size = 9  # 9 microbatches: 2 rounds, 9 % 2 != 0
-    errs = validate_pipeline(cfg, pd4, ModelArgs(n_layers=8, tie_embeddings=False))
+    errs = _pipeline_errors(cfg, pd4, ModelArgs(n_layers=8, tie_embeddings=False))
     assert len(errs) == 1 and "multiple of" in errs[0]
-    assert num_microbatches(_cfg(pipeline_parallel_microbatch_size=2), 2) == 2
+    plan = BatchPlan.from_config(_cfg(pipeline_parallel_microbatch_size=2).training,
+                                 _cfg(pipeline_parallel_microbatch_size=2).parallelism, pd)
+    assert (plan.rows_per_dp_rank, plan.microbatch_rows, plan.n_microbatches) == (8, 2, 4)
+
+
+def test_batch_plan_names_a_value_that_works():
+    pd2 = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, cp=1, ep=1, world_size=2)
+    cfg = JobConfig()
+    cfg.training.global_batch_size, cfg.training.local_batch_size = 8, 8  # 4 rows per rank, microbatches of 8
+    plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd2)
+    assert plan.errors(2) == ["training.global_batch_size / dp = 4 rows per data-parallel rank must divide by "
+                              "training.local_batch_size=8 (gradient accumulation steps); e.g. "
+                              "--training.local_batch_size 4"]
+    cfg.training.local_batch_size = -1  # follows the global batch: the rank's whole share, no accumulation
+    plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd2)
+    assert plan.errors(2) == [] and (plan.microbatch_rows, plan.n_microbatches) == (4, 1)
+    cfg.training.global_batch_size = 7
+    assert "e.g. --training.global_batch_size 6" in BatchPlan.from_config(cfg.training, cfg.parallelism,
+                                                                         pd2).errors(2)[0]
 
 
 def test_stage_module_keeps_fqns():
@@ -226,7 +251,8 @@ def _pipeline_worker(rank, world_size, schedules, pack):
         model = copy.deepcopy(reference)
         model.zero_grad(set_to_none=True)
         schedule, parts, has_first, has_last = pipeline_model(
-            model, mesh, pdims, cfg, torch.device("cpu"), lambda lg, lb: _ce_sum(lg, lb) / n_tokens, parallelize)
+            model, mesh, pdims, cfg, torch.device("cpu"), lambda lg, lb: _ce_sum(lg, lb) / n_tokens, parallelize,
+            ROWS)
         losses = [] if has_last else None
         if has_first:
             schedule.step(tokens, seq_idx=seq_idx, target=labels if has_last else None, losses=losses)

@@ -102,7 +102,7 @@ def _tied_worker(rank, world_size, schedules):
         cfg.parallelism.pipeline_parallel_schedule = schedule_name
         cfg.parallelism.pipeline_parallel_microbatch_size = 1
         schedule, parts, has_first, has_last = pipeline_model(
-            copy.deepcopy(reference), mesh, pdims, cfg, torch.device("cpu"), loss_fn, lambda part: part)
+            copy.deepcopy(reference), mesh, pdims, cfg, torch.device("cpu"), loss_fn, lambda part: part, ROWS)
         opts = [adamw(part) for part in parts]
         params = [p for part in parts for p in part.parameters()]
         losses, norms = [], []

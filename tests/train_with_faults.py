@@ -1,7 +1,7 @@
 """train.py with injected faults, for the tests of what the loop does with them (not collected by pytest).
 
     MT_NAN_GRAD_STEPS=3,4 python tests/train_with_faults.py --job.config_file ...   # NaN in one gradient of rank 0
-    MT_NAN_PARAM_STEP=3 python tests/train_with_faults.py ...                       # NaN in a weight after the step
+    MT_NAN_PARAM_STEP=3 python tests/train_with_faults.py ...                       # inf in a weight after the step
 
 Steps count from 1 in this process (a run that starts from scratch). Everything else is the real train.main.
 """
@@ -14,11 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import train  # noqa: E402
+from components.moe_balance import MoEBalancer  # noqa: E402
 
 NAN_GRAD_STEPS = {int(s) for s in os.environ.get("MT_NAN_GRAD_STEPS", "").split(",") if s}
 NAN_PARAM_STEP = int(os.environ.get("MT_NAN_PARAM_STEP", "0"))
-_calls = {"clip": 0, "moe": 0}
-_real_clip, _real_moe_step = train.clip_grad_norm_, train.moe_step
+_calls = {"clip": 0, "after_step": 0}
+_real_clip, _real_after_step, _real_build = train.clip_grad_norm_, MoEBalancer.after_step, train.build_model_parts
+_parts = []
 
 
 def clip_with_nan(params, *args, **kwargs):
@@ -30,26 +32,24 @@ def clip_with_nan(params, *args, **kwargs):
     return _real_clip(params, *args, **kwargs)
 
 
-def moe_step_then_poison(moe_layers, *args, **kwargs):  # called right after the optimizer step
-    _calls["moe"] += 1
-    if _calls["moe"] == NAN_PARAM_STEP:
+def after_step_then_poison(self, *args, **kwargs):  # called right after the optimizer step
+    _calls["after_step"] += 1
+    if _calls["after_step"] == NAN_PARAM_STEP:
         with torch.no_grad():
-            for part in train_parts:
+            for part in _parts:
                 p = next(part.parameters())
                 (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] = float("inf")
-    return _real_moe_step(moe_layers, *args, **kwargs)
+    return _real_after_step(self, *args, **kwargs)
 
 
-train_parts = []
-_real_init_weights = train.init_weights
+def build_and_remember(*args, **kwargs):
+    model = _real_build(*args, **kwargs)
+    _parts.extend(model.parts)
+    return model
 
 
-def remember_parts(part, *args, **kwargs):
-    train_parts.append(part)
-    return _real_init_weights(part, *args, **kwargs)
-
-
-train.clip_grad_norm_, train.moe_step, train.init_weights = clip_with_nan, moe_step_then_poison, remember_parts
+train.clip_grad_norm_, train.build_model_parts = clip_with_nan, build_and_remember
+MoEBalancer.after_step = after_step_then_poison
 
 if __name__ == "__main__":
     train.main(sys.argv[1:])

@@ -1,0 +1,56 @@
+"""MoE load balancing across the step, in one place: the auxiliary losses' share per microbatch, and after the
+optimizer step the global expert loads, the auxiliary-loss-free bias update and the load metric."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.hybrid.moe import MoE
+
+
+class MoEBalancer:
+    """Every MoE layer of this rank's model parts. Collective in `after_step` (dp_cp, then pp)."""
+
+    def __init__(self, model_parts: list[nn.Module], model_has_moe: bool, dp_cp_group=None, pp_group=None):
+        # model_has_moe: of the whole model. A pipeline stage without MoE layers still joins the pp reduction.
+        self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+        self.model_has_moe = model_has_moe
+        self.dp_cp_group, self.pp_group = dp_cp_group, pp_group
+
+    def set_microbatches(self, n: int) -> None:
+        """The aux / z losses are means over the step's n microbatches (and, by FSDP's average, over ranks)."""
+        for moe in self.layers:
+            moe.aux_loss_scale = 1.0 / n
+
+    def after_step(self, update: bool = True) -> torch.Tensor | None:
+        """After the optimizer step: the global expert loads, the bias update, the load metric.
+
+        Each MoE layer counted the tokens routed to each expert on this rank; the sum over dp x cp (all-reduce of
+        [E] counts) is the global batch's load, identical on every rank, so the bias update keeps the replicas
+        equal. `update` False (a skipped step): the counts are dropped and the bias is left as it is. Returns the
+        busiest expert's load over the mean, worst over the model's MoE layers (max over pipeline stages: a 0-d
+        all-reduce), as a device tensor read only on logging steps; None without MoE layers.
+        """
+        if not self.model_has_moe:
+            return None
+        ratios = [torch.zeros((), device=self._device())]
+        for moe in self.layers:
+            if self.dp_cp_group is not None:
+                dist.all_reduce(moe.tokens_per_expert, group=self.dp_cp_group)
+            load = moe.tokens_per_expert.float()
+            ratios.append(load.max() / load.mean().clamp(min=1))
+            if update:
+                moe.update_expert_bias()
+            else:
+                moe.tokens_per_expert.zero_()
+        worst = torch.stack(ratios).max()
+        if self.pp_group is not None:  # stages hold different layers: report the worst of the whole model
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return worst
+
+    def _device(self) -> torch.device:
+        if self.layers:
+            return self.layers[0].tokens_per_expert.device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

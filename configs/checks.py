@@ -1,0 +1,112 @@
+"""The one validation pass: everything about a job that can be known before any process group or compute.
+
+`resolve_job(cfg, world_size)` builds what the config implies (layout, model args, tokenizer, batch plan), checks
+every combination that would fail later, and raises one ConfigError listing each problem with its fix. train.py,
+evaluate.py and generation call it; nothing downstream checks the same thing again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from components.profiling import validate_profiling
+from configs.job_config import JobConfig
+from configs.parser import ConfigError
+from data.tokenizer import build_tokenizer
+from models import build_model_args
+from models.args import ModelArgs
+from parallelisms.batch_plan import BatchPlan
+from parallelisms.context_parallel import validate_cp_mamba
+from parallelisms.sequence_sharding import validate_cp_shapes
+from parallelisms.expert_parallel import validate_expert_parallel
+from parallelisms.mesh import ParallelDims
+from parallelisms.pipeline import validate_pipeline
+
+
+@dataclass
+class ResolvedJob:
+    """What the config resolves to, computed once and passed down."""
+
+    pdims: ParallelDims
+    model_args: ModelArgs
+    tokenizer: object
+    batch: BatchPlan
+
+
+def resolve_job(cfg: JobConfig, world_size: int, training: bool = True) -> ResolvedJob:
+    """Layout, model, tokenizer and batch plan of the job, or a ConfigError naming every problem and its fix.
+    training False (evaluate.py): the checks that only concern a training run are left out."""
+    try:
+        pdims = ParallelDims.from_config(cfg.parallelism, world_size)
+        model_args = build_model_args(cfg.model.flavor, cfg.model_overrides)
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+    batch = BatchPlan.from_config(cfg.training, cfg.parallelism, pdims)
+    errs = job_errors(cfg, pdims, model_args, tokenizer, batch, training)
+    if errs:
+        raise ConfigError("invalid job:\n  - " + "\n  - ".join(errs))
+    return ResolvedJob(pdims, model_args, tokenizer, batch)
+
+
+def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, tokenizer, batch: BatchPlan,
+               training: bool = True) -> list[str]:
+    """Combinations that would fail later, each with its fix (empty when the job is fine)."""
+    t, errs = cfg.training, []
+    if training and cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
+        errs.append(f"checkpoint.load_step={cfg.checkpoint.load_step} resumes only with checkpointing on; set "
+                    "--checkpoint.enable true (or --checkpoint.initial_load_path DIR for weights alone)")
+    if tokenizer.vocab_size > model_args.vocab_size:
+        errs.append(f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but model.vocab_size="
+                    f"{model_args.vocab_size}; set --model.vocab_size {tokenizer.vocab_size} (or larger)")
+    errs += batch.errors(pdims.dp)
+    if pdims.cp_enabled:
+        try:
+            validate_cp_shapes(t.seq_len, pdims.cp, cfg.parallelism.context_parallel_load_balance)
+            if "M" in model_args.layer_types:
+                validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
+        except ValueError as e:
+            errs.append(str(e))
+    if t.skip_nonfinite_grads < 0:
+        errs.append(f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
+                    "non-finite gradient norm)")
+    if cfg.parallelism.fsdp_blocks_per_unit < 1:
+        errs.append(f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 1 "
+                    "(1 = one FSDP unit per block)")
+    if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():
+        errs.append("parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
+                    "memory); set it false")
+    try:
+        validate_profiling(cfg.profiling)
+    except ValueError as e:
+        errs.append(str(e))
+    if pdims.pp_enabled and cfg.validation.enable and cfg.validation.local_batch_size != batch.rows_per_dp_rank:
+        errs.append(f"under pipeline parallel validation batches go through the training schedule, so "
+                    f"validation.local_batch_size must equal the rows per data-parallel rank, {batch.rows_per_dp_rank}")
+    if t.cuda_graph:
+        errs += cuda_graph_errors(cfg, pdims, model_args)
+    if pdims.pp_enabled:
+        errs += validate_pipeline(cfg, pdims, model_args, batch.n_microbatches)
+    if pdims.ep_enabled:
+        errs += validate_expert_parallel(model_args, pdims)
+    return errs
+
+
+def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs) -> list[str]:
+    """What training.cuda_graph cannot capture (see components/cuda_graph.py), each with its fix."""
+    errs = []
+    if not torch.cuda.is_available():
+        errs.append("training.cuda_graph needs a CUDA GPU; set it false on this machine")
+    if pdims.world_size > 1 and not pdims.ddp_enabled:
+        errs.append(f"training.cuda_graph runs on one GPU or under plain data parallel (only "
+                    f"data_parallel_replicate_degree = NGPU); this job has {pdims.world_size} processes with FSDP, "
+                    "PP or CP, whose hooks and collectives are not captured; set it false or change the layout")
+    if cfg.compile.enable:
+        errs.append("training.cuda_graph and compile.enable are exclusive; set one of them false")
+    other = sorted(set(model_args.layer_types) - {"M", "-"})
+    if other:
+        errs.append(f"training.cuda_graph supports Mamba ('M') and MLP ('-') layers; this model has {other} "
+                    "(attention builds document masks and MoE routes tokens by data-dependent counts); set it false")
+    return errs
