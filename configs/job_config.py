@@ -211,6 +211,18 @@ class Metrics:
     log_freq: int = doc(1, "Log every this many steps.")
     enable_tensorboard: bool = doc(True, "TensorBoard events under <dump_folder>/tb.")
     save_jsonl: bool = doc(True, "Append one JSON object per logged step to <dump_folder>/metrics.jsonl.")
+    enable_wandb: bool = doc(
+        False, "Also log the TensorBoard scalars to Weights & Biases (rank 0; files under <dump_folder>/wandb). "
+        "Needs `pip install wandb` (not a requirement: the run stops at config time if it is missing)."
+    )
+    wandb_project: str = doc("mambatitan", "With enable_wandb: the W&B project.")
+    wandb_run_name: str = doc("", "With enable_wandb: the W&B run name; empty = the dump folder's name.")
+    wandb_mode: str = doc(
+        "auto", "With enable_wandb: offline writes <dump_folder>/wandb only (upload later with `wandb sync`); "
+        "online streams to the server; auto = $WANDB_MODE if set, else online when $WANDB_API_KEY is set, else "
+        "offline.",
+        choices=("auto", "online", "offline"),
+    )
 
 
 @dataclass

@@ -158,6 +158,7 @@ def load_config_or_exit(argv: list[str] | None = None, usage: str = "") -> JobCo
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group (the mesh checks the world-size products)."""
+    from components.metrics import wandb_errors
     from models.args import FLAVORS, build_model_args
 
     errs: list[str] = []
@@ -194,6 +195,7 @@ def validate(cfg: JobConfig) -> None:
             errs.append(f"parallelism.{key}={getattr(p, key)} must be >= 1")
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
         errs.append("parallelism.data_parallel_shard_degree must be >= 1, or -1 (the rest of the world)")
+    errs += wandb_errors(cfg.metrics)
     if errs:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errs))
 
