@@ -202,7 +202,7 @@ def build_row_source(job_config, tokenizer, split: str = "train"):
         streams = []
         for i, (path, _) in enumerate(entries):
             key = f"training.datasets[{i}].path"
-            if not is_shard_folder(path):
+            if not is_shard_folder(path, key):
                 raise ValueError(f"{key}='{path}' is not a token-shard folder (no manifest.json): mixtures read "
                                  "preprocessed shards; make them with `python -m data.preprocess --input ... --out "
                                  f"{path}`")
@@ -213,7 +213,7 @@ def build_row_source(job_config, tokenizer, split: str = "train"):
         return MixtureRows(streams, [w for _, w in entries])
     dataset, key = (t.dataset, "training.dataset") if split == "train" else (job_config.validation.dataset,
                                                                              "validation.dataset")
-    if not is_shard_folder(dataset):
+    if not is_shard_folder(dataset, key):
         return None
     ds = ShardDataset(dataset, key)
     check_tokenizer(ds, tokenizer)

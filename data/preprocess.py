@@ -32,10 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from data.datasets import IndexedSource, _field, _file_source, _local_files, _utf8_error
-from data.shards import FORMAT, MANIFEST, docs_file, token_dtype, tokens_file
+from data.shards import FORMAT, MANIFEST, PLAN, docs_file, token_dtype, tokens_file
 from data.tokenizer import ByteTokenizer, build_tokenizer
 
-PLAN = "plan.json"
 _INPUT_KEY = "--input"
 
 # Set in the parent before the pool forks, so that workers inherit the opened sources and the tokenizer.

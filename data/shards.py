@@ -33,6 +33,7 @@ import numpy as np
 from data.packing import IGNORE_INDEX
 
 MANIFEST = "manifest.json"
+PLAN = "plan.json"  # written first by data.preprocess: a folder with it but no manifest is unfinished
 FORMAT = 1
 
 
@@ -49,8 +50,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def is_shard_folder(path: str) -> bool:
-    return bool(path) and os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST))
+def is_shard_folder(path: str, config_key: str = "training.dataset") -> bool:
+    """True for a finished shard folder; raises for an unfinished one (which would otherwise read as a folder
+    of .json text files)."""
+    folder = os.path.expanduser(path) if path else ""
+    if not folder or not os.path.isdir(folder):
+        return False
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        return True
+    if os.path.isfile(os.path.join(folder, PLAN)):
+        raise ValueError(f"{config_key}='{path}': its preprocessing did not finish (plan.json but no manifest.json); "
+                         "re-run the same `python -m data.preprocess` command, which resumes it")
+    return False
 
 
 def _rerun_hint(folder: str) -> str:

@@ -96,6 +96,8 @@ def test_preprocess_is_deterministic_parallel_and_resumable(tmp_path):
     (two / "shard_00003.tokens.npy").write_bytes(reference[:100])
     (two / "manifest.json").unlink()
     (two / "shard_00004.tokens.npy.tmp12345").write_bytes(b"half")  # a killed worker's file
+    with pytest.raises(ValueError, match="preprocessing did not finish.*re-run the same"):
+        build_loader(_job(two), ByteTokenizer(), 0, 1)
     before = {p.name: p.stat().st_mtime_ns for p in two.iterdir()}
     preprocess([str(tmp_path / "two.jsonl")], "", str(two), bytes_per_shard=4000, workers=2, progress=False)
     assert (two / "shard_00003.tokens.npy").read_bytes() == reference
@@ -168,6 +170,23 @@ def test_preprocess_a_hf_dataset_saved_to_disk(tmp_path):
     assert [ds.doc_tokens(g).tolist() for g in range(len(docs))] == [list(d.encode()) + [256] for d in docs]
     with pytest.raises(ValueError, match="without split 'test'.*pass --split"):
         preprocess([str(tmp_path / "hf")], "", str(tmp_path / "o2"), text_field="body", split="test", progress=False)
+
+
+def test_preprocess_parquet_and_txt_inputs_in_order(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"text": ["first", None, "third"]}), tmp_path / "in" / "a.parquet", row_group_size=2)
+    (tmp_path / "in" / "b.txt").write_text("a whole file")
+    write_jsonl(tmp_path / "c.jsonl", ["from jsonl"])
+    preprocess([str(tmp_path / "in"), str(tmp_path / "c.jsonl")], "", str(tmp_path / "out"), docs_per_shard=2,
+               progress=False)
+    ds = ShardDataset(str(tmp_path / "out"))
+    texts = [bytes(ds.doc_tokens(g)[:-1].tolist()).decode() if ds.doc_tokens(g)[-1] == 256 else None
+             for g in range(ds.num_documents)]
+    assert texts == ["first", "", "third", "a whole file", "from jsonl"]  # a null row is an empty document
+    assert [f["n_docs"] for f in ds.manifest["source"]["files"]] == [3, 1, 1]
 
 
 def test_damaged_shards_name_the_file(tmp_path):
