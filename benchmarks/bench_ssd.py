@@ -53,6 +53,10 @@ TUNE_VARIANTS = {
     "small_s3": dict(scan_k=32, state_k=32, dx_m=32, dc_k=32, db_m=32, heads_per_prog=4, pass_block=512,
                      **{k: 3 for k in _STAGES}),
     "hpp16_s1": dict(heads_per_prog=16, **{k: 1 for k in _STAGES}),
+    # dCB summed over heads first, then one product per group (dcb_bwd.py); its matmuls are counted in "dcdb".
+    "grouped": dict(bc_mode="grouped"),
+    "grouped_hpp8": dict(bc_mode="grouped", heads_per_prog=8),
+    "grouped_hpp16_k64": dict(bc_mode="grouped", heads_per_prog=16, dc_k=64),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {
@@ -61,8 +65,14 @@ TUNE_GROUPS = {
     "pass": (("state_passing_fwd_kernel", "state_passing_bwd_kernel"), ("pass_",)),
     "scan": (("chunk_scan_fwd_kernel",), ("scan_",)),
     "dx": (("chunk_scan_bwd_dx_kernel",), ("dx_",)),
-    "dcdb": (("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_db_kernel"), ("dc_", "db_", "heads_per_prog")),
+    "dcdb": (("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_db_kernel", "chunk_scan_bwd_dcb_kernel", "*gemm",
+              "*xmma", "*cutlass"), ("dc_", "db_", "heads_per_prog", "bc_mode")),
 }
+
+
+def _in_group(kernel_name, names):
+    # "*x" matches any kernel whose name contains x (cuBLAS / CUTLASS matmuls of the grouped dB / dC).
+    return any(kernel_name.startswith(n) if not n.startswith("*") else n[1:] in kernel_name for n in names)
 
 
 def make_inputs(shape, with_seq, seed, device="cuda", dtype=torch.bfloat16, with_init=False):
@@ -217,7 +227,7 @@ def tune(shape_names):
                 diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(outs, base_out))
                 record[f"{sname} seq={with_seq} {vname}"] = dict(stages=st, max_rel_diff_vs_base=diff)
                 for grp, (names, _) in TUNE_GROUPS.items():
-                    group_times[grp][vname] += sum(v for k, v in st.items() if any(k.startswith(n) for n in names))
+                    group_times[grp][vname] += sum(v for k, v in st.items() if _in_group(k, names))
                 ours = {k: v for k, v in st.items() if "kernel" in k and "at::" not in k}
                 print(f"tune {sname} seq={with_seq} {vname:9s} gpu {gpu_time(st):.3f} ms, diff vs base {diff:.1e}: "
                       + ", ".join(f"{k.replace('_kernel', '')} {v:.3f}" for k, v in ours.items()), flush=True)
@@ -318,8 +328,8 @@ def main():
             )
             print(lines[-1], flush=True)
             for kname in ("mamba_ssm", "ours"):
-                print(f"  stages {kname}: " + ", ".join(f"{k} {v:.3f}" for k, v in list(r[kname]["stages"].items())[:14]),
-                      flush=True)
+                top = list(r[kname]["stages"].items())[:14]
+                print(f"  stages {kname}: " + ", ".join(f"{k} {v:.3f}" for k, v in top), flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -46,8 +46,15 @@ def run_case_in_child(**case):
     """Entry point of the child process: kernels under the interpreter, checked against the reference."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     _patch_interpreter_scalar_index()
+    from models.kernels.ssd_triton import autograd
     from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
 
+    overrides = case.pop("config", {})
+    if overrides:  # other tile shapes / backward modes than the defaults
+        import dataclasses
+
+        default = autograd.block_config
+        autograd.block_config = lambda q, p, n: dataclasses.replace(default(q, p, n), **overrides)
     call = case.pop("call", {})
     if case.pop("split_path", False):
         print(json.dumps(check_split_path(**case)))
@@ -172,6 +179,12 @@ def test_one_group_D_per_channel_z_odd_chunk():
               call=dict(chunk_size=24, dt_limit=(0.01, 1.5)))
 
 
+def test_grouped_dcb_backward_mode():
+    """bc_mode 'grouped' (dCB summed over heads, then one product per group), 2 heads per program block."""
+    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=16),
+              config=dict(bc_mode="grouped", heads_per_prog=2))
+
+
 def test_fused_path_contract_under_triton_backend():
     """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, composed with our SSD."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True)
@@ -194,11 +207,13 @@ def test_bad_input_raises_before_compute():
 @pytest.mark.parametrize("chunk_size", [16, 32, 20])
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("variant", ["seq_init", "seq_noinit_noD", "noseq_init_z", "exact_multiple_no_softplus"])
-def test_sweep(chunk_size, G, variant):
+@pytest.mark.parametrize("bc_mode", ["per_head", "grouped"])
+def test_sweep(chunk_size, G, variant, bc_mode):
     L = 64 if variant == "exact_multiple_no_softplus" else 45
     interpret(
         b=2, L=L, H=4, P=16, G=G, N=32, seed=chunk_size * 10 + G,
         D_shape=None if variant == "seq_noinit_noD" else "H", with_z=variant == "noseq_init_z",
         with_init=variant in ("seq_init", "noseq_init_z"), seq_cuts=CUTS if variant.startswith("seq") else None,
         call=dict(chunk_size=chunk_size, dt_softplus=variant != "exact_multiple_no_softplus"),
+        config=dict(bc_mode=bc_mode, heads_per_prog=2 if bc_mode == "grouped" else 8),
     )

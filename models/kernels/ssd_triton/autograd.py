@@ -36,6 +36,7 @@ from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel, chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config
+from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel, state_passing_fwd_kernel
 
 __all__ = ["ssd_chunk_scan_triton"]
@@ -105,6 +106,19 @@ def _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
     return y, final
 
 
+def _chunked(t_BLGN: torch.Tensor, NC: int, Q: int) -> torch.Tensor:
+    """[b, L, G, N] -> float32 [b, NC, G, Q, N], zero-padded to NC * Q positions."""
+    b, L, G, N = t_BLGN.shape
+    padded = F.pad(t_BLGN.float(), (0, 0, 0, 0, 0, NC * Q - L))
+    return padded.view(b, NC, Q, G, N).permute(0, 1, 3, 2, 4)
+
+
+def _unchunk(t: torch.Tensor, L: int) -> torch.Tensor:
+    """[b, NC, G, Q, N] -> [b, L, G, N]."""
+    b, NC, G, Q, N = t.shape
+    return t.permute(0, 1, 3, 2, 4).reshape(b, NC * Q, G, N)[:, :L]
+
+
 def _heads_per_prog(R: int, want: int) -> int:
     # The largest divisor of the heads per group that is <= want: each program sums whole head blocks.
     return max(d for d in range(1, min(R, want) + 1) if R % d == 0)
@@ -167,21 +181,37 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     O = torch.empty_like(dt_p)
     n_m = triton.cdiv(Q, cfg.dc_m)
     R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
-    chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
-        dy, x, dt_p, dA_cs, B, C, CB, S_in, seq_arg, dC_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
-        *x.stride(), *B.stride(), *C.stride(), *dy.stride(),
-        HAS_SEQ=has_seq, BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_k, BLOCK_P=BP, BLOCK_N=BN,
-        PREC=_dot_precision(x), num_warps=cfg.dc_warps, num_stages=cfg.dc_stages,
-    )
+    grouped = cfg.bc_mode == "grouped"
+    if grouped:
+        dCB_part = torch.zeros(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # upper blocks stay 0
+        chunk_scan_bwd_dcb_kernel[(b * NC * G * n_hb, n_m)](
+            dy, x, dt_p, dA_cs, C, CB, S_in, seq_arg, dC_part, dCB_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
+            *x.stride(), *C.stride(), *dy.stride(),
+            HAS_SEQ=has_seq, PREC=_dot_precision(x), HEADS_POW2=triton.next_power_of_2(hpp),
+            BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_k, BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.dc_warps,
+            num_stages=cfg.dc_stages,
+        )
+    else:
+        chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
+            dy, x, dt_p, dA_cs, B, C, CB, S_in, seq_arg, dC_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
+            *x.stride(), *B.stride(), *C.stride(), *dy.stride(),
+            HAS_SEQ=has_seq, BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_k, BLOCK_P=BP, BLOCK_N=BN,
+            PREC=_dot_precision(x), num_warps=cfg.dc_warps, num_stages=cfg.dc_stages,
+        )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     chunk_state_bwd_db_kernel[(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k))](
         dy, x, dt_p, dA_cs, C, dH, seq_arg, dB_part, L, Q, NC, H, G, P, N, hpp, b,
         *x.stride(), *C.stride(), *dy.stride(),
-        HAS_SEQ=has_seq, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=BP, BLOCK_N=BN,
+        HAS_SEQ=has_seq, INTRA=not grouped, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=BP, BLOCK_N=BN,
         PREC=_dot_precision(x), num_warps=cfg.db_warps, num_stages=cfg.db_stages,
     )
     dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
     dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
+    if grouped:
+        # Intra-chunk parts, once per group: dC += dCB B, dB += dCBᵀ C (float32).
+        dCB = dCB_part.sum(0) if n_hb > 1 else dCB_part[0]  # [b, NC, G, Q, Q]
+        dC = dC + _unchunk(dCB @ _chunked(B, NC, Q), L)
+        dB = dB + _unchunk(dCB.transpose(-1, -2) @ _chunked(C, NC, Q), L)
 
     # Cumulative-decay gradient: later side (dC kernel), earlier side (-dt ddt), chunk ends (state passing).
     g = torch.flip(torch.cumsum(torch.flip(O, [-1]), -1), [-1])

@@ -116,6 +116,7 @@ def chunk_state_bwd_db_kernel(
     s_c_b, s_c_l, s_c_g, s_c_n,
     s_y_b, s_y_l, s_y_h, s_y_p,
     HAS_SEQ: tl.constexpr,
+    INTRA: tl.constexpr,  # False: only the chunk-state term (bc_mode "grouped" adds dCBᵀ C on the host)
     PREC: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -159,27 +160,28 @@ def chunk_state_bwd_db_kernel(
         scale_k = tl.where(keep_k, tl.exp(a_last - a_k) * dt_k, 0.0)
         dB_h = tl.dot(x_k, dH.to(x_k.dtype), input_precision=PREC) * scale_k[:, None]
         dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
-        for m0 in range(m_start, Q, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            valid_m = (offs_m < Q) & (t0 + offs_m < L)
-            t_m = (t0 + offs_m).to(tl.int64)
-            a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
-            keep = (offs_k[:, None] <= offs_m[None, :]) & valid_k[:, None] & valid_m[None, :]
-            if HAS_SEQ:
-                seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t_m, mask=valid_m, other=-2)
-                keep = keep & (seq_k[:, None] == seq_m[None, :])
-            dyT = tl.load(
-                dy_base + t_m[None, :] * s_y_l + offs_p[:, None] * s_y_p,
-                mask=mask_p[:, None] & valid_m[None, :], other=0.0,
-            )
-            xdy = tl.dot(x_k, dyT, input_precision=PREC)
-            decay = tl.exp(tl.where(keep, a_m[None, :] - a_k[:, None], float("-inf")))
-            dcbT = tl.where(keep, xdy * decay * dt_k[:, None], 0.0)
-            C_m = tl.load(
-                C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-                mask=valid_m[:, None] & mask_n[None, :], other=0.0,
-            )
-            dB_h += tl.dot(dcbT.to(C_m.dtype), C_m, input_precision=PREC)
+        if INTRA:
+            for m0 in range(m_start, Q, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                valid_m = (offs_m < Q) & (t0 + offs_m < L)
+                t_m = (t0 + offs_m).to(tl.int64)
+                a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
+                keep = (offs_k[:, None] <= offs_m[None, :]) & valid_k[:, None] & valid_m[None, :]
+                if HAS_SEQ:
+                    seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t_m, mask=valid_m, other=-2)
+                    keep = keep & (seq_k[:, None] == seq_m[None, :])
+                dyT = tl.load(
+                    dy_base + t_m[None, :] * s_y_l + offs_p[:, None] * s_y_p,
+                    mask=mask_p[:, None] & valid_m[None, :], other=0.0,
+                )
+                xdy = tl.dot(x_k, dyT, input_precision=PREC)
+                decay = tl.exp(tl.where(keep, a_m[None, :] - a_k[:, None], float("-inf")))
+                dcbT = tl.where(keep, xdy * decay * dt_k[:, None], 0.0)
+                C_m = tl.load(
+                    C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
+                    mask=valid_m[:, None] & mask_n[None, :], other=0.0,
+                )
+                dB_h += tl.dot(dcbT.to(C_m.dtype), C_m, input_precision=PREC)
         dB_acc += dB_h
     out = dB_ptr + ((hb.to(tl.int64) * BATCH + b) * L + t_k[:, None]) * G * N + g * N + offs_n[None, :]
     tl.store(out, dB_acc, mask=valid_k[:, None] & mask_n[None, :])

@@ -53,6 +53,9 @@ class BlockConfig:
     db_warps: int
     db_stages: int
     heads_per_prog: int  # dC / dB: heads one program sums before writing its partial
+    # "per_head": dC, dB kernels multiply each head's dCB by B / C (bc_bwd.py); "grouped": dCB summed over the
+    # heads first, then one product per group (dcb_bwd.py). Same results up to rounding.
+    bc_mode: str = "per_head"
 
 
 def _pow2_at_least_16(n: int) -> int:
