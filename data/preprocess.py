@@ -133,6 +133,10 @@ def open_inputs(inputs: list[str], text_field: str, split: str, bytes_per_range:
     sources: list = []
     for item in inputs:
         path = os.path.expanduser(item)
+        if not os.path.exists(path) and not any(c in path for c in "*?["):
+            raise FileNotFoundError(f"{_INPUT_KEY} {item}: no such file or folder (relative paths start at "
+                                    f"{os.getcwd()}); give files, folders or globs of .txt / .jsonl / .json / "
+                                    ".parquet, or a HF dataset saved with save_to_disk")
         if _is_hf_disk_dataset(path):
             sources.append(HFDiskSource(path, split, text_field))
             continue

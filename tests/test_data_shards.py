@@ -153,6 +153,9 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
     ds = ShardDataset(str(tmp_path / "out"))
     for g, text in enumerate(DOCS * 4):
         assert ds.doc_tokens(g).tolist() == tok.encode(text) + [tok.eos_id]
+    r = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(tmp_path / "missing"), "--out",
+                        str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "missing: no such file or folder" in r.stderr and "save_to_disk" in r.stderr
     # Training with the byte tokenizer refuses these shards before reading a token.
     cfg = _job(tmp_path / "out")
     with pytest.raises(ValueError, match="tokenized with another tokenizer.*Set model.tokenizer_path"):
