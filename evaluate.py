@@ -17,6 +17,7 @@ Rank 0 prints the result and, as its last line, `evaluation: {json}`.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -27,10 +28,13 @@ import torch.distributed as dist
 from checkpoint.export import load_model_weights
 from checkpoint.manager import complete_steps, resolve_checkpoint_folder
 from components.distributed import destroy_distributed, init_distributed, set_determinism
+from components.log import setup_logging
 from components.validation import Validator
 from configs.checks import resolve_job
 from configs.parser import ConfigError, load_config_or_exit
 from parallelisms.parallelize import build_model_parts
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_weights(cfg) -> str:
@@ -73,7 +77,8 @@ def evaluate(cfg, device: torch.device, world_size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = load_config_or_exit(argv, usage=__doc__)
+    setup_logging()  # the same `[rankN] time message` lines as train.py (components/log.py)
+    cfg = load_config_or_exit(argv, usage=__doc__, prog="evaluate.py")
     if cfg is None:
         return
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -83,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         sys.exit(f"evaluate error: {e}")
     if rank == 0:
-        print(f"loss {result['val_loss']:.6f} | perplexity {result['val_ppl']:.4f} | {result['val_tokens']} tokens "
-              f"| {result['checkpoint']}")
-        print("evaluation: " + json.dumps(result), flush=True)
+        logger.info(f"loss {result['val_loss']:.6f} | perplexity {result['val_ppl']:.4f} | {result['val_tokens']} "
+                    f"tokens | {result['checkpoint']}")
+        print("evaluation: " + json.dumps(result), flush=True)  # the machine-readable last line, unprefixed
     assert math.isfinite(result["val_loss"])
     destroy_distributed()
 

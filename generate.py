@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from components.log import setup_logging
 from generation import SamplingParams, generate, load_checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    setup_logging("stderr")  # stdout holds the generated text only; log lines (checkpoint warnings) go to stderr
     prompts = list(a.prompt)
     if a.prompts_file:
         with open(a.prompts_file, encoding="utf-8") as f:

@@ -9,6 +9,8 @@ schedule, clip, step, log, save).
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import math
 import os
 import sys
@@ -18,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.integrity import ChecksumError
-from checkpoint.manager import CheckpointManager, complete_steps
+from checkpoint.manager import CheckpointManager, complete_steps, resolve_checkpoint_folder
 from checkpoint.run_record import ResumeMismatch, build_run_record
 from components.cuda_graph import GraphedMicrobatch
 from components.distributed import destroy_distributed, init_distributed, set_determinism
+from components.log import setup_logging
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.moe_balance import MoEBalancer
 from components.optimizer import build_lr_scheduler, build_optimizer
@@ -42,11 +45,12 @@ from parallelisms.parallelize import build_model_parts
 from parallelisms.tied_weights import sum_tied_embedding_grads
 
 
-def log(msg: str) -> None:
-    print(f"[rank{int(os.environ.get('RANK', 0))}] {msg}", flush=True)
+logger = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> None:
+    t_run_start = time.perf_counter()
+    setup_logging()  # `[rankN] time message` lines; INFO on rank 0 and the LOG_RANK ranks (components/log.py)
     # 1. Config: TOML + overrides, resolved and validated once (configs/checks.py), before any process group.
     cfg = load_config_or_exit(argv)
     if cfg is None:
@@ -63,9 +67,16 @@ def main(argv: list[str] | None = None) -> None:
             hold_run_folders(cfg.job.dump_folder, cfg.checkpoint.folder if cfg.checkpoint.enable else None)
         except FolderInUseError as e:
             sys.exit(str(e))
+    finished = already_finished(cfg)
+    if finished:  # every rank reads the same folder and returns here, before any process group or model
+        if rank == 0:
+            logger.info(finished)
+        return
+    if rank == 0:
+        write_resolved_config(cfg)
     device = init_distributed(world_size)
     if rank == 0 and cfg.job.print_config:
-        log(f"config: {to_dict(cfg)}")
+        logger.info(f"config: {to_dict(cfg)}")
 
     # 2. DeviceMesh: pp x dp_replicate x dp_shard x cp (+ flattened dp, dp_shard_cp, dp_cp views).
     mesh = pdims.build_mesh(device.type)
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ResumeMismatch, ChecksumError) as e:
         sys.exit(f"checkpoint error: {e}")
     if start_step:
-        log(f"resumed from step {start_step}")
+        logger.info(f"resumed from step {start_step}")
     pipeline_eval = (PipelineEval(model.schedule, model.has_first_stage, model.has_last_stage, step_loss)
                      if pdims.pp_enabled else None)  # validation's forward-only pass through the same schedule
     with data_errors_exit():
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     metrics = MetricsLogger(cfg.job.dump_folder, rank == 0, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
                             cfg.training.steps)
     if rank == 0:
-        log(f"model {cfg.model.flavor}: {n_params / 1e6:.1f}M parameters, layers '{model_args.layer_types}', "
+        logger.info(f"model {cfg.model.flavor}: {n_params / 1e6:.1f}M parameters, layers '{model_args.layer_types}', "
             f"world {world_size} = pp {pdims.pp} x dp_replicate {pdims.dp_replicate} x dp_shard {pdims.dp_shard} "
             f"x cp {pdims.cp} (ep {pdims.ep}), device {device}, compute {compute_dtype}")
     amp = (torch.autocast("cuda", dtype=compute_dtype) if on_gpu and compute_dtype != torch.float32
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"finite)", hint="" if cfg.training.skip_nonfinite_grads else
                 " To skip such steps instead, set --training.skip_nonfinite_grads N (N in a row at most).")
         if skipped:
-            log(f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
+            logger.warning(f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
                 f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads={cfg.training.skip_nonfinite_grads})")
         for opt in optimizers:
             if not skipped:
@@ -213,11 +224,51 @@ def main(argv: list[str] | None = None) -> None:
     checkpointer.close()
     metrics.close()
     destroy_distributed()
+    last_step = step if start_step < cfg.training.steps else start_step
+    if rank == 0:
+        tokens = (last_step - start_step) * batch_plan.global_rows * cfg.training.seq_len
+        logger.info(metrics.summary(start_step + 1, last_step, tokens, time.perf_counter() - t_run_start,
+                                    outputs(cfg, checkpointer)))
     if stopping:  # SIGTERM: the step finished and (with checkpointing on) was saved
         saved = (f"saved as {checkpointer.step_dir(step)}; run the same command again to resume"
                  if checkpointer.enabled else "nothing saved (checkpoint.enable is false)")
-        log(f"stopped by SIGTERM after step {step}: {saved}")
+        logger.info(f"stopped by SIGTERM after step {step}: {saved}")
         sys.exit(EXIT_CODE_TERMINATED)
+
+
+def already_finished(cfg) -> str | None:
+    """A job rerun after it finished: the newest checkpoint is at (or past) training.steps. Returns the line to log,
+    else None. Only with checkpointing on and automatic resume (load_step -1): an explicit load_step is a choice."""
+    c = cfg.checkpoint
+    if not c.enable or c.load_step >= 0:
+        return None
+    folder = resolve_checkpoint_folder(c.folder, cfg.job.dump_folder)
+    saved = complete_steps(folder)
+    if not saved or saved[-1] < cfg.training.steps:
+        return None
+    return (f"already finished at step {saved[-1]} (training.steps={cfg.training.steps}; outputs in "
+            f"{cfg.job.dump_folder}, checkpoints in {folder}); raise --training.steps to continue")
+
+
+def write_resolved_config(cfg) -> str:
+    """Rank 0: <dump_folder>/config.json, the whole resolved config of this run (TOML + overrides, defaults filled
+    in), rewritten at every start so that it describes the latest run in the folder."""
+    path = os.path.join(cfg.job.dump_folder, "config.json")
+    os.makedirs(cfg.job.dump_folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2)
+        f.write("\n")
+    logger.info(f"resolved config written to {path}")
+    return path
+
+
+def outputs(cfg, checkpointer: CheckpointManager) -> str:
+    """Where a run's outputs are, for the end-of-run line."""
+    files = [name for name in ("metrics.jsonl", "config.json", "tb")
+             if os.path.exists(os.path.join(cfg.job.dump_folder, name))]
+    saved = complete_steps(checkpointer.folder) if checkpointer.enabled else []
+    ckpt = f"; newest checkpoint {checkpointer.step_dir(saved[-1])}" if saved else ""
+    return f"{cfg.job.dump_folder} ({', '.join(files) or 'no files'}){ckpt}"
 
 
 @contextlib.contextmanager

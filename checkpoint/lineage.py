@@ -9,11 +9,13 @@ keep_latest_k cannot delete the current branch's checkpoints in favour of the ab
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 ABANDONED_PREFIX = "abandoned-"
+logger = logging.getLogger(__name__)
 
 
 def _complete_steps_after(folder: str, step: int) -> list[int]:
@@ -50,9 +52,8 @@ def abandon_newer_steps(folder: str, resumed_step: int) -> list[str]:
         os.rename(os.path.join(folder, f"step-{step}"), os.path.join(folder, new_name))
         moved.append(new_name)
     if moved:
-        # print, not logging: nothing configures the checkpoint loggers, and this line must reach the user
-        print(f"[rank0] resumed from step-{resumed_step}, older than the newest checkpoint: this run starts a new "
-              f"branch. Moved the newer checkpoints aside in {folder}: {', '.join(moved)}. Auto-resume and "
-              "checkpoint.keep_latest_k ignore them and nothing deletes them: delete them when no longer needed.",
-              flush=True)
+        logger.warning(
+            f"resumed from step-{resumed_step}, older than the newest checkpoint: this run starts a new branch. "
+            f"Moved the newer checkpoints aside in {folder}: {', '.join(moved)}. Auto-resume and "
+            "checkpoint.keep_latest_k ignore them and nothing deletes them: delete them when no longer needed.")
     return moved

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from checkpoint.disk_space import disk_full_error, state_bytes
+from checkpoint.disk_space import disk_full_error, folder_bytes, state_bytes
 from checkpoint.export import (
     TRAIN_STATE_KEY,
     ModelState,
@@ -62,6 +63,7 @@ from checkpoint.state_adapters import (  # noqa: F401 - the adapters' historical
 )
 from checkpoint.finite import any_rank_nonfinite, first_nonfinite_state
 from checkpoint.lineage import abandon_newer_steps
+from components.log import format_bytes, format_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ def _fsync_dir(path: str) -> None:
 class _Pending:
     future: Any
     step: int
+    t_start: float  # perf_counter() when the save began, for the "saved" line
 
 
 # --------------------------------------------------------------------------------------------- manager
@@ -233,6 +236,7 @@ class CheckpointManager:
         if not (step % self.cfg.interval == 0 or last_step or force):
             return False
         self.wait()
+        t_start = time.perf_counter()
         self._refuse_nonfinite(step)
         model_only = last_step and self.cfg.last_save_model_only
         partial = self._partial_dir(step)
@@ -253,7 +257,7 @@ class CheckpointManager:
                 logger.warning(f"dcp.async_save unavailable here ({e}); saving synchronously from now on")
                 self.use_async = False
             else:
-                self._pending = _Pending(future, step)
+                self._pending = _Pending(future, step, t_start)
                 return True
         try:
             with single_process_quiet():
@@ -262,7 +266,7 @@ class CheckpointManager:
             self._raise_if_disk_full(e, step)
             raise
         self._barrier()
-        self._finalize(step)
+        self._finalize(step, t_start)
         self._barrier()
         return True
 
@@ -277,8 +281,9 @@ class CheckpointManager:
                 f"{f'step-{saved[-1]}' if saved else 'none'} in {self.folder}; resume from it with a lower "
                 "optimizer.lr (or more lr_scheduler.warmup_steps), or check the data.")
 
-    def _finalize(self, step: int) -> None:
-        """Rank 0, once every rank's data and the metadata are written: publish step-N, apply retention."""
+    def _finalize(self, step: int, t_start: float, background: bool = False) -> None:
+        """Rank 0, once every rank's data and the metadata are written: publish step-N, apply retention, and log
+        one line: the path, its size on disk and the seconds since the save began (async: in the background)."""
         if self.rank != 0:
             return
         partial, final = self._partial_dir(step), self.step_dir(step)
@@ -293,7 +298,8 @@ class CheckpointManager:
         _fsync_dir(self.folder)
         if replaced:
             shutil.rmtree(replaced, ignore_errors=True)
-        logger.info(f"saved checkpoint {final}")
+        logger.info(f"saved checkpoint {final} ({format_bytes(folder_bytes(final))}, "
+                    f"{format_seconds(time.perf_counter() - t_start)}{' in the background' if background else ''})")
         k = self.cfg.keep_latest_k
         if k > 0:
             for old in complete_steps(self.folder)[:-k]:
@@ -333,7 +339,7 @@ class CheckpointManager:
             # the .step-N.partial folder stays unpublished and is removed at the next save / load
             raise RuntimeError(f"async checkpoint save of step {pending.step} failed: {e}") from e
         # rank 0's future completes after DCP gathered every rank's write results and wrote .metadata
-        self._finalize(pending.step)
+        self._finalize(pending.step, pending.t_start, background=True)
 
     def close(self) -> None:
         """Flush the in-flight async save; call at the end of training."""
@@ -362,10 +368,14 @@ class CheckpointManager:
                     abandon_newer_steps(self.folder, step)
                 return step
         if self.cfg.initial_load_path:
-            logger.info(f"loading initial model weights from {self.cfg.initial_load_path}")
+            t_start = time.perf_counter()
             if self.cfg.checksums:  # ours carry checksums.json; foreign conversions may not (then unchecked)
                 verify_checksums(self.cfg.initial_load_path, self.pg)
             load_model_weights(self.model_parts, self.cfg.initial_load_path, process_group=self.pg)
+            if self.rank == 0:
+                logger.info(f"loaded initial model weights from {self.cfg.initial_load_path} "
+                            f"({format_bytes(folder_bytes(self.cfg.initial_load_path))}, "
+                            f"{format_seconds(time.perf_counter() - t_start)}); training starts at step 1")
         return 0
 
     def _choose_step(self) -> tuple[int | None, str | None]:
@@ -383,6 +393,7 @@ class CheckpointManager:
 
     def _load_full(self, step: int) -> None:
         path = self.step_dir(step)
+        t_start = time.perf_counter()
         self._verify(path)
         check_resume(path, read_record(path), self.run_record, self.cfg)
         metadata = read_metadata(path)
@@ -406,7 +417,6 @@ class CheckpointManager:
                 logger.warning(f"{path} has no {name} state; {name} starts fresh")
                 del state[name]
         check_model_keys(self.model.state_dict(), metadata, "model.", path, self.pg, aliases=self.model.aliases())
-        logger.info(f"resuming from {path}")
         try:
             with single_process_quiet():
                 dcp.load(state, storage_reader=FileSystemReader(path), process_group=self.pg)
@@ -419,6 +429,9 @@ class CheckpointManager:
             self.train_state.load_only = None
             for wrapped in self._json_states.values():
                 wrapped.prepare_load(None)
+        if self.rank == 0:
+            logger.info(f"loaded checkpoint {path} ({format_bytes(folder_bytes(path))}, "
+                        f"{format_seconds(time.perf_counter() - t_start)})")
 
     def _verify(self, path: str) -> None:
         """Check the folder's checksums.json before anything reads the folder (collective)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shlex
 import socket
@@ -22,6 +23,7 @@ import time
 from checkpoint.manager import resolve_checkpoint_folder
 
 LOCK_NAME = ".lock"
+logger = logging.getLogger(__name__)
 _held: dict[str, int] = {}  # realpath of a locked folder -> the open lock file's descriptor (kept for the process)
 
 
@@ -67,8 +69,8 @@ def hold_folder(folder: str, what: str = "job.dump_folder") -> None:
     except OSError as e:
         if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):  # the filesystem has no locks (ENOLCK, EOPNOTSUPP)
             os.close(fd)
-            print(f"[rank0] warning: cannot lock {path} ({e}); nothing stops a second run from writing into "
-                  f"{folder} at the same time", flush=True)
+            logger.warning(f"cannot lock {path} ({e}); nothing stops a second run from writing into {folder} at "
+                           "the same time")
             return
         with open(path) as f:
             holder = _describe(f.read())

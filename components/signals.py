@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ import sys
 # prctl(2) option: the signal this process receives when its parent thread exits (linux/prctl.h).
 _PR_SET_PDEATHSIG = 1
 EXIT_CODE_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process ended by SIGTERM
+logger = logging.getLogger(__name__)
 
 
 def started_by_torchrun() -> bool:
@@ -59,8 +61,8 @@ class GracefulStop:
         self.requested = True
         # A second SIGTERM means "now": back to the default action.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        print(f"[rank{int(os.environ.get('RANK', 0))}] SIGTERM received: finishing this step, then saving (if "
-              "checkpointing is on) and exiting; send SIGTERM again to stop at once", file=sys.stderr, flush=True)
+        logger.warning("SIGTERM received: finishing this step, then saving (if checkpointing is on) and exiting; "
+                       "send SIGTERM again to stop at once")
 
     def uninstall(self) -> None:
         if self._previous is not None:

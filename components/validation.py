@@ -14,6 +14,7 @@ last stage has losses, so its sums are all-reduced over the whole world (other s
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 
@@ -24,6 +25,8 @@ from data.loader import IGNORE_INDEX, build_loader
 from models.loss import cross_entropy_sum
 from parallelisms.sequence_sharding import shard_sequence
 from parallelisms.mesh import coords, group
+
+logger = logging.getLogger(__name__)
 
 
 class PipelineEval:
@@ -129,6 +132,6 @@ class Validator:
         loss = loss_sum / tokens
         out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(tokens)}
         if self.is_rank0:
-            print(f"validation step {step:>6} | val_loss {loss:.4f} | val_ppl {out['val_ppl']:.3f} | "
-                  f"{int(tokens)} tokens in {n} batches", flush=True)
+            logger.info(f"validation step {step:>6} | val_loss {loss:.4f} | val_ppl {out['val_ppl']:.3f} | "
+                        f"{int(tokens)} tokens in {n} batches")
         return out

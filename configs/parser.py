@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import typing
 from typing import Any
@@ -143,13 +144,17 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     return cfg
 
 
-def load_config_or_exit(argv: list[str] | None = None, usage: str = "") -> JobConfig | None:
+def load_config_or_exit(argv: list[str] | None = None, usage: str = "", prog: str = "train.py") -> JobConfig | None:
     """The command-line entry of train.py / evaluate.py: --help prints `usage` and every key (returns None);
-    a bad config exits with its message before anything else happens."""
+    no --job.config_file prints how to pass one and exits 2 (never a run of the built-in defaults); a bad config
+    exits with its message before anything else happens."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
         print((usage + "\n" if usage else "") + help_text())
         return None
+    if not any(a == "--job.config_file" or a.startswith("--job.config_file=") for a in argv):
+        print(no_config_usage(prog), file=sys.stderr)
+        sys.exit(2)
     try:
         return load_config(argv)
     except ConfigError as e:
@@ -240,6 +245,17 @@ def _number_errors(cfg: JobConfig) -> list[str]:
         ("lr_scheduler.min_lr_factor", sched.min_lr_factor, lambda v: 0 <= v <= 1, "in [0, 1]"),
     )
     return [f"{key}={v} must be {valid}" for key, v, ok, valid in checks if not ok(v)]
+
+
+def no_config_usage(prog: str = "train.py") -> str:
+    """What to type when no --job.config_file was given: the form, an example, the job files in configs/."""
+    configs = os.path.dirname(os.path.abspath(__file__))
+    jobs = sorted(name for name in os.listdir(configs) if name.endswith(".toml"))
+    return (f"usage: python {prog} --job.config_file FILE [--section.key value | --section.key=value ...]\n"
+            f"no --job.config_file given: every run starts from a job file, e.g.\n"
+            f"    python {prog} --job.config_file configs/debug.toml        # a tiny Mamba-2, seconds on a CPU\n"
+            f"job files in configs/: {', '.join(jobs)}\n"
+            f"`python {prog} --help` lists every key.")
 
 
 def help_text() -> str:

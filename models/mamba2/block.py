@@ -45,6 +45,11 @@ class Block(nn.Module):
     def forward(self, hidden_BSD: torch.Tensor, residual_BSD: torch.Tensor | None,
                 seq_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         normed_BSD, residual_BSD = self.norm.add_and_norm(hidden_BSD, residual_BSD, self.residual_in_fp32)
+        if residual_BSD is hidden_BSD:
+            # The first block (no residual yet, fp32) would return its own input as the residual. Under FSDP2
+            # that input is a view (FSDP's pre-forward autograd function returns its inputs as views), and FSDP
+            # warns at every such forward that an output is a view. A copy, freed at the next block's add.
+            residual_BSD = residual_BSD.clone()
         return self.mixer(normed_BSD, seq_idx=seq_idx), residual_BSD
 
     # Recurrent decoding (models.inference). Mixers with state between tokens (Mamba-2, attention) have
