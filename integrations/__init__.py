@@ -1,0 +1,1 @@
+"""Adapters that plug mambatitan's models into other trainers (torchtitan: integrations/torchtitan)."""

@@ -1,0 +1,27 @@
+"""Launch torchtitan's trainer with the "mamba2" TrainSpec registered (run from the repository root):
+
+    python -m integrations.torchtitan.train --job.config_file integrations/torchtitan/mamba2_debug.toml
+    torchrun --nproc_per_node 8 -m integrations.torchtitan.train --job.config_file ... --parallelism.pipeline_parallel_degree 2
+
+Every torchtitan flag works as with `python -m torchtitan.train`; torchtitan needs CUDA (or another accelerator).
+"""
+
+from __future__ import annotations
+
+import os
+
+import integrations.torchtitan  # noqa: F401  (registers "mamba2")
+
+
+def main() -> None:
+    from torchtitan.train import Trainer, main as torchtitan_main
+
+    # torchtitan reads LOCAL_RANK / WORLD_SIZE that torchrun sets; a plain `python -m` run is one process.
+    for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"),
+                       ("MASTER_PORT", "29511")):
+        os.environ.setdefault(key, value)
+    torchtitan_main(Trainer)
+
+
+if __name__ == "__main__":
+    main()
