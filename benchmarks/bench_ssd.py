@@ -198,7 +198,7 @@ def _outputs_and_grads(fn, inp, Q, dy):
                                    v.grad is not None]
 
 
-def tune(shape_names):
+def tune(shape_names, variants=None, seq_modes=(False, True)):
     """Our kernels' per-kernel device times under each tile variant; returns (record, best overrides)."""
     from models.kernels.ssd_triton.config import block_config
 
@@ -206,11 +206,13 @@ def tune(shape_names):
     record, group_times = {}, defaultdict(lambda: defaultdict(float))
     for sname in shape_names:
         Q = SHAPES[sname]["Q"]
-        for with_seq in (False, True):
+        for with_seq in seq_modes:
             inp = make_inputs(SHAPES[sname], with_seq, seed=0)
             dy = torch.randn_like(inp["x"])
             base_out = None
             for vname, over in TUNE_VARIANTS.items():
+                if variants and vname not in variants:
+                    continue
                 _patched_config(over)
                 try:
                     step, _ = fwd_bwd_fn(fn, inp, Q, dy)
@@ -283,6 +285,8 @@ def numerics(fns, shape, with_seq, with_init):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1.3b,370m")
+    ap.add_argument("--variants", default="", help="with --tune: only these TUNE_VARIANTS (comma-separated)")
+    ap.add_argument("--tune_seq", default="both", choices=("both", "no", "yes"), help="with --tune: seq_idx cases")
     ap.add_argument("--rep_ms", type=int, default=200, help="do_bench repetition time per measurement (ms)")
     ap.add_argument("--skip_numerics", action="store_true")
     ap.add_argument("--tune", default="", help="shapes (e.g. 1.3b) to tune our tiles on first (TUNE_VARIANTS); "
@@ -293,7 +297,9 @@ def main():
 
     record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.tune:
-        record["tune"], best = tune(args.tune.split(","))
+        seq_modes = {"both": (False, True), "no": (False,), "yes": (True,)}[args.tune_seq]
+        record["tune"], best = tune(args.tune.split(","), args.variants.split(",") if args.variants else None,
+                                    seq_modes)
         _patched_config(best)  # the comparison below runs the combined best tiles
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

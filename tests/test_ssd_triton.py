@@ -179,10 +179,10 @@ def test_one_group_D_per_channel_z_odd_chunk():
               call=dict(chunk_size=24, dt_limit=(0.01, 1.5)))
 
 
-def test_grouped_dcb_backward_mode():
-    """bc_mode 'grouped' (dCB summed over heads, then one product per group), 2 heads per program block."""
+def test_per_head_backward_mode():
+    """bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is 'grouped'), 2 heads/program."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=16),
-              config=dict(bc_mode="grouped", heads_per_prog=2))
+              config=dict(bc_mode="per_head", heads_per_prog=2))
 
 
 def test_fused_path_contract_under_triton_backend():
