@@ -9,13 +9,15 @@ Split of the work:
     cumulative sum a = cumsum(dA) itself, and runs the kernels: forward CB -> chunk states -> state
     passing -> chunk scan; backward recomputes CB, the states and the states entering each chunk
     (nothing [B, NC, H, P, N] is kept between forward and backward), then dS_in -> state passing
-    backward -> dx / ddt / dD -> dC (+ decay terms) -> dB.
+    backward -> dx / ddt / dD -> dC's state term, the decay terms O and R, and dCB summed over the heads
+    of each group (dcb_bwd; config bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C as
+    two float32 products per group. (bc_mode "per_head", bc_bwd: each head's dCB is multiplied in-kernel.)
 
 The gradient with respect to dA_t is, within its chunk, the sum of four parts, each a sum of
 same-signed-structure terms (no large sums subtracted from each other, which would cost bf16 runs
 two digits, as the first version here did):
-    sum_{l >= t} O_l            y's state term (O from the dC kernel)
-  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (dC kernel)
+    sum_{l >= t} O_l            y's state term (O from the dCB / dC kernel)
+  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (same kernel)
   + sum_{s < t} q_s             chunk-state terms: exp(a_last - a_s) spans t for s < t (dx kernel)
   + dtot_c                      the decay between chunks, exp(a_last), spans every t (state passing).
 """
@@ -48,8 +50,8 @@ def _dummy(device) -> torch.Tensor:
 
 
 def _dot_precision(x: torch.Tensor) -> str:
-    # float32 inputs: full-precision dots (tf32 would cost the cumulative-decay gradients, which are differences
-    # of large sums, two digits); bf16 / fp16 operands are exact products on the tensor cores anyway.
+    # float32 inputs: full-precision dots (tf32 keeps 10 mantissa bits; float32 runs are for checking, not speed);
+    # bf16 / fp16 operands are exact products on the tensor cores anyway.
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
