@@ -3,8 +3,9 @@
 Forward and every gradient (x, dt, A, B, C, D, dt_bias, z, initial states; final states with their own
 cotangent), fp32 and bf16, ngroups 1 and 2, several chunk sizes (one not a power of two), lengths that
 are not a multiple of the chunk, documents via seq_idx. Where mamba_ssm imports, its error on the same
-inputs is measured too and ours must not exceed it by more than RATIO_SLACK (bf16 rounding differs
-between the two kernel sets, so a small slack; the bench reports the exact ratios).
+bf16 inputs is measured too and ours must not exceed it by more than RATIO_SLACK (bf16 rounding differs
+between the two kernel sets, so a small slack; the bench reports the exact ratios). In fp32 only the
+tolerances apply: mamba_ssm's dots run in tf32 there, ours in full fp32.
 """
 
 import math
@@ -95,7 +96,8 @@ def test_ssd_triton_matches_reference(dtype, ngroups, chunk_size, variant):
     tol_f, tol_g = TOL[dtype]
     bad = {k: e for k, e in errs.items() if not e <= (tol_f if k in ("y", "final_states") else tol_g)}
     theirs_note = ""
-    if kcuda.cuda_kernels_available():
+    # mamba_ssm's error only where it is comparable: bf16 (in fp32 its dots run in tf32, ours in full fp32).
+    if dtype == torch.bfloat16 and kcuda.cuda_kernels_available():
         mamba = kcuda._kernels()["mamba_chunk_scan_combined"]
 
         def theirs_fn(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, **kw):
