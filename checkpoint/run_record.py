@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from data.loader import data_identity
+
 logger = logging.getLogger(__name__)
 
 RECORD_FILE = "run_record.json"
@@ -38,6 +40,9 @@ FREE_MODEL_FIELDS = frozenset({"chunk_size", "use_fused_path", "dt_min", "dt_max
 APPLIED_MODEL_FIELDS = frozenset({"moe_load_balance_coeff", "moe_aux_loss_coeff", "moe_z_loss_coeff"})
 DATA_FIELDS = ("dataset", "dataset_path", "dataset_config", "dataset_split", "dataset_text_field", "seq_len",
                "document_masking", "seed")
+# data/loader.py's data_identity: the mixture (normalised), the shuffle settings, each shard folder's content hash.
+# Records written before these existed lack them: they compare as the defaults (no mixture, no shards, no shuffle).
+DATA_IDENTITY_DEFAULTS = {"datasets": [], "shuffle": None, "shuffle_buffer": 0, "shards": {}}
 APPLIED_SECTIONS = ("optimizer", "lr_scheduler")
 APPLIED_TRAINING_FIELDS = ("steps", "global_batch_size", "max_norm")
 
@@ -69,7 +74,7 @@ def build_run_record(job_config, model_args, tokenizer) -> dict:
         "job_config": dataclasses.asdict(job_config),
         "model_args": dataclasses.asdict(model_args),
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "data": {k: getattr(t, k) for k in DATA_FIELDS},
+        "data": {**{k: getattr(t, k) for k in DATA_FIELDS}, **data_identity(job_config)},
         "torch_version": torch.__version__,
     }
 
@@ -121,7 +126,8 @@ def compare_records(saved: dict, now: dict) -> dict[str, list[str]]:
     return {
         "model": _diff(sm, nm, model_keys, "model."),
         "tokenizer": _diff(st, nt, sorted((set(st) | set(nt)) - {"path"}), "tokenizer "),
-        "data": _diff(saved.get("data", {}), now["data"], DATA_FIELDS, "training."),
+        "data": _diff({**DATA_IDENTITY_DEFAULTS, "shuffle": now["data"].get("shuffle"), **saved.get("data", {})},
+                      now["data"], (*DATA_FIELDS, *DATA_IDENTITY_DEFAULTS), "training."),
         "applied": applied,
     }
 

@@ -61,7 +61,8 @@ def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, token
     if tokenizer.vocab_size > model_args.vocab_size:
         errs.append(f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but model.vocab_size="
                     f"{model_args.vocab_size}; set --model.vocab_size {tokenizer.vocab_size} (or larger)")
-    errs += batch.errors(pdims.dp)
+    if training:  # evaluate.py reads validation batches; the training batch and loop do not concern it
+        errs += batch.errors(pdims.dp)
     if pdims.cp_enabled:
         try:
             validate_cp_shapes(t.seq_len, pdims.cp, cfg.parallelism.context_parallel_load_balance)
@@ -69,7 +70,7 @@ def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, token
                 validate_cp_mamba(model_args.nheads, model_args.ngroups, pdims.cp)
         except ValueError as e:
             errs.append(str(e))
-    if t.skip_nonfinite_grads < 0:
+    if training and t.skip_nonfinite_grads < 0:
         errs.append(f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
                     "non-finite gradient norm)")
     if cfg.parallelism.fsdp_blocks_per_unit < 1:
@@ -85,7 +86,7 @@ def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, token
     if pdims.pp_enabled and cfg.validation.enable and cfg.validation.local_batch_size != batch.rows_per_dp_rank:
         errs.append(f"under pipeline parallel validation batches go through the training schedule, so "
                     f"validation.local_batch_size must equal the rows per data-parallel rank, {batch.rows_per_dp_rank}")
-    if t.cuda_graph:
+    if training and t.cuda_graph:
         errs += cuda_graph_errors(cfg, pdims, model_args)
     if pdims.pp_enabled:
         errs += validate_pipeline(cfg, pdims, model_args, batch.n_microbatches)

@@ -270,3 +270,15 @@ def test_checkpoint_in_the_old_pickled_format_still_resumes(tmp_path, caplog):
     assert_same(snapshot(model2, opt2), want_snap) and random.getstate() == want_rng
     assert sched2.last_epoch == 3
     assert "saved before the pickle-free format" in caplog.text and "has no checksums.json" in caplog.text
+
+
+def test_changed_shuffle_buffer_is_refused_and_older_records_compare_as_the_defaults(tmp_path):
+    saved = record()
+    save_run(tmp_path, run_record=saved)
+    with pytest.raises(ResumeMismatch, match=r"training.shuffle_buffer: saved 0, now 64"):
+        resume(tmp_path, record(training__shuffle_buffer=64))
+    older = {**saved, "data": {k: v for k, v in saved["data"].items()
+                               if k not in ("datasets", "shuffle", "shuffle_buffer", "shards")}}
+    (tmp_path / "older").mkdir()
+    save_run(tmp_path / "older", run_record=older)  # written before the data identity existed
+    assert resume(tmp_path / "older", record())[1] == 2

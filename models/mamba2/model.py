@@ -192,7 +192,7 @@ class Mamba2LM(nn.Module):
                              "auxiliary losses as in training); call model.eval() first")
 
     def set_kernel_backend(self, backend: str) -> None:
-        """'auto' or 'reference' for the Mamba mixers and the norms (see model.kernels).
+        """'auto', 'triton' or 'reference' for the Mamba mixers and the norms (see model.kernels).
 
         Attention and experts have their own backends (sdpa / flex / flash, grouped_mm / loop) and keep "auto".
         """
