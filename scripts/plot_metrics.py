@@ -25,9 +25,11 @@ from matplotlib.figure import Figure  # no pyplot: no global figure state and no
 
 DEFAULT_METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "moe_max_load_ratio")
 TITLES = {"loss": "training loss", "val_loss": "validation loss", "val_ppl": "validation perplexity",
-          "lr": "learning rate", "grad_norm": "gradient norm (before clipping)", "tokens_per_sec": "tokens/s per device",
+          "lr": "learning rate", "grad_norm": "gradient norm (before clipping)",
+          "tokens_per_sec": "tokens/s per device",
           "mfu": "MFU", "memory_gib": "memory (GiB)", "moe_max_load_ratio": "MoE busiest expert / mean load"}
 PANEL_INCHES = (6.4, 3.4)  # (width, height) of one panel
+LINESTYLES = ("-", "--", "-.", ":")  # runs that agree (two layouts of one job) overlap: keep each one visible
 
 
 class PlotError(ValueError):
@@ -133,15 +135,16 @@ def make_figure(runs: list[tuple[str, list[dict]]], metrics: list[str] | None = 
         ax.remove()
     for ax, metric in zip(axes, metrics):
         for i, (label, recs) in enumerate(runs):
-            color = f"C{i}"
+            color, style = f"C{i}", LINESTYLES[i % len(LINESTYLES)]
             points = [(xv, r[metric]) for xv, r in zip(xs[label], recs)
                       if _is_number(r.get(metric)) and math.isfinite(r[metric])]
             if points:
                 px, py = (np.array(v, dtype=float) for v in zip(*points))
-                ax.plot(px, py, color=color, label=label, gid=f"{label}:{metric}",
+                ax.plot(px, py, color=color, linestyle=style, label=label, gid=f"{label}:{metric}",
                         alpha=0.3 if smooth > 1 else 1.0, marker="o" if len(px) == 1 else None)
                 if smooth > 1:
-                    ax.plot(px, trailing_mean(py, smooth), color=color, gid=f"{label}:{metric}:smoothed")
+                    ax.plot(px, trailing_mean(py, smooth), color=color, linestyle=style,
+                            gid=f"{label}:{metric}:smoothed")
             for xv, r in zip(xs[label], recs):
                 if r.get("skipped"):
                     ax.axvline(xv, color=color, linestyle=":", linewidth=0.8, gid=f"{label}:skipped")
