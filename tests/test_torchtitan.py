@@ -145,8 +145,9 @@ def test_ranks_read_the_global_row_stream_and_resume():
     assert next(iter(resumed))[0]["input"].tolist() == next(it)[0]["input"].tolist()
 
 
-def run_torchtitan(args: list[str], tmp_path: Path, nproc: int = 1) -> dict[int, list[float]]:
-    """torchtitan's Trainer via tests/torchtitan_run.py (own processes: it sets process-wide state); losses by rank."""
+def run_torchtitan(args: list[str], tmp_path: Path, nproc: int = 1) -> dict[int, dict[str, list[float]]]:
+    """torchtitan's Trainer via tests/torchtitan_run.py (own processes: it sets process-wide state) ->
+    {rank: {"loss": [per step], "grad_norm": [per step]}}."""
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
@@ -155,25 +156,31 @@ def run_torchtitan(args: list[str], tmp_path: Path, nproc: int = 1) -> dict[int,
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    found = [line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("LOSSES ")]
-    return {int(rank): json.loads(values) for _, rank, values in found}
+    found = [line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("METRICS ")]
+    by_rank = {int(rank): json.loads(records) for _, rank, records in found}
+    return {rank: {key: [rec[key] for rec in records] for key in ("loss", "grad_norm")}
+            for rank, records in by_rank.items()}
 
 
 def test_torchtitan_trainer_trains_mamba2(tmp_path):
-    losses = run_torchtitan(RUN_ARGS + ["--training.steps", "4", "--training.local_batch_size", "4"], tmp_path)[0]
+    losses = run_torchtitan(RUN_ARGS + ["--training.steps", "4", "--training.local_batch_size", "4"],
+                            tmp_path)[0]["loss"]
     assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.3, losses
 
 
 @pytest.mark.slow
 def test_torchtitan_fsdp_matches_one_process(tmp_path):
-    """FSDP over 2 gloo ranks (2 rows each) = one process (4 rows): torchtitan divides by the global token count,
-    so FSDP must sum the gradients (integrations/torchtitan/parallelize.py)."""
+    """FSDP over 2 gloo ranks (2 rows each) = one process (4 rows), losses and gradient norms: torchtitan divides by
+    the global token count, so FSDP must sum the gradients (integrations/torchtitan/parallelize.py). The gradient
+    norm is what shows it: clipping and AdamW hide a gradient scale from the losses."""
     steps = ["--training.steps", "3"]
     one = run_torchtitan(RUN_ARGS + steps + ["--training.local_batch_size", "4"], tmp_path / "one")[0]
     fsdp = run_torchtitan(RUN_ARGS + steps + ["--training.local_batch_size", "2"], tmp_path / "fsdp", nproc=2)
     for rank in (0, 1):
-        torch.testing.assert_close(torch.tensor(fsdp[rank]), torch.tensor(one), rtol=1e-5, atol=0)
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(fsdp[rank][key]), torch.tensor(one[key]), rtol=1e-5, atol=0,
+                                       msg=f"rank {rank} {key}")
 
 
 @pytest.mark.slow
@@ -181,9 +188,10 @@ def test_torchtitan_pipeline_trains(tmp_path):
     """PP over 2 gloo ranks (1F1B, 2 microbatches): the first step's loss is the one-process loss (same init, same
     data, mambatitan's stage split), and training goes on."""
     args = RUN_ARGS + ["--model.flavor", "debug_untied", "--training.local_batch_size", "4"]
-    one = run_torchtitan(args + ["--training.steps", "1"], tmp_path / "one")[0]
+    one = run_torchtitan(args + ["--training.steps", "1"], tmp_path / "one")[0]["loss"]
     pp = run_torchtitan(args + ["--training.steps", "4", "--parallelism.pipeline_parallel_degree", "2"],
                         tmp_path / "pp", nproc=2)
-    assert pp[0] == [-1.0] * 4  # rank 0 holds the first stage only
-    torch.testing.assert_close(torch.tensor(pp[1][0]), torch.tensor(one[0]), rtol=1e-5, atol=0)
-    assert pp[1][-1] < pp[1][0], pp[1]
+    assert pp[0]["loss"] == [-1.0] * 4  # rank 0 holds the first stage only
+    losses = pp[1]["loss"]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(one[0]), rtol=1e-5, atol=0)
+    assert losses[-1] < losses[0], losses

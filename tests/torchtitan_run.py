@@ -10,8 +10,8 @@ training loop, loss scaling, FSDP / PP) is torchtitan's unchanged code.
     python -m tests.torchtitan_run --job.config_file integrations/torchtitan/mamba2_debug.toml --training.steps 4
     python -m torch.distributed.run --nproc_per_node 2 -m tests.torchtitan_run ... --parallelism.pipeline_parallel_degree 2
 
-Every rank prints one line "LOSSES <rank> <json list>": the loss torchtitan logged at every step (under pipeline
-parallel only the ranks holding the last stage know it; the others log -1).
+Every rank prints one line "METRICS <rank> <json list>": {"loss", "grad_norm"} as torchtitan logged them at every step
+(under pipeline parallel only the ranks holding the last stage know the loss; the others log -1).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def use_cpu_device() -> None:
                 module.device_module = torch.cpu
 
 
-def run(argv: list[str]) -> list[float]:
-    """Train with torchtitan's Trainer on this process' rank; returns the loss logged at every step."""
+def run(argv: list[str]) -> list[dict[str, float]]:
+    """Train with torchtitan's Trainer on this process' rank; returns the loss and grad norm logged at every step."""
     for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
@@ -67,12 +67,12 @@ def run(argv: list[str]) -> list[float]:
     if not torch.cuda.is_available():
         use_cpu_device()
     init_logger()
-    losses: list[float] = []
+    records: list[dict[str, float]] = []
     log = MetricsProcessor.log
 
-    def recording_log(self, step, global_avg_loss, *args, **kwargs):
-        losses.append(float(global_avg_loss))
-        return log(self, step, global_avg_loss, *args, **kwargs)
+    def recording_log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs):
+        records.append({"loss": float(global_avg_loss), "grad_norm": float(grad_norm)})
+        return log(self, step, global_avg_loss, global_max_loss, grad_norm, *args, **kwargs)
 
     MetricsProcessor.log = recording_log
     trainer = Trainer(ConfigManager().parse_args(argv))
@@ -82,9 +82,9 @@ def run(argv: list[str]) -> list[float]:
         trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return losses
+    return records
 
 
 if __name__ == "__main__":
-    step_losses = run(sys.argv[1:])
-    print(f"LOSSES {os.environ['RANK']} {json.dumps(step_losses)}", flush=True)
+    step_records = run(sys.argv[1:])
+    print(f"METRICS {os.environ['RANK']} {json.dumps(step_records)}", flush=True)
