@@ -25,7 +25,7 @@ import integrations.torchtitan as titan  # noqa: E402
 from data.datasets import ListSource  # noqa: E402
 from data.packing import DocumentPacker  # noqa: E402
 from data.tokenizer import ByteTokenizer  # noqa: E402
-from integrations.torchtitan.data import PackedRows  # noqa: E402
+from integrations.torchtitan.data import PackedRows, check_tokenizer_fits_flavor  # noqa: E402
 from integrations.torchtitan.parallelize import parallelize_mamba2  # noqa: E402
 from integrations.torchtitan.pipeline import pipeline_settings  # noqa: E402
 from models import build_model_on_meta  # noqa: E402
@@ -112,6 +112,15 @@ def test_unsupported_settings_are_refused_before_compute():
     assert any("'debug_untied'" in e for e in errs) and any("last_stage_less_layers" in e for e in errs)
 
 
+def test_tokenizer_must_fit_the_flavor():
+    check_tokenizer_fits_flavor(258, "debug")  # the byte tokenizer and the debug vocabulary
+    check_tokenizer_fits_flavor(50277, "130M")
+    with pytest.raises(ValueError, match="flavor 'debug' embeds vocab_size=258"):
+        check_tokenizer_fits_flavor(50277, "debug")
+    with pytest.raises(ValueError, match="'debugmodel' is not a mamba2 flavor"):
+        check_tokenizer_fits_flavor(258, "debugmodel")
+
+
 def test_activation_checkpointing_wraps_every_nth_block():
     cfg = _titan_settings()
     cfg.activation_checkpoint.selective_ac_option = "2"
@@ -195,3 +204,13 @@ def test_torchtitan_pipeline_trains(tmp_path):
     losses = pp[1]["loss"]
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(one[0]), rtol=1e-5, atol=0)
     assert losses[-1] < losses[0], losses
+
+
+def test_launcher_without_an_accelerator_says_so(monkeypatch):
+    import torch._utils
+
+    from integrations.torchtitan import train as launcher
+
+    monkeypatch.setattr(torch._utils, "_get_available_device_type", lambda: None)
+    with pytest.raises(SystemExit, match="needs an accelerator .* python train.py"):
+        launcher.main()

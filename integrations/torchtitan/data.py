@@ -26,6 +26,7 @@ from torchtitan.components.tokenizer import BaseTokenizer
 from data.datasets import build_text_source
 from data.packing import DocumentPacker
 from data.tokenizer import build_tokenizer
+from integrations.torchtitan.args import titan_flavors
 
 
 class Mamba2Tokenizer(BaseTokenizer):
@@ -50,7 +51,21 @@ class Mamba2Tokenizer(BaseTokenizer):
 
 
 def build_mamba2_tokenizer(job_config) -> Mamba2Tokenizer:
-    return Mamba2Tokenizer(job_config.model.hf_assets_path or "")
+    """The tokenizer, checked against the flavor first: torchtitan builds the tokenizer before the model, so an unknown
+    flavor or a vocabulary the embedding cannot hold stops the run here, naming the fix."""
+    tokenizer = Mamba2Tokenizer(job_config.model.hf_assets_path or "")
+    check_tokenizer_fits_flavor(tokenizer.get_vocab_size(), job_config.model.flavor)
+    return tokenizer
+
+
+def check_tokenizer_fits_flavor(tokenizer_vocab: int, flavor: str) -> None:
+    flavors = titan_flavors()
+    if flavor not in flavors:
+        raise ValueError(f"model.flavor={flavor!r} is not a mamba2 flavor; choose one of {sorted(flavors)}")
+    if tokenizer_vocab > flavors[flavor].vocab_size:
+        raise ValueError(f"the tokenizer has ids up to {tokenizer_vocab - 1} but flavor {flavor!r} embeds "
+                         f"vocab_size={flavors[flavor].vocab_size} ids; pick a flavor whose vocabulary holds the "
+                         "tokenizer's (or leave model.hf_assets_path empty for the byte tokenizer, 258 ids)")
 
 
 class PackedRows(IterableDataset, Stateful):

@@ -9,12 +9,19 @@ Every torchtitan flag works as with `python -m torchtitan.train`; torchtitan nee
 from __future__ import annotations
 
 import os
+import sys
 
 import integrations.torchtitan  # noqa: F401  (registers "mamba2")
 
 
 def main() -> None:
+    from torch._utils import _get_available_device_type
     from torchtitan.train import Trainer, main as torchtitan_main
+
+    # torchtitan picks its device the same way and, finding none, fails deep inside with a CUDA AttributeError.
+    if _get_available_device_type() is None:
+        sys.exit("torchtitan's trainer needs an accelerator (CUDA) and none is visible; on a CPU use mambatitan's "
+                 "own trainer: python train.py --job.config_file configs/debug.toml")
 
     # torchtitan reads LOCAL_RANK / WORLD_SIZE that torchrun sets; a plain `python -m` run is one process.
     for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"),

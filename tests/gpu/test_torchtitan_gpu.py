@@ -7,6 +7,10 @@ torchtitan (pip install the wheel, e.g. ../shared/gpu/wheels/torchtitan-0.2.2-*.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from tests.gpu.launch import visible_gpus  # noqa: E402
+from tests.gpu.launch import REPO, visible_gpus  # noqa: E402
 from tests.test_torchtitan import run_torchtitan  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -61,3 +65,18 @@ def test_pipeline_parallel_trains(tmp_path: Path):
                         tmp_path / "pp", nproc=2)[1]["loss"]
     torch.testing.assert_close(torch.tensor(pp[0]), torch.tensor(one[0]), rtol=1e-4, atol=0)
     assert pp[-1] < pp[0] - 0.5, pp
+
+
+@pytest.mark.parametrize("entry", [["-m", "integrations.torchtitan.train"],
+                                   ["-m", "torchtitan.train", "--experimental.custom_import", "integrations.torchtitan"]],
+                         ids=["our_launcher", "torchtitan_custom_import"])
+def test_user_commands_train(tmp_path: Path, entry):
+    """The two commands README.md gives, as a user runs them (torchrun, one GPU): torchtitan logs falling losses."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           "--rdzv_endpoint=localhost:0", *entry, *ARGS, "--training.steps", "10", "--job.dump_folder", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{log[-5000:]}"
+    losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([-\d.]+)", log)]
+    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5, losses
