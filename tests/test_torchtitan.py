@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,16 @@ def test_launcher_without_an_accelerator_says_so(monkeypatch):
     monkeypatch.setattr(torch._utils, "_get_available_device_type", lambda: None)
     with pytest.raises(SystemExit, match="needs an accelerator .* python train.py"):
         launcher.main()
+
+
+@pytest.mark.slow
+def test_torchtitan_checkpoint_resumes_exactly(tmp_path):
+    """torchtitan's checkpoint at step 2 (model, optimizer, lr schedule and PackedRows' data position) resumes to the
+    same steps 3-4 as the uninterrupted run."""
+    args = RUN_ARGS + ["--training.local_batch_size", "4", "--training.steps", "4", "--checkpoint.enable",
+                       "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only"]
+    straight = run_torchtitan(args, tmp_path)[0]
+    shutil.rmtree(tmp_path / "checkpoint" / "step-4")
+    resumed = run_torchtitan(args, tmp_path)[0]
+    for key in ("loss", "grad_norm"):
+        assert resumed[key] == straight[key][2:], key

@@ -24,7 +24,7 @@ from tests.test_torchtitan import run_torchtitan  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 ARGS = ["--job.config_file", "integrations/torchtitan/mamba2_debug.toml", "--training.seq_len", "512",
-        "--training.mixed_precision_param", "float32", "--debug.deterministic", "true"]
+        "--training.mixed_precision_param", "float32", "--debug.deterministic"]
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def test_debug_flavor_trains_on_one_gpu(tmp_path: Path):
 
 
 def test_activation_checkpointing_and_compile_train(tmp_path: Path):
-    flags = ["--activation_checkpoint.mode", "full", "--compile.enable", "true", "--training.steps", "10"]
+    flags = ["--activation_checkpoint.mode", "full", "--compile.enable", "--training.steps", "10"]
     losses = run_torchtitan(ARGS + flags, tmp_path)[0]["loss"]
     assert losses[-1] < losses[0] - 0.5, losses
 
