@@ -122,6 +122,12 @@ def test_tokenizer_must_fit_the_flavor():
         check_tokenizer_fits_flavor(258, "debugmodel")
 
 
+def test_dataloader_workers_are_refused():
+    cfg = SimpleNamespace(training=SimpleNamespace(dataloader=SimpleNamespace(num_workers=2)))
+    with pytest.raises(ValueError, match="num_workers=2.*set it to 0"):
+        get_train_spec("mamba2").build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None, job_config=cfg)
+
+
 def test_activation_checkpointing_wraps_every_nth_block():
     cfg = _titan_settings()
     cfg.activation_checkpoint.selective_ac_option = "2"

@@ -4,11 +4,13 @@
 Without CUDA the run goes to the CPU with gloo. torchtitan assumes an accelerator: it reads `device_type` /
 `device_module` ("cuda" / torch.cuda when none is found) into module globals, asks the device for memory statistics
 and names, and passes device ids to barriers. `use_cpu_device` points those globals at the CPU, stands in a memory
-monitor that reports zeros and skips the timeout-lowering barrier; everything else (config, spec lookup, model build on meta, parallelize / pipelining functions, init_weights, the
-training loop, loss scaling, FSDP / PP) is torchtitan's unchanged code.
+monitor that reports zeros and skips the timeout-lowering barrier; everything else (config, spec lookup, model build
+on meta, parallelize / pipelining functions, init_weights, the training loop, loss scaling, FSDP / PP, checkpoints)
+is torchtitan's unchanged code.
 
     python -m tests.torchtitan_run --job.config_file integrations/torchtitan/mamba2_debug.toml --training.steps 4
-    python -m torch.distributed.run --nproc_per_node 2 -m tests.torchtitan_run ... --parallelism.pipeline_parallel_degree 2
+    python -m torch.distributed.run --nproc_per_node 2 -m tests.torchtitan_run ... \\
+        --parallelism.pipeline_parallel_degree 2
 
 Every rank prints one line "METRICS <rank> <json list>": {"loss", "grad_norm"} as torchtitan logged them at every step
 (under pipeline parallel only the ranks holding the last stage know the loss; the others log -1).

@@ -98,6 +98,11 @@ def build_mamba2_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Mamba2T
     """torchtitan's build_dataloader_fn: local_batch_size rows of seq_len tokens per call of next()."""
     del kwargs
     t = job_config.training
+    if t.dataloader.num_workers:
+        # Each worker would iterate its own copy of the packer: every row num_workers times. Packing is cheap (the
+        # tokenizer runs in the packer's process either way); preprocessed shards are the path for large data.
+        raise ValueError(f"training.dataloader.num_workers={t.dataloader.num_workers}: the mamba2 data loader packs "
+                         "one stream per rank in the training process; set it to 0")
     source = build_text_source(t.dataset, "train", "text", t.dataset_path or "")
     rows = PackedRows(source, tokenizer.inner, t.seq_len, dp_rank, dp_world_size,
                       with_seq_idx=job_config.parallelism.pipeline_parallel_degree == 1)

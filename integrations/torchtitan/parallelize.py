@@ -20,6 +20,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpoint
 from parallelisms.compile import apply_compile
 from parallelisms.fsdp import apply_fsdp
 
+
 class _DataParallelMesh:
     """parallelisms/fsdp.py reads the FSDP mesh as world_mesh["dp_replicate", "dp_shard_cp"]; torchtitan names the
     same ranks ["dp_replicate", "fsdp"] (HSDP) or "fsdp" alone. This view answers that one lookup."""
@@ -44,9 +45,9 @@ def unsupported_settings(parallel_dims, job_config) -> list[str]:
     ac = job_config.activation_checkpoint
     if ac.mode not in ("none", "full", "selective"):
         errs.append(f"activation_checkpoint.mode={ac.mode!r} is not supported for mamba2; use none, full or selective")
-    elif ac.mode == "selective" and not str(ac.selective_ac_option).isdigit():
+    elif ac.mode == "selective" and not (str(ac.selective_ac_option).isdigit() and int(ac.selective_ac_option) >= 1):
         errs.append(f"activation_checkpoint.selective_ac_option={ac.selective_ac_option!r}: mamba2 checkpoints every "
-                    "n-th block only; give an integer n (op-level SAC is not supported)")
+                    "n-th block only; give an integer n >= 1 (op-level SAC is not supported)")
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
         errs.append("plain DDP (data_parallel_replicate_degree > 1 with shard degree 1) is not wired for mamba2; "
                     "use FSDP (data_parallel_shard_degree) or HSDP (both)")

@@ -1,7 +1,8 @@
 """Launch torchtitan's trainer with the "mamba2" TrainSpec registered (run from the repository root):
 
     python -m integrations.torchtitan.train --job.config_file integrations/torchtitan/mamba2_debug.toml
-    torchrun --nproc_per_node 8 -m integrations.torchtitan.train --job.config_file ... --parallelism.pipeline_parallel_degree 2
+    torchrun --nproc_per_node 8 -m integrations.torchtitan.train --job.config_file ... \\
+        --parallelism.pipeline_parallel_degree 2
 
 Every torchtitan flag works as with `python -m torchtitan.train`; torchtitan needs CUDA (or another accelerator).
 """

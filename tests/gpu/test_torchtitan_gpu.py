@@ -67,9 +67,13 @@ def test_pipeline_parallel_trains(tmp_path: Path):
     assert pp[-1] < pp[0] - 0.5, pp
 
 
-@pytest.mark.parametrize("entry", [["-m", "integrations.torchtitan.train"],
-                                   ["-m", "torchtitan.train", "--experimental.custom_import", "integrations.torchtitan"]],
-                         ids=["our_launcher", "torchtitan_custom_import"])
+USER_COMMANDS = {
+    "our_launcher": ["-m", "integrations.torchtitan.train"],
+    "torchtitan_custom_import": ["-m", "torchtitan.train", "--experimental.custom_import", "integrations.torchtitan"],
+}
+
+
+@pytest.mark.parametrize("entry", list(USER_COMMANDS.values()), ids=list(USER_COMMANDS))
 def test_user_commands_train(tmp_path: Path, entry):
     """The two commands README.md gives, as a user runs them (torchrun, one GPU): torchtitan logs falling losses."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
