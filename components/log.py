@@ -38,7 +38,8 @@ class RankFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         level = "" if record.levelno <= logging.INFO else f"{record.levelname} "
-        line = f"{self.tag} {self.formatTime(record, self.datefmt)} {level}{record.getMessage()}"
+        # rstrip: a captured warnings.warn message ends with a newline (its source line follows it)
+        line = f"{self.tag} {self.formatTime(record, self.datefmt)} {level}{record.getMessage().rstrip()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -159,7 +159,7 @@ class MetricsLogger:
         if self.val_losses:
             best_step, best = min(self.val_losses, key=lambda sv: sv[1])
             val = f" | val_loss final {self.val_losses[-1][1]:.4f}, best {best:.4f} (step {best_step})"
-        return (f"run finished: {steps} of {self.total_steps} | {tokens:,} tokens | wall {format_seconds(wall_s)}"
+        return (f"end of run: {steps} of {self.total_steps} | {tokens:,} tokens | wall {format_seconds(wall_s)}"
                 f"{val} | outputs: {outputs}")
 
     def close(self) -> None:

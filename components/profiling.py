@@ -22,6 +22,7 @@ states, allocated in the first step, are in it) until the last explicitly chosen
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -32,8 +33,7 @@ import torch
 from configs.job_config import Profiling
 
 
-def log(msg: str) -> None:
-    print(f"[rank{int(os.environ.get('RANK', '0'))}] {msg}", flush=True)
+logger = logging.getLogger(__name__)  # components/log.py: shown on rank 0 and the LOG_RANK ranks
 
 
 def is_chosen(step: int, profile_steps: Iterable[int], profile_freq: int) -> bool:
@@ -78,7 +78,7 @@ class StepProfiler:
         self._snapshots = cfg.enable_memory_snapshot
         if self._snapshots and device.type != "cuda":
             if rank == 0:
-                log(f"profiling: memory snapshots need CUDA; skipped on {device.type}")
+                logger.info(f"profiling: memory snapshots need CUDA; skipped on {device.type}")
             self._snapshots = False
         if self._snapshots:
             torch.cuda.memory._record_memory_history(max_entries=cfg.memory_snapshot_max_entries)
@@ -155,7 +155,7 @@ class StepProfiler:
         t0 = time.perf_counter()
         prof.export_chrome_trace(path)
         if self.rank == 0:
-            log(f"profiling: step {step} trace -> {path} ({time.perf_counter() - t0:.1f} s to write)")
+            logger.info(f"profiling: step {step} trace -> {path} ({time.perf_counter() - t0:.1f} s to write)")
 
     def _stop_tracing(self) -> None:
         if self._torch_prof is not None:
@@ -170,7 +170,7 @@ class StepProfiler:
         path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
         torch.cuda.memory._dump_snapshot(path)
         if self.rank == 0:
-            log(f"profiling: step {step} memory snapshot -> {path}")
+            logger.info(f"profiling: step {step} memory snapshot -> {path}")
 
     def _stop_snapshots(self) -> None:
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -183,7 +183,8 @@ class StepProfiler:
             return
 
         def on_oom(device, alloc, device_alloc, device_free):
-            log(f"profiling: CUDA out of memory (asked {alloc / 2**30:.2f} GiB, {device_free / 2**30:.2f} GiB free)")
+            logger.warning(f"profiling: CUDA out of memory (asked {alloc / 2**30:.2f} GiB, "
+                           f"{device_free / 2**30:.2f} GiB free)")
             self._dump_snapshot("oom")
 
         attach(on_oom)

@@ -5,6 +5,7 @@ train.py: a 3-step run profiling step 2 writes one trace for step 2 and the same
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,11 @@ def test_disabled_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_memory_snapshot_skipped_on_cpu(tmp_path, capsys):
+def test_memory_snapshot_skipped_on_cpu(tmp_path, caplog):
     cfg = Profiling(enable_memory_snapshot=True, profile_steps=[1])
-    _run_loop(StepProfiler(cfg, str(tmp_path), 0, torch.device("cpu")), range(1, 3))
-    assert "memory snapshots need CUDA; skipped on cpu" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO, logger="components.profiling"):
+        _run_loop(StepProfiler(cfg, str(tmp_path), 0, torch.device("cpu")), range(1, 3))
+    assert "memory snapshots need CUDA; skipped on cpu" in caplog.text
     assert list(tmp_path.iterdir()) == []
 
 

@@ -44,12 +44,14 @@ def test_a_run_explains_itself_and_a_rerun_of_a_finished_job_says_so(tmp_path, c
 
     assert re.search(STAMP + r"saved checkpoint \S+/checkpoint/step-2 \(\d+\.\d [KMG]iB, \d+\.\d s\)", out), out
     tokens = 2 * 8 * 64  # steps x global_batch_size x seq_len
-    summary = re.search(STAMP + rf"run finished: steps 1-2 of 2 \| {tokens:,} tokens \| wall \S+ s \| val_loss final "
+    summary = re.search(STAMP + rf"end of run: steps 1-2 of 2 \| {tokens:,} tokens \| wall [^|]+ \| val_loss final "
                         r"(\S+), best (\S+) \(step (\d)\) \| outputs: (.*)", out)
     assert summary, out
     records = read_metrics(tmp_path)
-    vals = [r["val_loss"] for r in records]
-    assert float(summary[1]) == pytest.approx(vals[-1], abs=1e-4) and float(summary[2]) == pytest.approx(min(vals), abs=1e-4)
+    vals = [r["val_loss"] for r in records]  # validation.freq 1: every record has one
+    assert float(summary[1]) == pytest.approx(vals[-1], abs=1e-4)
+    assert float(summary[2]) == pytest.approx(min(vals), abs=1e-4)
+    assert int(summary[3]) == records[vals.index(min(vals))]["step"]
     assert str(tmp_path) in summary[4] and "metrics.jsonl" in summary[4] and "step-2" in summary[4]
     assert "[rank0] [rank0]" not in out and "[rank0]:[rank0]" not in out
 
@@ -68,14 +70,15 @@ def test_a_run_explains_itself_and_a_rerun_of_a_finished_job_says_so(tmp_path, c
     # the same command again: nothing is built, nothing is appended, exit 0
     train.main(args + ["--training.steps", "2"])
     out = capfd.readouterr().out
-    assert re.search(STAMP + r"already finished at step 2 .*outputs in .*; raise --training.steps to continue", out), out
+    finished = STAMP + r"already finished at step 2 .*outputs in .*; raise --training.steps to continue"
+    assert re.search(finished, out), out
     assert "model " not in out and "step      " not in out and len(read_metrics(tmp_path)) == len(records)
 
     # raised: resumed, with the load line
     train.main(args + ["--training.steps", "3"])
     out = capfd.readouterr().out
     assert re.search(STAMP + r"loaded checkpoint \S+/step-2 \(\d+\.\d [KMG]iB, \d+\.\d s\)", out), out
-    assert "resumed from step 2" in out and "run finished: steps 3-3 of 3 | 512 tokens" in out
+    assert "resumed from step 2" in out and "end of run: steps 3-3 of 3 | 512 tokens" in out
 
 
 def test_no_config_file_prints_the_usage_and_exits_2(capsys):
