@@ -122,6 +122,21 @@ def test_tokenizer_must_fit_the_flavor():
         check_tokenizer_fits_flavor(258, "debugmodel")
 
 
+def test_optimizer_step_balances_moe_experts():
+    """The spec's optimizers run mambatitan's MoE bias update after each step (torchtitan's loop has no such step)."""
+    from torchtitan.config import Optimizer as OptimizerConfig
+
+    model = _init_like_torchtitan("hybrid_moe_debug", seed=0)
+    no_mesh = SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, pp_enabled=False)
+    optimizers = get_train_spec("mamba2").build_optimizers_fn([model], OptimizerConfig(), no_mesh)
+    moes = [m for m in model.modules() if hasattr(m, "expert_bias")]
+    assert moes and all(not m.expert_bias.any() for m in moes)
+    model(torch.randint(0, 258, (2, 32))).float().sum().backward()
+    assert all(m.tokens_per_expert.sum() > 0 for m in moes)
+    optimizers.step()
+    assert all(m.expert_bias.any() and not m.tokens_per_expert.any() for m in moes)
+
+
 def test_dataloader_workers_are_refused():
     cfg = SimpleNamespace(training=SimpleNamespace(dataloader=SimpleNamespace(num_workers=2)))
     with pytest.raises(ValueError, match="num_workers=2.*set it to 0"):

@@ -5,20 +5,21 @@
 
 or torchtitan's own entry point with `--experimental.custom_import integrations.torchtitan` (run from the repo root).
 The spec reuses mambatitan's model (models/), initialisation (models/init.py), loss (models/loss.py), FSDP / AC /
-compile (parallelisms/), pipeline split (parallelisms/pipeline.py) and data (data/); torchtitan supplies the trainer,
-optimizer, lr schedule, checkpointing and metrics. README.md, "torchtitan", lists what works and what does not.
+compile (parallelisms/), pipeline split (parallelisms/pipeline.py), MoE balancing (components/moe_balance.py) and data
+(data/); torchtitan supplies the trainer, optimizer, lr schedule, checkpointing and metrics. README.md, "Training
+with torchtitan's trainer", lists what works and what does not.
 """
 
 from __future__ import annotations
 
 from torchtitan.components.lr_scheduler import build_lr_schedulers
-from torchtitan.components.optimizer import build_optimizers
 from torchtitan.protocols import train_spec as train_spec_module
 
 from integrations.torchtitan.args import TitanMamba2Args, titan_flavors
 from integrations.torchtitan.data import build_mamba2_dataloader, build_mamba2_tokenizer
 from integrations.torchtitan.loss import build_mamba2_loss
 from integrations.torchtitan.model import TitanMamba2LM
+from integrations.torchtitan.optimizer import build_mamba2_optimizers
 from integrations.torchtitan.parallelize import parallelize_mamba2
 from integrations.torchtitan.pipeline import pipeline_mamba2
 
@@ -31,7 +32,7 @@ def get_train_spec() -> train_spec_module.TrainSpec:
         model_args=titan_flavors(),
         parallelize_fn=parallelize_mamba2,
         pipelining_fn=pipeline_mamba2,
-        build_optimizers_fn=build_optimizers,
+        build_optimizers_fn=build_mamba2_optimizers,
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=build_mamba2_dataloader,
         build_tokenizer_fn=build_mamba2_tokenizer,

@@ -1,8 +1,9 @@
 """torchtitan's (0.2.2) own Trainer with the "mamba2" TrainSpec on GPUs (integrations/torchtitan), with mamba_ssm's
-kernels where installed: the debug flavor trains on one GPU (plain, and with torchtitan's activation checkpointing +
-torch.compile flags); on 2 GPUs FSDP reproduces one GPU (fp32, deterministic: losses and gradient norms to 1e-4
-relative) and pipeline parallel (1F1B, untied head) starts from the one-GPU loss and trains. Skips without CUDA or
-torchtitan (pip install the wheel, e.g. ../shared/gpu/wheels/torchtitan-0.2.2-*.whl, or -e ".[torchtitan]").
+kernels where installed: the debug and hybrid MoE flavors train on one GPU (plain, and with torchtitan's
+activation checkpointing + torch.compile flags), as do the two commands README.md gives; on 2 GPUs FSDP reproduces
+one GPU (fp32, deterministic: losses and gradient norms to 1e-4 relative) and pipeline parallel (1F1B, untied head)
+starts from the one-GPU loss and trains. Skips without CUDA or torchtitan (pip install the wheel, e.g.
+../shared/gpu/wheels/torchtitan-0.2.2-*.whl, or -e ".[torchtitan]").
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def test_debug_flavor_trains_on_one_gpu(tmp_path: Path):
     print("torchtitan mamba2 debug, 1 GPU, loss per step:", [round(x, 3) for x in losses])
     assert len(losses) == 20 and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_hybrid_moe_flavor_trains(tmp_path: Path):
+    """Mamba-2, attention, MLP and MoE layers (grouped_mm experts on CUDA, the expert-bias update after each step)."""
+    flags = ["--model.flavor", "hybrid_moe_debug", "--training.steps", "10"]
+    losses = run_torchtitan(ARGS + flags, tmp_path)[0]["loss"]
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 def test_activation_checkpointing_and_compile_train(tmp_path: Path):
