@@ -15,6 +15,11 @@ if [ "${NGPU}" = "1" ] && [ -z "${FORCE_TORCHRUN:-}" ]; then
 fi
 # Several processes on a CPU-only machine share its cores: one thread each keeps them from oversubscribing.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Validate the job for NGPU processes first: a config error is printed once, before any worker starts (and
+# without torchrun's failure report). SKIP_CONFIG_CHECK=1 saves the few seconds this takes.
+if [ -z "${SKIP_CONFIG_CHECK:-}" ]; then
+  "${PYTHON}" -m configs.checks --world_size "${NGPU}" --job.config_file "${CONFIG_FILE}" "$@" || exit $?
+fi
 exec "${PYTHON}" -m torch.distributed.run --nproc_per_node="${NGPU}" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
   --local-ranks-filter "${LOG_RANK}" --role rank --tee 3 \
   train.py --job.config_file "${CONFIG_FILE}" "$@"

@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     with data_errors_exit():
         validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, device, pipeline=pipeline_eval)
                      if cfg.validation.enable else None)
-    metrics = MetricsLogger(cfg.job.dump_folder, rank == 0, cfg.metrics.save_jsonl, cfg.metrics.enable_tensorboard,
-                            cfg.training.steps)
+    metrics = MetricsLogger.from_config(cfg, rank == 0)  # metrics.jsonl, TensorBoard, optional W&B
     if rank == 0:
         logger.info(f"model {cfg.model.flavor}: {n_params / 1e6:.1f}M parameters, layers '{model_args.layer_types}', "
             f"world {world_size} = pp {pdims.pp} x dp_replicate {pdims.dp_replicate} x dp_shard {pdims.dp_shard} "

@@ -1,6 +1,6 @@
 """Decoding throughput of the recurrent generation path (generation.generate) on one device.
 
-    bash .gpu/setup.sh && python3 benchmarks/decode_speed.py --flavors mamba2_370m,mamba2_1.3b --batches 1,32
+    bash .gpu/setup.sh && python3 benchmarks/decode_speed.py --flavors 370M,1.3B --batches 1,32
     python3 benchmarks/decode_speed.py --flavors debug --batches 1,4 --prompt_len 16 --new_tokens 16   # CPU smoke
 
 For each flavor and batch: random-initialised weights (the speed does not depend on the values), bf16 on CUDA
@@ -52,6 +52,7 @@ def measure(flavor: str, batch: int, prompt_len: int, new_tokens: int, repeats: 
         sync(device)
         t0 = time.perf_counter()
         for _ in range(repeats):
+            cache.reset()
             model.prefill(ids, cache)
         sync(device)
         prefill_s = (time.perf_counter() - t0) / repeats
@@ -71,7 +72,7 @@ def measure(flavor: str, batch: int, prompt_len: int, new_tokens: int, repeats: 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavors", default="mamba2_370m,mamba2_1.3b")
+    p.add_argument("--flavors", default="370M,1.3B")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=256)

@@ -161,4 +161,6 @@ def check_resume(path: str, saved: dict | None, now: dict | None, ckpt_cfg) -> N
         raise ResumeMismatch(f"cannot resume from {path}: this run is not the one that saved it.\n  - "
                              + "\n  - ".join(errors))
     for line in diffs["applied"]:
-        logger.warning(f"resuming with a changed hyperparameter, applied from the first resumed step: {line}")
+        # Raising training.steps is how a finished run is continued: said, not warned about.
+        log = logger.info if line.startswith("training.steps:") else logger.warning
+        log(f"resuming with a changed hyperparameter, applied from the first resumed step: {line}")

@@ -7,13 +7,14 @@ evaluate.py and generation call it; nothing downstream checks the same thing aga
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from components.profiling import validate_profiling
 from configs.job_config import JobConfig
-from configs.parser import ConfigError
+from configs.parser import ConfigError, load_config_or_exit
 from data.tokenizer import build_tokenizer
 from models import build_model_args
 from models.args import ModelArgs
@@ -111,3 +112,27 @@ def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs
         errs.append(f"training.cuda_graph supports Mamba ('M') and MLP ('-') layers; this model has {other} "
                     "(attention builds document masks and MoE routes tokens by data-dependent counts); set it false")
     return errs
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m configs.checks --world_size N <train.py arguments>`: validate the job for N processes and exit
+    (0: fine; 2: the errors, printed once). run_train.sh runs it before torchrun starts any worker, so a config
+    error reads as one message instead of one per rank plus the launcher's traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    world_size = 1
+    if "--world_size" in argv:
+        i = argv.index("--world_size")
+        world_size = int(argv[i + 1])
+        del argv[i:i + 2]
+    cfg = load_config_or_exit(argv)
+    if cfg is None:
+        return
+    try:
+        resolve_job(cfg, world_size)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

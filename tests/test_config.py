@@ -75,6 +75,18 @@ def test_train_py_fails_before_compute_with_the_fix(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_run_train_sh_prints_a_config_error_once_before_any_worker(tmp_path):
+    import os
+
+    env = dict(os.environ, CONFIG_FILE="configs/debug.toml", NGPU="2", LOG_RANK="0,1", CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run(["./run_train.sh", "--training.global_batch_size", "7", "--job.dump_folder", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and out.count("config error: invalid job") == 1, out[-3000:]
+    assert "e.g. --training.global_batch_size 6" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out and not (tmp_path / "run").exists()
+
+
 def test_cuda_graph_refuses_what_it_cannot_capture():
     """Every reason is named before compute; the same checks pass for a one-GPU Mamba job (CUDA aside)."""
     from configs.parser import load_config

@@ -179,6 +179,7 @@ def test_ep_that_does_not_divide_experts_fails_before_compute(tmp_path, ep):
 
     r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/hybrid_moe_debug.toml",
                         "--parallelism.expert_parallel_degree", str(ep), "--training.global_batch_size", "-1",
+                        "--training.local_batch_size", "8",
                         "--job.dump_folder", str(tmp_path)],
                        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
                        env=dict(os.environ, WORLD_SIZE=str(ep), CUDA_VISIBLE_DEVICES=""))

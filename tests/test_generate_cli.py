@@ -98,7 +98,7 @@ def test_decode_speed_benchmark_runs_and_counts_the_decode_steps(tmp_path):
 
     out = tmp_path / "decode.json"
     decode_speed.main(["--flavors", "debug", "--batches", "2", "--prompt_len", "5", "--new_tokens", "4",
-                       "--repeats", "1", "--out", str(out)])
+                       "--repeats", "2", "--out", str(out)])
     (r,) = json.loads(out.read_text())
     assert r["batch"] == 2 and r["new_tokens"] == 4 and r["prefill_ms"] > 0
     # 3 decode steps of 2 rows: tokens/s and ms/step describe the same time

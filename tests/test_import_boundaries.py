@@ -13,7 +13,8 @@ from models.loss import IGNORE_INDEX as LOSS_IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 # The packages that sit above models/ (they import it; it must not import them).
-ABOVE_MODELS = {"data", "configs", "parallelisms", "checkpoint", "components", "generation", "train", "evaluate"}
+ABOVE_MODELS = {"data", "configs", "parallelisms", "checkpoint", "components", "generation", "integrations", "train",
+                "evaluate", "generate"}
 
 
 def _imported_modules(path: Path) -> list[tuple[int, str]]:

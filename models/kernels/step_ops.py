@@ -88,6 +88,13 @@ def selective_state_update(
         # contiguous: the kernel's "tied head dim" test reads dt_bias.stride() unless dt's last stride is non-zero.
         dt_BHP = process_dt(dt_BHP, dt_bias_HP, dt_softplus, dt_limit, torch.float32).contiguous()
         dt_bias_HP, dt_softplus = None, False
+    # mamba_ssm 2.3's launcher unpacks dt_bias.stride() and D.stride() unconditionally (`*(...) if x is not None
+    # else 0` is a TypeError for None): zeros are the same step.
+    H, P = x_BHP.shape[-2:]
+    if dt_bias_HP is None:
+        dt_bias_HP = x_BHP.new_zeros(H, P, dtype=torch.float32)
+    if D_HP is None:
+        D_HP = x_BHP.new_zeros(H, P, dtype=torch.float32)
     return _load()["selective_state_update"](
         state_BHPN, x_BHP, dt_BHP, A_HPN, B_BGN, C_BGN, D=D_HP, z=z_BHP, dt_bias=dt_bias_HP, dt_softplus=dt_softplus
     )
