@@ -36,6 +36,9 @@ class GraphedMicrobatch:
         self.model, self.compute_dtype, self.loss_chunk_tokens, self.warmup = (
             model, compute_dtype, loss_chunk_tokens, warmup)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Never traced by dynamo. Applied here, not as a decorator: the decorator imports torch._dynamo (~1 s)
+        # when this module is imported, which every training process does.
+        self._call_outside_compile = torch.compiler.disable(self._replay)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: dict[str, torch.Tensor | None] = {}
         self.static_loss: torch.Tensor | None = None
@@ -92,10 +95,13 @@ class GraphedMicrobatch:
             else:
                 p.grad.copy_(saved)
 
-    @torch.compiler.disable
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
                  loss_scale: torch.Tensor) -> torch.Tensor:
         """The microbatch's summed token loss (a new tensor); its scaled gradients are added to .grad."""
+        return self._call_outside_compile(input_ids, labels, seq_idx, loss_scale)
+
+    def _replay(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
+                loss_scale: torch.Tensor) -> torch.Tensor:
         if self.graph is None:
             self._capture(input_ids, labels, seq_idx, loss_scale)
         self._copy_in(input_ids, labels, seq_idx, loss_scale)
