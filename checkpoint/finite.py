@@ -35,8 +35,8 @@ def first_nonfinite_state(model_parts: list[nn.Module], optimizers: list[torch.o
     named: list[tuple[str, torch.Tensor]] = []
     for part in model_parts:
         named += list(part.named_parameters()) + list(part.named_buffers())
+    names = {p: n for part in model_parts for n, p in part.named_parameters()}
     for opt in optimizers:
-        names = {p: n for part in model_parts for n, p in part.named_parameters()}
         for p, state in opt.state.items():
             named += [(f"optimizer state {k} of {names.get(p, '?')}", v) for k, v in state.items()
                       if isinstance(v, torch.Tensor) and v.dim() > 0]

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from checkpoint.convert import MODEL_TOML, load_model_section
+from checkpoint.convert import MODEL_TOML, load_model_section, model_section_from_record
 from checkpoint.export import load_model_weights
 from checkpoint.run_record import read_record
 from configs.job_config import JobConfig
@@ -30,7 +30,7 @@ def model_section(path: str, config: str | None = None) -> tuple[ModelArgs, str]
         return load_model_section(config)
     record = read_record(path) if os.path.isdir(path) else None
     if record is not None:
-        return ModelArgs(**record["model_args"]), record["job_config"]["model"]["tokenizer_path"]
+        return model_section_from_record(record, [], path)
     if os.path.isfile(os.path.join(path, MODEL_TOML)):
         return load_model_section(os.path.join(path, MODEL_TOML))
     raise FileNotFoundError(
