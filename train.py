@@ -23,6 +23,7 @@ from checkpoint.integrity import ChecksumError
 from checkpoint.manager import CheckpointManager, complete_steps, resolve_checkpoint_folder
 from checkpoint.run_record import ResumeMismatch, build_run_record
 from components.cuda_graph import GraphedMicrobatch
+from components.garbage_collection import StepGarbageCollection
 from components.distributed import destroy_distributed, init_distributed, set_determinism
 from components.log import setup_logging
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
@@ -142,10 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     # 7. The loop. From here on SIGTERM finishes the step, saves and exits (before it, it ends the process at
     #    once: there is nothing to save, and torchrun's shutdown of a failed start must not wait for us).
     stop = GracefulStop().install()
+    collector = StepGarbageCollection(cfg.training.gc_freq)  # Python's GC between steps only, on every rank at once
     t_last, tokens_since_log = time.perf_counter(), 0
     nonfinite_streak, stopping = 0, False  # steps in a row with a non-finite gradient norm; SIGTERM agreed on
     for step in range(start_step + 1, cfg.training.steps + 1):
         profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
+        collector.step(step)
         batch = loader.next_batch()
         input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True)
                                       for k in ("input_ids", "labels", "seq_idx"))
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             break
 
     profiler.close()
+    collector.close()
     checkpointer.close()
     metrics.close()
     destroy_distributed()

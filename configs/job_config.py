@@ -108,6 +108,10 @@ class Training:
         False, "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
         "launch cost; pays when the host, not the GPU, limits the step). One GPU or plain data parallel "
         "(data_parallel_replicate_degree only), Mamba / MLP layers, no compile.")
+    gc_freq: int = doc(
+        50, "Python's garbage collector runs only between steps, every gc_freq steps (generation 1), never "
+        "inside one: an automatic collection mid-step stalls that rank's kernel launches, and under data / "
+        "pipeline parallel every other rank waits for it at the next collective. 0: Python's automatic collection.")
 
 
 @dataclass

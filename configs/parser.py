@@ -186,6 +186,9 @@ def validate(cfg: JobConfig) -> None:
     errs += _data_errors(t)
     if cfg.lr_scheduler.warmup_steps < 0:
         errs.append(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
+    if t.gc_freq < 0:
+        errs.append(f"training.gc_freq={t.gc_freq} must be >= 0 (N: collect between steps every N steps; 0: Python's "
+                    "automatic collection)")
     errs += _number_errors(cfg)
     if not (cfg.lr_scheduler.decay_ratio == -1 or 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0):
         errs.append(f"lr_scheduler.decay_ratio={cfg.lr_scheduler.decay_ratio} must be in [0, 1] or -1")

@@ -34,6 +34,7 @@ def test_toml_then_overrides_in_both_forms():
     (["--optimizer.eps", "0"], "optimizer.eps=0.0 must be a finite number > 0"),
     (["--lr_scheduler.min_lr_factor", "inf"], "lr_scheduler.min_lr_factor=inf must be in [0, 1]"),
     (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps=-1 must be >= 0"),
+    (["--training.gc_freq", "-1"], "training.gc_freq=-1 must be >= 0"),
     (["--job.config_file", "configs/nope.toml"], "no such file"),
     (["--training.steps"], "needs a value"),
     (["steps=3"], "unexpected argument"),
