@@ -2,6 +2,10 @@
 # Multi-GPU runs of every parallelism on one host (NCCL), compared with the 1-GPU run of the same global batch.
 #   bash .gpu/setup.sh && OUT=/path bash benchmarks/multi_gpu.sh PHASE [PHASE ...]
 # Phases:
+#   efficiency  every layout against one GPU running the same model, as one table (issue 14): FSDP2 at 1.3B
+#            (4 x 4096 per GPU) and 370M (8 x 2048), PP2 1F1B and Interleaved1F1B at 1.3B (8 microbatches of 4 x 4096),
+#            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
+#            The 1-GPU references run two at a time, one per GPU. env: EFF_ROWS (names to run, default all)
 #   stable   the parity set at lr 3e-4: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2xCP2 (130M, global batch 16, 20 steps)
 #            (step 8 of every run is profiled; benchmarks/trace_summary.py splits it into compute / NCCL / idle)
 #   ddp      weak scaling 1 / 2 / 4 GPUs with plain data parallel + training.cuda_graph (130M), and DDP4 eager
@@ -54,6 +58,43 @@ for PHASE in "$@"; do
     run cp2xfsdp2 4 $C "${A[@]}" $P.context_parallel_degree 2 $P.context_parallel_load_balance true
     run pp2xcp2 4 $C "${A[@]}" $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.context_parallel_degree 2
     python3 benchmarks/compare_runs.py --ref "$OUT/parity/1gpu" "$OUT"/parity/{fsdp4,hsdp2x2,pp2xfsdp2,cp2xfsdp2,pp2xcp2} --json "$OUT/parity.json" ;;
+  efficiency)
+    P=--parallelism
+    S=(--metrics.log_freq 1 --validation.enable false --training.steps 14)
+    L=(--training.steps 10 --training.local_batch_size 1 --training.global_batch_size 1 --activation_checkpoint.mode full
+       --training.loss_chunk_tokens 8192 $P.data_parallel_shard_degree 1)  # long context: one sequence per step
+    M13=(configs/mamba2_1.3b.toml "${S[@]}" --training.seq_len 4096 --training.local_batch_size 4)
+    M370=(configs/mamba2_370m.toml "${S[@]}" --training.seq_len 2048 --training.local_batch_size 8)
+    MOE=(configs/hybrid_moe_1b.toml "${S[@]}" --training.seq_len 4096 --training.local_batch_size 4)
+    PP=(configs/mamba2_1.3b.toml "${S[@]}" --training.steps 10 --training.seq_len 4096 --training.global_batch_size 32
+        $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.data_parallel_shard_degree 1)
+    want() { [ -z "${EFF_ROWS:-}" ] || [[ " $EFF_ROWS " == *" $1 "* ]]; }
+    side_by_side() {  # side_by_side "NAME ARGS..." "NAME ARGS...": two 1-GPU runs at once, one per GPU
+      local i=0 spec; for spec in "$@"; do
+        read -r -a a <<< "$spec"; want "${a[0]}" || continue
+        if [ "$NG" -ge 2 ]; then CUDA_VISIBLE_DEVICES=$i run "${a[0]}" 1 "${a[@]:1}" & i=$((i + 1)); else run "${a[0]}" 1 "${a[@]:1}"; fi
+      done; wait; }
+    side_by_side "1gpu_1.3b ${M13[*]}" "1gpu_370m ${M370[*]}"
+    side_by_side "cp1_32k configs/mamba2_1.3b.toml ${S[*]} ${L[*]} --training.seq_len 32768" "1gpu_moe ${MOE[*]}"
+    side_by_side "cp1_64k configs/mamba2_1.3b.toml ${S[*]} ${L[*]} --training.seq_len 65536"
+    want fsdp2_1.3b && run fsdp2_1.3b 2 "${M13[@]}" $P.data_parallel_shard_degree 2
+    want fsdp2_370m && run fsdp2_370m 2 "${M370[@]}" $P.data_parallel_shard_degree 2
+    want hsdp2x2_1.3b && run hsdp2x2_1.3b 4 "${M13[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
+    want pp2_1f1b_1.3b && run pp2_1f1b_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule 1F1B
+    want pp2_interleaved_1.3b && run pp2_interleaved_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule Interleaved1F1B
+    want cp2_32k && run cp2_32k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 32768 $P.context_parallel_degree 2
+    want cp2_64k && run cp2_64k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 65536 $P.context_parallel_degree 2
+    want ep2_moe && run ep2_moe 2 "${MOE[@]}" $P.expert_parallel_degree 2
+    # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
+    # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
+    ROWS=("FSDP2 1.3B, 4 x 4096 per GPU=fsdp2_1.3b:1gpu_1.3b:0.90" "FSDP2 370M, 8 x 2048 per GPU=fsdp2_370m:1gpu_370m:0.90"
+          "PP2 1F1B 1.3B, 8 x (4 x 4096)=pp2_1f1b_1.3b:1gpu_1.3b:0.80"
+          "PP2 Interleaved1F1B 1.3B, 8 x (4 x 4096)=pp2_interleaved_1.3b:1gpu_1.3b:0.847"
+          "CP2 1.3B, 32k tokens, full AC=cp2_32k:cp1_32k:0.75:0.55" "CP2 1.3B, 64k tokens, full AC=cp2_64k:cp1_64k:0.75:0.55"
+          "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75")
+    [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
+    R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
+    python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" --json "$OUT/efficiency.json" ;;
   stable)  # the parity set at a stable learning rate (3e-4), where bf16 rounding differences do not get amplified
     C=configs/mamba2_130m.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4

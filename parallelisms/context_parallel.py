@@ -39,6 +39,7 @@ from parallelisms.sequence_sharding import redo_load_balance, undo_load_balance
 
 __all__ = [
     "all_to_all_seq_to_heads",
+    "all_to_all_seq_to_heads_packed",
     "all_to_all_heads_to_seq",
     "validate_cp_mamba",
     "MambaContextParallel",
@@ -60,23 +61,26 @@ def _group_rank(group) -> int:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _seq_to_heads(x_BSD: torch.Tensor, group) -> torch.Tensor:
-    cp = _group_size(group)
-    b, s_local, D = x_BSD.shape
-    d = D // cp
-    # send[k] = channel slice k, for rank k; all_to_all_single exchanges along dim 0
-    send_KBSd = x_BSD.reshape(b, s_local, cp, d).permute(2, 0, 1, 3).contiguous()
+def _seq_to_heads_send(send_KBSd: torch.Tensor, group) -> torch.Tensor:
+    """send [cp, b, s/cp, d] (send[k] = channel slice k, for rank k) -> [b, s, d]: every rank's tokens of our slice."""
+    cp, b, s_local, d = send_KBSd.shape
     recv_KBSd = torch.empty_like(send_KBSd)
     dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-    # recv[j] = rank j's tokens (sequence block j), our channel slice
+    # recv[j] = rank j's tokens (sequence block j), our channel slice (a view when b == 1)
     return recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)
+
+
+def _send_layout(x_BSD: torch.Tensor, cp: int) -> torch.Tensor:
+    """[b, s/cp, D] -> [cp, b, s/cp, D/cp], contiguous: channel slice k first, the all-to-all's send order."""
+    b, s_local, D = x_BSD.shape
+    return x_BSD.reshape(b, s_local, cp, D // cp).permute(2, 0, 1, 3).contiguous()
 
 
 def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
     cp = _group_size(group)
     b, s, d = x_BSd.shape
     s_local = s // cp
-    # send[k] = sequence block k (rank k's tokens), our channel slice
+    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
     send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
     recv_KBSd = torch.empty_like(send_KBSd)
     dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
@@ -84,15 +88,27 @@ def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
     return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)
 
 
+def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
+    """The gradient of _seq_to_heads_send: [b, s, d] -> [cp, b, s/cp, d] in the send layout."""
+    cp = _group_size(group)
+    b, s, d = grad_BSd.shape
+    send_KBSd = grad_BSd.reshape(b, cp, s // cp, d).transpose(0, 1).contiguous()
+    recv_KBSd = torch.empty_like(send_KBSd)
+    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
+    return recv_KBSd  # recv[k] = the gradient of the channel slice k we sent to rank k
+
+
 class _SeqToHeads(torch.autograd.Function):
+    """Input in the send layout [cp, b, s/cp, d] (so that the caller can pack it with the one copy it needs)."""
+
     @staticmethod
-    def forward(ctx, x_BSD, group):
+    def forward(ctx, send_KBSd, group):
         ctx.group = group
-        return _seq_to_heads(x_BSD, group)
+        return _seq_to_heads_send(send_KBSd, group)
 
     @staticmethod
     def backward(ctx, grad_BSd):
-        return _heads_to_seq(grad_BSd.contiguous(), ctx.group), None
+        return _heads_to_send_layout(grad_BSd.contiguous(), ctx.group), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -103,7 +119,8 @@ class _HeadsToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BSD):
-        return _seq_to_heads(grad_BSD.contiguous(), ctx.group), None
+        cp = _group_size(ctx.group)
+        return _seq_to_heads_send(_send_layout(grad_BSD, cp), ctx.group), None
 
 
 def all_to_all_seq_to_heads(x_BSD_local: torch.Tensor, group) -> torch.Tensor:
@@ -120,7 +137,23 @@ def all_to_all_seq_to_heads(x_BSD_local: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(
             f"all_to_all_seq_to_heads expects [b, s/cp, D] with D divisible by cp={cp}; got {tuple(x_BSD_local.shape)}"
         )
-    return _SeqToHeads.apply(x_BSD_local, group)
+    return _SeqToHeads.apply(_send_layout(x_BSD_local, cp), group)
+
+
+def all_to_all_seq_to_heads_packed(send_KBSd: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_seq_to_heads for an input the caller already laid out in send order (one copy fewer).
+
+    Before: [cp, b, s/cp, d], send[k] = channel slice k of this rank's tokens (destined for rank k), contiguous.
+    After:  [b, s, d], all ranks' tokens in rank order, this rank's channel slice. Autograd: the gradient comes
+            back in the same [cp, b, s/cp, d] layout.
+    """
+    cp = _group_size(group)
+    if cp == 1:
+        return send_KBSd[0]
+    if send_KBSd.dim() != 4 or send_KBSd.shape[0] != cp or not send_KBSd.is_contiguous():
+        raise ValueError(f"all_to_all_seq_to_heads_packed expects a contiguous [cp={cp}, b, s/cp, d]; "
+                         f"got {tuple(send_KBSd.shape)}")
+    return _SeqToHeads.apply(send_KBSd, group)
 
 
 def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
@@ -291,9 +324,9 @@ class MambaContextParallel:
             # autograd of expand sums the replicas' gradients
             B = B.reshape(b, s_local, self.ngroups, 1, N).expand(-1, -1, -1, r, -1).reshape(b, s_local, cp * N)
             C = C.reshape(b, s_local, self.ngroups, 1, N).expand(-1, -1, -1, r, -1).reshape(b, s_local, cp * N)
-        # channel slice k of the packed tensor = [x_k | B_k | C_k | dt_k], rank k's share
-        packed = torch.cat([t.reshape(b, s_local, cp, -1) for t in (x, B, C, dt)], dim=-1)
-        out_BSd = all_to_all_seq_to_heads(packed.reshape(b, s_local, -1), self.cp_group)
+        # send[k] = [x_k | B_k | C_k | dt_k], rank k's share, written in send order by the one cat
+        send_KBSd = torch.cat([t.reshape(b, s_local, cp, -1).permute(2, 0, 1, 3) for t in (x, B, C, dt)], dim=-1)
+        out_BSd = all_to_all_seq_to_heads_packed(send_KBSd, self.cp_group)
         if self.load_balance:
             out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
         return out_BSd

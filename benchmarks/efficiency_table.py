@@ -1,0 +1,79 @@
+"""The multi-GPU efficiency table: each layout's tokens/s per GPU against one GPU running the same model.
+
+    python3 benchmarks/efficiency_table.py OUT/efficiency \\
+        --row "FSDP2 1.3B=fsdp2_1.3b:1gpu_1.3b:0.90" --row "CP2 32k=cp2_32k:cp1_32k:0.75:0.55" [--skip 3] [--json t.json]
+
+A row is LABEL=RUN:REF:TARGET[:MEMORY_TARGET], RUN and REF being run folders (with metrics.jsonl) under the first
+argument. Per GPU tokens/s is the median over the steps after --skip (warm-up, autotuning) of what train.py logs
+(tokens this rank's data-parallel replica processed / pp stages, per second). ratio = run / ref; memory ratio =
+run's peak memory per GPU / ref's. A row passes when ratio >= TARGET (and memory ratio <= MEMORY_TARGET when given).
+For pipeline rows give TARGET as 0.9 x (1 - textbook bubble). Exit status 1 when a row fails or a run is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def run_figures(folder: Path, skip: int) -> dict | None:
+    """Median tokens/s per GPU after `skip` steps, peak memory and last loss of one run, or None if it did not log."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    timed = [r for r in records if r["step"] > skip]
+    if not timed:
+        return None
+    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+            "memory_gib": max(r["memory_gib"] for r in records), "steps": len(records),
+            "final_loss": records[-1]["loss"]}
+
+
+def parse_row(spec: str) -> dict:
+    label, _, rest = spec.partition("=")
+    parts = rest.split(":")
+    if not label or len(parts) not in (3, 4):
+        raise SystemExit(f"--row {spec!r}: expected LABEL=RUN:REF:TARGET[:MEMORY_TARGET]")
+    return {"label": label, "run": parts[0], "ref": parts[1], "target": float(parts[2]),
+            "memory_target": float(parts[3]) if len(parts) == 4 else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="the folder holding the run folders")
+    p.add_argument("--row", action="append", default=[], help="LABEL=RUN:REF:TARGET[:MEMORY_TARGET]")
+    p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows, failed = [], False
+    print(f"| layout | tok/s per GPU | 1 GPU | ratio | target | memory per GPU | vs 1 GPU | |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for spec in a.row:
+        row = parse_row(spec)
+        run, ref = run_figures(Path(a.out) / row["run"], a.skip), run_figures(Path(a.out) / row["ref"], a.skip)
+        if run is None or ref is None:
+            print(f"| {row['label']} | missing ({row['run'] if run is None else row['ref']} logged no timed step) "
+                  "| | | | | | FAIL |")
+            failed = True
+            continue
+        ratio = run["tokens_per_sec"] / ref["tokens_per_sec"]
+        mem_ratio = run["memory_gib"] / ref["memory_gib"]
+        ok = ratio >= row["target"] and (row["memory_target"] is None or mem_ratio <= row["memory_target"])
+        failed |= not ok
+        mem_target = f" (<= {row['memory_target']:.2f})" if row["memory_target"] is not None else ""
+        print(f"| {row['label']} | {run['tokens_per_sec'] / 1e3:.1f}k | {ref['tokens_per_sec'] / 1e3:.1f}k | "
+              f"{ratio:.2f} | {row['target']:.2f} | {run['memory_gib']:.1f} GiB | {mem_ratio:.2f}{mem_target} | "
+              f"{'ok' if ok else 'FAIL'} |")
+        rows.append({**row, "ratio": ratio, "memory_ratio": mem_ratio, "ok": ok, "run_figures": run,
+                     "ref_figures": ref})
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
