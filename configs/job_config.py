@@ -109,8 +109,8 @@ class Training:
         "launch cost; pays when the host, not the GPU, limits the step). One GPU or plain data parallel "
         "(data_parallel_replicate_degree only), Mamba / MLP layers, no compile.")
     gc_freq: int = doc(
-        50, "Python's garbage collector runs only between steps, every gc_freq steps (generation 1), never "
-        "inside one: an automatic collection mid-step stalls that rank's kernel launches, and under data / "
+        50, "Python's garbage collector runs only between steps (generation 0 every step, generation 1 every "
+        "gc_freq steps), never inside one: an automatic collection mid-step stalls that rank's kernel launches, and under data / "
         "pipeline parallel every other rank waits for it at the next collective. 0: Python's automatic collection.")
 
 

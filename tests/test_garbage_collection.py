@@ -1,8 +1,10 @@
 """training.gc_freq: Python's collector never runs inside a step, and collects on every rank at fixed steps."""
 
 import gc
+import weakref
 
 import pytest
+import torch
 
 from components.garbage_collection import StepGarbageCollection
 
@@ -32,7 +34,10 @@ def test_collects_only_at_the_chosen_steps(collections):
                 a = []
                 a.append(a)
             collector.step(step)
-        assert collections == [1, 1]  # steps 3 and 6, generation 1 only
+        assert not gc.isenabled()
+        del a
+        # generation 0 between steps, generation 1 at steps 3 and 6, never a full collection
+        assert collections == [0, 1, 0, 0, 1, 0]
     finally:
         collector.close()
     assert gc.isenabled()
@@ -44,3 +49,19 @@ def test_zero_keeps_python_automatic_collection():
     collector.step(50)
     collector.close()
     assert gc.isenabled()
+
+
+def test_a_cycle_holding_a_tensor_is_freed_at_the_next_step():
+    """With the automatic collector off, a step's cyclic garbage (e.g. a closure that keeps its activations) must
+    not hold memory until the next gc_freq step."""
+    collector = StepGarbageCollection(gc_freq=50)
+    try:
+        holder = {"activations": torch.zeros(1024)}
+        holder["self"] = holder
+        freed = weakref.ref(holder["activations"])
+        del holder
+        assert freed() is not None  # only a collection can free a cycle
+        collector.step(2)  # not a gc_freq step
+        assert freed() is None
+    finally:
+        collector.close()
