@@ -19,6 +19,7 @@ Prints the tables last and writes every number to --out (JSON).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+from models.kernels.ssd_reference import ssd_chunk_scan_ref
+from models.kernels.ssd_triton import autograd as ours_autograd
+from models.kernels.ssd_triton import ssd_chunk_scan_triton
+from models.kernels.ssd_triton.config import block_config
 
 SHAPES = {
     "1.3b": dict(b=4, L=4096, H=64, P=64, N=128, G=1, Q=256),
@@ -109,9 +118,7 @@ def call(fn, inp, Q, return_final=False):
 
 
 def kernels():
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    from models.kernels.ssd_triton import ssd_chunk_scan_triton
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined  # lazy: optional, its CUDA build
 
     return {"mamba_ssm": mamba_chunk_scan_combined, "ours": ssd_chunk_scan_triton}
 
@@ -134,8 +141,6 @@ def fwd_bwd_fn(fn, inp, Q, dy):
 
 
 def time_shape(name, shape, with_seq, fns, reps_ms):
-    from triton.testing import do_bench
-
     sets = [make_inputs(shape, with_seq, seed) for seed in range(3)]
     dy = torch.randn_like(sets[0]["x"])
     out = {}
@@ -158,8 +163,6 @@ def time_shape(name, shape, with_seq, fns, reps_ms):
 
 def stage_times(step, iters=5):
     """Device time per kernel name (ms per iteration), from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -181,11 +184,6 @@ def gpu_time(stages):
 
 
 def _patched_config(over):
-    import dataclasses
-
-    from models.kernels.ssd_triton import autograd as ours_autograd
-    from models.kernels.ssd_triton.config import block_config
-
     ours_autograd.block_config = lambda q, p, n: dataclasses.replace(block_config(q, p, n), **over)
 
 
@@ -200,8 +198,6 @@ def _outputs_and_grads(fn, inp, Q, dy):
 
 def tune(shape_names, variants=None, seq_modes=(False, True)):
     """Our kernels' per-kernel device times under each tile variant; returns (record, best overrides)."""
-    from models.kernels.ssd_triton.config import block_config
-
     fn = kernels()["ours"]
     record, group_times = {}, defaultdict(lambda: defaultdict(float))
     for sname in shape_names:
@@ -252,8 +248,6 @@ def tune(shape_names, variants=None, seq_modes=(False, True)):
 
 def numerics(fns, shape, with_seq, with_init):
     """Relative errors of both kernels against the float64 reference, forward and every gradient."""
-    from models.kernels.ssd_reference import ssd_chunk_scan_ref
-
     inp = make_inputs(shape, with_seq, seed=7, with_init=with_init)
     g = torch.Generator(device="cuda").manual_seed(0)
     b, L, H, P, N = (shape[k] for k in "bLHPN")
@@ -304,8 +298,6 @@ def main():
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     fns = kernels()
-    import triton
-
     record["triton"] = triton.__version__
     lines = []
     if not args.skip_numerics:

@@ -35,6 +35,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+import torch
+import torch.nn.functional as F
+
+from components.metrics import model_flops_per_token
+from models.args import build_model_args
+
 THEIR_VOCAB, THEIR_PAD = 50277, 8  # MambaConfig's defaults: the released checkpoints' 50280 rows
 H100_BF16_TFLOPS = 989.4
 
@@ -124,8 +130,6 @@ def summarize_times(step_seconds: list[float], warmup: int, tokens_per_step: int
 
 def model_args_for(size: Size, side: str):
     """ModelArgs of either side: ours from the flavor; theirs the same sizes with MambaConfig's vocabulary."""
-    from models.args import build_model_args
-
     if side == "ours":
         return build_model_args(size.flavor, {})
     return build_model_args(size.flavor, {"vocab_size": THEIR_VOCAB, "pad_vocab_size_multiple": THEIR_PAD})
@@ -133,8 +137,6 @@ def model_args_for(size: Size, side: str):
 
 def flops_per_token(size: Size, side: str) -> dict:
     """{"6n": 6 x matmul params per token, "ssd": with the conv / SSD terms} (training FLOPs per token)."""
-    from components.metrics import model_flops_per_token
-
     ssd, six_n = model_flops_per_token(model_args_for(size, side), size.seq_len)
     return {"6n": six_n, "ssd": ssd}
 
@@ -249,12 +251,9 @@ def run_theirs(size: Size, a: argparse.Namespace) -> dict:
 def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda") -> dict:
     """mamba-ssm's MambaLMHeadModel in a plain loop (runs in its own process; device_type cpu only for tests,
     with a stand-in mamba_ssm)."""
-    import torch
-    import torch.nn.functional as F
-
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the mamba_ssm side needs CUDA (use --skip_theirs elsewhere)")
-    import mamba_ssm
+    import mamba_ssm  # lazy: optional, needs its CUDA build (tests put a stand-in in sys.modules)
     from mamba_ssm.models.config_mamba import MambaConfig
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 

@@ -35,8 +35,18 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train
+from configs.parser import load_config
+from data.datasets import build_text_source, load_default_corpus
+from data.loader import RowStepLoader, StepBatchLoader
+from data.preprocess import preprocess
+from data.shards import PackedRows, ShardDataset, is_shard_folder
+from data.tokenizer import ByteTokenizer
 
 WORDS = ["state", "space", "model", "token", "shard", "mamba", "layer", "the", "of", "and", "a", "scan", "chunk",
          "gradient", "memory", "kernel", "parallel", "sequence", "document", "batch"]
@@ -57,8 +67,6 @@ def write_corpus(path: Path, n_bytes: int, seed: int = 0) -> int:
 
 def write_python_docs_corpus(path: Path, n_bytes: int) -> int:
     """A jsonl corpus of real prose and code: the embedded corpus' documents, repeated to about n_bytes."""
-    from data.datasets import load_default_corpus
-
     docs = load_default_corpus("train").docs
     written = count = 0
     with open(path, "w") as f:
@@ -72,11 +80,7 @@ def write_python_docs_corpus(path: Path, n_bytes: int) -> int:
 
 def train_bpe(folder: Path, vocab_size: int) -> str:
     """A byte-level BPE tokenizer.json of vocab_size ids trained on the embedded corpus (GPT-2 style)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from data.datasets import load_default_corpus
-
-    tk = Tokenizer(models.BPE())
+    tk = Tokenizer(BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
@@ -96,8 +100,6 @@ def emit(record: dict, json_path: str | None) -> None:
 
 
 def cmd_preprocess(args, work: Path) -> None:
-    from data.preprocess import preprocess
-
     inputs = args.input or [str(work / f"corpus_{args.corpus_text}.jsonl")]
     if not args.input and not os.path.isfile(inputs[0]):
         writer = write_corpus if args.corpus_text == "synthetic" else write_python_docs_corpus
@@ -121,9 +123,6 @@ def cmd_preprocess(args, work: Path) -> None:
 
 def _generated_shards(work: Path, corpus: Path, corpus_mb: int, tokenizer: str) -> str:
     """Shards of the synthetic corpus in `work` (reused when a kept --work folder already has them)."""
-    from data.preprocess import preprocess
-    from data.shards import is_shard_folder
-
     if not corpus.is_file():
         write_corpus(corpus, corpus_mb * 2**20)
     shards = work / f"shards_{Path(tokenizer).parent.name if tokenizer else 'byte'}"
@@ -142,10 +141,6 @@ def _time_calls(fn, warmup: int, steps: int) -> float:
 
 
 def cmd_loader(args, work: Path) -> None:
-    from data.loader import RowStepLoader, StepBatchLoader
-    from data.shards import PackedRows, ShardDataset
-    from data.tokenizer import ByteTokenizer
-
     corpus = work / "corpus_synthetic.jsonl"
     shards = args.shards or _generated_shards(work, corpus, args.corpus_mb, "")
     opened = time.perf_counter()
@@ -160,8 +155,6 @@ def cmd_loader(args, work: Path) -> None:
               "seq_len": args.seq_len, "ms_per_step": round(per_step * 1e3, 3), "open_s": round(open_s, 3),
               "documents": ds.num_documents, "tokens": ds.num_tokens}, args.json)
     if args.text_dp and not args.shards:
-        from data.datasets import build_text_source
-
         source = build_text_source(str(corpus), "train", "text")
         for dp in [int(d) for d in args.text_dp.split(",")]:
             loader = StepBatchLoader(tok, source, args.seq_len, args.local_batch_size * dp, 0, dp)
@@ -172,9 +165,6 @@ def cmd_loader(args, work: Path) -> None:
 
 
 def cmd_stall(args, work: Path) -> None:
-    import train
-    from configs.parser import load_config
-
     base = ["--job.config_file", args.config]
     cfg = load_config(base + args.overrides)
     shards = args.shards or _generated_shards(work, work / "corpus_synthetic.jsonl", args.corpus_mb,

@@ -25,6 +25,8 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.export import (
@@ -45,7 +47,10 @@ from checkpoint.formats import (
     ours_to_foreign,
 )
 from checkpoint.run_record import read_record
-from models.args import ModelArgs
+from configs.parser import load_config
+from data.tokenizer import HFTokenizer, build_tokenizer
+from models import build_model_on_meta
+from models.args import ModelArgs, build_model_args
 
 MODEL_TOML = "model.toml"
 _MAX_SHARD_BYTES = 5 * 2**30  # HF's customary safetensors shard size
@@ -78,8 +83,6 @@ def read_foreign_weights(folder: str) -> dict[str, torch.Tensor]:
 
     def load_bin(path):
         return torch.load(path, map_location="cpu", weights_only=True)
-
-    from safetensors.torch import load_file
 
     if os.path.isfile(at("model.safetensors.index.json")):
         return sharded("model.safetensors.index.json", load_file)
@@ -139,8 +142,6 @@ def write_dcp_weights(sd: dict[str, torch.Tensor], out_dir: str, extra_files: di
 # ------------------------------------------------------------------------------------------ checks
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Our state-dict keys and shapes for these args (lm_head.weight included, tied or not)."""
-    from models import build_model_on_meta
-
     return {k: tuple(v.shape) for k, v in build_model_on_meta(args).state_dict().items()}
 
 
@@ -202,9 +203,6 @@ def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
 def load_model_section(config_file: str, overrides: list[str] | None = None) -> tuple[ModelArgs, str]:
     """(ModelArgs, model.tokenizer_path) from a TOML file's [model] section (job file or model.toml) and
     `--model.key value` overrides."""
-    from configs.parser import load_config
-    from models.args import build_model_args
-
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"model config {config_file} does not exist")
     cfg = load_config(["--job.config_file", config_file, *(overrides or [])])
@@ -232,8 +230,6 @@ def hf_token_ids(tokenizer_path: str, args: ModelArgs) -> dict[str, int]:
     pad = eos when the tokenizer has none (data/tokenizer.py's rule); bos = the byte tokenizer's bos, else
     tokenizer_config.json's bos_token, else eos (the packer separates documents with EOS and adds no BOS).
     """
-    from data.tokenizer import build_tokenizer
-
     tok = build_tokenizer(tokenizer_path)
     if tok.vocab_size > args.vocab_size:
         raise ValueError(f"the tokenizer ({tokenizer_path or 'the built-in byte tokenizer'}) has {tok.vocab_size} "
@@ -248,8 +244,6 @@ def hf_token_ids(tokenizer_path: str, args: ModelArgs) -> dict[str, int]:
 
 def _configured_token_id(tokenizer_json: str, key: str) -> int | None:
     """The id of tokenizer_config.json's `key` token (a string or {"content": ...}) beside tokenizer_json."""
-    from tokenizers import Tokenizer
-
     config_file = os.path.join(os.path.dirname(tokenizer_json), "tokenizer_config.json")
     if not os.path.isfile(config_file):
         return None
@@ -267,10 +261,6 @@ def write_hf_tokenizer_files(tokenizer_path: str, folder: str, ids: dict[str, in
     """
     if not tokenizer_path:
         return []
-    from tokenizers import Tokenizer
-
-    from data.tokenizer import HFTokenizer
-
     tokenizer_json = HFTokenizer(tokenizer_path).path
     src_dir = os.path.dirname(tokenizer_json)
     shutil.copyfile(tokenizer_json, os.path.join(folder, "tokenizer.json"))
@@ -338,8 +328,6 @@ def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
 
 
 def _write_safetensors(sd: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:
-    from safetensors.torch import save_file
-
     shards: list[dict] = [{}]
     size = 0
     for k in sorted(sd):

@@ -19,7 +19,6 @@ data identity. On resume `compare_records` sorts the differences with the curren
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import os
 import torch
 
 from data.loader import data_identity
+from data.tokenizer import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +49,6 @@ APPLIED_TRAINING_FIELDS = ("steps", "global_batch_size", "max_norm")
 
 class ResumeMismatch(ValueError):
     """The checkpoint was trained with another model / tokenizer / data than this run."""
-
-
-def tokenizer_fingerprint(tokenizer) -> dict:
-    """Identity of a tokenizer: its kind, size, special ids and a sha256 of its vocabulary (token -> id, with
-    added tokens). The built-in byte tokenizer has a fixed one."""
-    ids = {"vocab_size": int(tokenizer.vocab_size), "eos_id": int(tokenizer.eos_id), "pad_id": int(tokenizer.pad_id)}
-    inner = getattr(tokenizer, "_tok", None)
-    if inner is None:
-        vocab = f"{type(tokenizer).__name__}:{ids}"
-        kind = type(tokenizer).__name__
-    else:
-        vocab = json.dumps(sorted(inner.get_vocab(with_added_tokens=True).items()), ensure_ascii=False)
-        kind = "HFTokenizer"
-    return {"kind": kind, **ids, "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
-            "path": getattr(tokenizer, "path", "")}
 
 
 def build_run_record(job_config, model_args, tokenizer) -> dict:

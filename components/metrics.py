@@ -14,10 +14,12 @@ from datetime import datetime, timezone
 
 import torch
 
+from components.log import format_seconds
 from configs.job_config import JobConfig, Metrics
 from models.args import ModelArgs
 from models.hybrid.mlp import mlp_hidden_dim
 from models.hybrid.moe import moe_hidden_dim
+from models.mamba2.mixer import mixer_flops_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,6 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> tuple[float, float]:
     Forward FLOPs: 2 per multiply-add of every matmul parameter a token uses (MoE: only top_k experts),
     plus the conv and chunked-SSD terms of Mamba layers and the causal attention scores; training = 3x.
     """
-    from models.mamba2.mixer import mixer_flops_per_token
-
     d, matmul, extra = args.d_model, 0.0, 0.0
     for letter in args.layer_types:
         if letter == "M":
@@ -110,7 +110,7 @@ class MetricsLogger:
         if is_rank0:
             os.makedirs(dump_folder, exist_ok=True)
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # lazy: ~0.3 s, only when TensorBoard is on
 
                 self.tb = SummaryWriter(os.path.join(dump_folder, "tb"))
             if wandb_cfg is not None and wandb_cfg.enable_wandb:
@@ -152,8 +152,6 @@ class MetricsLogger:
     def summary(self, first_step: int, last_step: int, tokens: int, wall_s: float, outputs: str) -> str:
         """The end-of-run line: the steps this run did (first_step..last_step), the tokens they consumed (global),
         the wall time, the final and best validation loss (when validation ran) and where the outputs are."""
-        from components.log import format_seconds
-
         steps = f"steps {first_step}-{last_step}" if last_step >= first_step else "no step"
         val = ""
         if self.val_losses:
@@ -172,7 +170,7 @@ class MetricsLogger:
 def _start_wandb_run(cfg: Metrics, dump_folder: str, run_config: dict | None):
     """A W&B run named after the dump folder unless wandb_run_name says otherwise; imported only here."""
     try:
-        import wandb
+        import wandb  # lazy: optional
     except ImportError as e:
         raise ImportError(_WANDB_MISSING) from e
     name = cfg.wandb_run_name or os.path.basename(os.path.abspath(dump_folder))

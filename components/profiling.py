@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from configs.job_config import Profiling
 
@@ -126,8 +127,6 @@ class StepProfiler:
     def _schedule(self, _profiler_step: int):
         """The action for the training step self._pending (the profiler's own step counter is ignored, so the
         mapping to training steps holds whatever step the run resumed from)."""
-        from torch.profiler import ProfilerAction
-
         s = self._pending
         if self._chosen(s):
             return ProfilerAction.RECORD_AND_SAVE  # one trace per chosen step
@@ -136,8 +135,6 @@ class StepProfiler:
         return ProfilerAction.NONE
 
     def _build_torch_profiler(self):
-        from torch.profiler import ProfilerActivity, profile
-
         # One trace per chosen step is the point; torch's notice that each cycle starts afresh is noise here.
         warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle")
         activities = [ProfilerActivity.CPU]

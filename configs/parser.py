@@ -18,8 +18,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from components.metrics import wandb_errors
 from configs.job_config import JobConfig
-from models.args import MODEL_ARG_NAMES, ModelArgs
+from data.mixture import mixture_counts, parse_mixture
+from models.args import FLAVORS, MODEL_ARG_NAMES, ModelArgs, build_model_args
 
 
 class ConfigError(ValueError):
@@ -163,9 +165,6 @@ def load_config_or_exit(argv: list[str] | None = None, usage: str = "", prog: st
 
 def validate(cfg: JobConfig) -> None:
     """Checks that need no process group (the mesh checks the world-size products)."""
-    from components.metrics import wandb_errors
-    from models.args import FLAVORS, build_model_args
-
     errs: list[str] = []
     if cfg.model.flavor not in FLAVORS:
         errs.append(f"model.flavor={cfg.model.flavor!r} is unknown; choose one of {sorted(FLAVORS)}")
@@ -210,8 +209,6 @@ def validate(cfg: JobConfig) -> None:
 
 def _data_errors(t) -> list[str]:
     """training.datasets entries and weights, prefetch depth, shuffle buffer (the folders themselves are opened by the loader)."""
-    from data.mixture import mixture_counts, parse_mixture
-
     errs = []
     if t.prefetch_batches < 0:
         errs.append(f"training.prefetch_batches={t.prefetch_batches} must be >= 0 (0 = no prefetching)")

@@ -30,6 +30,8 @@ import os
 from pathlib import Path
 from typing import Callable, Iterator, Protocol, Sequence
 
+import numpy as np
+
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "default_corpus" / "python_docs.jsonl.gz"
 # Every 20th document of the embedded corpus (indices 10, 30, 50, ...) is held out for validation.
 _VALIDATION_EVERY, _VALIDATION_PHASE = 20, 10
@@ -229,7 +231,7 @@ class ParquetFile(IndexedSource):
     """
 
     def __init__(self, path: str, text_field: str, key: str):
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: optional (the `data` extra), needed for parquet files only
         import pyarrow.parquet as pq
 
         self.path, self.text_field = path, text_field
@@ -263,7 +265,7 @@ class ParquetFile(IndexedSource):
             raise IndexError(i)
         g = bisect.bisect_right(self._ends, i)
         if g != self._cached_group:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: optional (see __init__)
 
             table = pq.ParquetFile(self.path).read_row_group(g, columns=[self.text_field])
             self._cached_group, self._cached_texts = g, table.column(0).to_pylist()
@@ -352,7 +354,7 @@ class HFStreamSource:
     def _dataset(self):
         if self._ds is None:
             try:
-                import datasets
+                import datasets  # lazy: optional (the `data` extra), and slow to import
             except ImportError as e:
                 raise ImportError(
                     f"{self.key}='{self.name}' is a HF hub dataset name, which needs the `datasets` package "
@@ -402,8 +404,6 @@ class ShuffleBufferSource:
         self.num_documents = source.num_documents
 
     def _epoch(self, epoch: int) -> Iterator[str]:
-        import numpy as np
-
         rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
         buffer: list[str] = []
         for text in self.source.iter_from(0):

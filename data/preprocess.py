@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from data.datasets import IndexedSource, _field, _file_source, _local_files, _utf8_error
-from data.shards import FORMAT, MANIFEST, PLAN, docs_file, token_dtype, tokens_file
-from data.tokenizer import ByteTokenizer, build_tokenizer
+from data.shards import FORMAT, MANIFEST, PLAN, ShardDataset, docs_file, token_dtype, tokens_file
+from data.tokenizer import ByteTokenizer, build_tokenizer, tokenizer_fingerprint
 
 _INPUT_KEY = "--input"
 
@@ -46,7 +46,7 @@ class HFDiskSource(IndexedSource):
     """A HF `datasets` dataset saved with save_to_disk (Arrow files, memory-mapped by `datasets`)."""
 
     def __init__(self, path: str, split: str, text_field: str):
-        import datasets
+        import datasets  # lazy: optional (the `data` extra), and slow to import
 
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
@@ -217,8 +217,6 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
     A shard is `bytes_per_shard` of a line-delimited jsonl file (cut at line ends) or `docs_per_shard`
     documents of any other input; shards never span two files."""
     global _SOURCES, _TOKENIZER
-    from checkpoint.run_record import tokenizer_fingerprint
-
     if docs_per_shard < 1 or bytes_per_shard < 1 or workers < 1:
         raise ValueError("--docs-per-shard, --mb-per-shard and --workers must be > 0")
     tokenizer = build_tokenizer(tokenizer_path)
@@ -257,7 +255,7 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
     entries = {u["shard"]: e for u in units if (e := _published(out, u)) is not None}
     todo = [u for u in units if u["shard"] not in entries]
     _SOURCES, _TOKENIZER = sources, tokenizer
-    from tqdm import tqdm
+    from tqdm import tqdm  # lazy: not a core dependency (datasets / transformers bring it)
 
     bar = tqdm(total=len(units), initial=len(entries), unit="shard", disable=not progress,
                desc=f"tokenizing into {out}", file=sys.stderr)
@@ -303,8 +301,6 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
 
 def verify(folder: str) -> list[str]:
     """Problems found re-reading every shard of `folder` against the manifest's CRC-32 (empty: all good)."""
-    from data.shards import ShardDataset
-
     ds = ShardDataset(folder, config_key="--verify")  # headers, sizes and offsets
     problems = []
     for shard in ds.manifest["shards"]:

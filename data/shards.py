@@ -25,12 +25,14 @@ the number of tokens (measured in docs/performance.md).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import numpy as np
 
 from data.packing import IGNORE_INDEX
+from data.tokenizer import tokenizer_fingerprint
 
 MANIFEST = "manifest.json"
 PLAN = "plan.json"  # written first by data.preprocess: a folder with it but no manifest is unfinished
@@ -214,9 +216,7 @@ class PackedRows:
 
 
 def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
-    """Refuse shards made with another tokenizer (the run record's fingerprint, the file path aside)."""
-    from checkpoint.run_record import tokenizer_fingerprint
-
+    """Refuse shards made with another tokenizer (data/tokenizer.py's fingerprint, the file path aside)."""
     made = {k: v for k, v in dataset.manifest.get("tokenizer", {}).items() if k != "path"}
     now = {k: v for k, v in tokenizer_fingerprint(tokenizer).items() if k != "path"}
     if made != now:
@@ -233,8 +233,6 @@ def shard_identity(folder: str) -> dict:
     """What identifies a shard folder's content, from its manifest alone (cheap): counts, token dtype and a
     sha256 over the shard list (file names, counts, CRC-32s). Re-preprocessing other data into the same path
     changes it; moving the folder does not."""
-    import hashlib
-
     with open(os.path.join(os.path.expanduser(folder), MANIFEST)) as f:
         manifest = json.load(f)
     shards = json.dumps(manifest["shards"], sort_keys=True)

@@ -14,6 +14,7 @@ Both expose the same small interface, which is all the packer and the trainer us
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -59,7 +60,7 @@ class HFTokenizer:
     """
 
     def __init__(self, tokenizer_path: str):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # lazy: the default byte tokenizer needs no `tokenizers`
 
         path = Path(os.path.expanduser(tokenizer_path))
         if path.is_dir():
@@ -143,3 +144,19 @@ def build_tokenizer(tokenizer_path: str) -> ByteTokenizer | HFTokenizer:
     if not tokenizer_path:
         return ByteTokenizer()
     return HFTokenizer(tokenizer_path)
+
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """Identity of a tokenizer: its kind, size, special ids and a sha256 of its vocabulary (token -> id, with
+    added tokens). The built-in byte tokenizer has a fixed one. Checkpoints' run records and token shards'
+    manifests hold it (a run refuses either when made with another tokenizer)."""
+    ids = {"vocab_size": int(tokenizer.vocab_size), "eos_id": int(tokenizer.eos_id), "pad_id": int(tokenizer.pad_id)}
+    inner = getattr(tokenizer, "_tok", None)
+    if inner is None:
+        vocab = f"{type(tokenizer).__name__}:{ids}"
+        kind = type(tokenizer).__name__
+    else:
+        vocab = json.dumps(sorted(inner.get_vocab(with_added_tokens=True).items()), ensure_ascii=False)
+        kind = "HFTokenizer"
+    return {"kind": kind, **ids, "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
+            "path": getattr(tokenizer, "path", "")}

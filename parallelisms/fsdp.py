@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from configs.job_config import Parallelism
+from parallelisms.expert_parallel import expert_modules
 
 
 def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_dtype: torch.dtype,
@@ -48,7 +49,5 @@ def _shard_experts(layer: nn.Module, reshard: bool, expert_kw: dict) -> None:
     ("dp_replicate", "efsdp") before the block is sharded, so that the block's unit skips them. FSDP averages
     their gradients over those dp_cp / ep replicas; the remaining 1/ep is applied by the experts' forward
     (parallelisms/expert_parallel.py explains the scale)."""
-    from parallelisms.expert_parallel import expert_modules
-
     for experts in expert_modules(layer):
         fully_shard(experts, reshard_after_forward=reshard, **expert_kw)

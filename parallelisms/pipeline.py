@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.torch_version import TorchVersion
 
+from parallelisms.tied_weights import build_tied_embedding_group, mark_tied_copy
+
 # Names as torch.distributed.pipelining.schedules.get_schedule_class spells them.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -288,7 +290,7 @@ def keep_graph_for_weight_grads(stage_backward_input: Callable) -> Callable:
 
 
 def _keep_graph_for_weight_grads_before_torch_2_13() -> None:
-    import torch.distributed.pipelining.stage as stage_module
+    import torch.distributed.pipelining.stage as stage_module  # lazy: imports torch._dynamo (see pipeline_model)
 
     if TorchVersion(torch.__version__) >= (2, 13) or getattr(stage_module.stage_backward_input, "keeps_graph", False):
         return
@@ -306,10 +308,9 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
     tensors now. loss_fn(logits_BSV, labels_BS) must return the already-scaled loss (scale_grads=False). The
     settings are validated beforehand (validate_pipeline, from configs/checks.py).
     """
+    # torch.distributed.pipelining imports torch._dynamo (~1 s): only pipeline-parallel runs pay for it.
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
-
-    from parallelisms.tied_weights import build_tied_embedding_group, mark_tied_copy
 
     p = cfg.parallelism
     schedule_name = canonical_schedule(p.pipeline_parallel_schedule)

@@ -17,12 +17,12 @@ import json
 import sys
 from pathlib import Path
 
+from pydoc_data.topics import topics
+
 OUT_PATH = Path(__file__).resolve().parent / "python_docs.jsonl.gz"
 
 
 def build_corpus_bytes() -> bytes:
-    from pydoc_data.topics import topics
-
     lines = [json.dumps({"title": title, "text": topics[title]}, ensure_ascii=False) for title in sorted(topics)]
     payload = ("\n".join(lines) + "\n").encode("utf-8")
     buf = io.BytesIO()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import sys
 
+from torch._utils import _get_available_device_type
+
 import integrations.torchtitan  # noqa: F401  (registers "mamba2")
 
 
 def main() -> None:
-    from torch._utils import _get_available_device_type
-    from torchtitan.train import Trainer, main as torchtitan_main
+    from torchtitan.train import Trainer, main as torchtitan_main  # lazy: optional, heavy
 
     # torchtitan picks its device the same way and, finding none, fails deep inside with a CUDA AttributeError.
     if _get_available_device_type() is None:

@@ -40,6 +40,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from models.args import ModelArgs
 from models.inference import InferenceCache, KVCache
@@ -119,8 +120,6 @@ _block_mask_cache: tuple | None = None
 
 def _flex_block_mask(seq_idx_BS: torch.Tensor):
     global _block_mask_cache
-    from torch.nn.attention.flex_attention import create_block_mask
-
     compiling = torch.compiler.is_compiling()
     hit = _block_mask_cache
     if not compiling and hit is not None and hit[0]() is seq_idx_BS and hit[1] == seq_idx_BS._version:
@@ -139,8 +138,6 @@ def _flex_block_mask(seq_idx_BS: torch.Tensor):
 
 def flex_attention_core(q_BSHD, k_BSHD, v_BSHD, seq_idx_BS, scale: float) -> torch.Tensor:
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     b, s = q_BSHD.shape[:2]
@@ -163,7 +160,7 @@ def flash_varlen_available() -> bool:
         _flash_varlen = False
         if torch.cuda.is_available():
             try:
-                from flash_attn import flash_attn_varlen_func
+                from flash_attn import flash_attn_varlen_func  # lazy: optional, CUDA only
 
                 _flash_varlen = flash_attn_varlen_func
             except Exception:  # noqa: BLE001 - any import failure means "not available"

@@ -21,7 +21,7 @@ def mamba_split_conv1d_scan_composed(
     headdim=None, ngroups=1, norm_before_gate=True, initial_states=None, return_final_states=False, *,
     ssd_backend: str, other_backend: str = "auto",
 ):
-    from models.kernels import ops  # ops imports this module
+    from models.kernels import ops  # lazy: an import cycle (ops imports this module for its triton backend)
 
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be [batch, seqlen, features], got {tuple(zxbcdt.shape)}")

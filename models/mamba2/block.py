@@ -11,25 +11,21 @@ import torch
 from torch import nn
 
 from models.args import ModelArgs
+from models.hybrid.attention import Attention
+from models.hybrid.mlp import MLP
+from models.hybrid.moe import MoE
+from models.mamba2.mixer import Mamba2Mixer
 from models.norms import RMSNorm
 
 
 def build_mixer(letter: str, args: ModelArgs, layer_id: int) -> nn.Module:
     if letter == "M":
-        from models.mamba2.mixer import Mamba2Mixer
-
         return Mamba2Mixer(args, layer_id, args.n_layers)
     if letter == "*":
-        from models.hybrid.attention import Attention
-
         return Attention(args, layer_id, args.n_layers)
     if letter == "-":
-        from models.hybrid.mlp import MLP
-
         return MLP(args, layer_id, args.n_layers)
     if letter == "E":
-        from models.hybrid.moe import MoE
-
         return MoE(args, layer_id, args.n_layers)
     raise ValueError(f"unknown layer letter {letter!r} in model.layer_pattern; use M, *, -, E and |")
 

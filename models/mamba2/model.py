@@ -21,7 +21,8 @@ from models.args import ModelArgs
 from models.inference import InferenceCache, left_padding_seq_idx
 from models.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from models.mamba2.block import Block
-from models.norms import RMSNorm
+from models.mamba2.mixer import Mamba2Mixer
+from models.norms import GatedRMSNorm, RMSNorm
 
 PACK_FORMATS = ("stack", "sum")
 
@@ -196,9 +197,6 @@ class Mamba2LM(nn.Module):
 
         Attention and experts have their own backends (sdpa / flex / flash, grouped_mm / loop) and keep "auto".
         """
-        from models.mamba2.mixer import Mamba2Mixer
-        from models.norms import GatedRMSNorm, RMSNorm
-
         for m in self.modules():
             if isinstance(m, (Mamba2Mixer, RMSNorm, GatedRMSNorm)):
                 m.backend = backend

@@ -37,6 +37,6 @@ def ssd_chunk_scan_triton(*args, **kwargs):
     err = triton_import_error()
     if err is not None:
         raise RuntimeError(f"the triton SSD kernels need triton ({err}); pip install triton, or use model.kernels=auto")
-    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton as fn
+    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton as fn  # lazy: imports triton
 
     return fn(*args, **kwargs)
