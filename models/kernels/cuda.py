@@ -3,6 +3,7 @@
 Nothing here imports mamba_ssm / causal_conv1d at module import time: the released packages cannot
 be imported without their CUDA build. The first call (or cuda_kernels_available()) imports them,
 once; the result is cached. Wrappers take the same arguments as the references in reference.py.
+This is the one loader of those kernels: the decoding step kernels (step_ops.py) come from it too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "rmsnorm_gated_cuda",
     "add_rmsnorm_cuda",
     "mamba_split_conv1d_scan_cuda",
+    "kernels",
 ]
 
 _KERNELS: dict | None = None
@@ -24,6 +26,7 @@ _IMPORT_ERROR: str | None = None
 
 
 def _load() -> dict | None:
+    """Every mamba_ssm / causal_conv1d kernel this repository calls (training and decoding), imported once."""
     global _KERNELS, _IMPORT_ERROR
     if _KERNELS is not None or _IMPORT_ERROR is not None:
         return _KERNELS
@@ -31,9 +34,10 @@ def _load() -> dict | None:
         _IMPORT_ERROR = "CUDA is not available"
         return None
     try:
-        from causal_conv1d import causal_conv1d_fn
+        from causal_conv1d import causal_conv1d_fn, causal_conv1d_update
         from mamba_ssm.ops.triton.layer_norm import rms_norm_fn
         from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         from mamba_ssm.ops.triton.ssd_combined import (
             mamba_chunk_scan_combined,
             mamba_split_conv1d_scan_combined,
@@ -47,6 +51,8 @@ def _load() -> dict | None:
         rmsnorm_fn=rmsnorm_fn,
         mamba_chunk_scan_combined=mamba_chunk_scan_combined,
         mamba_split_conv1d_scan_combined=mamba_split_conv1d_scan_combined,
+        selective_state_update=selective_state_update,
+        causal_conv1d_update=causal_conv1d_update,
     )
     return _KERNELS
 
@@ -62,7 +68,8 @@ def cuda_kernels_import_error() -> str | None:
     return _IMPORT_ERROR
 
 
-def _kernels() -> dict:
+def kernels() -> dict:
+    """The kernels by name (see _load), or a RuntimeError saying why they are unavailable."""
     k = _load()
     if k is None:
         raise RuntimeError(
@@ -81,7 +88,7 @@ def ssd_chunk_scan_cuda(
     x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
     dt_limit=(0.0, float("inf")), seq_idx=None, initial_states=None, return_final_states=False,
 ):
-    return _kernels()["mamba_chunk_scan_combined"](
+    return kernels()["mamba_chunk_scan_combined"](
         x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=D, z=z, dt_bias=dt_bias,
         initial_states=initial_states, seq_idx=_seq_idx_i32(seq_idx), dt_softplus=dt_softplus,
         dt_limit=tuple(dt_limit), return_final_states=return_final_states,
@@ -109,19 +116,19 @@ def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activatio
         x_BDL = x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
     if bias_D is not None and bias_D.dtype != weight_DW.dtype:
         bias_D = bias_D.to(weight_DW.dtype)  # the kernel requires bias and weight of one dtype
-    return _kernels()["causal_conv1d_fn"](
+    return kernels()["causal_conv1d_fn"](
         x_BDL, weight_DW.contiguous(), bias_D, seq_idx=_seq_idx_i32(seq_idx_BL), activation=activation
     )
 
 
 def rmsnorm_gated_cuda(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gate=False):
-    return _kernels()["rmsnorm_fn"](
+    return kernels()["rmsnorm_fn"](
         x, weight, None, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate
     )
 
 
 def add_rmsnorm_cuda(x, residual, weight, eps=1e-5, residual_in_fp32=False):
-    normed, new_residual = _kernels()["rms_norm_fn"](
+    normed, new_residual = kernels()["rms_norm_fn"](
         x, weight, None, residual=residual, eps=eps, prenorm=True, residual_in_fp32=residual_in_fp32
     )
     return normed, new_residual
@@ -139,7 +146,7 @@ def mamba_split_conv1d_scan_cuda(
             f"the fused kernel needs zxbcdt width ({zxbcdt.shape[-1]}) and conv channels ({conv1d_weight.shape[0]}) "
             "to be multiples of 8; change the sizes or use the unfused path (model.use_fused_path=false)"
         )
-    return _kernels()["mamba_split_conv1d_scan_combined"](
+    return kernels()["mamba_split_conv1d_scan_combined"](
         zxbcdt.contiguous(), conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
         seq_idx=_seq_idx_i32(seq_idx), dt_limit=tuple(dt_limit), return_final_states=return_final_states,
         activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,

@@ -2,62 +2,35 @@
 
 ``backend`` means what it means in models.kernels.ops: "auto" (the kernels for CUDA tensors when they import,
 else the reference), "reference", "cuda" (the kernels or a clear error), "triton" (our Triton kernels have no
-step kernel: as "auto"). The kernels are imported on first use, never at module import.
+step kernel: as "auto"). The kernels are imported on first use, never at module import, by models/kernels/cuda.py's
+loader (with the training kernels: one import, one cached error).
 """
 
 from __future__ import annotations
 
 import torch
 
+from models.kernels.cuda import cuda_kernels_available, cuda_kernels_import_error, kernels
 from models.kernels.ssd_reference import process_dt
 from models.kernels.step_reference import causal_conv1d_update_ref, selective_state_update_ref
 
-__all__ = ["step_kernels_available", "step_kernels_import_error", "selective_state_update", "causal_conv1d_update"]
+__all__ = ["selective_state_update", "causal_conv1d_update"]
 
 BACKENDS = ("auto", "reference", "cuda", "triton")
-_KERNELS: dict | None = None
-_IMPORT_ERROR: str | None = None
-
-
-def _load() -> dict | None:
-    global _KERNELS, _IMPORT_ERROR
-    if _KERNELS is not None or _IMPORT_ERROR is not None:
-        return _KERNELS
-    if not torch.cuda.is_available():
-        _IMPORT_ERROR = "CUDA is not available"
-        return None
-    try:
-        from causal_conv1d import causal_conv1d_update
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-    except Exception as e:  # ImportError, or an OSError / RuntimeError from a mismatched CUDA build
-        _IMPORT_ERROR = f"{type(e).__name__}: {e}"
-        return None
-    _KERNELS = dict(selective_state_update=selective_state_update, causal_conv1d_update=causal_conv1d_update)
-    return _KERNELS
-
-
-def step_kernels_available() -> bool:
-    """True when CUDA is present and mamba_ssm's selective_state_update and causal_conv1d_update import."""
-    return _load() is not None
-
-
-def step_kernels_import_error() -> str | None:
-    _load()
-    return _IMPORT_ERROR
 
 
 def _use_kernels(backend: str, t: torch.Tensor) -> bool:
     if backend == "reference":
         return False
     if backend in ("auto", "triton"):
-        return t.is_cuda and step_kernels_available()
+        return t.is_cuda and cuda_kernels_available()
     if backend == "cuda":
         if not t.is_cuda:
             raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}; use backend='auto'")
-        if not step_kernels_available():
+        if not cuda_kernels_available():
             raise RuntimeError(
-                f"backend='cuda' but the step kernels are unavailable ({_IMPORT_ERROR}); install mamba-ssm and "
-                "causal-conv1d, or use backend='auto' / 'reference'"
+                f"backend='cuda' but the step kernels are unavailable ({cuda_kernels_import_error()}); install "
+                "mamba-ssm and causal-conv1d, or use backend='auto' / 'reference'"
             )
         return True
     raise ValueError(f"backend={backend!r} is unknown; choose one of {BACKENDS}")
@@ -95,7 +68,7 @@ def selective_state_update(
         dt_bias_HP = x_BHP.new_zeros(H, P, dtype=torch.float32)
     if D_HP is None:
         D_HP = x_BHP.new_zeros(H, P, dtype=torch.float32)
-    return _load()["selective_state_update"](
+    return kernels()["selective_state_update"](
         state_BHPN, x_BHP, dt_BHP, A_HPN, B_BGN, C_BGN, D=D_HP, z=z_BHP, dt_bias=dt_bias_HP, dt_softplus=dt_softplus
     )
 
@@ -118,7 +91,7 @@ def causal_conv1d_update(
     # The kernel wants x, the state, the weight and the bias in one dtype: the state's (the model's dtype unless
     # the cache was allocated otherwise, e.g. fp32 weights under autocast).
     dtype = conv_state_BDS.dtype
-    out_BD = _load()["causal_conv1d_update"](
+    out_BD = kernels()["causal_conv1d_update"](
         x_BD.to(dtype), conv_state_BDS, weight_DW.to(dtype).contiguous(),
         None if bias_D is None else bias_D.to(dtype), activation,
     )

@@ -98,7 +98,7 @@ def test_ssd_triton_matches_reference(dtype, ngroups, chunk_size, variant):
     theirs_note = ""
     # mamba_ssm's error only where it is comparable: bf16 (in fp32 its dots run in tf32, ours in full fp32).
     if dtype == torch.bfloat16 and kcuda.cuda_kernels_available():
-        mamba = kcuda._kernels()["mamba_chunk_scan_combined"]
+        mamba = kcuda.kernels()["mamba_chunk_scan_combined"]
 
         def theirs_fn(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, **kw):
             return mamba(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, **kw)
