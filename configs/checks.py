@@ -74,9 +74,9 @@ def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, token
     if training and t.skip_nonfinite_grads < 0:
         errs.append(f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
                     "non-finite gradient norm)")
-    if cfg.parallelism.fsdp_blocks_per_unit < 1:
-        errs.append(f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 1 "
-                    "(1 = one FSDP unit per block)")
+    if cfg.parallelism.fsdp_blocks_per_unit < 0:
+        errs.append(f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 0 "
+                    "(1 = one FSDP unit per block, 0 = units of about 100M parameters)")
     if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():
         errs.append("parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
                     "memory); set it false")

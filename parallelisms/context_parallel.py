@@ -31,7 +31,9 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
+import torch.nn.functional as F
 
 from models.hybrid.attention import Attention
 from models.mamba2.mixer import Mamba2Mixer
@@ -312,6 +314,33 @@ class MambaContextParallel:
         natural token order). One all-to-all carries x, B, C and dt together."""
         if self.cp_size == 1:
             return xBCdt_BSD
+        out_BSd = all_to_all_seq_to_heads_packed(self._send_order(xBCdt_BSD), self.cp_group)
+        return undo_load_balance(out_BSd, self.cp_size, seq_dim=1) if self.load_balance else out_BSd
+
+    def in_proj_pre_conv_ssm(self, u_BSD: torch.Tensor, in_proj: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixer's in_proj and pre_conv_ssm, with the all-to-all overlapped by half of the in_proj.
+
+        u [b, s/cp, d_model] (this rank's tokens) -> (z [b, s/cp, d_inner], this rank's tokens;
+        xBCdt [b, s, conv1d_channels + nheads_local], as pre_conv_ssm returns it). in_proj's output rows are
+        [z (d_inner) | x B C dt]: the x B C dt rows are multiplied first, their all-to-all is started, and the z rows
+        (about half of in_proj's FLOPs) are multiplied while it runs; the result is waited for at its first use.
+        The same values as in_proj(u) split in two (each output column is the same dot product).
+        """
+        W, bias = in_proj.weight, in_proj.bias
+        zdim = self.d_inner
+        xBCdt_local = F.linear(u_BSD, W[zdim:], None if bias is None else bias[zdim:])
+        # [cp, b, s/cp, d] -> [cp, b, s/cp, d]: an async all-to-all (autograd: its backward is the inverse one)
+        recv_KBSd = funcol.all_to_all_single(self._send_order(xBCdt_local), None, None, self.cp_group)
+        z_BSE = F.linear(u_BSD, W[:zdim], None if bias is None else bias[:zdim])
+        cp, b, s_local, d = recv_KBSd.shape
+        out_BSd = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)  # waits for the all-to-all
+        if self.load_balance:
+            out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
+        return z_BSE, out_BSd
+
+    def _send_order(self, xBCdt_BSD: torch.Tensor) -> torch.Tensor:
+        """[b, s/cp, conv_dim + nheads] -> the all-to-all's send buffer [cp, b, s/cp, conv1d_channels + nheads_local]:
+        send[k] = [x_k | B_k | C_k | dt_k], rank k's heads (and their groups' B / C), written by one cat."""
         cp, N = self.cp_size, self.d_state
         GN = self.ngroups * N
         b, s_local, D = xBCdt_BSD.shape
@@ -324,12 +353,7 @@ class MambaContextParallel:
             # autograd of expand sums the replicas' gradients
             B = B.reshape(b, s_local, self.ngroups, 1, N).expand(-1, -1, -1, r, -1).reshape(b, s_local, cp * N)
             C = C.reshape(b, s_local, self.ngroups, 1, N).expand(-1, -1, -1, r, -1).reshape(b, s_local, cp * N)
-        # send[k] = [x_k | B_k | C_k | dt_k], rank k's share, written in send order by the one cat
-        send_KBSd = torch.cat([t.reshape(b, s_local, cp, -1).permute(2, 0, 1, 3) for t in (x, B, C, dt)], dim=-1)
-        out_BSd = all_to_all_seq_to_heads_packed(send_KBSd, self.cp_group)
-        if self.load_balance:
-            out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
-        return out_BSd
+        return torch.cat([t.reshape(b, s_local, cp, -1).permute(2, 0, 1, 3) for t in (x, B, C, dt)], dim=-1)
 
     def post_conv_ssm(self, y_BSd: torch.Tensor) -> torch.Tensor:
         """[b, s, d_inner_local] (this rank's heads, whole sequence, natural order)

@@ -89,3 +89,16 @@ def _units_after_fsdp(rank, world_size, blocks_per_unit):
 @pytest.mark.parametrize("k, sizes", [(1, [1, 1, 1, 1, 1]), (2, [2, 2, 1]), (5, [5])])
 def test_fsdp_blocks_per_unit_groups_consecutive_blocks(k, sizes):
     assert run_distributed(_units_after_fsdp, 2, k) == [sizes, sizes]
+
+
+@pytest.mark.parametrize("flavor, blocks", [("370M", 15), ("1.3B", 4), ("2.7B", 2)])
+def test_auto_blocks_per_unit_holds_about_100m_parameters(flavor, blocks):
+    from models import build_model_args, build_model_on_meta
+    from parallelisms.fsdp import auto_blocks_per_unit
+
+    layers = list(build_model_on_meta(build_model_args(flavor)).layers.values())
+    per_block = sum(p.numel() for p in layers[0].parameters())
+    assert auto_blocks_per_unit(layers) == blocks
+    assert abs(blocks * per_block - 100e6) <= per_block / 2  # the nearest whole number of blocks
+    assert auto_blocks_per_unit(layers, unit_params=1) == 1  # large blocks: one unit each
+    assert auto_blocks_per_unit(layers, unit_params=10**12) == len(layers)  # never more than the stage's blocks

@@ -18,8 +18,8 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [
-    ["--parallelism.data_parallel_shard_degree", "4"],
-    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "1"],  # one unit per block
+    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],  # auto
 ], ids=["fsdp4", "hsdp2x2"])
 def test_data_parallel_matches_single_process(reference, tmp_path, layout):
     assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))

@@ -46,6 +46,11 @@ class Mamba2Mixer(nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(self, u_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        if self.cp is not None:
+            # z [b, s/cp, d_inner] (this rank's tokens), xBCdt [b, s, (conv_dim + H) of this rank's heads]: the hook
+            # runs in_proj in two halves, the all-to-all of the second one hidden behind the first
+            z_BSE, xBCdt = self.cp.in_proj_pre_conv_ssm(u_BSD, self.in_proj)
+            return self._conv_ssm_out(z_BSE, xBCdt, seq_idx)[0]
         return self._forward(self.in_proj(u_BSD), seq_idx)[0]
 
     def _forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool = False):
@@ -57,8 +62,14 @@ class Mamba2Mixer(nn.Module):
                              "parallel; decode with a model built without context parallel")
         z_BSE, xBCdt = zxbcdt.split([self.d_inner, self.conv_dim + self.nheads], dim=-1)
         if self.cp is not None:
-            # [b, s/cp, conv_dim + H] -> [b, s, (conv_dim + H) of this rank's heads]
-            xBCdt = self.cp.pre_conv_ssm(xBCdt)
+            xBCdt = self.cp.pre_conv_ssm(xBCdt)  # [b, s/cp, conv_dim + H] -> [b, s, (conv_dim + H) of this rank's heads]
+        return self._conv_ssm_out(z_BSE, xBCdt, seq_idx, return_final_states)
+
+    def _conv_ssm_out(self, z_BSE: torch.Tensor, xBCdt: torch.Tensor, seq_idx: torch.Tensor | None,
+                      return_final_states: bool = False):
+        """conv -> SSD -> gated norm -> out_proj, unfused. Under CP xBCdt is the whole sequence of this rank's heads
+        (pre_conv_ssm's output) and z this rank's tokens."""
+        if self.cp is not None:
             conv_channels, nheads = self.cp.conv1d_channels, self.cp.nheads_local
             d_inner, ngroups = self.cp.d_inner_local, self.cp.ngroups_local
             conv_w, conv_b = self.cp.get_conv1d_weight(), self.cp.get_conv1d_bias()
