@@ -104,15 +104,15 @@ def exchange_counts(counts_E: torch.Tensor, ep: int, group) -> torch.Tensor:
     return recv.view(ep, -1)
 
 
-def _source_major_to_expert_major(recv_counts_IE: torch.Tensor) -> torch.Tensor:
+def _source_major_to_expert_major(recv_counts_IE: torch.Tensor, total: int) -> torch.Tensor:
     """Row indices that reorder the received rows (blocks (source i, local expert e), i-major) into e-major
-    order (stable within a block): x_by_expert = x_recv[index]."""
+    order (stable within a block): x_by_expert = x_recv[index]. `total` = recv_counts_IE.sum(), known on the host
+    already (the all-to-all's split sizes), so that building the index needs no second host sync."""
     ep, n_local = recv_counts_IE.shape
     flat = recv_counts_IE.reshape(-1)
     start = flat.cumsum(0) - flat                      # block (i, e) starts here in the received buffer
     order = torch.arange(ep * n_local, device=flat.device).view(ep, n_local).t().reshape(-1)  # e-major blocks
     sizes, starts = flat[order], start[order]
-    total = int(flat.sum())
     block_of_row = torch.repeat_interleave(torch.arange(order.numel(), device=flat.device), sizes, output_size=total)
     offset_in_block = torch.arange(total, device=flat.device) - (sizes.cumsum(0) - sizes)[block_of_row]
     return starts[block_of_row] + offset_in_block
@@ -141,7 +141,7 @@ class ExpertParallelGroupedExperts(GroupedExperts):
         # [T*K, D] -> [sum recv_splits, D]: rows from every ep rank for this rank's experts, by source rank
         x_recv_TD = all_to_all_tokens(x_sorted_TD, send_splits, recv_splits, group)
         if recv_counts_IE.shape[1] > 1 and ep > 1:
-            index = _source_major_to_expert_major(recv_counts_IE)
+            index = _source_major_to_expert_major(recv_counts_IE, sum(recv_splits))
             y_local_TD = super().forward(x_recv_TD[index], recv_counts_IE.sum(0))
             y_recv_TD = torch.empty_like(y_local_TD).index_copy(0, index, y_local_TD)
         else:

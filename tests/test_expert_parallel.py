@@ -31,7 +31,7 @@ def test_regroup_index_matches_naive():
     recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
     offsets = recv.flatten().cumsum(0) - recv.flatten()
     naive = [int(offsets[i * 3 + e]) + j for e in range(3) for i in range(3) for j in range(int(recv[i, e]))]
-    assert _source_major_to_expert_major(recv).tolist() == naive
+    assert _source_major_to_expert_major(recv, int(recv.sum())).tolist() == naive
 
 
 def test_validate_expert_parallel_messages():
