@@ -6,6 +6,11 @@
 #            (4 x 4096 per GPU) and 370M (8 x 2048), PP2 1F1B and Interleaved1F1B at 1.3B (8 microbatches of 4 x 4096),
 #            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
 #            The 1-GPU references run two at a time, one per GPU. env: EFF_ROWS (names to run, default all)
+#   eight_efficiency  issue 20 on one 8-GPU host, as one table: FSDP8 and HSDP 2x4 at 1.3B / 2.7B (4 x 4096 per GPU),
+#            and PP2 x CP2 x FSDP2 at 64k tokens (1.3B; hybrid MoE with EP2), 20 steps, against one GPU running the
+#            same model, context and global batch (full AC); then the composition's step-10 checkpoint resumed under
+#            FSDP8 to step 20. The 1-GPU references run side by side, one per GPU. env: EFF_ROWS as above,
+#            RUN_TIMEOUT (seconds per run, default 400)
 #   stable   the parity set at lr 3e-4: 1 GPU vs FSDP2, FSDP4, HSDP 2x2, PP2xCP2 (130M, global batch 16, 20 steps)
 #            (step 8 of every run is profiled; benchmarks/trace_summary.py splits it into compute / NCCL / idle)
 #   ddp      weak scaling 1 / 2 / 4 GPUs with plain data parallel + training.cuda_graph (130M), and DDP4 eager
@@ -37,7 +42,7 @@ run() {  # run NAME NGPU CONFIG [overrides...]
   [ "$n" -gt "$NG" ] && { echo "skip $name: needs $n GPUs"; return; }
   local dir="$OUT/$PHASE/$name"; [ -n "${KEEP:-}" ] || rm -rf "$dir"; mkdir -p "$dir"  # KEEP=1: resume what is there
   local t0=$SECONDS
-  CONFIG_FILE=$cfg NGPU=$n FORCE_TORCHRUN=1 timeout 400 ./run_train.sh --job.dump_folder "$dir" \
+  CONFIG_FILE=$cfg NGPU=$n FORCE_TORCHRUN=1 timeout ${RUN_TIMEOUT:-400} ./run_train.sh --job.dump_folder "$dir" \
     --checkpoint.enable false --metrics.enable_tensorboard false "$@" "${EXTRA_ARGS[@]}" > "$dir/log.txt" 2>&1
   echo "$name: rc=$? $((SECONDS - t0))s $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | cut -c1-160)"
   [ -s "$dir/metrics.jsonl" ] || tail -20 "$dir/log.txt"
@@ -95,6 +100,53 @@ for PHASE in "$@"; do
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" --json "$OUT/efficiency.json" ;;
+  eight_efficiency)
+    P=--parallelism
+    S=(--metrics.log_freq 1 --validation.enable false --training.steps 14)
+    want() { [ -z "${EFF_ROWS:-}" ] || [[ " $EFF_ROWS " == *" $1 "* ]]; }
+    W=(--training.seq_len 4096 --training.local_batch_size 4)   # weak scaling: 4 x 4096 per GPU
+    # long context: 8 sequences of 64k per step (FSDP8 resumes it: dp 8), one GPU accumulates them one at a time
+    # (~6 minutes for 20 steps of the 1.3B on an H200: give RUN_TIMEOUT=900, or split the rows over calls with EFF_ROWS)
+    LC=(--metrics.log_freq 1 --validation.enable false --training.steps 20 --training.seq_len 65536
+        --training.global_batch_size 8 --training.local_batch_size 1 --activation_checkpoint.mode full
+        --training.loss_chunk_tokens 8192 --lr_scheduler.warmup_steps 5 --optimizer.lr 3e-4 --training.seed 7
+        --model.tie_embeddings false)
+    COMPOSE=($P.pipeline_parallel_degree 2 $P.context_parallel_degree 2 $P.data_parallel_shard_degree 2
+             $P.pipeline_parallel_microbatch_size 1)
+    i=0; for spec in "1gpu_1.3b configs/mamba2_1.3b.toml" "1gpu_2.7b configs/mamba2_2.7b.toml"; do
+      read -r name cfg <<< "$spec"; want $name || continue
+      CUDA_VISIBLE_DEVICES=$i run $name 1 $cfg "${S[@]}" "${W[@]}" & i=$((i + 1)); done
+    for spec in "1gpu_1.3b_64k configs/mamba2_1.3b.toml" "1gpu_moe_64k configs/hybrid_moe_1b.toml"; do
+      read -r name cfg <<< "$spec"; want $name || continue
+      CUDA_VISIBLE_DEVICES=$i run $name 1 $cfg "${LC[@]}" & i=$((i + 1)); done
+    wait
+    for m in 1.3b 2.7b; do
+      want fsdp8_$m && run fsdp8_$m 8 configs/mamba2_$m.toml "${S[@]}" "${W[@]}" $P.data_parallel_shard_degree 8
+      want hsdp2x4_$m && run hsdp2x4_$m 8 configs/mamba2_$m.toml "${S[@]}" "${W[@]}" $P.data_parallel_replicate_degree 2 \
+        $P.data_parallel_shard_degree 4
+    done
+    if want pp2cp2fsdp2_1.3b_64k; then
+      run pp2cp2fsdp2_1.3b_64k 8 configs/mamba2_1.3b.toml "${LC[@]}" "${COMPOSE[@]}" --checkpoint.enable true --checkpoint.interval 10
+      rm -rf "$OUT/$PHASE/resume_fsdp8_64k"; mkdir -p "$OUT/$PHASE/resume_fsdp8_64k/checkpoint"
+      cp -rl "$OUT/$PHASE/pp2cp2fsdp2_1.3b_64k/checkpoint/step-10" "$OUT/$PHASE/resume_fsdp8_64k/checkpoint/" \
+        || echo "resume_fsdp8_64k: no step-10 checkpoint to resume from; not run"  # hard links
+      [ -d "$OUT/$PHASE/resume_fsdp8_64k/checkpoint/step-10" ] && KEEP=1 run resume_fsdp8_64k 8 configs/mamba2_1.3b.toml \
+        "${LC[@]}" $P.data_parallel_shard_degree 8 $P.context_parallel_degree 1 --checkpoint.enable true --checkpoint.interval 100
+    fi
+    want pp2cp2fsdp2ep2_moe_64k && run pp2cp2fsdp2ep2_moe_64k 8 configs/hybrid_moe_1b.toml "${LC[@]}" "${COMPOSE[@]}" \
+      $P.expert_parallel_degree 2
+    R=()
+    for row in "FSDP8 1.3B, 4 x 4096 per GPU=fsdp8_1.3b:1gpu_1.3b:0.88" "HSDP 2x4 1.3B=hsdp2x4_1.3b:1gpu_1.3b:0.88" \
+               "FSDP8 2.7B, 4 x 4096 per GPU=fsdp8_2.7b:1gpu_2.7b:0.88" "HSDP 2x4 2.7B=hsdp2x4_2.7b:1gpu_2.7b:0.88" \
+               "PP2 x CP2 x FSDP2 1.3B, 64k=pp2cp2fsdp2_1.3b_64k:1gpu_1.3b_64k:0.60" \
+               "PP2 x CP2 x FSDP2 x EP2 hybrid MoE, 64k=pp2cp2fsdp2ep2_moe_64k:1gpu_moe_64k:0.60"; do
+      want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
+    python3 benchmarks/efficiency_table.py "$OUT/$PHASE" "${R[@]}" --json "$OUT/eight_efficiency.json"
+    # bf16 losses of the compositions against one GPU, step by step (the resume: steps 11-20 against the same run)
+    want pp2cp2fsdp2_1.3b_64k && python3 benchmarks/compare_runs.py --ref "$OUT/$PHASE/1gpu_1.3b_64k" \
+      "$OUT"/$PHASE/{pp2cp2fsdp2_1.3b_64k,resume_fsdp8_64k} --json "$OUT/eight_1.3b_64k_losses.json"
+    want pp2cp2fsdp2ep2_moe_64k && python3 benchmarks/compare_runs.py --ref "$OUT/$PHASE/1gpu_moe_64k" \
+      "$OUT/$PHASE/pp2cp2fsdp2ep2_moe_64k" --json "$OUT/eight_moe_64k_losses.json" ;;
   stable)  # the parity set at a stable learning rate (3e-4), where bf16 rounding differences do not get amplified
     C=configs/mamba2_130m.toml
     A=(--training.steps 20 --training.seq_len 2048 --training.global_batch_size 16 --training.local_batch_size 4
