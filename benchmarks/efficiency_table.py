@@ -4,7 +4,7 @@
         --row "FSDP2 1.3B=fsdp2_1.3b:1gpu_1.3b:0.90" --row "CP2 32k=cp2_32k:cp1_32k:0.75:0.55" [--skip 3] [--json t.json]
 
 A row is LABEL=RUN:REF:TARGET[:MEMORY_TARGET], RUN and REF being run folders (with metrics.jsonl) under the first
-argument. Per GPU tokens/s is the median over the steps after --skip (warm-up, autotuning) of what train.py logs
+argument. Per GPU tokens/s is the median over the steps after --skip (warm-up, autotuning; and up to --until) of what train.py logs
 (tokens this rank's data-parallel replica processed / pp stages, per second). ratio = run / ref; memory ratio =
 run's peak memory per GPU / ref's. A row passes when ratio >= TARGET (and memory ratio <= MEMORY_TARGET when given).
 For pipeline rows give TARGET as 0.9 x (1 - textbook bubble). Exit status 1 when a row fails or a run is missing.
@@ -19,13 +19,14 @@ import sys
 from pathlib import Path
 
 
-def run_figures(folder: Path, skip: int) -> dict | None:
-    """Median tokens/s per GPU after `skip` steps, peak memory and last loss of one run, or None if it did not log."""
+def run_figures(folder: Path, skip: int, until: int = 0) -> dict | None:
+    """Median tokens/s per GPU over the steps after `skip` (up to `until` when > 0: profiled steps at the end stay
+    out), peak memory and last loss of one run, or None if it did not log."""
     path = folder / "metrics.jsonl"
     if not path.exists():
         return None
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    timed = [r for r in records if r["step"] > skip]
+    timed = [r for r in records if r["step"] > skip and (until <= 0 or r["step"] <= until)]
     if not timed:
         return None
     return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     p.add_argument("out", help="the folder holding the run folders")
     p.add_argument("--row", action="append", default=[], help="LABEL=RUN:REF:TARGET[:MEMORY_TARGET]")
     p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--until", type=int, default=0, help="last step to count (0: all; leaves profiled steps out)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows, failed = [], False
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for spec in a.row:
         row = parse_row(spec)
-        run, ref = run_figures(Path(a.out) / row["run"], a.skip), run_figures(Path(a.out) / row["ref"], a.skip)
+        run = run_figures(Path(a.out) / row["run"], a.skip, a.until)
+        ref = run_figures(Path(a.out) / row["ref"], a.skip, a.until)
         if run is None or ref is None:
             print(f"| {row['label']} | missing ({row['run'] if run is None else row['ref']} logged no timed step) "
                   "| | | | | | FAIL |")

@@ -5,7 +5,8 @@
 #   efficiency  every layout against one GPU running the same model, as one table (issue 14): FSDP2 at 1.3B
 #            (4 x 4096 per GPU) and 370M (8 x 2048), PP2 1F1B and Interleaved1F1B at 1.3B (8 microbatches of 4 x 4096),
 #            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
-#            The 1-GPU references run two at a time, one per GPU. env: EFF_ROWS (names to run, default all)
+#            The 1-GPU references run two at a time, one per GPU. env: EFF_ROWS (names to run, default all),
+#            EFF_PROFILE=1 (also profile step 14 of every run and summarise rank 0 / 1's traces; the table uses 4-12)
 #   eight_efficiency  issue 20 on one 8-GPU host, as one table: FSDP8 and HSDP 2x4 at 1.3B / 2.7B (4 x 4096 per GPU),
 #            and PP2 x CP2 x FSDP2 at 64k tokens (1.3B; hybrid MoE with EP2), 20 steps, against one GPU running the
 #            same model, context and global batch (full AC); then the composition's step-10 checkpoint resumed under
@@ -66,12 +67,15 @@ for PHASE in "$@"; do
   efficiency)
     P=--parallelism
     S=(--metrics.log_freq 1 --validation.enable false --training.steps 14)
-    L=(--training.steps 10 --training.local_batch_size 1 --training.global_batch_size 1 --activation_checkpoint.mode full
+    UNTIL=0
+    if [ -n "${EFF_PROFILE:-}" ]; then  # profile the last step of every run; the table then stops at step 12
+      S+=(--profiling.enable_profiling true --profiling.profile_steps "[14]"); UNTIL=12; fi
+    L=(--training.local_batch_size 1 --training.global_batch_size 1 --activation_checkpoint.mode full
        --training.loss_chunk_tokens 8192 $P.data_parallel_shard_degree 1)  # long context: one sequence per step
     M13=(configs/mamba2_1.3b.toml "${S[@]}" --training.seq_len 4096 --training.local_batch_size 4)
     M370=(configs/mamba2_370m.toml "${S[@]}" --training.seq_len 2048 --training.local_batch_size 8)
     MOE=(configs/hybrid_moe_1b.toml "${S[@]}" --training.seq_len 4096 --training.local_batch_size 4)
-    PP=(configs/mamba2_1.3b.toml "${S[@]}" --training.steps 10 --training.seq_len 4096 --training.global_batch_size 32
+    PP=(configs/mamba2_1.3b.toml "${S[@]}" --training.seq_len 4096 --training.global_batch_size 32
         $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.data_parallel_shard_degree 1)
     want() { [ -z "${EFF_ROWS:-}" ] || [[ " $EFF_ROWS " == *" $1 "* ]]; }
     side_by_side() {  # side_by_side "NAME ARGS..." "NAME ARGS...": two 1-GPU runs at once, one per GPU
@@ -99,7 +103,11 @@ for PHASE in "$@"; do
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
-    python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" --json "$OUT/efficiency.json" ;;
+    python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" --until $UNTIL --json "$OUT/efficiency.json"
+    if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
+      for t in "$OUT"/efficiency/*/profile_trace/iteration_14/rank[01]_trace.json; do
+        [ -e "$t" ] && echo "== $t" && python3 benchmarks/trace_summary.py --top 6 "$t"; done
+    fi ;;
   eight_efficiency)
     P=--parallelism
     S=(--metrics.log_freq 1 --validation.enable false --training.steps 14)

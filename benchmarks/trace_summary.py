@@ -65,6 +65,21 @@ def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
             "self_ms": sorted(((n, t / 1e3) for n, t in self_us.items()), key=lambda r: -r[1])}
 
 
+def hook_times(events: list[dict], window: tuple[float, float]) -> list[tuple[str, int, float]]:
+    """Host time of FSDP2's hooks in the window: (name, calls, inclusive ms) per annotation, the unit's name left
+    out ("FSDP::pre_forward (layers.3)" counts as "FSDP::pre_forward"), largest first. Each unit's hooks cost host
+    time whatever its size, which is what limits FSDP on host-bound steps."""
+    per_name: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        name = str(e.get("name", ""))
+        if (e.get("ph") == "X" and e.get("cat") == "user_annotation" and name.startswith("FSDP::")
+                and window[0] <= e["ts"] < window[1]):
+            short = name.split(" (")[0].split(" for ")[0]
+            per_name[short][0] += 1
+            per_name[short][1] += e["dur"]
+    return sorted(((n, c, t / 1e3) for n, (c, t) in per_name.items()), key=lambda r: -r[2])
+
+
 def summarize(path: str, top: int = 15) -> dict:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -105,6 +120,7 @@ def summarize(path: str, top: int = 15) -> dict:
         "launch_calls": len(launches),
         "launch_cpu_ms": sum(e["dur"] for e in launches) / 1e3,
         "top": sorted(((n, c, t / 1e3) for n, (c, t) in per_kernel.items()), key=lambda r: -r[2])[:top],
+        "fsdp_hooks": hook_times(events, window),
     }
 
 
@@ -127,9 +143,12 @@ def main():
               "(Python between ops: autograd glue, Triton launchers); self time of the busiest thread's ops:")
         for name, ms in s["host_top"]:
             print(f"  {ms:8.2f} ms  {name if len(name) < 90 else name[:87] + '...'}")
+        if s["fsdp_hooks"]:
+            print("FSDP hooks (host, inclusive): " + ", ".join(f"{n} {ms:.1f} ms ({c}x)" for n, c, ms in s["fsdp_hooks"]
+                                                              if ms >= 0.5))
         if args.json:
             with open(args.json, "a") as f:
-                f.write(json.dumps({k: v for k, v in s.items() if k not in ("top", "host_top")}) + "\n")
+                f.write(json.dumps({k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks")}) + "\n")
 
 
 if __name__ == "__main__":

@@ -216,3 +216,36 @@ def test_trace_summary_host_self_times():
     h = host_self_times(events, (0, 20))
     assert h["thread"] == 1 and h["traced_ms"] == 0.01
     assert dict(h["self_ms"]) == {"step": 0.004, "b": 0.003, "a": 0.002, "launch": 0.001}
+
+
+def test_trace_summary_fsdp_hook_times():
+    """FSDP2's host annotations summed per hook, the unit's name left out; GPU-side copies of them not counted."""
+    from benchmarks.trace_summary import hook_times
+
+    ann = lambda name, ts, dur, cat="user_annotation": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [ann("FSDP::pre_forward (layers.0)", 0, 3000), ann("FSDP::pre_forward (layers.1)", 5000, 1000),
+              ann("FSDP::pre_forward (layers.1)", 5000, 1000, cat="gpu_user_annotation"),
+              ann("FSDP::backward_prefetch for layers.0", 7000, 500), ann("aten::mm", 0, 9000, cat="cpu_op"),
+              ann("FSDP::pre_backward (layers.0)", 90_000, 1000)]  # outside the window
+    assert hook_times(events, (0, 10_000)) == [("FSDP::pre_forward", 2, 4.0), ("FSDP::backward_prefetch", 1, 0.5)]
+
+
+def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
+    from benchmarks.efficiency_table import main
+
+    def write(name, tps, mem, steps=6):
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": s, "loss": 5.0, "tokens_per_sec": tps if s > 1 else 1.0, "memory_gib": mem})
+                 for s in range(1, steps + 1)]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    write("ref", 1000.0, 40.0)
+    write("good", 950.0, 20.0)
+    write("slow", 700.0, 20.0)
+    assert main([str(tmp_path), "--row", "A=good:ref:0.90:0.55", "--json", str(tmp_path / "t.json")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert rows[0]["ratio"] == 0.95 and rows[0]["memory_ratio"] == 0.5 and rows[0]["ok"]
+    assert main([str(tmp_path), "--row", "B=slow:ref:0.90"]) == 1
+    assert main([str(tmp_path), "--row", "C=good:ref:0.90:0.40"]) == 1  # memory over its target
+    assert main([str(tmp_path), "--row", "D=absent:ref:0.90"]) == 1
+    assert "missing" in capsys.readouterr().out
