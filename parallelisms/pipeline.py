@@ -174,16 +174,15 @@ def validate_pipeline(cfg, pdims, model_args, n_microbatches: int) -> list[str]:
             p.pipeline_parallel_split_points, p.pipeline_parallel_first_last_stage_weight))
     except ValueError as e:
         errs.append(str(e))
-    n_mb = n_microbatches
-    if num_stages is not None and n_mb >= 1:
-        if schedule in ("1F1B",) and n_mb < num_stages:
-            errs.append(f"{schedule} needs at least as many microbatches as stages: {n_mb} microbatches "
+    if num_stages is not None and n_microbatches >= 1:
+        if schedule in ("1F1B",) and n_microbatches < num_stages:
+            errs.append(f"{schedule} needs at least as many microbatches as stages: {n_microbatches} microbatches "
                         f"(training.global_batch_size / dp / parallelism.pipeline_parallel_microbatch_size) < "
                         f"{num_stages} stages; raise the batch or lower the microbatch size")
         if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-            rounds = max(1, n_mb // pdims.pp)
-            if n_mb % rounds:
-                errs.append(f"{schedule} needs the microbatch count ({n_mb}) to be a multiple of "
+            rounds = max(1, n_microbatches // pdims.pp)
+            if n_microbatches % rounds:
+                errs.append(f"{schedule} needs the microbatch count ({n_microbatches}) to be a multiple of "
                             f"{rounds} = microbatches // pipeline_parallel_degree; use a multiple of "
                             f"pipeline_parallel_degree={pdims.pp} microbatches")
     return errs
@@ -343,9 +342,6 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
     if schedule_name in SPLIT_BACKWARD_SCHEDULES:
         _keep_graph_for_weight_grads_before_torch_2_13()
     cls = get_schedule_class(schedule_name)
-    n_mb = n_microbatches
-    if schedule_name in SINGLE_STAGE_SCHEDULES:
-        schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule = cls(stages, n_microbatches=n_mb, loss_fn=loss_fn, scale_grads=False)
+    stage_or_stages = stages[0] if schedule_name in SINGLE_STAGE_SCHEDULES else stages
+    schedule = cls(stage_or_stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule, parts, 0 in stage_ids, num_stages - 1 in stage_ids
