@@ -72,7 +72,7 @@ def evaluate(cfg, device: torch.device, world_size: int) -> dict:
     model = build_model_parts(cfg, job.pdims, mesh, job.model_args, device, torch.bfloat16 if bf16 else torch.float32)
     pg = dist.new_group(backend="gloo") if dist.is_initialized() else None  # DCP coordinates over CPU objects
     load_model_weights(model.parts, path, process_group=pg)  # the initialised weights are all overwritten
-    out = Validator(cfg, model.parts, job.tokenizer, mesh, job.pdims, device).run(0)
+    out = Validator(cfg, model.parts, job.tokenizer, mesh, job.pdims, job.batch, device).run(0)
     return {**out, "checkpoint": os.path.abspath(path)}
 
 

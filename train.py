@@ -104,10 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps) for opt in optimizers]
 
     # 5. Data: every dp rank reads its slice of the one global batch; cp / pp ranks of a dp rank share it.
-    dp_rank, dp_degree = coords(mesh, "dp")
+    dp_rank, _ = coords(mesh, "dp")
     cp_rank, _ = coords(mesh, "cp")
     with data_errors_exit():
-        loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, pin_memory=on_gpu)
+        loader = build_loader(cfg, tokenizer, batch_plan, dp_rank, pin_memory=on_gpu)
 
     # 6. Checkpoint: resume from the newest complete step-N (or checkpoint.load_step / initial_load_path).
     #    A checkpoint trained with another model / tokenizer / data, or with corrupt files, stops here.
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     pipeline_eval = (PipelineEval(model.schedule, model.has_first_stage, model.has_last_stage, step_loss)
                      if pdims.pp_enabled else None)  # validation's forward-only pass through the same schedule
     with data_errors_exit():
-        validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, device, pipeline=pipeline_eval)
+        validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, batch_plan, device, pipeline=pipeline_eval)
                      if cfg.validation.enable else None)
     metrics = MetricsLogger.from_config(cfg, rank == 0)  # metrics.jsonl, TensorBoard, optional W&B
     if rank == 0:

@@ -41,6 +41,7 @@ from tokenizers.models import BPE
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train
+from configs.checks import resolve_job
 from configs.parser import load_config
 from data.datasets import build_text_source, load_default_corpus
 from data.loader import RowStepLoader, StepBatchLoader
@@ -149,7 +150,7 @@ def cmd_loader(args, work: Path) -> None:
     tok = ByteTokenizer()
     for dp in [int(d) for d in args.dp.split(",")] * args.repeat:
         rows = PackedRows(ds, args.seq_len, shuffle=True, seed=0, pad_id=tok.pad_id)
-        loader = RowStepLoader(rows, args.seq_len, args.local_batch_size * dp, 0, dp, pad_id=tok.pad_id)
+        loader = RowStepLoader(rows, args.seq_len, args.local_batch_size, 0, dp, pad_id=tok.pad_id)
         per_step = _time_calls(loader.next_batch, args.warmup, args.steps)
         emit({"bench": "loader", "kind": "shards", "dp": dp, "rank": 0, "local_batch_size": args.local_batch_size,
               "seq_len": args.seq_len, "ms_per_step": round(per_step * 1e3, 3), "open_s": round(open_s, 3),
@@ -157,7 +158,7 @@ def cmd_loader(args, work: Path) -> None:
     if args.text_dp and not args.shards:
         source = build_text_source(str(corpus), "train", "text")
         for dp in [int(d) for d in args.text_dp.split(",")]:
-            loader = StepBatchLoader(tok, source, args.seq_len, args.local_batch_size * dp, 0, dp)
+            loader = StepBatchLoader(tok, source, args.seq_len, args.local_batch_size, 0, dp)
             per_step = _time_calls(loader.next_batch, min(args.warmup, 1), max(1, args.steps // 4))
             emit({"bench": "loader", "kind": "text_on_the_fly", "dp": dp, "rank": 0,
                   "local_batch_size": args.local_batch_size, "seq_len": args.seq_len,
@@ -196,9 +197,8 @@ def cmd_stall(args, work: Path) -> None:
         train.build_loader = real_build
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     cfg = load_config(argv)
-    # One process: the step's rows are the global batch (-1: one microbatch); metrics' tokens_per_sec counts them.
-    rows = cfg.training.global_batch_size if cfg.training.global_batch_size != -1 else cfg.training.local_batch_size
-    tokens_per_step = rows * cfg.training.seq_len
+    # One process: the step's rows are the global batch; metrics' tokens_per_sec counts them.
+    tokens_per_step = resolve_job(cfg, 1).batch.global_rows * cfg.training.seq_len
     step_s = [tokens_per_step / r["tokens_per_sec"] for r in records if r["step"] > args.warmup]
     wait_s = waits[args.warmup:]
     emit({"bench": "stall", "config": args.config, "overrides": args.overrides, "steps": len(step_s),

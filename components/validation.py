@@ -1,6 +1,6 @@
 """Validation: token-mean loss and perplexity of the model on held-out batches, the same batches every time.
 
-    validator = Validator(cfg, model_parts, tokenizer, mesh, pdims, device) if cfg.validation.enable else None
+    validator = Validator(cfg, model_parts, tokenizer, mesh, pdims, batch, device) if cfg.validation.enable else None
     ...
     val = validator.maybe_run(step, last_step=step == cfg.training.steps) if validator else {}   # {} unless due
 
@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from data.loader import IGNORE_INDEX, build_loader
 from models.loss import cross_entropy_sum
+from parallelisms.batch_plan import BatchPlan
 from parallelisms.sequence_sharding import shard_sequence
 from parallelisms.mesh import coords, group
 
@@ -50,8 +51,8 @@ class PipelineEval:
 
 
 class Validator:
-    def __init__(self, cfg, model_parts: list[torch.nn.Module], tokenizer, mesh, pdims, device: torch.device,
-                 pipeline: PipelineEval | None = None):
+    def __init__(self, cfg, model_parts: list[torch.nn.Module], tokenizer, mesh, pdims, batch: BatchPlan,
+                 device: torch.device, pipeline: PipelineEval | None = None):
         if pdims is not None and pdims.pp_enabled and pipeline is None:
             raise ValueError("validation under pipeline parallel needs the training schedule (pipeline=PipelineEval)")
         self.pipeline = pipeline
@@ -62,11 +63,10 @@ class Validator:
             raise ValueError(f"validation.freq={v.freq} must be >= 1")
         self.cfg, self.model_parts, self.device, self.pdims = cfg, list(model_parts), device, pdims
         self.steps, self.freq = v.steps, v.freq
-        dp_rank, dp_degree = coords(mesh, "dp")
+        dp_rank, _ = coords(mesh, "dp")
         self.cp_rank, self.cp = coords(mesh, "cp")
         self.dp_cp_group = group(mesh, "dp_cp")
-        self.loader = build_loader(cfg, tokenizer, dp_rank, dp_degree, split="validation",
-                                   pin_memory=device.type == "cuda")
+        self.loader = build_loader(cfg, tokenizer, batch, dp_rank, split="validation", pin_memory=device.type == "cuda")
         fsdp = pdims is not None and pdims.fsdp_enabled
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
         # Same precision as the training forward: FSDP's param dtype, else autocast on the GPU.

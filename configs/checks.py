@@ -63,7 +63,7 @@ def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, token
         errs.append(f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but model.vocab_size="
                     f"{model_args.vocab_size}; set --model.vocab_size {tokenizer.vocab_size} (or larger)")
     if training:  # evaluate.py reads validation batches; the training batch and loop do not concern it
-        errs += batch.errors(pdims.dp)
+        errs += batch.errors()
     if pdims.cp_enabled:
         try:
             validate_cp_shapes(t.seq_len, pdims.cp, cfg.parallelism.context_parallel_load_balance)

@@ -1,8 +1,9 @@
 """The step loader: one global packed stream, each data-parallel rank keeping its slice of every step.
 
-Every optimizer step consumes `global_batch_size` consecutive rows of the ONE global stream
-(data/packing.py); data-parallel rank r keeps rows [r*n, (r+1)*n) of them, n = global_batch_size / dp_degree.
-Context- and pipeline-parallel ranks of the same dp rank get the same rows (they split them later).
+Every optimizer step consumes n x dp_degree consecutive rows of the ONE global stream (data/packing.py), n the
+rows per data-parallel rank (the BatchPlan's rows_per_dp_rank, parallelisms/batch_plan.py); data-parallel rank r
+keeps rows [r*n, (r+1)*n) of them. Context- and pipeline-parallel ranks of the same dp rank get the same rows
+(they split them later).
 
 Trade-off, on purpose: every rank runs the same deterministic packer over the whole global batch and
 throws away the rows of other ranks. That costs each rank the tokenization of the global batch (cheap next
@@ -22,6 +23,8 @@ builds the next batches in a background thread.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from data.datasets import ShuffleBufferSource, build_text_source
@@ -30,11 +33,21 @@ from data.packing import IGNORE_INDEX, DocumentPacker
 from data.prefetch import PrefetchLoader
 from data.shards import PackedRows, ShardDataset, check_tokenizer, is_shard_folder, shard_identity
 
+if TYPE_CHECKING:
+    from parallelisms.batch_plan import BatchPlan
+
 __all__ = ["StepBatchLoader", "RowStepLoader", "build_loader", "data_identity", "IGNORE_INDEX"]
 
 
+def _check_layout(rows_per_rank: int, dp_rank: int, dp_degree: int) -> None:
+    if rows_per_rank < 1 or dp_degree < 1 or not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"a loader needs rows_per_rank >= 1 and 0 <= dp_rank < dp_degree; got rows_per_rank="
+                         f"{rows_per_rank}, dp_rank={dp_rank}, dp_degree={dp_degree}")
+
+
 class StepBatchLoader:
-    """Batches of `global_batch_size // dp_degree` packed rows per step for one data-parallel rank.
+    """Batches of `rows_per_rank` packed rows per step for one of `dp_degree` data-parallel ranks (a step
+    consumes rows_per_rank x dp_degree rows of the global stream).
 
     next_batch() -> {"input_ids": int64 [n, seq_len], "labels": int64 [n, seq_len], "seq_idx": int32 [n, seq_len]}
     on CPU (pinned when pin_memory=True and CUDA is available; the caller moves it to the device).
@@ -48,24 +61,17 @@ class StepBatchLoader:
         tokenizer,
         source,
         seq_len: int,
-        global_batch_size: int,
+        rows_per_rank: int,
         dp_rank: int = 0,
         dp_degree: int = 1,
         *,
         pin_memory: bool = False,
         infinite: bool = True,
     ):
-        if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"data-parallel rank {dp_rank} is not in [0, dp_degree={dp_degree})")
-        if global_batch_size < 1 or global_batch_size % dp_degree != 0:
-            raise ValueError(
-                f"training.global_batch_size={global_batch_size} is not a positive multiple of the data-parallel "
-                f"degree {dp_degree} (dp_replicate x dp_shard); set it to a multiple of {dp_degree}"
-            )
-        self.tokenizer, self.source = tokenizer, source
-        self.seq_len, self.global_batch_size = seq_len, global_batch_size
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.local_batch_size = global_batch_size // dp_degree
+        _check_layout(rows_per_rank, dp_rank, dp_degree)
+        self.tokenizer, self.source, self.seq_len = tokenizer, source, seq_len
+        self.rows_per_rank, self.dp_rank, self.dp_degree = rows_per_rank, dp_rank, dp_degree
+        self.global_rows = rows_per_rank * dp_degree
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.infinite = infinite
         self.packer = DocumentPacker(source, tokenizer, seq_len, infinite=infinite)
@@ -83,16 +89,16 @@ class StepBatchLoader:
     def next_batch(self) -> dict[str, torch.Tensor]:
         if not self.infinite and self.packer.exhausted:
             raise StopIteration
-        n, first = self.local_batch_size, self.dp_rank * self.local_batch_size
+        n, first = self.rows_per_rank, self.dp_rank * self.rows_per_rank
         # Rows of lower ranks, ours, then those of higher ranks: every rank walks the whole global batch.
         self.packer.skip_rows(first)
         rows = []
         for _ in range(n):
             row = self.packer.next_row()
             rows.append(self._pad_row() if row is None else {k: torch.from_numpy(v) for k, v in row.items()})
-        self.packer.skip_rows(self.global_batch_size - first - n)
+        self.packer.skip_rows(self.global_rows - first - n)
         self.steps += 1
-        self.rows_consumed += self.global_batch_size
+        self.rows_consumed += self.global_rows
         batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels", "seq_idx")}
         if self.pin_memory:
             batch = {k: v.pin_memory() for k, v in batch.items()}
@@ -134,27 +140,21 @@ class RowStepLoader:
     [rows_consumed + r*n, ... + n) of the step. state_dict() = {"steps", "rows_consumed", "seq_len"}, global and
     layout-free."""
 
-    def __init__(self, rows, seq_len: int, global_batch_size: int, dp_rank: int = 0, dp_degree: int = 1, *,
+    def __init__(self, rows, seq_len: int, rows_per_rank: int, dp_rank: int = 0, dp_degree: int = 1, *,
                  pad_id: int, pin_memory: bool = False, infinite: bool = True):
-        if dp_degree < 1 or not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"data-parallel rank {dp_rank} is not in [0, dp_degree={dp_degree})")
-        if global_batch_size < 1 or global_batch_size % dp_degree != 0:
-            raise ValueError(
-                f"training.global_batch_size={global_batch_size} is not a positive multiple of the data-parallel "
-                f"degree {dp_degree} (dp_replicate x dp_shard); set it to a multiple of {dp_degree}"
-            )
-        self.rows, self.seq_len, self.global_batch_size = rows, seq_len, global_batch_size
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
-        self.local_batch_size = global_batch_size // dp_degree
+        _check_layout(rows_per_rank, dp_rank, dp_degree)
+        self.rows, self.seq_len = rows, seq_len
+        self.rows_per_rank, self.dp_rank, self.dp_degree = rows_per_rank, dp_rank, dp_degree
+        self.global_rows = rows_per_rank * dp_degree
         self.pad_id, self.infinite = pad_id, infinite
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.steps = self.rows_consumed = 0
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        first = self.rows_consumed + self.dp_rank * self.local_batch_size
+        first = self.rows_consumed + self.dp_rank * self.rows_per_rank
         if not self.infinite and self.rows_consumed >= self.rows.num_rows:
             raise StopIteration
-        rows = [self.rows.row(first + i) for i in range(self.local_batch_size)]
+        rows = [self.rows.row(first + i) for i in range(self.rows_per_rank)]
         L = self.seq_len
         batch = {"input_ids": torch.full((len(rows), L), self.pad_id, dtype=torch.int64),
                  "labels": torch.full((len(rows), L), IGNORE_INDEX, dtype=torch.int64),
@@ -164,7 +164,7 @@ class RowStepLoader:
                 for k, v in row.items():
                     batch[k][i] = torch.from_numpy(v)
         self.steps += 1
-        self.rows_consumed += self.global_batch_size
+        self.rows_consumed += self.global_rows
         if self.pin_memory:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
@@ -234,43 +234,44 @@ def data_identity(job_config) -> dict:
             "shards": {p: shard_identity(p) for p in folders if is_shard_folder(p)}}
 
 
-def build_loader(job_config, tokenizer, dp_rank: int, dp_degree: int, split: str = "train", *,
+def build_loader(job_config, tokenizer, batch: BatchPlan, dp_rank: int = 0, split: str = "train", *,
                  pin_memory: bool = False):
-    """The loader of `job_config` for one data-parallel rank.
+    """The loader of `job_config` for data-parallel rank `dp_rank` of the job's `batch` plan (resolve_job's, in
+    configs/checks.py: the batch sizes are computed and checked there, once).
 
     split="train": training.datasets (a mixture of shard folders), else training.dataset (a shard folder, or
-    text: dataset_path / dataset_config / dataset_split / dataset_text_field, shuffle_buffer), training.seq_len and
-    training.global_batch_size (-1 = local_batch_size x dp_degree); an endless stream, prefetched
-    training.prefetch_batches ahead in a background thread (0: built in next_batch()).
-    split="validation": validation.dataset / dataset_split, validation.local_batch_size x dp_degree rows per
-    batch, training.seq_len and dataset_text_field (dataset_path / dataset_config too when the validation
+    text: dataset_path / dataset_config / dataset_split / dataset_text_field, shuffle_buffer), training.seq_len,
+    batch.rows_per_dp_rank rows per step; an endless stream, prefetched training.prefetch_batches ahead in a
+    background thread (0: built in next_batch()).
+    split="validation": validation.dataset / dataset_split, validation.local_batch_size rows per data-parallel
+    rank and batch, training.seq_len and dataset_text_field (dataset_path / dataset_config too when the validation
     dataset is the training one); one pass when validation.steps == -1, else endless (call reset() before
     each validation so every evaluation sees the same batches).
     """
-    t = job_config.training
+    t, dp_degree = job_config.training, batch.dp_degree
     if split == "train":
-        gbs = t.global_batch_size if t.global_batch_size != -1 else t.local_batch_size * dp_degree
+        n = batch.rows_per_dp_rank
         rows = build_row_source(job_config, tokenizer, "train")
         if rows is not None:
-            loader = RowStepLoader(rows, t.seq_len, gbs, dp_rank, dp_degree, pad_id=tokenizer.pad_id,
+            loader = RowStepLoader(rows, t.seq_len, n, dp_rank, dp_degree, pad_id=tokenizer.pad_id,
                                    pin_memory=pin_memory)
         else:
             source = build_text_source(t.dataset, t.dataset_split, t.dataset_text_field, t.dataset_path,
                                        t.dataset_config, config_key="training.dataset")
             if t.shuffle_buffer > 0:
                 source = ShuffleBufferSource(source, t.shuffle_buffer, t.seed)
-            loader = StepBatchLoader(tokenizer, source, t.seq_len, gbs, dp_rank, dp_degree, pin_memory=pin_memory)
+            loader = StepBatchLoader(tokenizer, source, t.seq_len, n, dp_rank, dp_degree, pin_memory=pin_memory)
         return PrefetchLoader(loader, t.prefetch_batches) if t.prefetch_batches > 0 else loader
     if split == "validation":
         v = job_config.validation
         rows = build_row_source(job_config, tokenizer, "validation")
         if rows is not None:
-            return RowStepLoader(rows, t.seq_len, v.local_batch_size * dp_degree, dp_rank, dp_degree,
+            return RowStepLoader(rows, t.seq_len, v.local_batch_size, dp_rank, dp_degree,
                                  pad_id=tokenizer.pad_id, pin_memory=pin_memory, infinite=v.steps != -1)
         same = v.dataset == t.dataset
         source = build_text_source(v.dataset, v.dataset_split, t.dataset_text_field,
                                    t.dataset_path if same else "", t.dataset_config if same else "",
                                    config_key="validation.dataset")
-        return StepBatchLoader(tokenizer, source, t.seq_len, v.local_batch_size * dp_degree, dp_rank, dp_degree,
+        return StepBatchLoader(tokenizer, source, t.seq_len, v.local_batch_size, dp_rank, dp_degree,
                                pin_memory=pin_memory, infinite=v.steps != -1)
     raise ValueError(f"split={split!r}: use 'train' or 'validation'")

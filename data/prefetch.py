@@ -116,7 +116,7 @@ class PrefetchLoader:
         self.loader.reset()
         self._state = self.loader.state_dict()
 
-    def __getattr__(self, name):  # local_batch_size, seq_len, ... of the inner loader
+    def __getattr__(self, name):  # rows_per_rank, seq_len, ... of the inner loader
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)

@@ -1,8 +1,9 @@
 """How one optimizer step's global batch divides over data-parallel ranks and microbatches.
 
 Computed once from the config and the mesh (configs/checks.py validates it before any compute) and handed down:
-the loader reads `rows_per_dp_rank` rows per step, the training step runs `n_microbatches` forward / backward
-passes of `microbatch_rows` rows (gradient accumulation, or the pipeline schedule's microbatches).
+the loader (data/loader.py build_loader) reads `rows_per_dp_rank` rows per step for each of the `dp_degree`
+data-parallel ranks, the training step runs `n_microbatches` forward / backward passes of `microbatch_rows` rows
+(gradient accumulation, or the pipeline schedule's microbatches).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 class BatchPlan:
     global_rows: int  # sequences per optimizer step over all ranks (training.global_batch_size)
     rows_per_dp_rank: int  # each data-parallel rank's share; the cp / pp ranks of a dp rank share it
+    dp_degree: int  # data-parallel ranks (dp_replicate x dp_shard)
     microbatch_rows: int  # rows per forward / backward: the pipeline microbatch under PP, else local_batch_size
     n_microbatches: int  # rows_per_dp_rank / microbatch_rows
     pipeline: bool  # whether microbatch_rows is parallelism.pipeline_parallel_microbatch_size
@@ -28,10 +30,11 @@ class BatchPlan:
             global_rows = local * pdims.dp if local > 0 else 0
         rows = global_rows // pdims.dp
         micro = parallelism.pipeline_parallel_microbatch_size if pdims.pp_enabled else (rows if local == -1 else local)
-        return cls(global_rows, rows, micro, rows // micro if micro > 0 else 0, pdims.pp_enabled)
+        return cls(global_rows, rows, pdims.dp, micro, rows // micro if micro > 0 else 0, pdims.pp_enabled)
 
-    def errors(self, dp: int) -> list[str]:
+    def errors(self) -> list[str]:
         """Each way the batch does not divide, naming the key and a value that would work (empty when fine)."""
+        dp = self.dp_degree
         key = ("parallelism.pipeline_parallel_microbatch_size" if self.pipeline
                else "training.local_batch_size")
         if self.global_rows < 1:

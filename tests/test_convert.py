@@ -207,12 +207,13 @@ def _model_cli(dcp_path) -> list[str]:
 
 def _first_batch_loss(dcp_path, extra: list[str]) -> float:
     """The converted model's token-mean loss on the trainer's first global batch (computed directly)."""
+    from configs.checks import resolve_job
     from configs.parser import load_config
     from data.loader import IGNORE_INDEX, build_loader
-    from data.tokenizer import build_tokenizer
 
     cfg = load_config(TRAIN_ARGS + extra)
-    batch = build_loader(cfg, build_tokenizer(""), 0, 1).next_batch()
+    job = resolve_job(cfg, 1)
+    batch = build_loader(cfg, job.tokenizer, job.batch).next_batch()
     model = our_model(dcp_path)
     with torch.no_grad():
         logits = model(batch["input_ids"], seq_idx=batch["seq_idx"])

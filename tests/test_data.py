@@ -63,7 +63,7 @@ class CountingTokenizer(ByteTokenizer):
 
 def global_batches(source, seq_len, gbs, dp, steps, state=None, tok=None):
     """`steps` global batches assembled from the dp ranks' local batches (rank order)."""
-    loaders = [StepBatchLoader(tok or ByteTokenizer(), source, seq_len, gbs, r, dp) for r in range(dp)]
+    loaders = [StepBatchLoader(tok or ByteTokenizer(), source, seq_len, gbs // dp, r, dp) for r in range(dp)]
     if state is not None:
         for ld in loaders:
             ld.load_state_dict(state)
@@ -233,16 +233,18 @@ def test_loader_state_through_dcp(tmp_path):
     assert_batches_equal([b.next_batch()], [a.next_batch()])
 
 
-def test_loader_bad_global_batch():
-    with pytest.raises(ValueError, match="training.global_batch_size=6.*data-parallel degree 4"):
-        StepBatchLoader(ByteTokenizer(), ListSource(DOCS), 8, 6, 0, 4)
+def test_loader_refuses_a_rank_outside_the_layout():
+    # The batch sizes are the BatchPlan's (checked once by configs/checks.py); the loader only checks its arguments.
+    for rows_per_rank, rank, dp in ((2, 4, 4), (0, 0, 1), (2, -1, 2)):
+        with pytest.raises(ValueError, match="rows_per_rank >= 1 and 0 <= dp_rank < dp_degree"):
+            StepBatchLoader(ByteTokenizer(), ListSource(DOCS), 8, rows_per_rank, rank, dp)
 
 
 def test_finite_loader_covers_one_epoch_then_stops():
     tok = ByteTokenizer()
     src = ListSource(DOCS)
     seq_len, dp = 16, 2
-    loaders = [StepBatchLoader(tok, src, seq_len, 4, r, dp, infinite=False) for r in range(dp)]
+    loaders = [StepBatchLoader(tok, src, seq_len, 4 // dp, r, dp, infinite=False) for r in range(dp)]
     batches = []
     while True:
         parts = []
@@ -265,15 +267,18 @@ def test_finite_loader_covers_one_epoch_then_stops():
 
 
 def test_build_loader_from_job_config():
+    from configs.checks import resolve_job
     from configs.job_config import JobConfig
 
     cfg = JobConfig()
-    cfg.training.seq_len, cfg.training.local_batch_size = 32, 3
-    ld = build_loader(cfg, ByteTokenizer(), dp_rank=1, dp_degree=2)
-    assert ld.global_batch_size == 6 and ld.next_batch()["input_ids"].shape == (3, 32)
+    cfg.training.seq_len, cfg.training.global_batch_size, cfg.training.local_batch_size = 32, -1, 3
+    plan = resolve_job(cfg, 2).batch  # global -1 = local 3 x dp 2
+    ld = build_loader(cfg, ByteTokenizer(), plan, dp_rank=1)
+    assert (ld.global_rows, ld.rows_per_rank, ld.dp_rank, ld.dp_degree) == (6, 3, 1, 2)
+    assert ld.next_batch()["input_ids"].shape == (3, 32)
     cfg.validation.local_batch_size, cfg.validation.steps = 2, -1
-    val = build_loader(cfg, ByteTokenizer(), dp_rank=0, dp_degree=2, split="validation")
-    assert val.global_batch_size == 4 and not val.infinite
+    val = build_loader(cfg, ByteTokenizer(), plan, dp_rank=0, split="validation")
+    assert (val.global_rows, val.rows_per_rank) == (4, 2) and not val.infinite
     want = build_text_source("default", "validation", "text")
     assert val.source.docs == want.docs
 
@@ -378,7 +383,7 @@ def test_hf_streaming_source_offline(tmp_path):
 def _save_loader_state_dp2(rank, world_size, folder, steps):
     import torch.distributed.checkpoint as dcp
 
-    ld = StepBatchLoader(ByteTokenizer(), ListSource(DOCS * 3), 16, 4, rank, world_size)
+    ld = StepBatchLoader(ByteTokenizer(), ListSource(DOCS * 3), 16, 4 // world_size, rank, world_size)
     for _ in range(steps):
         ld.next_batch()
     dcp.save({"dataloader": ld}, checkpoint_id=folder)

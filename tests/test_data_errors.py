@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from configs.checks import resolve_job
 from configs.job_config import JobConfig
 from data.datasets import ListSource, build_text_source
 from data.loader import StepBatchLoader, build_loader
@@ -38,9 +39,9 @@ def test_empty_documents_are_refused_when_the_loader_is_built(tmp_path):
         source = build_text_source(str(tmp_path / name), "train", "text")
         with pytest.raises(ValueError, match=rf"training.dataset='.*{name}': {documents} empty "
                                              r".*check that training.dataset_text_field"):
-            StepBatchLoader(ByteTokenizer(), source, seq_len=8, global_batch_size=2)
+            StepBatchLoader(ByteTokenizer(), source, seq_len=8, rows_per_rank=2)
     # The check stops at the first document with a token: empty documents before it stay legal.
-    batch = StepBatchLoader(ByteTokenizer(), ListSource(["", "", "ok"]), seq_len=4, global_batch_size=1).next_batch()
+    batch = StepBatchLoader(ByteTokenizer(), ListSource(["", "", "ok"]), seq_len=4, rows_per_rank=1).next_batch()
     assert batch["input_ids"][0].tolist() == [256, 256, ord("o"), ord("k")]
 
 
@@ -51,7 +52,7 @@ def test_empty_validation_split_is_refused_too(tmp_path):
     cfg = JobConfig()
     cfg.validation.dataset = str(tmp_path / "val")
     with pytest.raises(ValueError, match=r"validation.dataset='.*val': all 2 documents are empty"):
-        build_loader(cfg, ByteTokenizer(), 0, 1, split="validation")
+        build_loader(cfg, ByteTokenizer(), resolve_job(cfg, 1).batch, split="validation")
 
 
 def test_train_py_stops_on_an_empty_corpus_before_step_1(tmp_path):

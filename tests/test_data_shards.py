@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from configs.checks import resolve_job
 from data.datasets import ListSource
 from data.loader import RowStepLoader, build_loader
 from data.mixture import MixtureRows
@@ -96,8 +97,9 @@ def test_preprocess_is_deterministic_parallel_and_resumable(tmp_path):
     (two / "shard_00003.tokens.npy").write_bytes(reference[:100])
     (two / "manifest.json").unlink()
     (two / "shard_00004.tokens.npy.tmp12345").write_bytes(b"half")  # a killed worker's file
+    cfg = _job(two)
     with pytest.raises(ValueError, match="preprocessing did not finish.*re-run the same"):
-        build_loader(_job(two), ByteTokenizer(), 0, 1)
+        build_loader(cfg, ByteTokenizer(), _plan(cfg))
     before = {p.name: p.stat().st_mtime_ns for p in two.iterdir()}
     preprocess([str(tmp_path / "two.jsonl")], "", str(two), bytes_per_shard=4000, workers=2, progress=False)
     assert (two / "shard_00003.tokens.npy").read_bytes() == reference
@@ -159,7 +161,7 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
     # Training with the byte tokenizer refuses these shards before reading a token.
     cfg = _job(tmp_path / "out")
     with pytest.raises(ValueError, match="tokenized with another tokenizer.*Set model.tokenizer_path"):
-        build_loader(cfg, ByteTokenizer(), 0, 1)
+        build_loader(cfg, ByteTokenizer(), _plan(cfg))
 
 
 def test_preprocess_a_hf_dataset_saved_to_disk(tmp_path):
@@ -260,7 +262,7 @@ def test_shuffle_buffer_for_text_sources_resumes_exactly(tmp_path):
         resumed, _ = global_batches(shuffled, 16, 4, dp, 5, state=saved[0].state_dict())
         assert_batches_equal(resumed, reference[7:])
     cfg = _job(write_jsonl(tmp_path / "d.jsonl", docs), shuffle_buffer=8)
-    assert isinstance(build_loader(cfg, ByteTokenizer(), 0, 1).loader.packer.source, ShuffleBufferSource)
+    assert isinstance(build_loader(cfg, ByteTokenizer(), _plan(cfg)).loader.packer.source, ShuffleBufferSource)
 
 
 class CountingRows:
@@ -277,7 +279,7 @@ def test_each_rank_builds_only_its_rows(tmp_path, dp):
     ds = ShardDataset(str(make_shards(tmp_path, labelled_docs("d", 100))))
     one = RowStepLoader(PackedRows(ds, 32, shuffle=True, seed=1, pad_id=PAD), 32, 8, pad_id=PAD)
     counted = [CountingRows(PackedRows(ds, 32, shuffle=True, seed=1, pad_id=PAD)) for _ in range(dp)]
-    ranks = [RowStepLoader(c, 32, 8, r, dp, pad_id=PAD) for r, c in enumerate(counted)]
+    ranks = [RowStepLoader(c, 32, 8 // dp, r, dp, pad_id=PAD) for r, c in enumerate(counted)]
     for _ in range(5):
         parts = [ld.next_batch() for ld in ranks]
         assert_batches_equal([one.next_batch()], [{k: torch.cat([p[k] for p in parts]) for k in parts[0]}])
@@ -324,7 +326,7 @@ def test_mixture_resumes_exactly_under_a_layout_change(three_datasets):
     k, gbs, seq = 6, 8, 32
 
     def loaders(dp, state=None):
-        out = [PrefetchLoader(RowStepLoader(_mixture(three_datasets, [3, 2, 1], seq), seq, gbs, r, dp, pad_id=PAD))
+        out = [PrefetchLoader(RowStepLoader(_mixture(three_datasets, [3, 2, 1], seq), seq, gbs // dp, r, dp, pad_id=PAD))
                for r in range(dp)]
         for ld in out:
             if state is not None:
@@ -405,12 +407,17 @@ def test_exit_while_the_prefetch_thread_is_busy_is_clean():
 # ------------------------------------------------------------------------------------------- config, training
 
 
+def _plan(cfg):
+    """The one-process BatchPlan of cfg, as configs/checks.resolve_job computes it for train.py."""
+    return resolve_job(cfg, 1).batch
+
+
 def _job(dataset="default", datasets=(), **training):
     from configs.job_config import JobConfig
 
     cfg = JobConfig()
     cfg.training.dataset, cfg.training.datasets = str(dataset), list(datasets)
-    cfg.training.seq_len, cfg.training.global_batch_size = 16, 4
+    cfg.training.seq_len, cfg.training.global_batch_size, cfg.training.local_batch_size = 16, 4, -1
     for k, v in training.items():
         setattr(cfg.training, k, v)
     return cfg
@@ -424,18 +431,19 @@ def test_training_datasets_table_in_toml(tmp_path, three_datasets):
         f'[[training.datasets]]\npath = "{p}"\nweight = {w}\n' for p, w in zip(three_datasets, (5, 3, 2))))
     cfg = load_config(["--job.config_file", str(toml)])
     assert cfg.training.datasets == [{"path": p, "weight": w} for p, w in zip(three_datasets, (5, 3, 2))]
-    loader = build_loader(cfg, ByteTokenizer(), 0, 1)
+    loader = build_loader(cfg, ByteTokenizer(), _plan(cfg))
     assert isinstance(loader, PrefetchLoader) and isinstance(loader.loader.rows, MixtureRows)
     assert loader.next_batch()["input_ids"].shape == (8, 32)
     loader.close()
     cli = load_config(["--training.datasets", f"{three_datasets[0]}:1,{three_datasets[1]}:3"])
-    assert build_loader(cli, ByteTokenizer(), 0, 1).loader.rows.counts.tolist() == [2500, 7500]
+    assert build_loader(cli, ByteTokenizer(), _plan(cli)).loader.rows.counts.tolist() == [2500, 7500]
     with pytest.raises(ConfigError, match=r"training.datasets\[1\]: weight -1.0 must be a finite number > 0"):
         load_config(["--training.datasets", f"{three_datasets[0]}:1,{three_datasets[1]}:-1"])
     with pytest.raises(ConfigError, match="training.dataset='x' and training.datasets are both set"):
         load_config(["--training.datasets", f"{three_datasets[0]}:1", "--training.dataset", "x"])
+    cfg = _job(datasets=[{"path": str(tmp_path), "weight": 1}])
     with pytest.raises(ValueError, match=r"training.datasets\[0\].path='.*' is not a token-shard folder"):
-        build_loader(_job(datasets=[{"path": str(tmp_path), "weight": 1}]), ByteTokenizer(), 0, 1)
+        build_loader(cfg, ByteTokenizer(), _plan(cfg))
 
 
 def test_data_identity_follows_the_shards_content(tmp_path, three_datasets):
@@ -459,7 +467,7 @@ def test_validation_over_shards_is_one_padded_pass(tmp_path):
     folder = make_shards(tmp_path, DOCS)
     cfg = _job()
     cfg.validation.dataset, cfg.validation.steps, cfg.validation.local_batch_size = str(folder), -1, 2
-    loader = build_loader(cfg, ByteTokenizer(), 0, 1, split="validation")
+    loader = build_loader(cfg, ByteTokenizer(), _plan(cfg), split="validation")
     batches = []
     with pytest.raises(StopIteration):
         while True:

@@ -117,7 +117,7 @@ def _cfg(**parallelism):
 def _pipeline_errors(cfg, pd, model_args) -> list[str]:
     """What configs/checks.py reports for the pipeline: the batch plan's errors, then validate_pipeline's."""
     plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd)
-    return plan.errors(pd.dp) or validate_pipeline(cfg, pd, model_args, plan.n_microbatches)
+    return plan.errors() or validate_pipeline(cfg, pd, model_args, plan.n_microbatches)
 
 
 def test_validate_pipeline_errors():
@@ -158,15 +158,15 @@ def test_batch_plan_names_a_value_that_works():
     cfg = JobConfig()
     cfg.training.global_batch_size, cfg.training.local_batch_size = 8, 8  # 4 rows per rank, microbatches of 8
     plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd2)
-    assert plan.errors(2) == ["training.global_batch_size / dp = 4 rows per data-parallel rank must divide by "
+    assert plan.errors() == ["training.global_batch_size / dp = 4 rows per data-parallel rank must divide by "
                               "training.local_batch_size=8 (gradient accumulation steps); e.g. "
                               "--training.local_batch_size 4"]
     cfg.training.local_batch_size = -1  # follows the global batch: the rank's whole share, no accumulation
     plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd2)
-    assert plan.errors(2) == [] and (plan.microbatch_rows, plan.n_microbatches) == (4, 1)
+    assert plan.errors() == [] and (plan.microbatch_rows, plan.n_microbatches) == (4, 1)
     cfg.training.global_batch_size = 7
     assert "e.g. --training.global_batch_size 6" in BatchPlan.from_config(cfg.training, cfg.parallelism,
-                                                                         pd2).errors(2)[0]
+                                                                         pd2).errors()[0]
 
 
 def test_stage_module_keeps_fqns():

@@ -32,6 +32,7 @@ ARGS = [
 
 def test_validator_matches_direct_loss():
     from components.validation import Validator
+    from configs.checks import resolve_job
     from data.loader import IGNORE_INDEX, build_loader
     from data.tokenizer import build_tokenizer
     from models import Mamba2LM, build_model_args
@@ -43,10 +44,11 @@ def test_validator_matches_direct_loss():
     model = Mamba2LM(build_model_args(cfg.model.flavor, cfg.model_overrides)).train()
     init_weights(model, seed=0)  # dt_bias / A_log / D start as torch.empty
     tok = build_tokenizer("")
-    v = Validator(cfg, [model], tok, None, None, torch.device("cpu"))
+    plan = resolve_job(cfg, 1).batch
+    v = Validator(cfg, [model], tok, None, None, plan, torch.device("cpu"))
     got, again = v.run(1), v.run(2)
     assert model.training
-    loader = build_loader(cfg, tok, 0, 1, split="validation")
+    loader = build_loader(cfg, tok, plan, split="validation")
     loss_sum, n = 0.0, 0
     with torch.no_grad():
         for _ in range(3):
@@ -64,7 +66,7 @@ def test_validator_matches_direct_loss():
 
     pp = ParallelDims(2, 1, 1, 1, 1, 2)
     with pytest.raises(ValueError, match="needs the training schedule"):  # PP validation runs through the schedule
-        Validator(cfg, [model], tok, None, pp, torch.device("cpu"))
+        Validator(cfg, [model], tok, None, pp, plan, torch.device("cpu"))
 
 
 def _evaluate(nproc: int, args: list[str]) -> dict:
