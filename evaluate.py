@@ -52,10 +52,12 @@ def resolve_weights(cfg) -> str:
     if not steps:
         raise FileNotFoundError(
             f"no checkpoint to evaluate: {folder} holds no complete step-N folder (and is not a DCP folder); set "
-            f"--checkpoint.folder (relative to job.dump_folder) or --checkpoint.initial_load_path")
+            f"--checkpoint.folder (relative to job.dump_folder) or --checkpoint.initial_load_path"
+        )
     if c.load_step >= 0 and c.load_step not in steps:
-        raise FileNotFoundError(f"checkpoint.load_step={c.load_step} is not among the complete checkpoints {steps} "
-                                f"in {folder}")
+        raise FileNotFoundError(
+            f"checkpoint.load_step={c.load_step} is not among the complete checkpoints {steps} in {folder}"
+        )
     return os.path.join(folder, f"step-{c.load_step if c.load_step >= 0 else steps[-1]}")
 
 
@@ -64,7 +66,9 @@ def evaluate(cfg, device: torch.device, world_size: int) -> dict:
     the checkpoint path."""
     job = resolve_job(cfg, world_size, training=False)
     if job.pdims.pp_enabled:
-        raise ConfigError("evaluate.py does not run pipeline parallel; use FSDP (--parallelism.pipeline_parallel_degree 1)")
+        raise ConfigError(
+            "evaluate.py does not run pipeline parallel; use FSDP (--parallelism.pipeline_parallel_degree 1)"
+        )
     path = resolve_weights(cfg)
     mesh = job.pdims.build_mesh(device.type)
     set_determinism(cfg.training.seed, cfg.training.deterministic, device)
@@ -88,8 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         sys.exit(f"evaluate error: {e}")
     if rank == 0:
-        logger.info(f"loss {result['val_loss']:.6f} | perplexity {result['val_ppl']:.4f} | {result['val_tokens']} "
-                    f"tokens | {result['checkpoint']}")
+        logger.info(
+            f"loss {result['val_loss']:.6f} | perplexity {result['val_ppl']:.4f} | {result['val_tokens']} "
+            f"tokens | {result['checkpoint']}"
+        )
         print("evaluation: " + json.dumps(result), flush=True)  # the machine-readable last line, unprefixed
     assert math.isfinite(result["val_loss"])
     destroy_distributed()

@@ -24,12 +24,18 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python generate.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = argparse.ArgumentParser(
+        prog="python generate.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
     p.add_argument("--checkpoint", required=True, help="step-N folder, weights-only export or import folder")
-    p.add_argument("--config", default=None, help="job TOML / model.toml with the [model] section (default: the "
-                                                  "folder's run_record.json or model.toml)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="job TOML / model.toml with the [model] section (default: the folder's run_record.json or model.toml)",
+    )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompts_file", default=None, help="a file with one prompt per line (added to --prompt)")
     p.add_argument("--max_new_tokens", type=int, default=64)
@@ -61,8 +67,15 @@ def main(argv: list[str] | None = None) -> None:
         if any(not ids for ids in encoded):
             raise ValueError("a prompt encodes to no tokens; give at least one character")
         with torch.no_grad():
-            outputs = generate(model, encoded, a.max_new_tokens, sampling, eos_id=tokenizer.eos_id, seed=a.seed,
-                               pad_id=tokenizer.pad_id)
+            outputs = generate(
+                model,
+                encoded,
+                a.max_new_tokens,
+                sampling,
+                eos_id=tokenizer.eos_id,
+                seed=a.seed,
+                pad_id=tokenizer.pad_id,
+            )
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"generate error: {e}")
     for prompt, new in zip(prompts, outputs):

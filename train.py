@@ -90,8 +90,16 @@ def main(argv: list[str] | None = None) -> None:
 
     # 3. Model: split (pipeline), CP, EP, activation checkpointing, compile, FSDP; materialised and initialised
     #    (values depend only on the seed and the parameter names, never on the layout).
-    model = build_model_parts(cfg, pdims, mesh, model_args, device, compute_dtype,
-                              n_microbatches=batch_plan.n_microbatches, pipeline_loss_fn=step_loss.pipeline_loss_fn)
+    model = build_model_parts(
+        cfg,
+        pdims,
+        mesh,
+        model_args,
+        device,
+        compute_dtype,
+        n_microbatches=batch_plan.n_microbatches,
+        pipeline_loss_fn=step_loss.pipeline_loss_fn,
+    )
     model_parts = model.parts
     n_params = sum(p.numel() for p in build_model_on_meta(model_args).parameters())
     flops_per_token, _ = model_flops_per_token(model_args, cfg.training.seq_len)
@@ -111,34 +119,55 @@ def main(argv: list[str] | None = None) -> None:
 
     # 6. Checkpoint: resume from the newest complete step-N (or checkpoint.load_step / initial_load_path).
     #    A checkpoint trained with another model / tokenizer / data, or with corrupt files, stops here.
-    checkpointer = CheckpointManager(cfg.checkpoint, cfg.job.dump_folder, model_parts, optimizers, lr_schedulers,
-                                     loader, run_record=build_run_record(cfg, model_args, tokenizer))
+    checkpointer = CheckpointManager(
+        cfg.checkpoint,
+        cfg.job.dump_folder,
+        model_parts,
+        optimizers,
+        lr_schedulers,
+        loader,
+        run_record=build_run_record(cfg, model_args, tokenizer),
+    )
     try:
         start_step = checkpointer.load()
     except (ResumeMismatch, ChecksumError) as e:
         sys.exit(f"checkpoint error: {e}")
     if start_step:
         logger.info(f"resumed from step {start_step}")
-    pipeline_eval = (PipelineEval(model.schedule, model.has_first_stage, model.has_last_stage, step_loss)
-                     if pdims.pp_enabled else None)  # validation's forward-only pass through the same schedule
+    pipeline_eval = (
+        PipelineEval(model.schedule, model.has_first_stage, model.has_last_stage, step_loss)
+        if pdims.pp_enabled
+        else None
+    )  # validation's forward-only pass through the same schedule
     with data_errors_exit():
-        validator = (Validator(cfg, model_parts, tokenizer, mesh, pdims, batch_plan, device, pipeline=pipeline_eval)
-                     if cfg.validation.enable else None)
+        validator = (
+            Validator(cfg, model_parts, tokenizer, mesh, pdims, batch_plan, device, pipeline=pipeline_eval)
+            if cfg.validation.enable
+            else None
+        )
     metrics = MetricsLogger.from_config(cfg, rank == 0)  # metrics.jsonl, TensorBoard, optional W&B
     if rank == 0:
-        logger.info(f"model {cfg.model.flavor}: {n_params / 1e6:.1f}M parameters, layers '{model_args.layer_types}', "
+        logger.info(
+            f"model {cfg.model.flavor}: {n_params / 1e6:.1f}M parameters, layers '{model_args.layer_types}', "
             f"world {world_size} = pp {pdims.pp} x dp_replicate {pdims.dp_replicate} x dp_shard {pdims.dp_shard} "
-            f"x cp {pdims.cp} (ep {pdims.ep}), device {device}, compute {compute_dtype}")
-    amp = (torch.autocast("cuda", dtype=compute_dtype) if on_gpu and compute_dtype != torch.float32
-           and not pdims.fsdp_enabled else contextlib.nullcontext())
+            f"x cp {pdims.cp} (ep {pdims.ep}), device {device}, compute {compute_dtype}"
+        )
+    amp = (
+        torch.autocast("cuda", dtype=compute_dtype)
+        if on_gpu and compute_dtype != torch.float32 and not pdims.fsdp_enabled
+        else contextlib.nullcontext()
+    )
     peak = peak_flops(device)
     params = [p for part in model_parts for p in part.parameters()]
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     # DDP: after the checkpoint load, which needs .grad unset: every .grad becomes a view of one buffer.
     flat_grads = FlatGradients(params, group(mesh, "dp")) if pdims.ddp_enabled else None
     # training.cuda_graph: one microbatch's forward + backward replayed as one CUDA graph.
-    graphed = (GraphedMicrobatch(model_parts[0], compute_dtype, cfg.training.loss_chunk_tokens)
-               if cfg.training.cuda_graph else None)
+    graphed = (
+        GraphedMicrobatch(model_parts[0], compute_dtype, cfg.training.loss_chunk_tokens)
+        if cfg.training.cuda_graph
+        else None
+    )
 
     # 7. The loop. From here on SIGTERM finishes the step, saves and exits (before it, it ends the process at
     #    once: there is nothing to save, and torchrun's shutdown of a failed start must not wait for us).
@@ -150,23 +179,35 @@ def main(argv: list[str] | None = None) -> None:
         profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
         collector.step(step)
         batch = loader.next_batch()
-        input_ids, labels, seq_idx = (batch[k].to(device, non_blocking=True)
-                                      for k in ("input_ids", "labels", "seq_idx"))
+        input_ids, labels, seq_idx = (
+            batch[k].to(device, non_blocking=True) for k in ("input_ids", "labels", "seq_idx")
+        )
         if not cfg.training.document_masking:
             seq_idx = None  # one stream per row; labels still never cross a document end
         if pdims.cp_enabled:
             # Tokens and labels are split along the sequence; seq_idx stays whole, since after the all-to-all
             # every layer sees the whole sequence for its slice of heads.
-            input_ids, labels = (shard_sequence(t, cp_rank, pdims.cp, cfg.parallelism.context_parallel_load_balance)
-                                 for t in (input_ids, labels))
+            input_ids, labels = (
+                shard_sequence(t, cp_rank, pdims.cp, cfg.parallelism.context_parallel_load_balance)
+                for t in (input_ids, labels)
+            )
         step_loss.begin_step(labels)
 
         if pdims.pp_enabled:
             with amp:
                 loss_sum = pipeline_step(model, input_ids, labels, seq_idx, step_loss, device)
         else:
-            loss_sum = microbatch_steps(model_parts[0], input_ids, labels, seq_idx, batch_plan.microbatch_rows,
-                                        step_loss.backward_scale, cfg.training.loss_chunk_tokens, amp, graphed)
+            loss_sum = microbatch_steps(
+                model_parts[0],
+                input_ids,
+                labels,
+                seq_idx,
+                batch_plan.microbatch_rows,
+                step_loss.backward_scale,
+                cfg.training.loss_chunk_tokens,
+                amp,
+                graphed,
+            )
         if flat_grads is not None:
             flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
         sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient
@@ -177,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
         if world_size > 1:
             dist.all_reduce(loss_and_stop)  # ranks without a loss (early pipeline stages) add zero
         loss, stop_votes, grad_norm_value = torch.stack(  # the step's one host sync
-            [step_loss.mean(loss_and_stop[0]), loss_and_stop[1], grad_norm.float()]).tolist()
+            [step_loss.mean(loss_and_stop[0]), loss_and_stop[1], grad_norm.float()]
+        ).tolist()
         # Both values are the same on every rank (all-reduced), so every rank takes the same branch.
         if not math.isfinite(loss):
             stop_before_optimizer_step(checkpointer, f"loss is {loss} at step {step}")
@@ -185,12 +227,17 @@ def main(argv: list[str] | None = None) -> None:
         nonfinite_streak = nonfinite_streak + 1 if skipped else 0
         if nonfinite_streak > cfg.training.skip_nonfinite_grads:
             stop_before_optimizer_step(
-                checkpointer, f"the global gradient norm is {grad_norm_value} at step {step} (its loss {loss:.4f} is "
-                f"finite)", hint="" if cfg.training.skip_nonfinite_grads else
-                " To skip such steps instead, set --training.skip_nonfinite_grads N (N in a row at most).")
+                checkpointer,
+                f"the global gradient norm is {grad_norm_value} at step {step} (its loss {loss:.4f} is finite)",
+                hint=""
+                if cfg.training.skip_nonfinite_grads
+                else " To skip such steps instead, set --training.skip_nonfinite_grads N (N in a row at most).",
+            )
         if skipped:
-            logger.warning(f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
-                f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads={cfg.training.skip_nonfinite_grads})")
+            logger.warning(
+                f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
+                f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads={cfg.training.skip_nonfinite_grads})"
+            )
         for opt in optimizers:
             if not skipped:
                 opt.step()
@@ -210,8 +257,15 @@ def main(argv: list[str] | None = None) -> None:
             dt = time.perf_counter() - t_last
             # tokens/s per device: tokens this rank's data-parallel replica processed / pp stages sharing them
             tps = tokens_since_log / dt / pdims.pp
-            record = {"loss": loss, "grad_norm": grad_norm_value, "lr": lr, "tokens_per_sec": tps,
-                      "mfu": tps * flops_per_token / peak if peak else 0.0, "memory_gib": memory_gib(device), **val}
+            record = {
+                "loss": loss,
+                "grad_norm": grad_norm_value,
+                "lr": lr,
+                "tokens_per_sec": tps,
+                "mfu": tps * flops_per_token / peak if peak else 0.0,
+                "memory_gib": memory_gib(device),
+                **val,
+            }
             if skipped:
                 record["skipped"] = True
             if worst_expert_load is not None:  # busiest expert / mean, worst MoE layer (E / top_k at most)
@@ -230,11 +284,17 @@ def main(argv: list[str] | None = None) -> None:
     last_step = step if start_step < cfg.training.steps else start_step
     if rank == 0:
         tokens = (last_step - start_step) * batch_plan.global_rows * cfg.training.seq_len
-        logger.info(metrics.summary(start_step + 1, last_step, tokens, time.perf_counter() - t_run_start,
-                                    outputs(cfg, checkpointer)))
+        logger.info(
+            metrics.summary(
+                start_step + 1, last_step, tokens, time.perf_counter() - t_run_start, outputs(cfg, checkpointer)
+            )
+        )
     if stopping:  # SIGTERM: the step finished and (with checkpointing on) was saved
-        saved = (f"saved as {checkpointer.step_dir(step)}; run the same command again to resume"
-                 if checkpointer.enabled else "nothing saved (checkpoint.enable is false)")
+        saved = (
+            f"saved as {checkpointer.step_dir(step)}; run the same command again to resume"
+            if checkpointer.enabled
+            else "nothing saved (checkpoint.enable is false)"
+        )
         logger.info(f"stopped by SIGTERM after step {step}: {saved}")
         sys.exit(EXIT_CODE_TERMINATED)
 
@@ -249,8 +309,10 @@ def already_finished(cfg) -> str | None:
     saved = complete_steps(folder)
     if not saved or saved[-1] < cfg.training.steps:
         return None
-    return (f"already finished at step {saved[-1]} (training.steps={cfg.training.steps}; outputs in "
-            f"{cfg.job.dump_folder}, checkpoints in {folder}); raise --training.steps to continue")
+    return (
+        f"already finished at step {saved[-1]} (training.steps={cfg.training.steps}; outputs in "
+        f"{cfg.job.dump_folder}, checkpoints in {folder}); raise --training.steps to continue"
+    )
 
 
 def write_resolved_config(cfg) -> str:
@@ -267,8 +329,11 @@ def write_resolved_config(cfg) -> str:
 
 def outputs(cfg, checkpointer: CheckpointManager) -> str:
     """Where a run's outputs are, for the end-of-run line."""
-    files = [name for name in ("metrics.jsonl", "config.json", "tb")
-             if os.path.exists(os.path.join(cfg.job.dump_folder, name))]
+    files = [
+        name
+        for name in ("metrics.jsonl", "config.json", "tb")
+        if os.path.exists(os.path.join(cfg.job.dump_folder, name))
+    ]
     saved = complete_steps(checkpointer.folder) if checkpointer.enabled else []
     ckpt = f"; newest checkpoint {checkpointer.step_dir(saved[-1])}" if saved else ""
     return f"{cfg.job.dump_folder} ({', '.join(files) or 'no files'}){ckpt}"
@@ -288,13 +353,24 @@ def stop_before_optimizer_step(checkpointer: CheckpointManager, what: str, hint:
     """A non-finite loss or gradient norm: exit before the optimizer step, naming the checkpoint to resume from."""
     checkpointer.close()
     saved = complete_steps(checkpointer.folder) if os.path.isdir(checkpointer.folder) else []
-    sys.exit(f"{what}: stopped before the optimizer step, nothing saved; the newest complete checkpoint is "
-             f"{f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. Lower optimizer.lr (or raise "
-             f"lr_scheduler.warmup_steps) or check the data.{hint}")
+    sys.exit(
+        f"{what}: stopped before the optimizer step, nothing saved; the newest complete checkpoint is "
+        f"{f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. Lower optimizer.lr (or raise "
+        f"lr_scheduler.warmup_steps) or check the data.{hint}"
+    )
 
 
-def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, backward_scale: torch.Tensor,
-                     loss_chunk_tokens: int, amp, graphed=None) -> torch.Tensor:
+def microbatch_steps(
+    model,
+    input_ids,
+    labels,
+    seq_idx,
+    micro: int,
+    backward_scale: torch.Tensor,
+    loss_chunk_tokens: int,
+    amp,
+    graphed=None,
+) -> torch.Tensor:
     """Forward / backward of this rank's rows in microbatches of `micro` rows (gradient accumulation).
 
     Each microbatch's summed token loss is multiplied by `backward_scale` (components/step_loss.py) before
@@ -306,14 +382,19 @@ def microbatch_steps(model, input_ids, labels, seq_idx, micro: int, backward_sca
     for i in range(n_micro):
         rows = slice(i * micro, (i + 1) * micro)
         if graphed is not None:
-            loss_sum += graphed(input_ids[rows], labels[rows], None if seq_idx is None else seq_idx[rows],
-                                backward_scale)
+            loss_sum += graphed(
+                input_ids[rows], labels[rows], None if seq_idx is None else seq_idx[rows], backward_scale
+            )
             continue
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter once, after the last microbatch
             model.set_requires_gradient_sync(i == n_micro - 1)
         with amp:  # the model returns the summed token loss of the microbatch
-            mb_loss = model(input_ids[rows], seq_idx=None if seq_idx is None else seq_idx[rows], labels=labels[rows],
-                            loss_chunk_tokens=loss_chunk_tokens)
+            mb_loss = model(
+                input_ids[rows],
+                seq_idx=None if seq_idx is None else seq_idx[rows],
+                labels=labels[rows],
+                loss_chunk_tokens=loss_chunk_tokens,
+            )
         (mb_loss * backward_scale).backward()
         loss_sum += mb_loss.detach()
     return loss_sum

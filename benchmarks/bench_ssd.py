@@ -59,8 +59,9 @@ TUNE_VARIANTS = {
     "s3_w8": {**{k: 3 for k in _STAGES}, **{k: 8 for k in _WARPS}},
     "big": _BIG,
     "big_w8": {**_BIG, **{k: 8 for k in _WARPS}},
-    "small_s3": dict(scan_k=32, state_k=32, dx_m=32, dc_k=32, db_m=32, heads_per_prog=4, pass_block=512,
-                     **{k: 3 for k in _STAGES}),
+    "small_s3": dict(
+        scan_k=32, state_k=32, dx_m=32, dc_k=32, db_m=32, heads_per_prog=4, pass_block=512, **{k: 3 for k in _STAGES}
+    ),
     "hpp16_s1": dict(heads_per_prog=16, **{k: 1 for k in _STAGES}),
     # dCB summed over heads first, then one product per group (dcb_bwd.py); its matmuls are counted in "dcdb".
     "grouped": dict(bc_mode="grouped"),
@@ -74,8 +75,17 @@ TUNE_GROUPS = {
     "pass": (("state_passing_fwd_kernel", "state_passing_bwd_kernel"), ("pass_",)),
     "scan": (("chunk_scan_fwd_kernel",), ("scan_",)),
     "dx": (("chunk_scan_bwd_dx_kernel",), ("dx_",)),
-    "dcdb": (("chunk_scan_bwd_dc_kernel", "chunk_state_bwd_db_kernel", "chunk_scan_bwd_dcb_kernel", "*gemm",
-              "*xmma", "*cutlass"), ("dc_", "db_", "heads_per_prog", "bc_mode")),
+    "dcdb": (
+        (
+            "chunk_scan_bwd_dc_kernel",
+            "chunk_state_bwd_db_kernel",
+            "chunk_scan_bwd_dcb_kernel",
+            "*gemm",
+            "*xmma",
+            "*cutlass",
+        ),
+        ("dc_", "db_", "heads_per_prog", "bc_mode"),
+    ),
 }
 
 
@@ -94,10 +104,15 @@ def make_inputs(shape, with_seq, seed, device="cuda", dtype=torch.bfloat16, with
     # mamba_ssm's initialisation: dt in [1e-3, 1e-1] through softplus(dt + dt_bias), A in -[1, 16].
     dt0 = torch.exp(torch.rand(H, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
     inp = dict(
-        x=r(b, L, H, P), dt=r(b, L, H, scale=0.5), A=-torch.empty(H).uniform_(1, 16, generator=g).to(device),
-        B=r(b, L, G, N), C=r(b, L, G, N), D=r(H, dt=torch.float32),
+        x=r(b, L, H, P),
+        dt=r(b, L, H, scale=0.5),
+        A=-torch.empty(H).uniform_(1, 16, generator=g).to(device),
+        B=r(b, L, G, N),
+        C=r(b, L, G, N),
+        D=r(H, dt=torch.float32),
         dt_bias=(dt0 + torch.log(-torch.expm1(-dt0))).to(device),
-        initial_states=r(b, H, P, N, dt=torch.float32) if with_init else None, seq_idx=None,
+        initial_states=r(b, H, P, N, dt=torch.float32) if with_init else None,
+        seq_idx=None,
     )
     if with_seq:
         # Packed documents of random lengths (mean ~700 tokens), as the data loader makes them.
@@ -112,9 +127,20 @@ def make_inputs(shape, with_seq, seed, device="cuda", dtype=torch.bfloat16, with
 
 
 def call(fn, inp, Q, return_final=False):
-    return fn(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], Q, D=inp["D"], dt_bias=inp["dt_bias"],
-              dt_softplus=True, seq_idx=inp["seq_idx"], initial_states=inp["initial_states"],
-              return_final_states=return_final)
+    return fn(
+        inp["x"],
+        inp["dt"],
+        inp["A"],
+        inp["B"],
+        inp["C"],
+        Q,
+        D=inp["D"],
+        dt_bias=inp["dt_bias"],
+        dt_softplus=True,
+        seq_idx=inp["seq_idx"],
+        initial_states=inp["initial_states"],
+        return_final_states=return_final,
+    )
 
 
 def kernels():
@@ -124,8 +150,10 @@ def kernels():
 
 
 def fwd_bwd_fn(fn, inp, Q, dy):
-    leaves = {k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-              for k, v in inp.items()}
+    leaves = {
+        k: (v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in inp.items()
+    }
 
     def step():
         for v in leaves.values():
@@ -188,12 +216,15 @@ def _patched_config(over):
 
 
 def _outputs_and_grads(fn, inp, Q, dy):
-    leaves = {k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                  else v) for k, v in inp.items()}
+    leaves = {
+        k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+        for k, v in inp.items()
+    }
     y = call(fn, leaves, Q)
     y.backward(dy)
-    return [y.detach().float()] + [v.grad.float() for v in leaves.values() if isinstance(v, torch.Tensor) and
-                                   v.grad is not None]
+    return [y.detach().float()] + [
+        v.grad.float() for v in leaves.values() if isinstance(v, torch.Tensor) and v.grad is not None
+    ]
 
 
 def tune(shape_names, variants=None, seq_modes=(False, True)):
@@ -215,8 +246,7 @@ def tune(shape_names, variants=None, seq_modes=(False, True)):
                     st = stage_times(step, iters=3)
                     outs = _outputs_and_grads(fn, inp, Q, dy)
                 except Exception as e:  # e.g. out of shared memory for a tile shape
-                    print(f"tune {sname} seq={with_seq} {vname}: FAILED {type(e).__name__}: {str(e)[:300]}",
-                          flush=True)
+                    print(f"tune {sname} seq={with_seq} {vname}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                     for grp in TUNE_GROUPS:
                         group_times[grp][vname] += float("inf")
                     continue
@@ -227,8 +257,11 @@ def tune(shape_names, variants=None, seq_modes=(False, True)):
                 for grp, (names, _) in TUNE_GROUPS.items():
                     group_times[grp][vname] += sum(v for k, v in st.items() if _in_group(k, names))
                 ours = {k: v for k, v in st.items() if "kernel" in k and "at::" not in k}
-                print(f"tune {sname} seq={with_seq} {vname:9s} gpu {gpu_time(st):.3f} ms, diff vs base {diff:.1e}: "
-                      + ", ".join(f"{k.replace('_kernel', '')} {v:.3f}" for k, v in ours.items()), flush=True)
+                print(
+                    f"tune {sname} seq={with_seq} {vname:9s} gpu {gpu_time(st):.3f} ms, diff vs base {diff:.1e}: "
+                    + ", ".join(f"{k.replace('_kernel', '')} {v:.3f}" for k, v in ours.items()),
+                    flush=True,
+                )
                 if diff > 2e-2:  # a variant must compute the same function; never pick a broken one
                     for grp in TUNE_GROUPS:
                         group_times[grp][vname] += float("inf")
@@ -239,8 +272,9 @@ def tune(shape_names, variants=None, seq_modes=(False, True)):
         winner = min(group_times[grp], key=group_times[grp].get)
         full = {**{f: getattr(base, f) for f in base.__dataclass_fields__}, **TUNE_VARIANTS[winner]}
         best.update({f: v for f, v in full.items() if f.startswith(prefixes)})
-        print(f"tune best {grp}: {winner} ({', '.join(f'{v}={t:.3f}' for v, t in group_times[grp].items())})",
-              flush=True)
+        print(
+            f"tune best {grp}: {winner} ({', '.join(f'{v}={t:.3f}' for v, t in group_times[grp].items())})", flush=True
+        )
     record["best_overrides"] = best
     print("tune best overrides:", json.dumps(best), flush=True)
     return record, best
@@ -255,13 +289,20 @@ def numerics(fns, shape, with_seq, with_init):
     gf = torch.randn(b, H, P, N, device="cuda", generator=g, dtype=torch.float64)
     grads, outs = {}, {}
     for kname, fn in list(fns.items()) + [("ref", ssd_chunk_scan_ref)]:
-        leaves = {k: (v.detach().clone().to(torch.float64 if kname == "ref" else v.dtype).requires_grad_()
-                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in inp.items()}
+        leaves = {
+            k: (
+                v.detach().clone().to(torch.float64 if kname == "ref" else v.dtype).requires_grad_()
+                if isinstance(v, torch.Tensor) and v.is_floating_point()
+                else v
+            )
+            for k, v in inp.items()
+        }
         y, fin = call(fn, leaves, shape["Q"], return_final=True)
         ((y.double() * gy).sum() + (fin.double() * gf).sum()).backward()
         outs[kname] = (y.double(), fin.double())
-        grads[kname] = {k: v.grad.double() for k, v in leaves.items() if isinstance(v, torch.Tensor) and
-                        v.grad is not None}
+        grads[kname] = {
+            k: v.grad.double() for k, v in leaves.items() if isinstance(v, torch.Tensor) and v.grad is not None
+        }
 
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
@@ -283,8 +324,12 @@ def main():
     ap.add_argument("--tune_seq", default="both", choices=("both", "no", "yes"), help="with --tune: seq_idx cases")
     ap.add_argument("--rep_ms", type=int, default=200, help="do_bench repetition time per measurement (ms)")
     ap.add_argument("--skip_numerics", action="store_true")
-    ap.add_argument("--tune", default="", help="shapes (e.g. 1.3b) to tune our tiles on first (TUNE_VARIANTS); "
-                    "the comparison then runs the best combination")
+    ap.add_argument(
+        "--tune",
+        default="",
+        help="shapes (e.g. 1.3b) to tune our tiles on first (TUNE_VARIANTS); "
+        "the comparison then runs the best combination",
+    )
     ap.add_argument("--out", default="outputs/bench_ssd.json")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -292,8 +337,9 @@ def main():
     record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.tune:
         seq_modes = {"both": (False, True), "no": (False,), "yes": (True,)}[args.tune_seq]
-        record["tune"], best = tune(args.tune.split(","), args.variants.split(",") if args.variants else None,
-                                    seq_modes)
+        record["tune"], best = tune(
+            args.tune.split(","), args.variants.split(",") if args.variants else None, seq_modes
+        )
         _patched_config(best)  # the comparison below runs the combined best tiles
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
@@ -306,9 +352,11 @@ def main():
             record[key] = r = numerics(fns, SHAPES["small"], with_seq, with_init)
             lines.append(f"{key}:")
             for k in r["ours"]:
-                lines.append(f"  {k:18s} ours {r['ours'][k]:.2e}  mamba_ssm {r['mamba_ssm'][k]:.2e}  "
-                             f"ratio {r['ratio_ours_over_mamba'][k]:.2f}")
-            print("\n".join(lines[-len(r['ours']) - 1:]), flush=True)
+                lines.append(
+                    f"  {k:18s} ours {r['ours'][k]:.2e}  mamba_ssm {r['mamba_ssm'][k]:.2e}  "
+                    f"ratio {r['ratio_ours_over_mamba'][k]:.2f}"
+                )
+            print("\n".join(lines[-len(r["ours"]) - 1 :]), flush=True)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
     for sname in [s for s in args.shapes.split(",") if s]:

@@ -88,8 +88,10 @@ def main(argv=None) -> None:
     print(f"crc32 of a cached file: {gbps:.2f} GB/s on one core")
     for ranks in (1, 8):
         share = BYTES_1_3B / ranks
-        print(f"1.3B checkpoint ({BYTES_1_3B / 1e9:.1f} GB) over {ranks} rank(s): about "
-              f"{share / (gbps * 1e9):.1f} s of hashing per rank at save and again at load (extrapolated)")
+        print(
+            f"1.3B checkpoint ({BYTES_1_3B / 1e9:.1f} GB) over {ranks} rank(s): about "
+            f"{share / (gbps * 1e9):.1f} s of hashing per rank at save and again at load (extrapolated)"
+        )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     overrides: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, overrides = argv[:cut], argv[cut + 1:]
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+        argv, overrides = argv[:cut], argv[cut + 1 :]
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--sizes", default="370m,1.3b", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=15, help="timed steps")
@@ -79,9 +80,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--work_dir", default="outputs/compare_mamba_ssm", help="our runs' dump folders go here")
     ap.add_argument("--peak_tflops", type=float, default=H100_BF16_TFLOPS, help="dense bf16 peak for MFU")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per subprocess")
-    ap.add_argument("--variant", action="append", default=[], metavar="OVERRIDES",
-                    help="more runs of ours, each with these train.py overrides added to those after `--`, "
-                         "next to the same run of theirs; repeatable; write it as --variant='--training.x y'")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="OVERRIDES",
+        help="more runs of ours, each with these train.py overrides added to those after `--`, "
+        "next to the same run of theirs; repeatable; write it as --variant='--training.x y'",
+    )
     ap.add_argument("--skip_theirs", action="store_true")
     ap.add_argument("--skip_ours", action="store_true")
     ap.add_argument("--python", default=sys.executable)
@@ -99,14 +105,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def ours_command(size: Size, warmup: int, steps: int, dump_folder: str, overrides: list[str],
-                 python: str = sys.executable) -> list[str]:
+def ours_command(
+    size: Size, warmup: int, steps: int, dump_folder: str, overrides: list[str], python: str = sys.executable
+) -> list[str]:
     """train.py for warmup + steps steps at the size's batch, metrics every step; overrides come last (win)."""
-    return [python, "train.py", "--job.config_file", size.config, "--job.dump_folder", dump_folder,
-            "--training.steps", str(warmup + steps), "--training.local_batch_size", str(size.batch),
-            "--training.global_batch_size", "-1", "--training.seq_len", str(size.seq_len),
-            "--training.dataset", "default", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-            "--checkpoint.enable", "false", "--validation.enable", "false", *overrides]
+    return [
+        python,
+        "train.py",
+        "--job.config_file",
+        size.config,
+        "--job.dump_folder",
+        dump_folder,
+        "--training.steps",
+        str(warmup + steps),
+        "--training.local_batch_size",
+        str(size.batch),
+        "--training.global_batch_size",
+        "-1",
+        "--training.seq_len",
+        str(size.seq_len),
+        "--training.dataset",
+        "default",
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        *overrides,
+    ]
 
 
 def summarize_ours(records: list[dict], warmup: int) -> dict:
@@ -117,8 +146,13 @@ def summarize_ours(records: list[dict], warmup: int) -> dict:
     if not timed:
         raise ValueError(f"no metrics after step {warmup} (steps logged: {sorted(last)})")
     tps = len(timed) / sum(1.0 / r["tokens_per_sec"] for r in timed)
-    return {"tokens_per_sec": tps, "memory_gib": max(r["memory_gib"] for r in records),
-            "timed_steps": len(timed), "final_loss": timed[-1]["loss"], "mfu_logged": timed[-1].get("mfu", 0.0)}
+    return {
+        "tokens_per_sec": tps,
+        "memory_gib": max(r["memory_gib"] for r in records),
+        "timed_steps": len(timed),
+        "final_loss": timed[-1]["loss"],
+        "mfu_logged": timed[-1].get("mfu", 0.0),
+    }
 
 
 def summarize_times(step_seconds: list[float], warmup: int, tokens_per_step: int) -> dict:
@@ -148,11 +182,26 @@ def mfu(tokens_per_sec: float, flops: float, peak_tflops: float) -> float:
 def their_config_kwargs(size: Size) -> dict:
     """MambaConfig for mamba_ssm's MambaLMHeadModel matching the flavor (Mamba2 layers, no MLP)."""
     args = model_args_for(size, "theirs")
-    return dict(d_model=args.d_model, d_intermediate=0, n_layer=args.n_layers, vocab_size=THEIR_VOCAB,
-                pad_vocab_size_multiple=THEIR_PAD, rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
-                tie_embeddings=True,
-                ssm_cfg={"layer": "Mamba2", "d_state": args.d_state, "d_conv": args.d_conv, "expand": args.expand,
-                         "headdim": args.headdim, "ngroups": args.ngroups, "chunk_size": args.chunk_size})
+    return dict(
+        d_model=args.d_model,
+        d_intermediate=0,
+        n_layer=args.n_layers,
+        vocab_size=THEIR_VOCAB,
+        pad_vocab_size_multiple=THEIR_PAD,
+        rms_norm=True,
+        residual_in_fp32=True,
+        fused_add_norm=True,
+        tie_embeddings=True,
+        ssm_cfg={
+            "layer": "Mamba2",
+            "d_state": args.d_state,
+            "d_conv": args.d_conv,
+            "expand": args.expand,
+            "headdim": args.headdim,
+            "ngroups": args.ngroups,
+            "chunk_size": args.chunk_size,
+        },
+    )
 
 
 def add_mfu(rec: dict, size: Size, peak_tflops: float) -> dict:
@@ -169,20 +218,38 @@ def _fmt(value, spec: str) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
-COLUMNS = ("model", "config", "tok/s ours", "tok/s theirs", "ours/theirs", "GiB ours", "GiB theirs",
-           "MFU 6N ours", "MFU 6N theirs", "MFU SSD ours", "MFU SSD theirs")
+COLUMNS = (
+    "model",
+    "config",
+    "tok/s ours",
+    "tok/s theirs",
+    "ours/theirs",
+    "GiB ours",
+    "GiB theirs",
+    "MFU 6N ours",
+    "MFU 6N theirs",
+    "MFU SSD ours",
+    "MFU SSD theirs",
+)
 
 
 def table_row(rec: dict) -> list[str]:
     o, t = rec.get("ours") or {}, rec.get("theirs") or {}
-    ratio = (o["tokens_per_sec"] / t["tokens_per_sec"]
-             if o.get("tokens_per_sec") and t.get("tokens_per_sec") else None)
+    ratio = o["tokens_per_sec"] / t["tokens_per_sec"] if o.get("tokens_per_sec") and t.get("tokens_per_sec") else None
     config = " ".join([f"{rec['batch']}x{rec['seq_len']}", *rec.get("overrides", [])])
-    return [rec["size"], config,
-            _fmt(o.get("tokens_per_sec"), ",.0f"), _fmt(t.get("tokens_per_sec"), ",.0f"), _fmt(ratio, ".3f"),
-            _fmt(o.get("memory_gib"), ".1f"), _fmt(t.get("memory_gib"), ".1f"),
-            _fmt(o.get("mfu_6n"), ".1%"), _fmt(t.get("mfu_6n"), ".1%"),
-            _fmt(o.get("mfu_ssd"), ".1%"), _fmt(t.get("mfu_ssd"), ".1%")]
+    return [
+        rec["size"],
+        config,
+        _fmt(o.get("tokens_per_sec"), ",.0f"),
+        _fmt(t.get("tokens_per_sec"), ",.0f"),
+        _fmt(ratio, ".3f"),
+        _fmt(o.get("memory_gib"), ".1f"),
+        _fmt(t.get("memory_gib"), ".1f"),
+        _fmt(o.get("mfu_6n"), ".1%"),
+        _fmt(t.get("mfu_6n"), ".1%"),
+        _fmt(o.get("mfu_ssd"), ".1%"),
+        _fmt(t.get("mfu_ssd"), ".1%"),
+    ]
 
 
 def format_table(records: list[dict]) -> str:
@@ -208,7 +275,7 @@ def last_result_line(stdout: str) -> dict:
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
         raise ValueError("the worker printed no RESULT line")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,8 +290,9 @@ def _run(cmd: list[str], a: argparse.Namespace, parse) -> dict:
     print("+ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        r = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout, env=dict(os.environ, PYTHONUNBUFFERED="1")
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {a.timeout} s"}
     if r.returncode != 0:
@@ -243,8 +311,18 @@ def run_ours(size: Size, a: argparse.Namespace, overrides: list[str] | None = No
 
 
 def run_theirs(size: Size, a: argparse.Namespace) -> dict:
-    cmd = [a.python, os.path.abspath(__file__), "--_worker", "theirs", "--_size", size.name,
-           "--warmup", str(a.warmup), "--steps", str(a.steps)]
+    cmd = [
+        a.python,
+        os.path.abspath(__file__),
+        "--_worker",
+        "theirs",
+        "--_size",
+        size.name,
+        "--warmup",
+        str(a.warmup),
+        "--steps",
+        str(a.steps),
+    ]
     return _run(cmd, a, last_result_line)
 
 
@@ -287,10 +365,17 @@ def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda"
         sync()
         seconds.append(time.perf_counter() - t0)
     out = summarize_times(seconds, warmup, size.batch * size.seq_len)
-    out.update(memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else float("nan"),
-               final_loss=losses[-1], losses=losses, n_params=n_params, vocab_rows=model.lm_head.weight.shape[0],
-               gpu=torch.cuda.get_device_name(device) if on_gpu else "cpu", torch=torch.__version__,
-               mamba_ssm=getattr(mamba_ssm, "__version__", "?"), step_seconds=seconds)
+    out.update(
+        memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else float("nan"),
+        final_loss=losses[-1],
+        losses=losses,
+        n_params=n_params,
+        vocab_rows=model.lm_head.weight.shape[0],
+        gpu=torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        torch=torch.__version__,
+        mamba_ssm=getattr(mamba_ssm, "__version__", "?"),
+        step_seconds=seconds,
+    )
     return out
 
 
@@ -313,8 +398,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not a.skip_theirs:  # once per size, shared by every variant of ours
             theirs = run_theirs(size, a)
         for i, overrides in enumerate(a.variant_overrides):
-            rec = {**{k: v for k, v in asdict(size).items() if k != "name"}, "size": name, "overrides": overrides,
-                   "ours": None, "theirs": dict(theirs) if theirs else None}
+            rec = {
+                **{k: v for k, v in asdict(size).items() if k != "name"},
+                "size": name,
+                "overrides": overrides,
+                "ours": None,
+                "theirs": dict(theirs) if theirs else None,
+            }
             records.append(rec)
             if not a.skip_ours:
                 rec["ours"] = run_ours(size, a, overrides, i)

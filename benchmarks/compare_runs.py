@@ -28,9 +28,11 @@ def summarise(ref: dict[int, dict], run: dict[int, dict], skip: int) -> dict:
     timed = [run[s] for s in sorted(run) if s > skip]
     mean = (lambda key: sum(r[key] for r in timed) / len(timed)) if timed else (lambda key: float("nan"))
     return {
-        "steps": len(run), "max_rel_loss_diff": max(rel) if rel else float("nan"),
+        "steps": len(run),
+        "max_rel_loss_diff": max(rel) if rel else float("nan"),
         "final_loss": run[max(run)]["loss"] if run else float("nan"),
-        "tokens_per_sec_per_device": mean("tokens_per_sec"), "mfu": mean("mfu"),
+        "tokens_per_sec_per_device": mean("tokens_per_sec"),
+        "mfu": mean("mfu"),
         "memory_gib": max((r["memory_gib"] for r in run.values()), default=float("nan")),
         "moe_max_load_ratio": timed[-1].get("moe_max_load_ratio") if timed else None,
     }
@@ -46,10 +48,14 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     ref = read(a.ref)
     rows = {run: summarise(ref, read(run), a.skip) for run in [a.ref, *a.runs]}
-    print(f"{'run':<40} {'steps':>5} {'max rel dloss':>13} {'final loss':>10} {'tok/s/dev':>10} {'mfu':>6} {'mem GiB':>8}")
+    print(
+        f"{'run':<40} {'steps':>5} {'max rel dloss':>13} {'final loss':>10} {'tok/s/dev':>10} {'mfu':>6} {'mem GiB':>8}"
+    )
     for run, r in rows.items():
-        print(f"{Path(run).name:<40} {r['steps']:>5} {r['max_rel_loss_diff']:>13.2e} {r['final_loss']:>10.4f} "
-              f"{r['tokens_per_sec_per_device']:>10,.0f} {100 * r['mfu']:>5.1f}% {r['memory_gib']:>8.2f}")
+        print(
+            f"{Path(run).name:<40} {r['steps']:>5} {r['max_rel_loss_diff']:>13.2e} {r['final_loss']:>10.4f} "
+            f"{r['tokens_per_sec_per_device']:>10,.0f} {100 * r['mfu']:>5.1f}% {r['memory_gib']:>8.2f}"
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     bad = [run for run, r in rows.items() if not r["max_rel_loss_diff"] <= a.rtol]

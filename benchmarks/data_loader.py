@@ -49,8 +49,28 @@ from data.preprocess import preprocess
 from data.shards import PackedRows, ShardDataset, is_shard_folder
 from data.tokenizer import ByteTokenizer
 
-WORDS = ["state", "space", "model", "token", "shard", "mamba", "layer", "the", "of", "and", "a", "scan", "chunk",
-         "gradient", "memory", "kernel", "parallel", "sequence", "document", "batch"]
+WORDS = [
+    "state",
+    "space",
+    "model",
+    "token",
+    "shard",
+    "mamba",
+    "layer",
+    "the",
+    "of",
+    "and",
+    "a",
+    "scan",
+    "chunk",
+    "gradient",
+    "memory",
+    "kernel",
+    "parallel",
+    "sequence",
+    "document",
+    "batch",
+]
 
 
 def write_corpus(path: Path, n_bytes: int, seed: int = 0) -> int:
@@ -84,8 +104,9 @@ def train_bpe(folder: Path, vocab_size: int) -> str:
     tk = Tokenizer(BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(load_default_corpus("train").docs, trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tk.save(str(folder / "tokenizer.json"))
@@ -111,15 +132,33 @@ def cmd_preprocess(args, work: Path) -> None:
         out = work / f"shards_w{workers}"
         shutil.rmtree(out, ignore_errors=True)
         started = time.perf_counter()
-        m = preprocess(inputs, tokenizer, str(out), workers=workers, docs_per_shard=args.docs_per_shard,
-                       bytes_per_shard=int(args.mb_per_shard * 2**20), progress=False)
+        m = preprocess(
+            inputs,
+            tokenizer,
+            str(out),
+            workers=workers,
+            docs_per_shard=args.docs_per_shard,
+            bytes_per_shard=int(args.mb_per_shard * 2**20),
+            progress=False,
+        )
         seconds = time.perf_counter() - started
-        emit({"bench": "preprocess", "workers": workers, "cpus": os.cpu_count(), "corpus": args.corpus_text,
-              "tokenizer": f"bpe{args.bpe_vocab}" if args.bpe_vocab else (tokenizer or "byte"),
-              "input_mb": round(n_bytes / 2**20, 1),
-              "docs": m["n_docs"], "tokens": m["n_tokens"], "shards": len(m["shards"]), "seconds": round(seconds, 2),
-              "mb_per_s": round(n_bytes / 2**20 / seconds, 1), "tokens_per_s": round(m["n_tokens"] / seconds)},
-             args.json)
+        emit(
+            {
+                "bench": "preprocess",
+                "workers": workers,
+                "cpus": os.cpu_count(),
+                "corpus": args.corpus_text,
+                "tokenizer": f"bpe{args.bpe_vocab}" if args.bpe_vocab else (tokenizer or "byte"),
+                "input_mb": round(n_bytes / 2**20, 1),
+                "docs": m["n_docs"],
+                "tokens": m["n_tokens"],
+                "shards": len(m["shards"]),
+                "seconds": round(seconds, 2),
+                "mb_per_s": round(n_bytes / 2**20 / seconds, 1),
+                "tokens_per_s": round(m["n_tokens"] / seconds),
+            },
+            args.json,
+        )
 
 
 def _generated_shards(work: Path, corpus: Path, corpus_mb: int, tokenizer: str) -> str:
@@ -152,24 +191,46 @@ def cmd_loader(args, work: Path) -> None:
         rows = PackedRows(ds, args.seq_len, shuffle=True, seed=0, pad_id=tok.pad_id)
         loader = RowStepLoader(rows, args.seq_len, args.local_batch_size, 0, dp, pad_id=tok.pad_id)
         per_step = _time_calls(loader.next_batch, args.warmup, args.steps)
-        emit({"bench": "loader", "kind": "shards", "dp": dp, "rank": 0, "local_batch_size": args.local_batch_size,
-              "seq_len": args.seq_len, "ms_per_step": round(per_step * 1e3, 3), "open_s": round(open_s, 3),
-              "documents": ds.num_documents, "tokens": ds.num_tokens}, args.json)
+        emit(
+            {
+                "bench": "loader",
+                "kind": "shards",
+                "dp": dp,
+                "rank": 0,
+                "local_batch_size": args.local_batch_size,
+                "seq_len": args.seq_len,
+                "ms_per_step": round(per_step * 1e3, 3),
+                "open_s": round(open_s, 3),
+                "documents": ds.num_documents,
+                "tokens": ds.num_tokens,
+            },
+            args.json,
+        )
     if args.text_dp and not args.shards:
         source = build_text_source(str(corpus), "train", "text")
         for dp in [int(d) for d in args.text_dp.split(",")]:
             loader = StepBatchLoader(tok, source, args.seq_len, args.local_batch_size, 0, dp)
             per_step = _time_calls(loader.next_batch, min(args.warmup, 1), max(1, args.steps // 4))
-            emit({"bench": "loader", "kind": "text_on_the_fly", "dp": dp, "rank": 0,
-                  "local_batch_size": args.local_batch_size, "seq_len": args.seq_len,
-                  "ms_per_step": round(per_step * 1e3, 3)}, args.json)
+            emit(
+                {
+                    "bench": "loader",
+                    "kind": "text_on_the_fly",
+                    "dp": dp,
+                    "rank": 0,
+                    "local_batch_size": args.local_batch_size,
+                    "seq_len": args.seq_len,
+                    "ms_per_step": round(per_step * 1e3, 3),
+                },
+                args.json,
+            )
 
 
 def cmd_stall(args, work: Path) -> None:
     base = ["--job.config_file", args.config]
     cfg = load_config(base + args.overrides)
-    shards = args.shards or _generated_shards(work, work / "corpus_synthetic.jsonl", args.corpus_mb,
-                                              cfg.model.tokenizer_path)
+    shards = args.shards or _generated_shards(
+        work, work / "corpus_synthetic.jsonl", args.corpus_mb, cfg.model.tokenizer_path
+    )
     waits: list[float] = []
     real_build = train.build_loader
 
@@ -188,9 +249,23 @@ def cmd_stall(args, work: Path) -> None:
 
     train.build_loader = timed_build
     dump = work / "run"
-    argv = base + ["--training.dataset", shards, "--training.steps", str(args.warmup + args.steps),
-                   "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--validation.enable", "false",
-                   "--metrics.enable_tensorboard", "false", "--job.dump_folder", str(dump), *args.overrides]
+    argv = base + [
+        "--training.dataset",
+        shards,
+        "--training.steps",
+        str(args.warmup + args.steps),
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "false",
+        "--validation.enable",
+        "false",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--job.dump_folder",
+        str(dump),
+        *args.overrides,
+    ]
     try:
         train.main(argv)
     finally:
@@ -200,11 +275,20 @@ def cmd_stall(args, work: Path) -> None:
     # One process: the step's rows are the global batch; metrics' tokens_per_sec counts them.
     tokens_per_step = resolve_job(cfg, 1).batch.global_rows * cfg.training.seq_len
     step_s = [tokens_per_step / r["tokens_per_sec"] for r in records if r["step"] > args.warmup]
-    wait_s = waits[args.warmup:]
-    emit({"bench": "stall", "config": args.config, "overrides": args.overrides, "steps": len(step_s),
-          "data_wait_ms": round(statistics.mean(wait_s) * 1e3, 3), "max_data_wait_ms": round(max(wait_s) * 1e3, 3),
-          "step_ms": round(statistics.mean(step_s) * 1e3, 2),
-          "data_fraction": round(statistics.mean(wait_s) / statistics.mean(step_s), 5)}, args.json)
+    wait_s = waits[args.warmup :]
+    emit(
+        {
+            "bench": "stall",
+            "config": args.config,
+            "overrides": args.overrides,
+            "steps": len(step_s),
+            "data_wait_ms": round(statistics.mean(wait_s) * 1e3, 3),
+            "max_data_wait_ms": round(max(wait_s) * 1e3, 3),
+            "step_ms": round(statistics.mean(step_s) * 1e3, 2),
+            "data_fraction": round(statistics.mean(wait_s) / statistics.mean(step_s), 5),
+        },
+        args.json,
+    )
 
 
 def main() -> None:
@@ -222,10 +306,18 @@ def main() -> None:
     sp.add_argument("--input", nargs="*", default=None, help="files / globs instead of the generated corpus")
     sp.add_argument("--tokenizer", default="", help="tokenizer.json (default: the byte tokenizer)")
     sp.add_argument("--workers", default="1,2", help="comma-separated worker counts")
-    sp.add_argument("--corpus_text", default="synthetic", choices=("synthetic", "python_docs"),
-                    help="generated words, or the embedded corpus' prose and code repeated")
-    sp.add_argument("--bpe_vocab", type=int, default=0, help="train a byte-level BPE of this many ids on the "
-                    "embedded corpus and tokenize with it (0: --tokenizer)")
+    sp.add_argument(
+        "--corpus_text",
+        default="synthetic",
+        choices=("synthetic", "python_docs"),
+        help="generated words, or the embedded corpus' prose and code repeated",
+    )
+    sp.add_argument(
+        "--bpe_vocab",
+        type=int,
+        default=0,
+        help="train a byte-level BPE of this many ids on the embedded corpus and tokenize with it (0: --tokenizer)",
+    )
     sp.add_argument("--docs_per_shard", type=int, default=50_000)
     sp.add_argument("--mb_per_shard", type=float, default=64, help="jsonl MiB per shard (the unit of work)")
     sl = sub.choices["loader"]

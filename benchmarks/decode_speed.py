@@ -63,11 +63,18 @@ def measure(flavor: str, batch: int, prompt_len: int, new_tokens: int, repeats: 
         total_s = (time.perf_counter() - t0) / repeats
     decode_s = max(total_s - prefill_s, 1e-9)
     steps = new_tokens - 1  # the first new token comes from the prefill's logits
-    return {"flavor": flavor, "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": str(dtype),
-            "prefill_ms": prefill_s * 1e3, "decode_ms_per_step": decode_s / steps * 1e3,
-            "decode_tokens_per_s": batch * steps / decode_s,
-            "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0}
+    return {
+        "flavor": flavor,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype),
+        "prefill_ms": prefill_s * 1e3,
+        "decode_ms_per_step": decode_s / steps * 1e3,
+        "decode_tokens_per_s": batch * steps / decode_s,
+        "memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,8 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         for batch in (int(b) for b in a.batches.split(",")):
             r = measure(flavor, batch, a.prompt_len, a.new_tokens, a.repeats, device)
             records.append(r)
-            print(f"{flavor:>14} {batch:>5} {r['prefill_ms']:>10.1f} {r['decode_ms_per_step']:>8.2f} "
-                  f"{r['decode_tokens_per_s']:>10.0f} {r['memory_gib']:>6.2f}", flush=True)
+            print(
+                f"{flavor:>14} {batch:>5} {r['prefill_ms']:>10.1f} {r['decode_ms_per_step']:>8.2f} "
+                f"{r['decode_tokens_per_s']:>10.0f} {r['memory_gib']:>6.2f}",
+                flush=True,
+            )
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
     if a.out:

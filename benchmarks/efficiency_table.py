@@ -29,9 +29,12 @@ def run_figures(folder: Path, skip: int, until: int = 0) -> dict | None:
     timed = [r for r in records if r["step"] > skip and (until <= 0 or r["step"] <= until)]
     if not timed:
         return None
-    return {"tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
-            "memory_gib": max(r["memory_gib"] for r in records), "steps": len(records),
-            "final_loss": records[-1]["loss"]}
+    return {
+        "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in timed),
+        "memory_gib": max(r["memory_gib"] for r in records),
+        "steps": len(records),
+        "final_loss": records[-1]["loss"],
+    }
 
 
 def parse_row(spec: str) -> dict:
@@ -39,8 +42,13 @@ def parse_row(spec: str) -> dict:
     parts = rest.split(":")
     if not label or len(parts) not in (3, 4):
         raise SystemExit(f"--row {spec!r}: expected LABEL=RUN:REF:TARGET[:MEMORY_TARGET]")
-    return {"label": label, "run": parts[0], "ref": parts[1], "target": float(parts[2]),
-            "memory_target": float(parts[3]) if len(parts) == 4 else None}
+    return {
+        "label": label,
+        "run": parts[0],
+        "ref": parts[1],
+        "target": float(parts[2]),
+        "memory_target": float(parts[3]) if len(parts) == 4 else None,
+    }
 
 
 def main(argv=None) -> int:
@@ -59,8 +67,10 @@ def main(argv=None) -> int:
         run = run_figures(Path(a.out) / row["run"], a.skip, a.until)
         ref = run_figures(Path(a.out) / row["ref"], a.skip, a.until)
         if run is None or ref is None:
-            print(f"| {row['label']} | missing ({row['run'] if run is None else row['ref']} logged no timed step) "
-                  "| | | | | | FAIL |")
+            print(
+                f"| {row['label']} | missing ({row['run'] if run is None else row['ref']} logged no timed step) "
+                "| | | | | | FAIL |"
+            )
             failed = True
             continue
         ratio = run["tokens_per_sec"] / ref["tokens_per_sec"]
@@ -68,11 +78,14 @@ def main(argv=None) -> int:
         ok = ratio >= row["target"] and (row["memory_target"] is None or mem_ratio <= row["memory_target"])
         failed |= not ok
         mem_target = f" (<= {row['memory_target']:.2f})" if row["memory_target"] is not None else ""
-        print(f"| {row['label']} | {run['tokens_per_sec'] / 1e3:.1f}k | {ref['tokens_per_sec'] / 1e3:.1f}k | "
-              f"{ratio:.2f} | {row['target']:.2f} | {run['memory_gib']:.1f} GiB | {mem_ratio:.2f}{mem_target} | "
-              f"{'ok' if ok else 'FAIL'} |")
-        rows.append({**row, "ratio": ratio, "memory_ratio": mem_ratio, "ok": ok, "run_figures": run,
-                     "ref_figures": ref})
+        print(
+            f"| {row['label']} | {run['tokens_per_sec'] / 1e3:.1f}k | {ref['tokens_per_sec'] / 1e3:.1f}k | "
+            f"{ratio:.2f} | {row['target']:.2f} | {run['memory_gib']:.1f} GiB | {mem_ratio:.2f}{mem_target} | "
+            f"{'ok' if ok else 'FAIL'} |"
+        )
+        rows.append(
+            {**row, "ratio": ratio, "memory_ratio": mem_ratio, "ok": ok, "run_figures": run, "ref_figures": ref}
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 1 if failed else 0

@@ -1,6 +1,6 @@
 """All-reduce / all-gather / reduce-scatter time and bus bandwidth between the GPUs of one host (explains FSDP / CP scaling).
 
-    torchrun --nproc_per_node 4 benchmarks/nccl_bandwidth.py
+torchrun --nproc_per_node 4 benchmarks/nccl_bandwidth.py
 """
 
 import os
@@ -19,9 +19,10 @@ def main():
         x = torch.randn(numel, dtype=torch.bfloat16, device="cuda")
         big = torch.empty(numel * world, dtype=torch.bfloat16, device="cuda")
         for name, op, factor in (
-                ("all_reduce", lambda: dist.all_reduce(x), 2 * (world - 1) / world),
-                ("all_gather", lambda: dist.all_gather_into_tensor(big, x), world - 1),
-                ("reduce_scatter", lambda: dist.reduce_scatter_tensor(x, big), world - 1)):
+            ("all_reduce", lambda: dist.all_reduce(x), 2 * (world - 1) / world),
+            ("all_gather", lambda: dist.all_gather_into_tensor(big, x), world - 1),
+            ("reduce_scatter", lambda: dist.reduce_scatter_tensor(x, big), world - 1),
+        ):
             for _ in range(5):
                 op()
             torch.cuda.synchronize()
@@ -31,8 +32,10 @@ def main():
             torch.cuda.synchronize()
             dt = (time.perf_counter() - t) / 20
             if rank == 0:
-                print(f"{name:14s} {mib:6.2f} MiB/rank: {dt * 1e3:7.3f} ms, bus bandwidth "
-                      f"{numel * 2 * factor / dt / 1e9:7.1f} GB/s")
+                print(
+                    f"{name:14s} {mib:6.2f} MiB/rank: {dt * 1e3:7.3f} ms, bus bandwidth "
+                    f"{numel * 2 * factor / dt / 1e9:7.1f} GB/s"
+                )
     dist.destroy_process_group()
 
 

@@ -117,8 +117,9 @@ def main() -> None:
             if rank == 0:
                 print(f"{name}: skipped ({'; '.join(errs)})", flush=True)
             continue
-        schedule, parts, has_first, has_last = pipeline_model(model, mesh, pdims, cfg, device, loss_fn,
-                                                              lambda part: part, a.microbatches)
+        schedule, parts, has_first, has_last = pipeline_model(
+            model, mesh, pdims, cfg, device, loss_fn, lambda part: part, a.microbatches
+        )
         for part in parts:
             part.to_empty(device=device)
             init_weights(part, seed=0, init_std=model_args.initializer_range)
@@ -151,12 +152,25 @@ def main() -> None:
         if rank == 0:
             v = len(parts)
             worst = max(gathered, key=lambda t: t[1].item())
-            rec = dict(schedule=name, pp=world, stages_per_rank=v, microbatches=a.microbatches,
-                       microbatch_size=a.microbatch_size, seq_len=a.seq_len, flavor=a.flavor,
-                       step_s=float(worst[0]), bubble=float(worst[1]), compute_s=float(worst[2]),
-                       textbook_bubble=textbook_bubble(name, world, v, a.microbatches), device=str(device))
-            print(f"{name:>22}: step {rec['step_s'] * 1e3:9.1f} ms  bubble {rec['bubble']:6.1%}  "
-                  f"(textbook {rec['textbook_bubble']:6.1%}, {v} stage(s)/rank)", flush=True)
+            rec = dict(
+                schedule=name,
+                pp=world,
+                stages_per_rank=v,
+                microbatches=a.microbatches,
+                microbatch_size=a.microbatch_size,
+                seq_len=a.seq_len,
+                flavor=a.flavor,
+                step_s=float(worst[0]),
+                bubble=float(worst[1]),
+                compute_s=float(worst[2]),
+                textbook_bubble=textbook_bubble(name, world, v, a.microbatches),
+                device=str(device),
+            )
+            print(
+                f"{name:>22}: step {rec['step_s'] * 1e3:9.1f} ms  bubble {rec['bubble']:6.1%}  "
+                f"(textbook {rec['textbook_bubble']:6.1%}, {v} stage(s)/rank)",
+                flush=True,
+            )
             if a.json:
                 with open(a.json, "a") as f:
                     f.write(json.dumps(rec) + "\n")

@@ -42,8 +42,12 @@ def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
     (duration minus that of the ops nested inside it), from the cpu_op / user_annotation / cuda_runtime events."""
     by_tid: dict = collections.defaultdict(list)
     for e in events:
-        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")
-                and window[0] <= e["ts"] < window[1] and not str(e.get("name", "")).startswith("ProfilerStep#")):
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime")
+            and window[0] <= e["ts"] < window[1]
+            and not str(e.get("name", "")).startswith("ProfilerStep#")
+        ):
             by_tid[e.get("tid")].append(e)
     if not by_tid:
         return {"traced_ms": 0.0, "self_ms": []}
@@ -61,8 +65,11 @@ def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
         if stack:
             self_us[stack[-1][1]] -= min(e["dur"], stack[-1][0] - start)  # the child's time is not its parent's
         stack.append((end, e["name"]))
-    return {"thread": tid, "traced_ms": covered[tid] / 1e3,
-            "self_ms": sorted(((n, t / 1e3) for n, t in self_us.items()), key=lambda r: -r[1])}
+    return {
+        "thread": tid,
+        "traced_ms": covered[tid] / 1e3,
+        "self_ms": sorted(((n, t / 1e3) for n, t in self_us.items()), key=lambda r: -r[1]),
+    }
 
 
 def hook_times(events: list[dict], window: tuple[float, float]) -> list[tuple[str, int, float]]:
@@ -72,8 +79,12 @@ def hook_times(events: list[dict], window: tuple[float, float]) -> list[tuple[st
     per_name: dict = collections.defaultdict(lambda: [0, 0.0])
     for e in events:
         name = str(e.get("name", ""))
-        if (e.get("ph") == "X" and e.get("cat") == "user_annotation" and name.startswith("FSDP::")
-                and window[0] <= e["ts"] < window[1]):
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") == "user_annotation"
+            and name.startswith("FSDP::")
+            and window[0] <= e["ts"] < window[1]
+        ):
             short = name.split(" (")[0].split(" for ")[0]
             per_name[short][0] += 1
             per_name[short][1] += e["dur"]
@@ -103,8 +114,14 @@ def summarize(path: str, top: int = 15) -> dict:
         name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
         per_kernel[name][0] += 1
         per_kernel[name][1] += clip(e)[1] - clip(e)[0]
-    launches = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
-                and "Launch" in str(e.get("name", "")) and window[0] <= e["ts"] <= window[1]]
+    launches = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "cuda_runtime"
+        and "Launch" in str(e.get("name", ""))
+        and window[0] <= e["ts"] <= window[1]
+    ]
     host = host_self_times(events, window)
     return {
         "trace": path,
@@ -133,19 +150,25 @@ def main():
     for path in args.traces:
         s = summarize(path, args.top)
         w = s["wall_ms"]
-        print(f"== {path}\nstep {w:.1f} ms: compute {s['compute_ms']:.1f} ({s['compute_ms'] / w:.0%}), "
-              f"nccl {s['nccl_ms']:.1f} (exposed {s['nccl_exposed_ms']:.1f}, {s['nccl_exposed_ms'] / w:.0%}), "
-              f"GPU idle {s['idle_ms']:.1f} ({s['idle_ms'] / w:.0%}); {s['kernels']} kernels, "
-              f"{s['launch_calls']} launch calls taking {s['launch_cpu_ms']:.1f} ms of host time")
+        print(
+            f"== {path}\nstep {w:.1f} ms: compute {s['compute_ms']:.1f} ({s['compute_ms'] / w:.0%}), "
+            f"nccl {s['nccl_ms']:.1f} (exposed {s['nccl_exposed_ms']:.1f}, {s['nccl_exposed_ms'] / w:.0%}), "
+            f"GPU idle {s['idle_ms']:.1f} ({s['idle_ms'] / w:.0%}); {s['kernels']} kernels, "
+            f"{s['launch_calls']} launch calls taking {s['launch_cpu_ms']:.1f} ms of host time"
+        )
         for name, count, ms in s["top"]:
             print(f"  {ms:8.2f} ms {count:5d}x  {name}")
-        print(f"host: traced ops {s['host_traced_ms']:.1f} ms; outside any traced op {s['host_untraced_ms']:.1f} ms "
-              "(Python between ops: autograd glue, Triton launchers); self time of the busiest thread's ops:")
+        print(
+            f"host: traced ops {s['host_traced_ms']:.1f} ms; outside any traced op {s['host_untraced_ms']:.1f} ms "
+            "(Python between ops: autograd glue, Triton launchers); self time of the busiest thread's ops:"
+        )
         for name, ms in s["host_top"]:
             print(f"  {ms:8.2f} ms  {name if len(name) < 90 else name[:87] + '...'}")
         if s["fsdp_hooks"]:
-            print("FSDP hooks (host, inclusive): " + ", ".join(f"{n} {ms:.1f} ms ({c}x)" for n, c, ms in s["fsdp_hooks"]
-                                                              if ms >= 0.5))
+            print(
+                "FSDP hooks (host, inclusive): "
+                + ", ".join(f"{n} {ms:.1f} ms ({c}x)" for n, c, ms in s["fsdp_hooks"] if ms >= 0.5)
+            )
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks")}) + "\n")

@@ -59,7 +59,9 @@ _MAX_SHARD_BYTES = 5 * 2**30  # HF's customary safetensors shard size
 # ------------------------------------------------------------------------------------------ reading
 def _read_json(path: str) -> dict:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: a mamba_ssm / HF model folder holds config.json beside the weights")
+        raise FileNotFoundError(
+            f"{path} is missing: a mamba_ssm / HF model folder holds config.json beside the weights"
+        )
     with open(path) as f:
         return json.load(f)
 
@@ -94,7 +96,8 @@ def read_foreign_weights(folder: str) -> dict[str, torch.Tensor]:
         return load_bin(at("pytorch_model.bin"))
     raise FileNotFoundError(
         f"{folder} holds no weights: expected model.safetensors, model.safetensors.index.json (+ shards) or "
-        f"pytorch_model.bin")
+        f"pytorch_model.bin"
+    )
 
 
 def read_checkpoint_metadata(path: str):
@@ -102,8 +105,10 @@ def read_checkpoint_metadata(path: str):
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")):
         steps = sorted(n for n in os.listdir(path) if n.startswith("step-"))
         if steps:
-            raise FileNotFoundError(f"{path} is a checkpoint.folder, not a checkpoint: pick one of its step-N "
-                                    f"folders, e.g. {os.path.join(path, steps[-1])}")
+            raise FileNotFoundError(
+                f"{path} is a checkpoint.folder, not a checkpoint: pick one of its step-N "
+                f"folders, e.g. {os.path.join(path, steps[-1])}"
+            )
     return read_metadata(path)
 
 
@@ -114,9 +119,11 @@ def read_dcp_weights(path: str) -> dict[str, torch.Tensor]:
     """
     metadata = read_checkpoint_metadata(path)
     prefix = model_prefix(metadata)
-    weights = {k[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
-               for k, md in metadata.state_dict_metadata.items()
-               if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+    weights = {
+        k[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
+        for k, md in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
     if not weights:
         raise ValueError(f"{path} holds no model tensors")
     with single_process_quiet():
@@ -160,13 +167,16 @@ def check_shapes(sd: dict, args: ModelArgs, where: str) -> None:
     if bad:
         problems.append(f"{len(bad)} shapes that don't fit the config, e.g. {bad[:4]}")
     if problems:
-        raise ValueError(f"{where}: " + "; ".join(problems) + ". The weights and the model config disagree "
-                         "(d_model, n_layers, d_state, ngroups, headdim, expand, vocab / pad_vocab_size_multiple).")
+        raise ValueError(
+            f"{where}: " + "; ".join(problems) + ". The weights and the model config disagree "
+            "(d_model, n_layers, d_state, ngroups, headdim, expand, vocab / pad_vocab_size_multiple)."
+        )
 
 
 # ------------------------------------------------------------------------------------------ import
-def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
-                      dtype: str | torch.dtype = "float32") -> ModelArgs:
+def import_checkpoint(
+    src: str, out_dir: str, fmt: str, untie: bool = False, dtype: str | torch.dtype = "float32"
+) -> ModelArgs:
     """mamba_ssm ("mamba_ssm") or HF ("hf") folder -> weights-only DCP folder + model.toml. Returns the ModelArgs."""
     cfg = _read_json(os.path.join(src, "config.json"))
     fields = args_from_mamba_ssm_config(cfg) if fmt == "mamba_ssm" else args_from_hf_config(cfg)
@@ -175,8 +185,10 @@ def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
     if "tok_embeddings.weight" not in sd:
         raise ValueError(f"{src}: no embedding tensor (backbone.embedding(s).weight) in the weights")
     if tied and "lm_head.weight" in sd and not torch.equal(sd["lm_head.weight"], sd["tok_embeddings.weight"]):
-        raise ValueError(f"{src}: config says tied embeddings but lm_head.weight differs from the embedding; "
-                         f"fix tie_embeddings / tie_word_embeddings in config.json")
+        raise ValueError(
+            f"{src}: config says tied embeddings but lm_head.weight differs from the embedding; "
+            f"fix tie_embeddings / tie_word_embeddings in config.json"
+        )
     if tied:
         sd["lm_head.weight"] = sd["tok_embeddings.weight"]
         if untie:  # the head becomes a weight of its own (e.g. to fine-tune it apart from the embedding)
@@ -189,13 +201,16 @@ def import_checkpoint(src: str, out_dir: str, fmt: str, untie: bool = False,
     check_shapes(sd, args, src)
     dt = parse_dtype(dtype)
     sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
-    if args.tie_embeddings:  # one tensor per logical weight, as our checkpoints hold it (the head loads through the tie)
+    if (
+        args.tie_embeddings
+    ):  # one tensor per logical weight, as our checkpoints hold it (the head loads through the tie)
         sd.pop("lm_head.weight", None)
     label = "mamba_ssm" if fmt == "mamba_ssm" else "HF transformers Mamba2"
     tokenizer_json = os.path.abspath(os.path.join(src, "tokenizer.json"))
     tokenizer_path = tokenizer_json if os.path.isfile(tokenizer_json) else ""
-    write_dcp_weights(sd, out_dir, {MODEL_TOML: model_toml(fields, f"{label} checkpoint {os.path.abspath(src)}",
-                                                           tokenizer_path)})
+    write_dcp_weights(
+        sd, out_dir, {MODEL_TOML: model_toml(fields, f"{label} checkpoint {os.path.abspath(src)}", tokenizer_path)}
+    )
     return args
 
 
@@ -215,8 +230,10 @@ def model_section_from_record(record: dict, overrides: list[str], src: str) -> t
     tokenizer_path = record["job_config"]["model"]["tokenizer_path"]
     pairs = dict(zip(overrides[::2], overrides[1::2]))
     if len(overrides) % 2 or set(pairs) - {"--model.tokenizer_path"}:
-        raise ValueError(f"{src} is exported with the model of its run_record.json; only --model.tokenizer_path "
-                         f"may be overridden (got {' '.join(overrides)}); pass --config to use another [model]")
+        raise ValueError(
+            f"{src} is exported with the model of its run_record.json; only --model.tokenizer_path "
+            f"may be overridden (got {' '.join(overrides)}); pass --config to use another [model]"
+        )
     return ModelArgs(**record["model_args"]), pairs.get("--model.tokenizer_path", tokenizer_path)
 
 
@@ -232,14 +249,15 @@ def hf_token_ids(tokenizer_path: str, args: ModelArgs) -> dict[str, int]:
     """
     tok = build_tokenizer(tokenizer_path)
     if tok.vocab_size > args.vocab_size:
-        raise ValueError(f"the tokenizer ({tokenizer_path or 'the built-in byte tokenizer'}) has {tok.vocab_size} "
-                         f"tokens but the model only {args.vocab_size}: this is not the run's tokenizer; pass "
-                         f"--model.tokenizer_path with the tokenizer.json the run trained with")
+        raise ValueError(
+            f"the tokenizer ({tokenizer_path or 'the built-in byte tokenizer'}) has {tok.vocab_size} "
+            f"tokens but the model only {args.vocab_size}: this is not the run's tokenizer; pass "
+            f"--model.tokenizer_path with the tokenizer.json the run trained with"
+        )
     bos = getattr(tok, "bos_id", None)
     if bos is None:
         bos = _configured_token_id(tok.path, "bos_token")
-    return {"bos_token_id": tok.eos_id if bos is None else bos, "eos_token_id": tok.eos_id,
-            "pad_token_id": tok.pad_id}
+    return {"bos_token_id": tok.eos_id if bos is None else bos, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
 
 
 def _configured_token_id(tokenizer_json: str, key: str) -> int | None:
@@ -271,17 +289,25 @@ def write_hf_tokenizer_files(tokenizer_path: str, folder: str, ids: dict[str, in
             files.append(name)
     if "tokenizer_config.json" not in files:
         tok = Tokenizer.from_file(tokenizer_json)
-        config = {"tokenizer_class": "PreTrainedTokenizerFast",
-                  **{k.removesuffix("_id"): tok.id_to_token(v) for k, v in ids.items()}}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **{k.removesuffix("_id"): tok.id_to_token(v) for k, v in ids.items()},
+        }
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2)
         files.append("tokenizer_config.json")
     return files
 
 
-def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
-                      dtype: str | torch.dtype = "float32", max_shard_bytes: int = _MAX_SHARD_BYTES,
-                      tokenizer_path: str | None = None) -> list[str]:
+def export_checkpoint(
+    dcp_path: str,
+    out_dir: str,
+    fmt: str,
+    args: ModelArgs,
+    dtype: str | torch.dtype = "float32",
+    max_shard_bytes: int = _MAX_SHARD_BYTES,
+    tokenizer_path: str | None = None,
+) -> list[str]:
     """Our DCP folder -> HF ("hf": model.safetensors + config.json) or mamba_ssm ("mamba_ssm": pytorch_model.bin
     + config.json). Returns the files written.
 
@@ -309,7 +335,9 @@ def export_checkpoint(dcp_path: str, out_dir: str, fmt: str, args: ModelArgs,
     if fmt == "hf":
         config["torch_dtype"] = str(dt).removeprefix("torch.")
         if args.tie_embeddings:
-            foreign.pop("lm_head.weight")  # HF re-ties it from the embedding (tie_word_embeddings), as save_pretrained does
+            foreign.pop(
+                "lm_head.weight"
+            )  # HF re-ties it from the embedding (tie_word_embeddings), as save_pretrained does
         files = _write_safetensors(foreign, tmp, max_shard_bytes)
         if token_ids:
             generation = dict(token_ids)
@@ -353,22 +381,31 @@ def _write_safetensors(sd: dict[str, torch.Tensor], folder: str, max_shard_bytes
 
 # ------------------------------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m checkpoint.convert", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p = argparse.ArgumentParser(
+        prog="python -m checkpoint.convert",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for name, fmt in (("from-mamba-ssm", "mamba_ssm"), ("from-hf", "hf")):
         s = sub.add_parser(name, help=f"{fmt} folder (config.json + weights) -> weights-only DCP folder + model.toml")
         s.add_argument("src", help="folder with config.json and the weights")
         s.add_argument("out", help="output DCP folder (must not exist)")
-        s.add_argument("--untie", action="store_true",
-                       help="give lm_head its own copy of the tied embedding, trained apart from it from then on (pipeline "
-                            "parallel does not need this: it keeps tied weights tied)")
+        s.add_argument(
+            "--untie",
+            action="store_true",
+            help="give lm_head its own copy of the tied embedding, trained apart from it from then on (pipeline "
+            "parallel does not need this: it keeps tied weights tied)",
+        )
         s.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the stored weights")
         s.set_defaults(fmt=fmt)
     for name, fmt in (("to-hf", "hf"), ("to-mamba-ssm", "mamba_ssm")):
-        s = sub.add_parser(name, help=f"DCP (step-N or weights-only) -> {fmt} folder; extra --model.<key> value "
-                                      f"arguments override the [model] config")
+        s = sub.add_parser(
+            name,
+            help=f"DCP (step-N or weights-only) -> {fmt} folder; extra --model.<key> value "
+            f"arguments override the [model] config",
+        )
         s.add_argument("src", help="a step-N checkpoint folder or a weights-only DCP folder")
         s.add_argument("out", help="output folder (must not exist)")
         s.add_argument("--config", default="", help=f"TOML with the [model] section (default: SRC/{MODEL_TOML})")
@@ -380,8 +417,10 @@ def main(argv: list[str] | None = None) -> None:
             if rest:
                 p.error(f"unrecognized arguments: {' '.join(rest)}")
             margs = import_checkpoint(args.src, args.out, args.fmt, untie=args.untie, dtype=args.dtype)
-            print(f"wrote {os.path.abspath(args.out)} ({margs.n_layers} layers, d_model {margs.d_model}, "
-                  f"tied {margs.tie_embeddings}); its [model] section: {os.path.join(args.out, MODEL_TOML)}")
+            print(
+                f"wrote {os.path.abspath(args.out)} ({margs.n_layers} layers, d_model {margs.d_model}, "
+                f"tied {margs.tie_embeddings}); its [model] section: {os.path.join(args.out, MODEL_TOML)}"
+            )
         else:
             bad = [a for a in rest if a.startswith("--") and not a.startswith("--model.")]
             if bad:
@@ -391,15 +430,19 @@ def main(argv: list[str] | None = None) -> None:
             if record is not None and not os.path.isfile(config):  # a step-N folder knows its own run
                 margs, tokenizer_path = model_section_from_record(record, rest, args.src)
             elif not os.path.isfile(config):
-                p.error(f"no model config: {config} does not exist; pass --config with the [model] section of the "
-                        f"run that wrote {args.src} (e.g. its job TOML)")
+                p.error(
+                    f"no model config: {config} does not exist; pass --config with the [model] section of the "
+                    f"run that wrote {args.src} (e.g. its job TOML)"
+                )
             else:
                 margs, tokenizer_path = load_model_section(config, rest)
             files = export_checkpoint(args.src, args.out, args.fmt, margs, args.dtype, tokenizer_path=tokenizer_path)
             print(f"wrote {', '.join(files)} to {os.path.abspath(args.out)}")
             if args.fmt == "hf":
-                print(f"token ids from {tokenizer_path or 'the built-in byte tokenizer (model.tokenizer_path empty)'};"
-                      f" pass --model.tokenizer_path if the run used another")
+                print(
+                    f"token ids from {tokenizer_path or 'the built-in byte tokenizer (model.tokenizer_path empty)'};"
+                    f" pass --model.tokenizer_path if the run used another"
+                )
     except (UnsupportedCheckpoint, FileNotFoundError, FileExistsError, ValueError) as e:
         raise SystemExit(f"convert error: {e}") from None
 

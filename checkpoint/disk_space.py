@@ -42,7 +42,8 @@ def _causes(exc: BaseException):
 
 def _disk_full_leaf(e: BaseException) -> bool:
     return (isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS) or (
-        isinstance(e, (OSError, RuntimeError)) and any(t in str(e).lower() for t in _DISK_FULL_TEXT))
+        isinstance(e, (OSError, RuntimeError)) and any(t in str(e).lower() for t in _DISK_FULL_TEXT)
+    )
 
 
 def disk_full_cause(exc: BaseException) -> BaseException | None:
@@ -110,8 +111,11 @@ def disk_full_error(
         free = "unknown"
     kept = ", ".join(f"step-{s}" for s in previous_steps) or "none"
     # torch.save's zip writer turns any failed write into "unexpected pos"; a full disk is by far the usual one
-    what = (f"failed writing to {folder}, most likely out of disk space" if "unexpected pos" in str(cause)
-            else f"ran out of disk space in {folder}")
+    what = (
+        f"failed writing to {folder}, most likely out of disk space"
+        if "unexpected pos" in str(cause)
+        else f"ran out of disk space in {folder}"
+    )
     return CheckpointDiskFullError(
         errno.ENOSPC,
         f"checkpoint save of step {step} {what}: {free} free, about {_human(needed)} "

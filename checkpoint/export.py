@@ -132,8 +132,9 @@ def _gather_keys(keys: set[str], process_group) -> set[str]:
     return set().union(*map(set, gathered))
 
 
-def check_model_keys(local: dict, metadata: Metadata, prefix: str, path: str, process_group=None,
-                     aliases: set[str] = frozenset()) -> None:
+def check_model_keys(
+    local: dict, metadata: Metadata, prefix: str, path: str, process_group=None, aliases: set[str] = frozenset()
+) -> None:
     """Raise if the checkpoint and the model disagree: keys missing from the checkpoint, checkpoint keys that
     no rank's model has (pipeline stages together own every layer), or shapes that differ. `aliases` (tied
     weights' second names) may be in the checkpoint (older saves wrote them) and are not loaded.
@@ -141,7 +142,7 @@ def check_model_keys(local: dict, metadata: Metadata, prefix: str, path: str, pr
     Collective when a process group is initialised (every rank must call it).
     """
     ckpt = {
-        k[len(prefix):]: md
+        k[len(prefix) :]: md
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
@@ -162,7 +163,8 @@ def check_model_keys(local: dict, metadata: Metadata, prefix: str, path: str, pr
         problems.append(f"{len(mismatched)} shape mismatches, e.g. {mismatched[:_SHOW]}")
     if problems:
         raise ValueError(
-            f"model weights in {path} do not match this model: " + "; ".join(problems)
+            f"model weights in {path} do not match this model: "
+            + "; ".join(problems)
             + ". Check that [model] (flavor, d_model, n_layers, vocab, layer_pattern) matches the checkpoint's."
         )
 
@@ -223,7 +225,7 @@ def convert_to_weights_only(checkpoint_dir: str, out_dir: str, dtype: str | torc
     metadata = read_metadata(checkpoint_dir)
     prefix = model_prefix(metadata)
     weights = {
-        k[len(prefix):]: torch.empty(md.size, dtype=md.properties.dtype)
+        k[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }

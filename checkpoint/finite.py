@@ -38,8 +38,11 @@ def first_nonfinite_state(model_parts: list[nn.Module], optimizers: list[torch.o
     names = {p: n for part in model_parts for n, p in part.named_parameters()}
     for opt in optimizers:
         for p, state in opt.state.items():
-            named += [(f"optimizer state {k} of {names.get(p, '?')}", v) for k, v in state.items()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0]
+            named += [
+                (f"optimizer state {k} of {names.get(p, '?')}", v)
+                for k, v in state.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
     return _first_nonfinite(named)
 
 

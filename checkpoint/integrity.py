@@ -78,8 +78,9 @@ class ChecksummingWriter(FileSystemWriter):
                 os.remove(os.path.join(self.path, name))
         expected = {r.storage_data.relative_path for rank_results in results for r in rank_results}
         if expected - set(files):
-            raise RuntimeError(f"checkpoint {self.path}: no checksum from the rank that wrote "
-                               f"{sorted(expected - set(files))}")
+            raise RuntimeError(
+                f"checkpoint {self.path}: no checksum from the rank that wrote {sorted(expected - set(files))}"
+            )
         for name in sorted(os.listdir(self.path)):  # .metadata, run_record.json, files of empty buckets
             if name not in files and name != CHECKSUMS_FILE and os.path.isfile(os.path.join(self.path, name)):
                 files[name] = _entry(os.path.join(self.path, name))

@@ -55,5 +55,6 @@ def abandon_newer_steps(folder: str, resumed_step: int) -> list[str]:
         logger.warning(
             f"resumed from step-{resumed_step}, older than the newest checkpoint: this run starts a new branch. "
             f"Moved the newer checkpoints aside in {folder}: {', '.join(moved)}. Auto-resume and "
-            "checkpoint.keep_latest_k ignore them and nothing deletes them: delete them when no longer needed.")
+            "checkpoint.keep_latest_k ignore them and nothing deletes them: delete them when no longer needed."
+        )
     return moved

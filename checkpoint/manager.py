@@ -171,9 +171,16 @@ class CheckpointManager:
             self.pg = dist.new_group(backend="gloo")
         self.rng = RNGState(self.pg)
         # the non-tensor state travels as JSON in a tensor (never pickled): the wrappers DCP sees
-        self._json_states = {name: JsonTensorState(inner, name) for name, inner in (
-            ("train_state", self.train_state), ("rng", self.rng), ("lr_scheduler", self.lr_scheduler),
-            ("dataloader", self.dataloader)) if inner is not None}
+        self._json_states = {
+            name: JsonTensorState(inner, name)
+            for name, inner in (
+                ("train_state", self.train_state),
+                ("rng", self.rng),
+                ("lr_scheduler", self.lr_scheduler),
+                ("dataloader", self.dataloader),
+            )
+            if inner is not None
+        }
         self.use_async = self.enabled and ckpt_cfg.async_mode == "async"
         if self.use_async and not hasattr(dcp, "async_save"):
             logger.warning("this torch has no dcp.async_save: checkpoints are saved synchronously")
@@ -279,7 +286,8 @@ class CheckpointManager:
             raise FloatingPointError(
                 f"step {step} was not saved: {culprit} holds NaN or inf values. The newest complete checkpoint is "
                 f"{f'step-{saved[-1]}' if saved else 'none'} in {self.folder}; resume from it with a lower "
-                "optimizer.lr (or more lr_scheduler.warmup_steps), or check the data.")
+                "optimizer.lr (or more lr_scheduler.warmup_steps), or check the data."
+            )
 
     def _finalize(self, step: int, t_start: float, background: bool = False) -> None:
         """Rank 0, once every rank's data and the metadata are written: publish step-N, apply retention, and log
@@ -298,8 +306,10 @@ class CheckpointManager:
         _fsync_dir(self.folder)
         if replaced:
             shutil.rmtree(replaced, ignore_errors=True)
-        logger.info(f"saved checkpoint {final} ({format_bytes(folder_bytes(final))}, "
-                    f"{format_seconds(time.perf_counter() - t_start)}{' in the background' if background else ''})")
+        logger.info(
+            f"saved checkpoint {final} ({format_bytes(folder_bytes(final))}, "
+            f"{format_seconds(time.perf_counter() - t_start)}{' in the background' if background else ''})"
+        )
         k = self.cfg.keep_latest_k
         if k > 0:
             for old in complete_steps(self.folder)[:-k]:
@@ -309,10 +319,16 @@ class CheckpointManager:
     def _raise_if_disk_full(self, exc: BaseException, step: int) -> None:
         """A save that failed for lack of disk space: raise CheckpointDiskFullError (folder, free, needed, fix)."""
         optimizers = [opt for _, opt in self.optimizer.pairs] if self.optimizer is not None else []
-        error = disk_full_error(exc, step=step, folder=self.folder, partial=self._partial_dir(step),
-                                previous_steps=complete_steps(self.folder), keep_latest_k=self.cfg.keep_latest_k,
-                                estimate_state_bytes=lambda: state_bytes(self.model_parts, optimizers),
-                                remove_partial=self.rank == 0)
+        error = disk_full_error(
+            exc,
+            step=step,
+            folder=self.folder,
+            partial=self._partial_dir(step),
+            previous_steps=complete_steps(self.folder),
+            keep_latest_k=self.cfg.keep_latest_k,
+            estimate_state_bytes=lambda: state_bytes(self.model_parts, optimizers),
+            remove_partial=self.rank == 0,
+        )
         if error is not None:
             raise error from exc
 
@@ -373,9 +389,11 @@ class CheckpointManager:
                 verify_checksums(self.cfg.initial_load_path, self.pg)
             load_model_weights(self.model_parts, self.cfg.initial_load_path, process_group=self.pg)
             if self.rank == 0:
-                logger.info(f"loaded initial model weights from {self.cfg.initial_load_path} "
-                            f"({format_bytes(folder_bytes(self.cfg.initial_load_path))}, "
-                            f"{format_seconds(time.perf_counter() - t_start)}); training starts at step 1")
+                logger.info(
+                    f"loaded initial model weights from {self.cfg.initial_load_path} "
+                    f"({format_bytes(folder_bytes(self.cfg.initial_load_path))}, "
+                    f"{format_seconds(time.perf_counter() - t_start)}); training starts at step 1"
+                )
         return 0
 
     def _choose_step(self) -> tuple[int | None, str | None]:
@@ -430,16 +448,20 @@ class CheckpointManager:
             for wrapped in self._json_states.values():
                 wrapped.prepare_load(None)
         if self.rank == 0:
-            logger.info(f"loaded checkpoint {path} ({format_bytes(folder_bytes(path))}, "
-                        f"{format_seconds(time.perf_counter() - t_start)})")
+            logger.info(
+                f"loaded checkpoint {path} ({format_bytes(folder_bytes(path))}, "
+                f"{format_seconds(time.perf_counter() - t_start)})"
+            )
 
     def _verify(self, path: str) -> None:
         """Check the folder's checksums.json before anything reads the folder (collective)."""
         if not self.cfg.checksums:
             logger.warning(f"checkpoint.checksums is off: {path} is loaded without verifying its files")
         elif not verify_checksums(path, self.pg) and self.rank == 0:
-            logger.warning(f"{path} has no checksums.json (saved before checksums, or by another tool): its files "
-                           "cannot be verified; loading it unverified")
+            logger.warning(
+                f"{path} has no checksums.json (saved before checksums, or by another tool): its files "
+                "cannot be verified; loading it unverified"
+            )
 
     def _prepare_json_load(self, state: dict, md: dict, path: str) -> None:
         """Load targets: the JSON tensors sized from the metadata; for a legacy checkpoint (saved before the
@@ -449,10 +471,13 @@ class CheckpointManager:
                 if f"{name}.{JSON_KEY}" in md:
                     wrapped.prepare_load(md[f"{name}.{JSON_KEY}"].size.numel())
             return
-        logger.warning(f"{path} was saved before the pickle-free format: its non-tensor state is unpickled by DCP "
-                       "(trust it as much as its source)")
-        self.train_state.load_only = {k for k in self.extra_state if any(
-            key.startswith(f"train_state.{k}") for key in md)}
+        logger.warning(
+            f"{path} was saved before the pickle-free format: its non-tensor state is unpickled by DCP "
+            "(trust it as much as its source)"
+        )
+        self.train_state.load_only = {
+            k for k in self.extra_state if any(key.startswith(f"train_state.{k}") for key in md)
+        }
         state["train_state"] = self.train_state
         for name in ("lr_scheduler", "dataloader"):
             if name in state:

@@ -34,12 +34,29 @@ RECORD_FILE = "run_record.json"
 FORMAT = 1
 
 # ModelArgs fields that do not change the trained function: kernel choices and init-only settings.
-FREE_MODEL_FIELDS = frozenset({"chunk_size", "use_fused_path", "dt_min", "dt_max", "dt_init_floor",
-                               "initializer_range", "rescale_prenorm_residual"})
+FREE_MODEL_FIELDS = frozenset(
+    {
+        "chunk_size",
+        "use_fused_path",
+        "dt_min",
+        "dt_max",
+        "dt_init_floor",
+        "initializer_range",
+        "rescale_prenorm_residual",
+    }
+)
 # ModelArgs fields that are training hyperparameters (loss terms), applied like the optimizer's.
 APPLIED_MODEL_FIELDS = frozenset({"moe_load_balance_coeff", "moe_aux_loss_coeff", "moe_z_loss_coeff"})
-DATA_FIELDS = ("dataset", "dataset_path", "dataset_config", "dataset_split", "dataset_text_field", "seq_len",
-               "document_masking", "seed")
+DATA_FIELDS = (
+    "dataset",
+    "dataset_path",
+    "dataset_config",
+    "dataset_split",
+    "dataset_text_field",
+    "seq_len",
+    "document_masking",
+    "seed",
+)
 # data/loader.py's data_identity: the mixture (normalised), the shuffle settings, each shard folder's content hash.
 # Records written before these existed lack them: they compare as the defaults (no mixture, no shards, no shuffle).
 DATA_IDENTITY_DEFAULTS = {"datasets": [], "shuffle": None, "shuffle_buffer": 0, "shards": {}}
@@ -81,8 +98,9 @@ def read_record(folder: str) -> dict | None:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as e:
-        raise ResumeMismatch(f"{path} is unreadable ({e}); it is part of the checkpoint: load another step with "
-                             "--checkpoint.load_step N") from e
+        raise ResumeMismatch(
+            f"{path} is unreadable ({e}); it is part of the checkpoint: load another step with --checkpoint.load_step N"
+        ) from e
 
 
 def _diff(saved: dict, now: dict, keys, prefix: str) -> list[str]:
@@ -91,8 +109,10 @@ def _diff(saved: dict, now: dict, keys, prefix: str) -> list[str]:
     for k in keys:
         a, b = saved.get(k, missing), now.get(k, missing)
         if a != b:
-            out.append(f"{prefix}{k}: saved {'(absent)' if a is missing else repr(a)}, now "
-                       f"{'(absent)' if b is missing else repr(b)}")
+            out.append(
+                f"{prefix}{k}: saved {'(absent)' if a is missing else repr(a)}, now "
+                f"{'(absent)' if b is missing else repr(b)}"
+            )
     return out
 
 
@@ -111,8 +131,12 @@ def compare_records(saved: dict, now: dict) -> dict[str, list[str]]:
     return {
         "model": _diff(sm, nm, model_keys, "model."),
         "tokenizer": _diff(st, nt, sorted((set(st) | set(nt)) - {"path"}), "tokenizer "),
-        "data": _diff({**DATA_IDENTITY_DEFAULTS, "shuffle": now["data"].get("shuffle"), **saved.get("data", {})},
-                      now["data"], (*DATA_FIELDS, *DATA_IDENTITY_DEFAULTS), "training."),
+        "data": _diff(
+            {**DATA_IDENTITY_DEFAULTS, "shuffle": now["data"].get("shuffle"), **saved.get("data", {})},
+            now["data"],
+            (*DATA_FIELDS, *DATA_IDENTITY_DEFAULTS),
+            "training.",
+        ),
         "applied": applied,
     }
 
@@ -124,27 +148,36 @@ def check_resume(path: str, saved: dict | None, now: dict | None, ckpt_cfg) -> N
     if now is None:
         return
     if saved is None:
-        logger.warning(f"{path} has no {RECORD_FILE} (written before run records): its model, tokenizer and data "
-                       "cannot be compared with this run's; resuming on trust")
+        logger.warning(
+            f"{path} has no {RECORD_FILE} (written before run records): its model, tokenizer and data "
+            "cannot be compared with this run's; resuming on trust"
+        )
         return
     diffs = compare_records(saved, now)
     errors = []
     if diffs["model"]:
-        errors.append("the model differs (never loadable: restore these [model] values, or start a new run from "
-                      "its weights with --checkpoint.initial_load_path and an empty checkpoint folder):\n    "
-                      + "\n    ".join(diffs["model"]))
+        errors.append(
+            "the model differs (never loadable: restore these [model] values, or start a new run from "
+            "its weights with --checkpoint.initial_load_path and an empty checkpoint folder):\n    "
+            + "\n    ".join(diffs["model"])
+        )
     for kind, override in (("tokenizer", "allow_changed_tokenizer"), ("data", "allow_changed_data")):
         if not diffs[kind]:
             continue
         if getattr(ckpt_cfg, override, False):
-            logger.warning(f"RESUMING WITH A CHANGED {kind.upper()} (checkpoint.{override}=true) from {path}: "
-                           + "; ".join(diffs[kind]))
+            logger.warning(
+                f"RESUMING WITH A CHANGED {kind.upper()} (checkpoint.{override}=true) from {path}: "
+                + "; ".join(diffs[kind])
+            )
         else:
-            errors.append(f"the {kind} differs (restore it, or set --checkpoint.{override} true if the change "
-                          "is intended):\n    " + "\n    ".join(diffs[kind]))
+            errors.append(
+                f"the {kind} differs (restore it, or set --checkpoint.{override} true if the change "
+                "is intended):\n    " + "\n    ".join(diffs[kind])
+            )
     if errors:
-        raise ResumeMismatch(f"cannot resume from {path}: this run is not the one that saved it.\n  - "
-                             + "\n  - ".join(errors))
+        raise ResumeMismatch(
+            f"cannot resume from {path}: this run is not the one that saved it.\n  - " + "\n  - ".join(errors)
+        )
     for line in diffs["applied"]:
         # Raising training.steps is how a finished run is continued: said, not warned about.
         log = logger.info if line.startswith("training.steps:") else logger.warning

@@ -134,8 +134,9 @@ class SchedulerState:
         self.lr_schedulers = list(lr_schedulers)
         for sched in self.lr_schedulers:
             if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
-                raise TypeError(f"checkpointing supports LambdaLR schedulers (lr = base_lr x f(step)); got "
-                                f"{type(sched).__name__}")
+                raise TypeError(
+                    f"checkpointing supports LambdaLR schedulers (lr = base_lr x f(step)); got {type(sched).__name__}"
+                )
 
     def state_dict(self) -> dict:
         # lr_lambdas holds the functions' __dict__ (not JSON); the functions come from the config
@@ -187,8 +188,13 @@ def host_rng_state() -> dict:
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     return {
-        "numpy": {"kind": kind, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                  "gauss": float(gauss)},
+        "numpy": {
+            "kind": kind,
+            "key": key.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "python": {"version": version, "state": list(internal), "gauss_next": gauss_next},
     }
 

@@ -34,7 +34,11 @@ class GraphedMicrobatch:
 
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype, loss_chunk_tokens: int, warmup: int = 3):
         self.model, self.compute_dtype, self.loss_chunk_tokens, self.warmup = (
-            model, compute_dtype, loss_chunk_tokens, warmup)
+            model,
+            compute_dtype,
+            loss_chunk_tokens,
+            warmup,
+        )
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Never traced by dynamo. Applied here, not as a decorator: the decorator imports torch._dynamo (~1 s)
         # when this module is imported, which every training process does.
@@ -52,8 +56,9 @@ class GraphedMicrobatch:
     def _forward_backward(self) -> torch.Tensor:
         s = self.static
         with self._autocast():
-            loss = self.model(s["input_ids"], seq_idx=s["seq_idx"], labels=s["labels"],
-                              loss_chunk_tokens=self.loss_chunk_tokens)
+            loss = self.model(
+                s["input_ids"], seq_idx=s["seq_idx"], labels=s["labels"], loss_chunk_tokens=self.loss_chunk_tokens
+            )
         (loss * s["loss_scale"]).backward()
         return loss.detach()
 
@@ -64,7 +69,8 @@ class GraphedMicrobatch:
                 f"training.cuda_graph: the graph was captured for microbatches of shape "
                 f"{tuple(s['input_ids'].shape)} (seq_idx {'absent' if s['seq_idx'] is None else 'given'}), got "
                 f"{tuple(input_ids.shape)} (seq_idx {'absent' if seq_idx is None else 'given'}); keep "
-                "training.local_batch_size and training.seq_len fixed, or set training.cuda_graph false")
+                "training.local_batch_size and training.seq_len fixed, or set training.cuda_graph false"
+            )
         s["input_ids"].copy_(input_ids, non_blocking=True)
         s["labels"].copy_(labels, non_blocking=True)
         if seq_idx is not None:
@@ -72,9 +78,12 @@ class GraphedMicrobatch:
         s["loss_scale"].copy_(loss_scale)
 
     def _capture(self, input_ids, labels, seq_idx, loss_scale) -> None:
-        self.static = {"input_ids": input_ids.clone(), "labels": labels.clone(),
-                       "seq_idx": None if seq_idx is None else seq_idx.clone(),
-                       "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32, device=input_ids.device).clone()}
+        self.static = {
+            "input_ids": input_ids.clone(),
+            "labels": labels.clone(),
+            "seq_idx": None if seq_idx is None else seq_idx.clone(),
+            "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32, device=input_ids.device).clone(),
+        }
         stash = [None if p.grad is None else p.grad.clone() for p in self.params]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -95,13 +104,15 @@ class GraphedMicrobatch:
             else:
                 p.grad.copy_(saved)
 
-    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
-                 loss_scale: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None, loss_scale: torch.Tensor
+    ) -> torch.Tensor:
         """The microbatch's summed token loss (a new tensor); its scaled gradients are added to .grad."""
         return self._call_outside_compile(input_ids, labels, seq_idx, loss_scale)
 
-    def _replay(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
-                loss_scale: torch.Tensor) -> torch.Tensor:
+    def _replay(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None, loss_scale: torch.Tensor
+    ) -> torch.Tensor:
         if self.graph is None:
             self._capture(input_ids, labels, seq_idx, loss_scale)
         self._copy_in(input_ids, labels, seq_idx, loss_scale)

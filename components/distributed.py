@@ -17,8 +17,9 @@ def init_distributed(world_size: int) -> torch.device:
     else:
         device = torch.device("cpu")
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
     return device
 
 

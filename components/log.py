@@ -26,7 +26,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWN_LOGGERS = sorted(
     {"__main__"}
     | {name[:-3] for name in os.listdir(REPO) if name.endswith(".py") and name[:-3].isidentifier()}
-    | {name for name in os.listdir(REPO) if os.path.isfile(os.path.join(REPO, name, "__init__.py"))})
+    | {name for name in os.listdir(REPO) if os.path.isfile(os.path.join(REPO, name, "__init__.py"))}
+)
 
 
 class RankFormatter(logging.Formatter):

@@ -67,16 +67,19 @@ def memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
-_WANDB_MISSING = ("metrics.enable_wandb needs the wandb package, which is not installed: `pip install wandb` "
-                  "(it logs offline, without network, unless WANDB_API_KEY is set), or set metrics.enable_wandb false")
+_WANDB_MISSING = (
+    "metrics.enable_wandb needs the wandb package, which is not installed: `pip install wandb` "
+    "(it logs offline, without network, unless WANDB_API_KEY is set), or set metrics.enable_wandb false"
+)
 
 
 def wandb_errors(cfg: Metrics) -> list[str]:
     """metrics.enable_wandb without wandb installed, found at config time (a spec lookup: importing is slow)."""
     if not cfg.enable_wandb:
         return []
-    installed = (sys.modules["wandb"] is not None if "wandb" in sys.modules
-                 else importlib.util.find_spec("wandb") is not None)
+    installed = (
+        sys.modules["wandb"] is not None if "wandb" in sys.modules else importlib.util.find_spec("wandb") is not None
+    )
     return [] if installed else [_WANDB_MISSING]
 
 
@@ -102,8 +105,16 @@ class MetricsLogger:
     to it exactly what TensorBoard gets; run_config is recorded as the W&B run's config.
     """
 
-    def __init__(self, dump_folder: str, is_rank0: bool, jsonl: bool, tensorboard: bool, total_steps: int,
-                 wandb_cfg: Metrics | None = None, run_config: dict | None = None):
+    def __init__(
+        self,
+        dump_folder: str,
+        is_rank0: bool,
+        jsonl: bool,
+        tensorboard: bool,
+        total_steps: int,
+        wandb_cfg: Metrics | None = None,
+        run_config: dict | None = None,
+    ):
         self.is_rank0, self.total_steps = is_rank0, total_steps
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl") if (is_rank0 and jsonl) else None
         self.tb = self.wandb_run = None
@@ -128,12 +139,15 @@ class MetricsLogger:
         logger.info(
             f"step {step:>6} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f} | "
             f"lr {metrics['lr']:.2e} | tok/s {metrics['tokens_per_sec']:,.0f} | mfu {100 * metrics['mfu']:.1f}% | "
-            f"mem {metrics['memory_gib']:.2f} GiB | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+            f"mem {metrics['memory_gib']:.2f} GiB | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+        )
         if "val_loss" in metrics:
             self.val_losses.append((step, metrics["val_loss"]))
         if self.jsonl_path:
-            when = {"time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
-                    "elapsed_s": round(time.perf_counter() - self.t_created, 3)}
+            when = {
+                "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+                "elapsed_s": round(time.perf_counter() - self.t_created, 3),
+            }
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps({"step": step, **metrics, **when}) + "\n")
         if self.tb is not None:
@@ -146,8 +160,15 @@ class MetricsLogger:
     def from_config(cls, cfg: JobConfig, is_rank0: bool) -> MetricsLogger:
         """The sinks [metrics] asks for, the whole job config recorded in the W&B run."""
         m = cfg.metrics
-        return cls(cfg.job.dump_folder, is_rank0, m.save_jsonl, m.enable_tensorboard, cfg.training.steps,
-                   wandb_cfg=m, run_config=dataclasses.asdict(cfg) if m.enable_wandb else None)
+        return cls(
+            cfg.job.dump_folder,
+            is_rank0,
+            m.save_jsonl,
+            m.enable_tensorboard,
+            cfg.training.steps,
+            wandb_cfg=m,
+            run_config=dataclasses.asdict(cfg) if m.enable_wandb else None,
+        )
 
     def summary(self, first_step: int, last_step: int, tokens: int, wall_s: float, outputs: str) -> str:
         """The end-of-run line: the steps this run did (first_step..last_step), the tokens they consumed (global),
@@ -157,8 +178,10 @@ class MetricsLogger:
         if self.val_losses:
             best_step, best = min(self.val_losses, key=lambda sv: sv[1])
             val = f" | val_loss final {self.val_losses[-1][1]:.4f}, best {best:.4f} (step {best_step})"
-        return (f"end of run: {steps} of {self.total_steps} | {tokens:,} tokens | wall {format_seconds(wall_s)}"
-                f"{val} | outputs: {outputs}")
+        return (
+            f"end of run: {steps} of {self.total_steps} | {tokens:,} tokens | wall {format_seconds(wall_s)}"
+            f"{val} | outputs: {outputs}"
+        )
 
     def close(self) -> None:
         if self.tb is not None:
@@ -174,5 +197,6 @@ def _start_wandb_run(cfg: Metrics, dump_folder: str, run_config: dict | None):
     except ImportError as e:
         raise ImportError(_WANDB_MISSING) from e
     name = cfg.wandb_run_name or os.path.basename(os.path.abspath(dump_folder))
-    return wandb.init(project=cfg.wandb_project, name=name, mode=wandb_mode(cfg.wandb_mode), dir=dump_folder,
-                      config=run_config)
+    return wandb.init(
+        project=cfg.wandb_project, name=name, mode=wandb_mode(cfg.wandb_mode), dir=dump_folder, config=run_config
+    )

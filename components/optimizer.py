@@ -28,8 +28,9 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
 
 
-def lr_factor(step_index: int, total_steps: int, warmup: int, decay_ratio: float, decay_type: str,
-              min_lr_factor: float) -> float:
+def lr_factor(
+    step_index: int, total_steps: int, warmup: int, decay_ratio: float, decay_type: str, min_lr_factor: float
+) -> float:
     """Multiplier of the peak LR for the optimizer step with 0-based index `step_index`.
 
     Linear warmup over `warmup` steps, a stable phase, then a decay over the last
@@ -53,6 +54,12 @@ def lr_factor(step_index: int, total_steps: int, warmup: int, decay_ratio: float
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int):
-    fn = functools.partial(lr_factor, total_steps=total_steps, warmup=cfg.warmup_steps,
-                           decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type, min_lr_factor=cfg.min_lr_factor)
+    fn = functools.partial(
+        lr_factor,
+        total_steps=total_steps,
+        warmup=cfg.warmup_steps,
+        decay_ratio=cfg.decay_ratio,
+        decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -140,8 +140,9 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
-        return profile(activities=activities, schedule=self._schedule, on_trace_ready=self._save_trace,
-                       record_shapes=True)
+        return profile(
+            activities=activities, schedule=self._schedule, on_trace_ready=self._save_trace, record_shapes=True
+        )
 
     def _save_trace(self, prof) -> None:
         """on_trace_ready: called as the recorded step (self._current, not yet advanced) ends."""
@@ -180,8 +181,9 @@ class StepProfiler:
             return
 
         def on_oom(device, alloc, device_alloc, device_free):
-            logger.warning(f"profiling: CUDA out of memory (asked {alloc / 2**30:.2f} GiB, "
-                           f"{device_free / 2**30:.2f} GiB free)")
+            logger.warning(
+                f"profiling: CUDA out of memory (asked {alloc / 2**30:.2f} GiB, {device_free / 2**30:.2f} GiB free)"
+            )
             self._dump_snapshot("oom")
 
         attach(on_oom)

@@ -69,15 +69,17 @@ def hold_folder(folder: str, what: str = "job.dump_folder") -> None:
     except OSError as e:
         if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):  # the filesystem has no locks (ENOLCK, EOPNOTSUPP)
             os.close(fd)
-            logger.warning(f"cannot lock {path} ({e}); nothing stops a second run from writing into {folder} at "
-                           "the same time")
+            logger.warning(
+                f"cannot lock {path} ({e}); nothing stops a second run from writing into {folder} at the same time"
+            )
             return
         with open(path) as f:
             holder = _describe(f.read())
         os.close(fd)
         raise FolderInUseError(
             f"{what} {folder} is in use by another run, {holder}. Two runs in one folder corrupt each other's "
-            f"checkpoints and metrics. Wait for that run to finish, stop it, or set another --{what}.") from None
+            f"checkpoints and metrics. Wait for that run to finish, stop it, or set another --{what}."
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, (json.dumps(_holder_record()) + "\n").encode())
     os.fsync(fd)

@@ -61,8 +61,10 @@ class GracefulStop:
         self.requested = True
         # A second SIGTERM means "now": back to the default action.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        logger.warning("SIGTERM received: finishing this step, then saving (if checkpointing is on) and exiting; "
-                       "send SIGTERM again to stop at once")
+        logger.warning(
+            "SIGTERM received: finishing this step, then saving (if checkpointing is on) and exiting; "
+            "send SIGTERM again to stop at once"
+        )
 
     def uninstall(self) -> None:
         if self._previous is not None:

@@ -51,8 +51,17 @@ class PipelineEval:
 
 
 class Validator:
-    def __init__(self, cfg, model_parts: list[torch.nn.Module], tokenizer, mesh, pdims, batch: BatchPlan,
-                 device: torch.device, pipeline: PipelineEval | None = None):
+    def __init__(
+        self,
+        cfg,
+        model_parts: list[torch.nn.Module],
+        tokenizer,
+        mesh,
+        pdims,
+        batch: BatchPlan,
+        device: torch.device,
+        pipeline: PipelineEval | None = None,
+    ):
         if pdims is not None and pdims.pp_enabled and pipeline is None:
             raise ValueError("validation under pipeline parallel needs the training schedule (pipeline=PipelineEval)")
         self.pipeline = pipeline
@@ -70,7 +79,9 @@ class Validator:
         fsdp = pdims is not None and pdims.fsdp_enabled
         bf16 = device.type == "cuda" and cfg.training.mixed_precision_param == "bfloat16"
         # Same precision as the training forward: FSDP's param dtype, else autocast on the GPU.
-        self._amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 and not fsdp else contextlib.nullcontext
+        self._amp = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if bf16 and not fsdp else contextlib.nullcontext
+        )
         self.is_rank0 = os.environ.get("RANK", "0") == "0"
 
     def should_run(self, step: int, last_step: bool = False) -> bool:
@@ -99,8 +110,9 @@ class Validator:
                     batch = self.loader.next_batch()
                 except StopIteration:
                     break
-                input_ids, labels, seq_idx = (batch[k].to(self.device, non_blocking=True)
-                                              for k in ("input_ids", "labels", "seq_idx"))
+                input_ids, labels, seq_idx = (
+                    batch[k].to(self.device, non_blocking=True) for k in ("input_ids", "labels", "seq_idx")
+                )
                 if self.cp > 1:
                     lb = self.cfg.parallelism.context_parallel_load_balance
                     input_ids, labels = (shard_sequence(t, self.cp_rank, self.cp, lb) for t in (input_ids, labels))
@@ -127,11 +139,15 @@ class Validator:
             dist.all_reduce(sums, group=self.dp_cp_group)  # [2] per rank -> [2] summed over dp_cp
         loss_sum, tokens = sums.tolist()
         if tokens == 0:
-            raise ValueError(f"validation saw no labelled tokens in {n} batches: is validation.dataset "
-                             f"({self.cfg.validation.dataset!r}) empty?")
+            raise ValueError(
+                f"validation saw no labelled tokens in {n} batches: is validation.dataset "
+                f"({self.cfg.validation.dataset!r}) empty?"
+            )
         loss = loss_sum / tokens
         out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(tokens)}
         if self.is_rank0:
-            logger.info(f"validation step {step:>6} | val_loss {loss:.4f} | val_ppl {out['val_ppl']:.3f} | "
-                        f"{int(tokens)} tokens in {n} batches")
+            logger.info(
+                f"validation step {step:>6} | val_loss {loss:.4f} | val_ppl {out['val_ppl']:.3f} | "
+                f"{int(tokens)} tokens in {n} batches"
+            )
         return out

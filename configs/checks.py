@@ -52,16 +52,21 @@ def resolve_job(cfg: JobConfig, world_size: int, training: bool = True) -> Resol
     return ResolvedJob(pdims, model_args, tokenizer, batch)
 
 
-def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, tokenizer, batch: BatchPlan,
-               training: bool = True) -> list[str]:
+def job_errors(
+    cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, tokenizer, batch: BatchPlan, training: bool = True
+) -> list[str]:
     """Combinations that would fail later, each with its fix (empty when the job is fine)."""
     t, errs = cfg.training, []
     if training and cfg.checkpoint.load_step >= 0 and not cfg.checkpoint.enable:
-        errs.append(f"checkpoint.load_step={cfg.checkpoint.load_step} resumes only with checkpointing on; set "
-                    "--checkpoint.enable true (or --checkpoint.initial_load_path DIR for weights alone)")
+        errs.append(
+            f"checkpoint.load_step={cfg.checkpoint.load_step} resumes only with checkpointing on; set "
+            "--checkpoint.enable true (or --checkpoint.initial_load_path DIR for weights alone)"
+        )
     if tokenizer.vocab_size > model_args.vocab_size:
-        errs.append(f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but model.vocab_size="
-                    f"{model_args.vocab_size}; set --model.vocab_size {tokenizer.vocab_size} (or larger)")
+        errs.append(
+            f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but model.vocab_size="
+            f"{model_args.vocab_size}; set --model.vocab_size {tokenizer.vocab_size} (or larger)"
+        )
     if training:  # evaluate.py reads validation batches; the training batch and loop do not concern it
         errs += batch.errors()
     if pdims.cp_enabled:
@@ -72,21 +77,29 @@ def job_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs, token
         except ValueError as e:
             errs.append(str(e))
     if training and t.skip_nonfinite_grads < 0:
-        errs.append(f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
-                    "non-finite gradient norm)")
+        errs.append(
+            f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
+            "non-finite gradient norm)"
+        )
     if cfg.parallelism.fsdp_blocks_per_unit < 0:
-        errs.append(f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 0 "
-                    "(1 = one FSDP unit per block, 0 = units of about 100M parameters)")
+        errs.append(
+            f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 0 "
+            "(1 = one FSDP unit per block, 0 = units of about 100M parameters)"
+        )
     if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():
-        errs.append("parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
-                    "memory); set it false")
+        errs.append(
+            "parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
+            "memory); set it false"
+        )
     try:
         validate_profiling(cfg.profiling)
     except ValueError as e:
         errs.append(str(e))
     if pdims.pp_enabled and cfg.validation.enable and cfg.validation.local_batch_size != batch.rows_per_dp_rank:
-        errs.append(f"under pipeline parallel validation batches go through the training schedule, so "
-                    f"validation.local_batch_size must equal the rows per data-parallel rank, {batch.rows_per_dp_rank}")
+        errs.append(
+            f"under pipeline parallel validation batches go through the training schedule, so "
+            f"validation.local_batch_size must equal the rows per data-parallel rank, {batch.rows_per_dp_rank}"
+        )
     if training and t.cuda_graph:
         errs += cuda_graph_errors(cfg, pdims, model_args)
     if pdims.pp_enabled:
@@ -102,15 +115,19 @@ def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs
     if not torch.cuda.is_available():
         errs.append("training.cuda_graph needs a CUDA GPU; set it false on this machine")
     if pdims.world_size > 1 and not pdims.ddp_enabled:
-        errs.append(f"training.cuda_graph runs on one GPU or under plain data parallel (only "
-                    f"data_parallel_replicate_degree = NGPU); this job has {pdims.world_size} processes with FSDP, "
-                    "PP or CP, whose hooks and collectives are not captured; set it false or change the layout")
+        errs.append(
+            f"training.cuda_graph runs on one GPU or under plain data parallel (only "
+            f"data_parallel_replicate_degree = NGPU); this job has {pdims.world_size} processes with FSDP, "
+            "PP or CP, whose hooks and collectives are not captured; set it false or change the layout"
+        )
     if cfg.compile.enable:
         errs.append("training.cuda_graph and compile.enable are exclusive; set one of them false")
     other = sorted(set(model_args.layer_types) - {"M", "-"})
     if other:
-        errs.append(f"training.cuda_graph supports Mamba ('M') and MLP ('-') layers; this model has {other} "
-                    "(attention builds document masks and MoE routes tokens by data-dependent counts); set it false")
+        errs.append(
+            f"training.cuda_graph supports Mamba ('M') and MLP ('-') layers; this model has {other} "
+            "(attention builds document masks and MoE routes tokens by data-dependent counts); set it false"
+        )
     return errs
 
 
@@ -123,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--world_size" in argv:
         i = argv.index("--world_size")
         world_size = int(argv[i + 1])
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     cfg = load_config_or_exit(argv)
     if cfg is None:
         return

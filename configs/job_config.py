@@ -26,9 +26,12 @@ def doc(default: Any, text: str, choices: tuple | None = None):
 @dataclass
 class Job:
     config_file: str = doc("", "The TOML job file this run was started from.")
-    dump_folder: str = doc("./outputs", "Run folder: metrics.jsonl, tb/ and (by default) checkpoints go here. "
-                           "One run at a time: rank 0 locks <dump_folder>/.lock until its process exits, and a "
-                           "second run into the folder stops at once, naming the first.")
+    dump_folder: str = doc(
+        "./outputs",
+        "Run folder: metrics.jsonl, tb/ and (by default) checkpoints go here. "
+        "One run at a time: rank 0 locks <dump_folder>/.lock until its process exits, and a "
+        "second run into the folder stops at once, naming the first.",
+    )
     description: str = doc("", "Free text, printed at start.")
     print_config: bool = doc(False, "Print the resolved configuration at start (rank 0).")
 
@@ -62,56 +65,78 @@ class Training:
     dataset_split: str = doc("train", "Split of a HF hub dataset.")
     dataset_text_field: str = doc("text", "Field holding the document text in jsonl / parquet / HF rows.")
     datasets: list = doc(
-        [], "A weighted mixture of token-shard folders (made by `python -m data.preprocess`), replacing "
+        [],
+        "A weighted mixture of token-shard folders (made by `python -m data.preprocess`), replacing "
         "training.dataset: in TOML one [[training.datasets]] table per dataset with `path` and `weight`; on the "
-        "command line \"path:weight,path:weight\". Weights are relative shares of the training rows (tokens), "
-        "realised by a fixed interleave pattern (data/mixture.py); each dataset repeats on its own epochs.")
+        'command line "path:weight,path:weight". Weights are relative shares of the training rows (tokens), '
+        "realised by a fixed interleave pattern (data/mixture.py); each dataset repeats on its own epochs.",
+    )
     shuffle: bool = doc(
-        True, "Token-shard datasets (a folder from data.preprocess, or training.datasets): visit the documents of "
+        True,
+        "Token-shard datasets (a folder from data.preprocess, or training.datasets): visit the documents of "
         "each epoch in a permutation seeded by (training.seed, dataset index, epoch); false: file order. Text "
-        "datasets packed on the fly are read in file order unless training.shuffle_buffer is set.")
+        "datasets packed on the fly are read in file order unless training.shuffle_buffer is set.",
+    )
     shuffle_buffer: int = doc(
-        0, "Text datasets packed on the fly (local files or a streamed HF dataset): pass the documents through a "
+        0,
+        "Text datasets packed on the fly (local files or a streamed HF dataset): pass the documents through a "
         "shuffle buffer of this many documents, seeded by (training.seed, epoch); resuming re-reads (without "
-        "tokenizing) the epoch's documents up to the position. 0: file order.")
+        "tokenizing) the epoch's documents up to the position. 0: file order.",
+    )
     prefetch_batches: int = doc(
-        2, "Training batches built ahead in a background thread (checkpoints keep the position of the batches "
-        "trained on, not of the prefetched ones); 0 builds each batch when the step asks for it.")
+        2,
+        "Training batches built ahead in a background thread (checkpoints keep the position of the batches "
+        "trained on, not of the prefetched ones); 0 builds each batch when the step asks for it.",
+    )
     global_batch_size: int = doc(
         -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree."
     )
     local_batch_size: int = doc(
-        8, "Sequences per forward/backward on one data-parallel rank (the microbatch; global_batch_size / dp / "
-        "local_batch_size steps of gradient accumulation); -1 = the rank's whole share (no accumulation).")
+        8,
+        "Sequences per forward/backward on one data-parallel rank (the microbatch; global_batch_size / dp / "
+        "local_batch_size steps of gradient accumulation); -1 = the rank's whole share (no accumulation).",
+    )
     seq_len: int = doc(256, "Tokens per sequence (packed from several documents).")
     steps: int = doc(100, "Optimizer steps to train.")
     document_masking: bool = doc(
-        True, "Documents packed into a row are independent: seq_idx resets the conv and SSM state and masks attention "
-        "at each document start. false: the row is one stream (Megatron's default; faster kernels).")
+        True,
+        "Documents packed into a row are independent: seq_idx resets the conv and SSM state and masks attention "
+        "at each document start. false: the row is one stream (Megatron's default; faster kernels).",
+    )
     loss_chunk_tokens: int = doc(
-        0, "Compute lm_head + cross-entropy over chunks of this many tokens (recomputed in backward) so the full "
-        "[tokens, vocab] logits never exist; 0 = one pass. Not used on pipeline stages.")
+        0,
+        "Compute lm_head + cross-entropy over chunks of this many tokens (recomputed in backward) so the full "
+        "[tokens, vocab] logits never exist; 0 = one pass. Not used on pipeline stages.",
+    )
     max_norm: float = doc(
-        1.0, "Gradient clipping by global L2 norm over all shards (finite, >= 0); 0 disables clipping.")
+        1.0, "Gradient clipping by global L2 norm over all shards (finite, >= 0); 0 disables clipping."
+    )
     skip_nonfinite_grads: int = doc(
-        0, "A step whose global gradient norm is NaN / inf (with a finite loss) stops the run before the optimizer "
+        0,
+        "A step whose global gradient norm is NaN / inf (with a finite loss) stops the run before the optimizer "
         "step, like a non-finite loss, unless this is > 0: then up to this many such steps in a row are skipped "
         "(gradients dropped, no optimizer step; the step's batch is consumed and the LR schedule advances), and "
-        "the next one stops the run.")
+        "the next one stops the run.",
+    )
     mixed_precision_param: str = doc(
-        "bfloat16", "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
+        "bfloat16",
+        "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
         choices=("bfloat16", "float32"),
     )
     seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
     deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
     cuda_graph: bool = doc(
-        False, "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
+        False,
+        "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
         "launch cost; pays when the host, not the GPU, limits the step). One GPU or plain data parallel "
-        "(data_parallel_replicate_degree only), Mamba / MLP layers, no compile.")
+        "(data_parallel_replicate_degree only), Mamba / MLP layers, no compile.",
+    )
     gc_freq: int = doc(
-        50, "Python's garbage collector runs only between steps (generation 0 every step, generation 1 every "
+        50,
+        "Python's garbage collector runs only between steps (generation 0 every step, generation 1 every "
         "gc_freq steps), never inside one: an automatic collection mid-step stalls that rank's kernel launches, and under data / "
-        "pipeline parallel every other rank waits for it at the next collective. 0: Python's automatic collection.")
+        "pipeline parallel every other rank waits for it at the next collective. 0: Python's automatic collection.",
+    )
 
 
 @dataclass
@@ -122,7 +147,8 @@ class Optimizer:
     beta2: float = doc(0.95, "Adam beta2, in [0, 1).")
     eps: float = doc(1e-8, "Adam epsilon (finite, > 0).")
     weight_decay: float = doc(
-        0.1, "Decoupled weight decay (finite, >= 0; not applied to biases, norms, A_log, D, dt_bias).")
+        0.1, "Decoupled weight decay (finite, >= 0; not applied to biases, norms, A_log, D, dt_bias)."
+    )
     implementation: str = doc(
         "auto", "auto: fused on GPU, foreach on CPU.", choices=("auto", "fused", "foreach", "for-loop")
     )
@@ -130,7 +156,9 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = doc(10, "Linear warmup: step i (0-based) of the first warmup_steps uses lr * (i+1) / (warmup_steps+1).")
+    warmup_steps: int = doc(
+        10, "Linear warmup: step i (0-based) of the first warmup_steps uses lr * (i+1) / (warmup_steps+1)."
+    )
     decay_ratio: float = doc(
         -1.0,
         "Fraction of steps spent decaying at the end (warmup-stable-decay); -1 = decay over every step after warmup.",
@@ -142,18 +170,22 @@ class LRScheduler:
 @dataclass
 class Parallelism:
     data_parallel_replicate_degree: int = doc(
-        1, "HSDP replicas (dp_replicate); the only degree > 1 (no shard / CP / PP): plain data parallel (DDP).")
+        1, "HSDP replicas (dp_replicate); the only degree > 1 (no shard / CP / PP): plain data parallel (DDP)."
+    )
     data_parallel_shard_degree: int = doc(-1, "FSDP shard degree (dp_shard); -1 = whatever the others leave.")
     fsdp_reshard_after_forward: str = doc(
-        "default", "default: reshard except the last block, and not at all under pipeline parallel; always; never.",
-        choices=("default", "always", "never")
+        "default",
+        "default: reshard except the last block, and not at all under pipeline parallel; always; never.",
+        choices=("default", "always", "never"),
     )
     fsdp_cpu_offload: bool = doc(False, "Keep sharded parameters and optimizer state in CPU memory.")
     fsdp_blocks_per_unit: int = doc(
-        0, "Consecutive blocks sharded as one FSDP unit: fewer, larger collectives and fewer hooks (less host time "
+        0,
+        "Consecutive blocks sharded as one FSDP unit: fewer, larger collectives and fewer hooks (less host time "
         "per step, which limits small models) for more gathered parameters in memory at once. 0 (auto): as many "
         "blocks as make about 100M parameters (the 1.3B's 26M-parameter blocks: 4 per unit, measured best on 2 "
-        "H200s; blocks of 100M and more: 1).")
+        "H200s; blocks of 100M and more: 1).",
+    )
     context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")
     context_parallel_load_balance: bool = doc(
         False, "Shard the sequence as 2*cp chunks, rank r holding chunks r and 2cp-1-r (balances attention)."
@@ -187,29 +219,42 @@ class Checkpoint:
     enable: bool = doc(False, "Save DCP checkpoints and resume from the latest complete one.")
     folder: str = doc("checkpoint", "Relative to job.dump_folder unless absolute; holds step-N/ folders.")
     interval: int = doc(500, "Save every this many steps (and at the last step).")
-    keep_latest_k: int = doc(0, "Keep only the newest k complete step-N checkpoints (abandoned-step-N folders are "
-                                "never counted nor deleted); 0 keeps all.")
-    async_mode: str = doc("disabled", "disabled or async (async_save; overlaps the write with training).",
-                          choices=("disabled", "async"))
-    load_step: int = doc(-1, "Resume from step-N; -1 = the latest complete checkpoint, if any. A step older than "
-                             "the newest starts a new branch: the newer step-M folders become abandoned-step-M.")
+    keep_latest_k: int = doc(
+        0,
+        "Keep only the newest k complete step-N checkpoints (abandoned-step-N folders are "
+        "never counted nor deleted); 0 keeps all.",
+    )
+    async_mode: str = doc(
+        "disabled", "disabled or async (async_save; overlaps the write with training).", choices=("disabled", "async")
+    )
+    load_step: int = doc(
+        -1,
+        "Resume from step-N; -1 = the latest complete checkpoint, if any. A step older than "
+        "the newest starts a new branch: the newer step-M folders become abandoned-step-M.",
+    )
     initial_load_path: str = doc(
         "", "A DCP folder of model weights (e.g. from checkpoint.convert) to start from at step 0."
     )
     last_save_model_only: bool = doc(False, "At the last step, save only the model weights (an export).")
     export_dtype: str = doc("float32", "Dtype of a model-only export.", choices=("float32", "bfloat16"))
     checksums: bool = doc(
-        True, "Write checksums.json (every file's size + CRC-32) into each step-N when saving, and verify it before "
+        True,
+        "Write checksums.json (every file's size + CRC-32) into each step-N when saving, and verify it before "
         "loading (the work spread over ranks; about 3 GB/s per rank, see README 'Checkpoints'). A mismatch is an "
-        "error naming the file; false skips both.")
+        "error naming the file; false skips both.",
+    )
     allow_changed_data: bool = doc(
-        False, "Resume although the checkpoint's run_record.json names other data: training.dataset, dataset_path, "
+        False,
+        "Resume although the checkpoint's run_record.json names other data: training.dataset, dataset_path, "
         "dataset_config, dataset_split, dataset_text_field, seq_len, document_masking or seed (logged as a warning). "
-        "false: such a resume is an error listing the differences.")
+        "false: such a resume is an error listing the differences.",
+    )
     allow_changed_tokenizer: bool = doc(
-        False, "Resume although the checkpoint was trained with another tokenizer (vocabulary / special ids; logged "
+        False,
+        "Resume although the checkpoint was trained with another tokenizer (vocabulary / special ids; logged "
         "as a warning). false: an error. A changed model is never loadable; optimizer.*, lr_scheduler.* and "
-        "training.steps changes always apply from the first resumed step (logged).")
+        "training.steps changes always apply from the first resumed step (logged).",
+    )
 
 
 @dataclass
@@ -218,13 +263,15 @@ class Metrics:
     enable_tensorboard: bool = doc(True, "TensorBoard events under <dump_folder>/tb.")
     save_jsonl: bool = doc(True, "Append one JSON object per logged step to <dump_folder>/metrics.jsonl.")
     enable_wandb: bool = doc(
-        False, "Also log the TensorBoard scalars to Weights & Biases (rank 0; files under <dump_folder>/wandb). "
-        "Needs `pip install wandb` (not a requirement: the run stops at config time if it is missing)."
+        False,
+        "Also log the TensorBoard scalars to Weights & Biases (rank 0; files under <dump_folder>/wandb). "
+        "Needs `pip install wandb` (not a requirement: the run stops at config time if it is missing).",
     )
     wandb_project: str = doc("mambatitan", "With enable_wandb: the W&B project.")
     wandb_run_name: str = doc("", "With enable_wandb: the W&B run name; empty = the dump folder's name.")
     wandb_mode: str = doc(
-        "auto", "With enable_wandb: offline writes <dump_folder>/wandb only (upload later with `wandb sync`); "
+        "auto",
+        "With enable_wandb: offline writes <dump_folder>/wandb only (upload later with `wandb sync`); "
         "online streams to the server; auto = $WANDB_MODE if set, else online when $WANDB_API_KEY is set, else "
         "offline.",
         choices=("auto", "online", "offline"),
@@ -233,8 +280,11 @@ class Metrics:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: str = doc("none", "none, full (every layer), or selective (every n-th layer, see selective_ac_option).",
-                    choices=("none", "full", "selective"))
+    mode: str = doc(
+        "none",
+        "none, full (every layer), or selective (every n-th layer, see selective_ac_option).",
+        choices=("none", "full", "selective"),
+    )
     selective_ac_option: str = doc("2", "With mode=selective: checkpoint every n-th layer, given as a number.")
 
 
@@ -266,14 +316,16 @@ class Profiling:
         [], "Explicit steps to profile / snapshot, e.g. [5, 6]; takes precedence over profile_freq."
     )
     enable_memory_snapshot: bool = doc(
-        False, "CUDA only: record allocator history and dump a snapshot after each chosen step (and on OOM); "
-        "view it at https://pytorch.org/memory_viz."
+        False,
+        "CUDA only: record allocator history and dump a snapshot after each chosen step (and on OOM); "
+        "view it at https://pytorch.org/memory_viz.",
     )
     save_memory_snapshot_folder: str = doc(
         "memory_snapshot",
         "Relative to job.dump_folder (unless absolute): iteration_<step>/rank<r>_memory_snapshot.pickle.",
     )
     memory_snapshot_max_entries: int = doc(100000, "Allocator events kept in the history ring buffer.")
+
 
 @dataclass
 class JobConfig:

@@ -1,7 +1,7 @@
 """TOML job file + `--section.key value` overrides -> a validated JobConfig, before any compute.
 
-    python train.py --job.config_file configs/debug.toml --training.steps 40 --checkpoint.enable=true
-    python train.py --help            # every key, its type, default and doc
+python train.py --job.config_file configs/debug.toml --training.steps 40 --checkpoint.enable=true
+python train.py --help            # every key, its type, default and doc
 """
 
 from __future__ import annotations
@@ -171,9 +171,12 @@ def validate(cfg: JobConfig) -> None:
     else:
         errs += build_model_args(cfg.model.flavor, cfg.model_overrides).validate()
     t = cfg.training
-    for key, v in (("training.steps", t.steps), ("training.seq_len", t.seq_len),
-                   ("metrics.log_freq", cfg.metrics.log_freq),
-                   ("checkpoint.interval", cfg.checkpoint.interval)):
+    for key, v in (
+        ("training.steps", t.steps),
+        ("training.seq_len", t.seq_len),
+        ("metrics.log_freq", cfg.metrics.log_freq),
+        ("checkpoint.interval", cfg.checkpoint.interval),
+    ):
         if v < 1:
             errs.append(f"{key}={v} must be >= 1")
     if t.local_batch_size != -1 and t.local_batch_size < 1:
@@ -186,18 +189,27 @@ def validate(cfg: JobConfig) -> None:
     if cfg.lr_scheduler.warmup_steps < 0:
         errs.append(f"lr_scheduler.warmup_steps={cfg.lr_scheduler.warmup_steps} must be >= 0")
     if t.gc_freq < 0:
-        errs.append(f"training.gc_freq={t.gc_freq} must be >= 0 (N: collect between steps every N steps; 0: Python's "
-                    "automatic collection)")
+        errs.append(
+            f"training.gc_freq={t.gc_freq} must be >= 0 (N: collect between steps every N steps; 0: Python's "
+            "automatic collection)"
+        )
     errs += _number_errors(cfg)
     if not (cfg.lr_scheduler.decay_ratio == -1 or 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0):
         errs.append(f"lr_scheduler.decay_ratio={cfg.lr_scheduler.decay_ratio} must be in [0, 1] or -1")
     if cfg.checkpoint.keep_latest_k < 0:
         errs.append("checkpoint.keep_latest_k must be >= 0 (0 keeps all)")
     if cfg.activation_checkpoint.mode == "selective" and not cfg.activation_checkpoint.selective_ac_option.isdigit():
-        errs.append("activation_checkpoint.selective_ac_option must be a positive integer (checkpoint every n-th layer)")
+        errs.append(
+            "activation_checkpoint.selective_ac_option must be a positive integer (checkpoint every n-th layer)"
+        )
     p = cfg.parallelism
-    for key in ("data_parallel_replicate_degree", "context_parallel_degree", "pipeline_parallel_degree",
-                "expert_parallel_degree", "pipeline_parallel_microbatch_size"):
+    for key in (
+        "data_parallel_replicate_degree",
+        "context_parallel_degree",
+        "pipeline_parallel_degree",
+        "expert_parallel_degree",
+        "pipeline_parallel_microbatch_size",
+    ):
         if getattr(p, key) < 1:
             errs.append(f"parallelism.{key}={getattr(p, key)} must be >= 1")
     if p.data_parallel_shard_degree == 0 or p.data_parallel_shard_degree < -1:
@@ -216,8 +228,10 @@ def _data_errors(t) -> list[str]:
         errs.append(f"training.shuffle_buffer={t.shuffle_buffer} must be >= 0 (0 = file order)")
     if t.datasets:
         if t.dataset != "default":
-            errs.append(f"training.dataset='{t.dataset}' and training.datasets are both set: the mixture replaces "
-                        "the single dataset; keep one (a one-entry training.datasets is a single shard folder)")
+            errs.append(
+                f"training.dataset='{t.dataset}' and training.datasets are both set: the mixture replaces "
+                "the single dataset; keep one (a one-entry training.datasets is a single shard folder)"
+            )
         try:
             mixture_counts([w for _, w in parse_mixture(t.datasets)])
         except ValueError as e:
@@ -251,11 +265,13 @@ def no_config_usage(prog: str = "train.py") -> str:
     """What to type when no --job.config_file was given: the form, an example, the job files in configs/."""
     configs = os.path.dirname(os.path.abspath(__file__))
     jobs = sorted(name for name in os.listdir(configs) if name.endswith(".toml"))
-    return (f"usage: python {prog} --job.config_file FILE [--section.key value | --section.key=value ...]\n"
-            f"no --job.config_file given: every run starts from a job file, e.g.\n"
-            f"    python {prog} --job.config_file configs/debug.toml        # a tiny Mamba-2, seconds on a CPU\n"
-            f"job files in configs/: {', '.join(jobs)}\n"
-            f"`python {prog} --help` lists every key.")
+    return (
+        f"usage: python {prog} --job.config_file FILE [--section.key value | --section.key=value ...]\n"
+        f"no --job.config_file given: every run starts from a job file, e.g.\n"
+        f"    python {prog} --job.config_file configs/debug.toml        # a tiny Mamba-2, seconds on a CPU\n"
+        f"job files in configs/: {', '.join(jobs)}\n"
+        f"`python {prog} --help` lists every key."
+    )
 
 
 def help_text() -> str:

@@ -156,8 +156,10 @@ def _field(row, text_field: str, where: str | Callable[[], str], key: str) -> st
         )
     text = row[text_field]
     if not isinstance(text, str):
-        raise TypeError(f"{where() if callable(where) else where}: field '{text_field}' is {type(text).__name__}, "
-                        "not a string; set training.dataset_text_field to the field holding the text")
+        raise TypeError(
+            f"{where() if callable(where) else where}: field '{text_field}' is {type(text).__name__}, "
+            "not a string; set training.dataset_text_field to the field holding the text"
+        )
     return text
 
 
@@ -209,8 +211,10 @@ class JsonlFile(IndexedSource):
         try:
             row = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.key}: {self.path} line {self._line_number(i)}: not a JSON object per line "
-                             f"({e}); fix the line or remove it") from e
+            raise ValueError(
+                f"{self.key}: {self.path} line {self._line_number(i)}: not a JSON object per line "
+                f"({e}); fix the line or remove it"
+            ) from e
         return _field(row, self.text_field, lambda: f"{self.path} line {self._line_number(i)}", self.key)
 
     def _line_number(self, i: int) -> int:
@@ -294,13 +298,12 @@ def _local_files(dataset: str, key: str) -> list[str]:
             raise FileNotFoundError(f"{where}: the glob matches no file; check the pattern")
         files = [p for p in matched if Path(p).suffix.lower() in _SUPPORTED_EXT]
         if not files:
-            raise ValueError(f"{where}: the glob matches only unsupported files ({matched[:3]}...); "
-                             f"use {', '.join(_SUPPORTED_EXT)}")
+            raise ValueError(
+                f"{where}: the glob matches only unsupported files ({matched[:3]}...); use {', '.join(_SUPPORTED_EXT)}"
+            )
         return files
     if os.path.isdir(expanded):
-        files = sorted(
-            str(p) for p in Path(expanded).rglob("*") if p.is_file() and p.suffix.lower() in _SUPPORTED_EXT
-        )
+        files = sorted(str(p) for p in Path(expanded).rglob("*") if p.is_file() and p.suffix.lower() in _SUPPORTED_EXT)
         if not files:
             raise FileNotFoundError(f"{where}: the folder holds no {', '.join(_SUPPORTED_EXT)} file")
         return files
@@ -362,7 +365,10 @@ class HFStreamSource:
                 ) from e
             try:
                 self._ds = datasets.load_dataset(
-                    self.name, self.dataset_config or None, split=self.split, streaming=True,
+                    self.name,
+                    self.dataset_config or None,
+                    split=self.split,
+                    streaming=True,
                     data_dir=self.dataset_path or None,
                 )
             except Exception as e:

@@ -41,8 +41,10 @@ __all__ = ["StepBatchLoader", "RowStepLoader", "build_loader", "data_identity", 
 
 def _check_layout(rows_per_rank: int, dp_rank: int, dp_degree: int) -> None:
     if rows_per_rank < 1 or dp_degree < 1 or not 0 <= dp_rank < dp_degree:
-        raise ValueError(f"a loader needs rows_per_rank >= 1 and 0 <= dp_rank < dp_degree; got rows_per_rank="
-                         f"{rows_per_rank}, dp_rank={dp_rank}, dp_degree={dp_degree}")
+        raise ValueError(
+            f"a loader needs rows_per_rank >= 1 and 0 <= dp_rank < dp_degree; got rows_per_rank="
+            f"{rows_per_rank}, dp_rank={dp_rank}, dp_degree={dp_degree}"
+        )
 
 
 class StepBatchLoader:
@@ -119,8 +121,12 @@ class StepBatchLoader:
 
     def state_dict(self) -> dict:
         """The global data position, identical on every rank and independent of dp_rank / dp_degree."""
-        return {"steps": self.steps, "rows_consumed": self.rows_consumed, "seq_len": self.seq_len,
-                **self.packer.state_dict()}
+        return {
+            "steps": self.steps,
+            "rows_consumed": self.rows_consumed,
+            "seq_len": self.seq_len,
+            **self.packer.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         def as_int(v):
@@ -140,8 +146,18 @@ class RowStepLoader:
     [rows_consumed + r*n, ... + n) of the step. state_dict() = {"steps", "rows_consumed", "seq_len"}, global and
     layout-free."""
 
-    def __init__(self, rows, seq_len: int, rows_per_rank: int, dp_rank: int = 0, dp_degree: int = 1, *,
-                 pad_id: int, pin_memory: bool = False, infinite: bool = True):
+    def __init__(
+        self,
+        rows,
+        seq_len: int,
+        rows_per_rank: int,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        *,
+        pad_id: int,
+        pin_memory: bool = False,
+        infinite: bool = True,
+    ):
         _check_layout(rows_per_rank, dp_rank, dp_degree)
         self.rows, self.seq_len = rows, seq_len
         self.rows_per_rank, self.dp_rank, self.dp_degree = rows_per_rank, dp_rank, dp_degree
@@ -156,9 +172,11 @@ class RowStepLoader:
             raise StopIteration
         rows = [self.rows.row(first + i) for i in range(self.rows_per_rank)]
         L = self.seq_len
-        batch = {"input_ids": torch.full((len(rows), L), self.pad_id, dtype=torch.int64),
-                 "labels": torch.full((len(rows), L), IGNORE_INDEX, dtype=torch.int64),
-                 "seq_idx": torch.zeros((len(rows), L), dtype=torch.int32)}
+        batch = {
+            "input_ids": torch.full((len(rows), L), self.pad_id, dtype=torch.int64),
+            "labels": torch.full((len(rows), L), IGNORE_INDEX, dtype=torch.int64),
+            "seq_idx": torch.zeros((len(rows), L), dtype=torch.int32),
+        }
         for i, row in enumerate(rows):
             if row is not None:  # past the end of a finite pass: a padding row
                 for k, v in row.items():
@@ -185,6 +203,7 @@ class RowStepLoader:
         missing = {"steps", "rows_consumed"} - set(state_dict)
         if missing:
             raise KeyError(f"data loader state lacks {sorted(missing)}: not a RowStepLoader state_dict")
+
         def as_int(v):
             return int(v.item()) if isinstance(v, torch.Tensor) else int(v)
 
@@ -203,16 +222,20 @@ def build_row_source(job_config, tokenizer, split: str = "train"):
         for i, (path, _) in enumerate(entries):
             key = f"training.datasets[{i}].path"
             if not is_shard_folder(path, key):
-                raise ValueError(f"{key}='{path}' is not a token-shard folder (no manifest.json): mixtures read "
-                                 "preprocessed shards; make them with `python -m data.preprocess --input ... --out "
-                                 f"{path}`")
+                raise ValueError(
+                    f"{key}='{path}' is not a token-shard folder (no manifest.json): mixtures read "
+                    "preprocessed shards; make them with `python -m data.preprocess --input ... --out "
+                    f"{path}`"
+                )
             ds = ShardDataset(path, key)
             check_tokenizer(ds, tokenizer)
-            streams.append(PackedRows(ds, t.seq_len, shuffle=t.shuffle, seed=t.seed, pad_id=tokenizer.pad_id,
-                                      stream_id=i))
+            streams.append(
+                PackedRows(ds, t.seq_len, shuffle=t.shuffle, seed=t.seed, pad_id=tokenizer.pad_id, stream_id=i)
+            )
         return MixtureRows(streams, [w for _, w in entries])
-    dataset, key = (t.dataset, "training.dataset") if split == "train" else (job_config.validation.dataset,
-                                                                             "validation.dataset")
+    dataset, key = (
+        (t.dataset, "training.dataset") if split == "train" else (job_config.validation.dataset, "validation.dataset")
+    )
     if not is_shard_folder(dataset, key):
         return None
     ds = ShardDataset(dataset, key)
@@ -220,8 +243,9 @@ def build_row_source(job_config, tokenizer, split: str = "train"):
     if split == "train":
         return PackedRows(ds, t.seq_len, shuffle=t.shuffle, seed=t.seed, pad_id=tokenizer.pad_id)
     # Validation: file order; one pass when validation.steps == -1.
-    return PackedRows(ds, t.seq_len, shuffle=False, seed=t.seed, pad_id=tokenizer.pad_id,
-                      finite=job_config.validation.steps == -1)
+    return PackedRows(
+        ds, t.seq_len, shuffle=False, seed=t.seed, pad_id=tokenizer.pad_id, finite=job_config.validation.steps == -1
+    )
 
 
 def data_identity(job_config) -> dict:
@@ -230,12 +254,17 @@ def data_identity(job_config) -> dict:
     t = job_config.training
     mixture = parse_mixture(t.datasets) if t.datasets else []
     folders = [p for p, _ in mixture] or ([t.dataset] if is_shard_folder(t.dataset) else [])
-    return {"datasets": [[p, w] for p, w in mixture], "shuffle": t.shuffle, "shuffle_buffer": t.shuffle_buffer,
-            "shards": {p: shard_identity(p) for p in folders if is_shard_folder(p)}}
+    return {
+        "datasets": [[p, w] for p, w in mixture],
+        "shuffle": t.shuffle,
+        "shuffle_buffer": t.shuffle_buffer,
+        "shards": {p: shard_identity(p) for p in folders if is_shard_folder(p)},
+    }
 
 
-def build_loader(job_config, tokenizer, batch: BatchPlan, dp_rank: int = 0, split: str = "train", *,
-                 pin_memory: bool = False):
+def build_loader(
+    job_config, tokenizer, batch: BatchPlan, dp_rank: int = 0, split: str = "train", *, pin_memory: bool = False
+):
     """The loader of `job_config` for data-parallel rank `dp_rank` of the job's `batch` plan (resolve_job's, in
     configs/checks.py: the batch sizes are computed and checked there, once).
 
@@ -253,11 +282,18 @@ def build_loader(job_config, tokenizer, batch: BatchPlan, dp_rank: int = 0, spli
         n = batch.rows_per_dp_rank
         rows = build_row_source(job_config, tokenizer, "train")
         if rows is not None:
-            loader = RowStepLoader(rows, t.seq_len, n, dp_rank, dp_degree, pad_id=tokenizer.pad_id,
-                                   pin_memory=pin_memory)
+            loader = RowStepLoader(
+                rows, t.seq_len, n, dp_rank, dp_degree, pad_id=tokenizer.pad_id, pin_memory=pin_memory
+            )
         else:
-            source = build_text_source(t.dataset, t.dataset_split, t.dataset_text_field, t.dataset_path,
-                                       t.dataset_config, config_key="training.dataset")
+            source = build_text_source(
+                t.dataset,
+                t.dataset_split,
+                t.dataset_text_field,
+                t.dataset_path,
+                t.dataset_config,
+                config_key="training.dataset",
+            )
             if t.shuffle_buffer > 0:
                 source = ShuffleBufferSource(source, t.shuffle_buffer, t.seed)
             loader = StepBatchLoader(tokenizer, source, t.seq_len, n, dp_rank, dp_degree, pin_memory=pin_memory)
@@ -266,12 +302,33 @@ def build_loader(job_config, tokenizer, batch: BatchPlan, dp_rank: int = 0, spli
         v = job_config.validation
         rows = build_row_source(job_config, tokenizer, "validation")
         if rows is not None:
-            return RowStepLoader(rows, t.seq_len, v.local_batch_size, dp_rank, dp_degree,
-                                 pad_id=tokenizer.pad_id, pin_memory=pin_memory, infinite=v.steps != -1)
+            return RowStepLoader(
+                rows,
+                t.seq_len,
+                v.local_batch_size,
+                dp_rank,
+                dp_degree,
+                pad_id=tokenizer.pad_id,
+                pin_memory=pin_memory,
+                infinite=v.steps != -1,
+            )
         same = v.dataset == t.dataset
-        source = build_text_source(v.dataset, v.dataset_split, t.dataset_text_field,
-                                   t.dataset_path if same else "", t.dataset_config if same else "",
-                                   config_key="validation.dataset")
-        return StepBatchLoader(tokenizer, source, t.seq_len, v.local_batch_size, dp_rank, dp_degree,
-                               pin_memory=pin_memory, infinite=v.steps != -1)
+        source = build_text_source(
+            v.dataset,
+            v.dataset_split,
+            t.dataset_text_field,
+            t.dataset_path if same else "",
+            t.dataset_config if same else "",
+            config_key="validation.dataset",
+        )
+        return StepBatchLoader(
+            tokenizer,
+            source,
+            t.seq_len,
+            v.local_batch_size,
+            dp_rank,
+            dp_degree,
+            pin_memory=pin_memory,
+            infinite=v.steps != -1,
+        )
     raise ValueError(f"split={split!r}: use 'train' or 'validation'")

@@ -30,8 +30,10 @@ def mixture_counts(weights: list[float], block: int = BLOCK) -> np.ndarray:
     counts[remainder_order[: block - counts.sum()]] += 1
     if np.any(counts == 0):
         small = [float(weights[i]) for i in np.flatnonzero(counts == 0)]
-        raise ValueError(f"training.datasets weights {small} are below 1/{block} of the total: such a dataset "
-                         f"would get no row; raise them to at least {w.sum() / block:.3g}, or drop those datasets")
+        raise ValueError(
+            f"training.datasets weights {small} are below 1/{block} of the total: such a dataset "
+            f"would get no row; raise them to at least {w.sum() / block:.3g}, or drop those datasets"
+        )
     return counts
 
 
@@ -84,8 +86,10 @@ def parse_mixture(entries: list) -> list[tuple[str, float]]:
         elif isinstance(entry, dict) and set(entry) <= {"path", "weight"} and "path" in entry:
             path, weight = entry["path"], entry.get("weight", 1.0)
         else:
-            raise ValueError(f"{key}={entry!r}: give a table with `path` and `weight` ([[training.datasets]] "
-                             "path = \"shards/web\" weight = 0.7) or, on the command line, \"path:weight\"")
+            raise ValueError(
+                f"{key}={entry!r}: give a table with `path` and `weight` ([[training.datasets]] "
+                'path = "shards/web" weight = 0.7) or, on the command line, "path:weight"'
+            )
         try:
             weight = float(weight)
         except (TypeError, ValueError):

@@ -73,8 +73,11 @@ class DocumentPacker:
     def _restart_iterator(self, epoch: int, doc_index: int) -> None:
         self._next_key = (epoch, doc_index)  # (epoch, index) of the next document _fetch() reads
         # A shuffle buffer (datasets.ShuffleBufferSource) orders each epoch differently: it needs the epoch.
-        self._it = (self.source.iter_from(doc_index, epoch) if getattr(self.source, "epoch_dependent", False)
-                    else self.source.iter_from(doc_index))
+        self._it = (
+            self.source.iter_from(doc_index, epoch)
+            if getattr(self.source, "epoch_dependent", False)
+            else self.source.iter_from(doc_index)
+        )
         self._yielded = 0  # documents this iterator has produced
 
     def _fetch(self) -> bool:
@@ -86,8 +89,9 @@ class DocumentPacker:
             except StopIteration:
                 epoch, index = self._next_key
                 if self._yielded == 0 and index == 0:  # the source changed since __init__ checked it
-                    raise ValueError(f"{describe_source(self.source)} yields no documents; give a non-empty dataset"
-                                     ) from None
+                    raise ValueError(
+                        f"{describe_source(self.source)} yields no documents; give a non-empty dataset"
+                    ) from None
                 if not self.infinite:
                     self._ended = True
                     return False

@@ -43,8 +43,9 @@ class PrefetchLoader:
         self._queue: queue.Queue = queue.Queue(self.depth)
         self._stop = threading.Event()
         # The thread holds the inner loader, not this wrapper, so that dropping the wrapper stops it (__del__).
-        self._thread = threading.Thread(target=self._work, args=(self.loader, self._queue, self._stop),
-                                        daemon=True, name="data-prefetch")
+        self._thread = threading.Thread(
+            target=self._work, args=(self.loader, self._queue, self._stop), daemon=True, name="data-prefetch"
+        )
         _THREADS[self._thread] = self._stop
         self._thread.start()
 

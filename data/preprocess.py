@@ -51,12 +51,14 @@ class HFDiskSource(IndexedSource):
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ValueError(f"{_INPUT_KEY} {path}: a DatasetDict without split '{split}' (it has "
-                                 f"{sorted(ds)}); pass --split")
+                raise ValueError(
+                    f"{_INPUT_KEY} {path}: a DatasetDict without split '{split}' (it has {sorted(ds)}); pass --split"
+                )
             ds = ds[split]
         if text_field not in ds.column_names:
-            raise KeyError(f"{_INPUT_KEY} {path} has no column '{text_field}' (columns: {ds.column_names}); "
-                           "pass --text-field")
+            raise KeyError(
+                f"{_INPUT_KEY} {path} has no column '{text_field}' (columns: {ds.column_names}); pass --text-field"
+            )
         self.ds, self.text_field, self.name, self.path = ds, text_field, path, path
 
     def __len__(self) -> int:
@@ -70,8 +72,9 @@ class HFDiskSource(IndexedSource):
 
 
 def _is_hf_disk_dataset(path: str) -> bool:
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
-                                       for f in ("dataset_info.json", "dataset_dict.json", "state.json"))
+    return os.path.isdir(path) and any(
+        os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")
+    )
 
 
 class JsonlByteRanges:
@@ -113,10 +116,13 @@ class JsonlByteRanges:
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{_INPUT_KEY}: {self.path} line {self._line_number(start) + i}: not a JSON object "
-                                 f"per line ({e}); fix the line or remove it") from e
-            texts.append(_field(row, self.text_field, lambda: f"{self.path} line {self._line_number(start) + i}",
-                                _INPUT_KEY))
+                raise ValueError(
+                    f"{_INPUT_KEY}: {self.path} line {self._line_number(start) + i}: not a JSON object "
+                    f"per line ({e}); fix the line or remove it"
+                ) from e
+            texts.append(
+                _field(row, self.text_field, lambda: f"{self.path} line {self._line_number(start) + i}", _INPUT_KEY)
+            )
         return texts
 
 
@@ -134,9 +140,11 @@ def open_inputs(inputs: list[str], text_field: str, split: str, bytes_per_range:
     for item in inputs:
         path = os.path.expanduser(item)
         if not os.path.exists(path) and not any(c in path for c in "*?["):
-            raise FileNotFoundError(f"{_INPUT_KEY} {item}: no such file or folder (relative paths start at "
-                                    f"{os.getcwd()}); give files, folders or globs of .txt / .jsonl / .json / "
-                                    ".parquet, or a HF dataset saved with save_to_disk")
+            raise FileNotFoundError(
+                f"{_INPUT_KEY} {item}: no such file or folder (relative paths start at "
+                f"{os.getcwd()}); give files, folders or globs of .txt / .jsonl / .json / "
+                ".parquet, or a HF dataset saved with save_to_disk"
+            )
         if _is_hf_disk_dataset(path):
             sources.append(HFDiskSource(path, split, text_field))
             continue
@@ -187,8 +195,14 @@ def write_shard(out: str, unit: dict) -> dict:
     index = unit["shard"]
     _write_atomic(os.path.join(out, tokens_file(index)), lambda f: np.save(f, tokens))
     _write_atomic(os.path.join(out, docs_file(index)), lambda f: np.save(f, offsets))
-    entry = {"tokens": tokens_file(index), "docs": docs_file(index), "n_docs": len(ids),
-             "n_tokens": int(len(tokens)), "crc32": zlib.crc32(tokens.tobytes()), "unit": unit}
+    entry = {
+        "tokens": tokens_file(index),
+        "docs": docs_file(index),
+        "n_docs": len(ids),
+        "n_tokens": int(len(tokens)),
+        "crc32": zlib.crc32(tokens.tobytes()),
+        "unit": unit,
+    }
     _write_atomic(os.path.join(out, f"shard_{index:05d}.json"), lambda f: f.write(json.dumps(entry).encode()))
     return entry
 
@@ -209,9 +223,18 @@ def _published(out: str, unit: dict) -> dict | None:
     return entry if entry.get("unit") == unit and files_ok else None
 
 
-def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: str = "text", split: str = "train",
-               workers: int = 1, docs_per_shard: int = 50_000, bytes_per_shard: int = 64 << 20,
-               progress: bool = True) -> dict:
+def preprocess(
+    inputs: list[str],
+    tokenizer_path: str,
+    out: str,
+    *,
+    text_field: str = "text",
+    split: str = "train",
+    workers: int = 1,
+    docs_per_shard: int = 50_000,
+    bytes_per_shard: int = 64 << 20,
+    progress: bool = True,
+) -> dict:
     """Tokenize `inputs` into shards under `out` (resuming an interrupted run); returns the manifest.
 
     A shard is `bytes_per_shard` of a line-delimited jsonl file (cut at line ends) or `docs_per_shard`
@@ -227,17 +250,26 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
             units += [{"shard": len(units) + i, "source": s, "bytes": list(r)} for i, r in enumerate(src.ranges)]
             continue
         for first in range(0, len(src), docs_per_shard):
-            units.append({"shard": len(units), "source": s, "first_doc": first,
-                          "n_docs": min(docs_per_shard, len(src) - first)})
+            units.append(
+                {"shard": len(units), "source": s, "first_doc": first, "n_docs": min(docs_per_shard, len(src) - first)}
+            )
     if not units:
         raise ValueError(f"{_INPUT_KEY} {inputs}: no documents; give non-empty files")
     plan = {
-        "format": FORMAT, "inputs": list(inputs), "text_field": text_field, "split": split,
-        "docs_per_shard": docs_per_shard, "bytes_per_shard": bytes_per_shard,
+        "format": FORMAT,
+        "inputs": list(inputs),
+        "text_field": text_field,
+        "split": split,
+        "docs_per_shard": docs_per_shard,
+        "bytes_per_shard": bytes_per_shard,
         "tokenizer": tokenizer_fingerprint(tokenizer),
-        "files": [{"path": getattr(src, "path", ""),
-                   "bytes": os.path.getsize(src.path) if os.path.isfile(getattr(src, "path", "")) else None}
-                  for src in sources],
+        "files": [
+            {
+                "path": getattr(src, "path", ""),
+                "bytes": os.path.getsize(src.path) if os.path.isfile(getattr(src, "path", "")) else None,
+            }
+            for src in sources
+        ],
     }
     os.makedirs(out, exist_ok=True)
     plan_path = os.path.join(out, PLAN)
@@ -245,8 +277,10 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
         with open(plan_path) as f:
             earlier = json.load(f)
         if earlier != json.loads(json.dumps(plan)):
-            raise ValueError(f"--out {out} holds the shards of another preprocessing ({plan_path} differs: inputs, "
-                             "tokenizer, text field or shard size); use a new --out folder or delete this one")
+            raise ValueError(
+                f"--out {out} holds the shards of another preprocessing ({plan_path} differs: inputs, "
+                "tokenizer, text field or shard size); use a new --out folder or delete this one"
+            )
     else:
         _write_atomic(plan_path, lambda f: f.write(json.dumps(plan, indent=1).encode()))
 
@@ -257,8 +291,14 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
     _SOURCES, _TOKENIZER = sources, tokenizer
     from tqdm import tqdm  # lazy: not a core dependency (datasets / transformers bring it)
 
-    bar = tqdm(total=len(units), initial=len(entries), unit="shard", disable=not progress,
-               desc=f"tokenizing into {out}", file=sys.stderr)
+    bar = tqdm(
+        total=len(units),
+        initial=len(entries),
+        unit="shard",
+        disable=not progress,
+        desc=f"tokenizing into {out}",
+        file=sys.stderr,
+    )
     started = time.perf_counter()
     if workers == 1 or len(todo) <= 1:
         results = (write_shard(out, u) for u in todo)
@@ -285,17 +325,24 @@ def preprocess(inputs: list[str], tokenizer_path: str, out: str, *, text_field: 
     for s, file in enumerate(plan["files"]):
         file["n_docs"] = sum(e["n_docs"] for e in shards if e["unit"]["source"] == s)
     manifest = {
-        "format": FORMAT, "complete": True, "dtype": token_dtype(tokenizer.vocab_size).name,
-        "eos_id": int(tokenizer.eos_id), "tokenizer": plan["tokenizer"],
-        "n_docs": sum(e["n_docs"] for e in shards), "n_tokens": sum(e["n_tokens"] for e in shards),
+        "format": FORMAT,
+        "complete": True,
+        "dtype": token_dtype(tokenizer.vocab_size).name,
+        "eos_id": int(tokenizer.eos_id),
+        "tokenizer": plan["tokenizer"],
+        "n_docs": sum(e["n_docs"] for e in shards),
+        "n_tokens": sum(e["n_tokens"] for e in shards),
         "source": {k: plan[k] for k in ("inputs", "text_field", "split", "files")},
         "shards": [{k: e[k] for k in ("tokens", "docs", "n_docs", "n_tokens", "crc32")} for e in shards],
     }
     _write_atomic(os.path.join(out, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     seconds = time.perf_counter() - started
     if progress:
-        print(f"{out}: {manifest['n_docs']} documents, {manifest['n_tokens']} tokens in {len(shards)} shards "
-              f"({len(todo)} written in {seconds:.1f} s with {workers} worker(s))", file=sys.stderr)
+        print(
+            f"{out}: {manifest['n_docs']} documents, {manifest['n_tokens']} tokens in {len(shards)} shards "
+            f"({len(todo)} written in {seconds:.1f} s with {workers} worker(s))",
+            file=sys.stderr,
+        )
     return manifest
 
 
@@ -306,23 +353,33 @@ def verify(folder: str) -> list[str]:
     for shard in ds.manifest["shards"]:
         tokens = np.load(os.path.join(ds.folder, shard["tokens"]), mmap_mode="r")
         if zlib.crc32(np.ascontiguousarray(tokens).tobytes()) != shard["crc32"]:
-            problems.append(f"{os.path.join(ds.folder, shard['tokens'])}: CRC-32 differs from the manifest's "
-                            "(the file changed since it was written)")
+            problems.append(
+                f"{os.path.join(ds.folder, shard['tokens'])}: CRC-32 differs from the manifest's "
+                "(the file changed since it was written)"
+            )
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", help="files, folders, globs (.txt, .jsonl, .json, .parquet) or HF datasets "
-                   "saved with save_to_disk")
+    p = argparse.ArgumentParser(
+        prog="python -m data.preprocess", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--input",
+        nargs="+",
+        help="files, folders, globs (.txt, .jsonl, .json, .parquet) or HF datasets saved with save_to_disk",
+    )
     p.add_argument("--tokenizer", default="", help="tokenizer.json or its folder; '' = the built-in byte tokenizer")
     p.add_argument("--out", help="output folder (resumed if it holds an interrupted run of the same arguments)")
     p.add_argument("--text-field", default="text", help="field / column holding the text (jsonl, parquet, HF)")
     p.add_argument("--split", default="train", help="split of a saved HF DatasetDict")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
-    p.add_argument("--mb-per-shard", type=float, default=64, help="MiB of a line-delimited jsonl file per shard "
-                   "(the unit of work; cut at line ends)")
+    p.add_argument(
+        "--mb-per-shard",
+        type=float,
+        default=64,
+        help="MiB of a line-delimited jsonl file per shard (the unit of work; cut at line ends)",
+    )
     p.add_argument("--docs-per-shard", type=int, default=50_000, help="documents per shard for the other inputs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--verify", metavar="DIR", help="check every shard of DIR against its CRC-32, then exit")
@@ -334,9 +391,17 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if problems else 0
         if not args.input or not args.out:
             p.error("--input and --out are required (or --verify DIR)")
-        preprocess(args.input, args.tokenizer, args.out, text_field=args.text_field, split=args.split,
-                   workers=args.workers, docs_per_shard=args.docs_per_shard,
-                   bytes_per_shard=int(args.mb_per_shard * 2**20), progress=not args.quiet)
+        preprocess(
+            args.input,
+            args.tokenizer,
+            args.out,
+            text_field=args.text_field,
+            split=args.split,
+            workers=args.workers,
+            docs_per_shard=args.docs_per_shard,
+            bytes_per_shard=int(args.mb_per_shard * 2**20),
+            progress=not args.quiet,
+        )
     except (ValueError, KeyError, TypeError, FileNotFoundError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2

@@ -61,14 +61,18 @@ def is_shard_folder(path: str, config_key: str = "training.dataset") -> bool:
     if os.path.isfile(os.path.join(folder, MANIFEST)):
         return True
     if os.path.isfile(os.path.join(folder, PLAN)):
-        raise ValueError(f"{config_key}='{path}': its preprocessing did not finish (plan.json but no manifest.json); "
-                         "re-run the same `python -m data.preprocess` command, which resumes it")
+        raise ValueError(
+            f"{config_key}='{path}': its preprocessing did not finish (plan.json but no manifest.json); "
+            "re-run the same `python -m data.preprocess` command, which resumes it"
+        )
     return False
 
 
 def _rerun_hint(folder: str) -> str:
-    return (f"re-run `python -m data.preprocess` into {folder} (it resumes: delete the damaged shard's files "
-            "first so that it is rewritten)")
+    return (
+        f"re-run `python -m data.preprocess` into {folder} (it resumes: delete the damaged shard's files "
+        "first so that it is rewritten)"
+    )
 
 
 class ShardDataset:
@@ -88,14 +92,18 @@ class ShardDataset:
             with open(manifest_path) as f:
                 self.manifest = json.load(f)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: no {MANIFEST}; it is not a token-shard folder (make one with "
-                                    "`python -m data.preprocess --input ... --tokenizer ... --out DIR`)") from None
+            raise FileNotFoundError(
+                f"{where}: no {MANIFEST}; it is not a token-shard folder (make one with "
+                "`python -m data.preprocess --input ... --tokenizer ... --out DIR`)"
+            ) from None
         except (OSError, ValueError) as e:
             raise ValueError(f"{where}: {manifest_path} is unreadable ({e}); {_rerun_hint(self.folder)}") from e
         if self.manifest.get("format") != FORMAT or not self.manifest.get("complete"):
-            raise ValueError(f"{where}: {manifest_path} is not a complete format-{FORMAT} manifest "
-                             f"(format {self.manifest.get('format')!r}, complete {self.manifest.get('complete')!r}); "
-                             f"{_rerun_hint(self.folder)}")
+            raise ValueError(
+                f"{where}: {manifest_path} is not a complete format-{FORMAT} manifest "
+                f"(format {self.manifest.get('format')!r}, complete {self.manifest.get('complete')!r}); "
+                f"{_rerun_hint(self.folder)}"
+            )
         self.dtype = np.dtype(self.manifest["dtype"])
         self.eos_id = int(self.manifest["eos_id"])
         self._tokens: list[np.ndarray] = []
@@ -116,25 +124,33 @@ class ShardDataset:
 
     def _open_shard(self, index: int, shard: dict) -> tuple[np.ndarray, np.ndarray]:
         arrays = []
-        for name, dtype, count in ((shard["tokens"], self.dtype, shard["n_tokens"]),
-                                   (shard["docs"], np.dtype(np.int64), shard["n_docs"] + 1)):
+        for name, dtype, count in (
+            (shard["tokens"], self.dtype, shard["n_tokens"]),
+            (shard["docs"], np.dtype(np.int64), shard["n_docs"] + 1),
+        ):
             path = os.path.join(self.folder, name)
             try:
                 a = np.load(path, mmap_mode="r")
             except FileNotFoundError:
-                raise FileNotFoundError(f"{self.key}: shard file {path} is missing; {_rerun_hint(self.folder)}"
-                                        ) from None
+                raise FileNotFoundError(
+                    f"{self.key}: shard file {path} is missing; {_rerun_hint(self.folder)}"
+                ) from None
             except (OSError, ValueError, EOFError) as e:  # bad header, or shorter than its header says
-                raise ValueError(f"{self.key}: shard file {path} is corrupt or truncated ({e}); "
-                                 f"{_rerun_hint(self.folder)}") from e
+                raise ValueError(
+                    f"{self.key}: shard file {path} is corrupt or truncated ({e}); {_rerun_hint(self.folder)}"
+                ) from e
             if a.dtype != dtype or a.ndim != 1 or len(a) != count:
-                raise ValueError(f"{self.key}: shard file {path} holds {a.dtype} {list(a.shape)}, the manifest says "
-                                 f"{dtype} [{count}]; {_rerun_hint(self.folder)}")
+                raise ValueError(
+                    f"{self.key}: shard file {path} holds {a.dtype} {list(a.shape)}, the manifest says "
+                    f"{dtype} [{count}]; {_rerun_hint(self.folder)}"
+                )
             arrays.append(a)
         tokens, docs = arrays
         if docs[0] != 0 or docs[-1] != len(tokens) or (len(docs) > 1 and not np.all(docs[1:] > docs[:-1])):
-            raise ValueError(f"{self.key}: shard file {os.path.join(self.folder, shard['docs'])} has inconsistent "
-                             f"document offsets (not rising from 0 to {len(tokens)}); {_rerun_hint(self.folder)}")
+            raise ValueError(
+                f"{self.key}: shard file {os.path.join(self.folder, shard['docs'])} has inconsistent "
+                f"document offsets (not rising from 0 to {len(tokens)}); {_rerun_hint(self.folder)}"
+            )
         return tokens, docs
 
     def doc_tokens(self, doc: int) -> np.ndarray:
@@ -145,8 +161,10 @@ class ShardDataset:
         return self._tokens[shard][int(start) : int(end)]
 
     def __repr__(self) -> str:
-        return (f"ShardDataset('{self.folder}', {self.num_documents} documents, {self.num_tokens} tokens, "
-                f"{len(self._tokens)} shards)")
+        return (
+            f"ShardDataset('{self.folder}', {self.num_documents} documents, {self.num_tokens} tokens, "
+            f"{len(self._tokens)} shards)"
+        )
 
 
 class PackedRows:
@@ -157,8 +175,17 @@ class PackedRows:
     the last row is padded with pad_id / IGNORE_INDEX as one extra segment. num_rows is then the row count.
     """
 
-    def __init__(self, dataset: ShardDataset, seq_len: int, *, shuffle: bool, seed: int, pad_id: int,
-                 stream_id: int = 0, finite: bool = False):
+    def __init__(
+        self,
+        dataset: ShardDataset,
+        seq_len: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        pad_id: int,
+        stream_id: int = 0,
+        finite: bool = False,
+    ):
         if seq_len < 1:
             raise ValueError(f"training.seq_len={seq_len}: must be >= 1")
         self.dataset, self.seq_len, self.shuffle, self.seed = dataset, seq_len, shuffle, seed
@@ -211,8 +238,11 @@ class PackedRows:
             doc_start[filled] = True
         seq_idx = np.zeros(L, dtype=np.int32)
         np.cumsum(doc_start[1:L], out=seq_idx[1:])
-        return {"input_ids": tokens[:L].copy(), "labels": np.where(no_target[:L], IGNORE_INDEX, tokens[1 : L + 1]),
-                "seq_idx": seq_idx}
+        return {
+            "input_ids": tokens[:L].copy(),
+            "labels": np.where(no_target[:L], IGNORE_INDEX, tokens[1 : L + 1]),
+            "seq_idx": seq_idx,
+        }
 
 
 def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
@@ -220,13 +250,17 @@ def check_tokenizer(dataset: ShardDataset, tokenizer) -> None:
     made = {k: v for k, v in dataset.manifest.get("tokenizer", {}).items() if k != "path"}
     now = {k: v for k, v in tokenizer_fingerprint(tokenizer).items() if k != "path"}
     if made != now:
-        diff = [f"{k}: shards {made.get(k)!r}, this run {now.get(k)!r}" for k in sorted(set(made) | set(now))
-                if made.get(k) != now.get(k)]
+        diff = [
+            f"{k}: shards {made.get(k)!r}, this run {now.get(k)!r}"
+            for k in sorted(set(made) | set(now))
+            if made.get(k) != now.get(k)
+        ]
         raise ValueError(
             f"{dataset.key}='{dataset.folder}' was tokenized with another tokenizer "
             f"({dataset.manifest.get('tokenizer', {}).get('path') or 'built-in'}) than this run's "
             f"({getattr(tokenizer, 'path', '') or 'built-in'}): {'; '.join(diff)}. Set model.tokenizer_path to the "
-            "tokenizer the shards were made with, or re-run `python -m data.preprocess` with this one")
+            "tokenizer the shards were made with, or re-run `python -m data.preprocess` with this one"
+        )
 
 
 def shard_identity(folder: str) -> dict:
@@ -236,5 +270,9 @@ def shard_identity(folder: str) -> dict:
     with open(os.path.join(os.path.expanduser(folder), MANIFEST)) as f:
         manifest = json.load(f)
     shards = json.dumps(manifest["shards"], sort_keys=True)
-    return {"n_docs": manifest["n_docs"], "n_tokens": manifest["n_tokens"], "dtype": manifest["dtype"],
-            "shards_sha256": hashlib.sha256(shards.encode()).hexdigest()}
+    return {
+        "n_docs": manifest["n_docs"],
+        "n_tokens": manifest["n_tokens"],
+        "dtype": manifest["dtype"],
+        "shards_sha256": hashlib.sha256(shards.encode()).hexdigest(),
+    }

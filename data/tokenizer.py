@@ -88,8 +88,10 @@ class HFTokenizer:
         # get_vocab_size() (a count) is too small for the embedding, which every id indexes.
         ids = self._tok.get_vocab(with_added_tokens=True).values()
         if not ids:
-            raise ValueError(f"model.tokenizer_path='{tokenizer_path}': {file} has an empty vocabulary; "
-                             "give a trained tokenizer.json")
+            raise ValueError(
+                f"model.tokenizer_path='{tokenizer_path}': {file} has an empty vocabulary; "
+                "give a trained tokenizer.json"
+            )
         self.vocab_size = max(ids) + 1
 
         config = self._read_config(file.parent / "tokenizer_config.json")
@@ -97,7 +99,7 @@ class HFTokenizer:
         if self.eos_id is None:
             raise ValueError(
                 f"model.tokenizer_path='{tokenizer_path}': cannot find an end-of-document token (looked for "
-                f"tokenizer_config.json's eos_token and {', '.join(_EOS_CANDIDATES)}); add \"eos_token\" to a "
+                f'tokenizer_config.json\'s eos_token and {", ".join(_EOS_CANDIDATES)}); add "eos_token" to a '
                 f"tokenizer_config.json beside {file.name}"
             )
         pad = self._find_special(config.get("pad_token"), _PAD_CANDIDATES)
@@ -158,5 +160,9 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     else:
         vocab = json.dumps(sorted(inner.get_vocab(with_added_tokens=True).items()), ensure_ascii=False)
         kind = "HFTokenizer"
-    return {"kind": kind, **ids, "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
-            "path": getattr(tokenizer, "path", "")}
+    return {
+        "kind": kind,
+        **ids,
+        "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
+        "path": getattr(tokenizer, "path", ""),
+    }

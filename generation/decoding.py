@@ -21,7 +21,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     lengths = [len(p) for p in prompts]
     ids_BS = torch.full((len(prompts), max(lengths)), pad_id, dtype=torch.int64)
     for row, prompt in enumerate(prompts):
-        ids_BS[row, ids_BS.shape[1] - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.int64)
+        ids_BS[row, ids_BS.shape[1] - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.int64)
     return ids_BS.to(device), torch.tensor(lengths, dtype=torch.int64, device=device)
 
 
@@ -33,8 +33,10 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
             raise ValueError(f"generate: prompt {row} is empty; every prompt needs at least one token (e.g. BOS)")
         bad = [t for t in prompt if not 0 <= int(t) < vocab_size]
         if bad:
-            raise ValueError(f"generate: prompt {row} has token ids {bad[:5]} outside [0, {vocab_size}) "
-                             "(the model's vocab_size); was it tokenized with another tokenizer?")
+            raise ValueError(
+                f"generate: prompt {row} has token ids {bad[:5]} outside [0, {vocab_size}) "
+                "(the model's vocab_size); was it tokenized with another tokenizer?"
+            )
 
 
 @torch.no_grad()

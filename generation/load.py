@@ -35,11 +35,18 @@ def model_section(path: str, config: str | None = None) -> tuple[ModelArgs, str]
         return load_model_section(os.path.join(path, MODEL_TOML))
     raise FileNotFoundError(
         f"{path} holds neither run_record.json (a training checkpoint step-N) nor {MODEL_TOML} (an import); pass "
-        "the job TOML of the run that wrote it (--config / config=)")
+        "the job TOML of the run that wrote it (--config / config=)"
+    )
 
 
-def load_checkpoint(path: str, config: str | None = None, device: str | torch.device | None = None,
-                    dtype: torch.dtype | None = None, tokenizer_path: str | None = None, kernels: str = "auto"):
+def load_checkpoint(
+    path: str,
+    config: str | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer_path: str | None = None,
+    kernels: str = "auto",
+):
     """-> (model in eval mode, tokenizer). device: default CUDA when available; dtype: default bfloat16 on CUDA,
     float32 on the CPU. tokenizer_path overrides the recorded one ('' = the byte tokenizer)."""
     if not os.path.exists(path):
@@ -49,8 +56,10 @@ def load_checkpoint(path: str, config: str | None = None, device: str | torch.de
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     tokenizer = build_tokenizer(recorded_tokenizer if tokenizer_path is None else tokenizer_path)
     if tokenizer.vocab_size > model_args.vocab_size:
-        raise ValueError(f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but the model has "
-                         f"{model_args.vocab_size}: pass the tokenizer the model was trained with")
+        raise ValueError(
+            f"the tokenizer's ids go up to {tokenizer.vocab_size - 1} but the model has "
+            f"{model_args.vocab_size}: pass the tokenizer the model was trained with"
+        )
     cfg = JobConfig()  # one process: no parallelism, no activation checkpointing or compile
     cfg.model.kernels = kernels
     pdims = ParallelDims.from_config(cfg.parallelism, 1)

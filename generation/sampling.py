@@ -44,8 +44,9 @@ def allowed_tokens(logits_BV: torch.Tensor, params: SamplingParams) -> torch.Ten
     return keep_BV
 
 
-def sample_next_tokens(logits_BV: torch.Tensor, params: SamplingParams,
-                       generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next_tokens(
+    logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """logits [B, V] -> int64 token ids [B]. The same generator state and logits give the same tokens."""
     params.validate()
     if logits_BV.dim() != 2:

@@ -73,9 +73,9 @@ def last_conv_inputs(xBC_BSC: torch.Tensor, seq_idx_BS: torch.Tensor | None, wid
     the parallel conv leaves out (so a prompt shorter than width - 1 starts from a clean window).
     """
     s = xBC_BSC.shape[1]
-    window_BWC = F.pad(xBC_BSC[:, max(s - width, 0):], (0, 0, max(width - s, 0), 0))
+    window_BWC = F.pad(xBC_BSC[:, max(s - width, 0) :], (0, 0, max(width - s, 0), 0))
     if seq_idx_BS is not None:
-        ids_BW = F.pad(seq_idx_BS[:, max(s - width, 0):], (max(width - s, 0), 0), value=-1)
+        ids_BW = F.pad(seq_idx_BS[:, max(s - width, 0) :], (max(width - s, 0), 0), value=-1)
         window_BWC = window_BWC * (ids_BW == seq_idx_BS[:, -1:])[:, :, None].to(window_BWC.dtype)
     return window_BWC.transpose(1, 2)
 

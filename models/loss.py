@@ -19,16 +19,18 @@ IGNORE_INDEX = -100
 
 def cross_entropy_sum(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Summed token loss in fp32; labels of IGNORE_INDEX (document ends, padding) don't count."""
-    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits_BSV.flatten(0, 1).float(), labels_BS.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _chunk_loss(h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(h_ND, weight_VD).float(), labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy_sum(h_BSD: torch.Tensor, weight_VD: torch.Tensor, labels_BS: torch.Tensor,
-                              chunk_tokens: int) -> torch.Tensor:
+def chunked_cross_entropy_sum(
+    h_BSD: torch.Tensor, weight_VD: torch.Tensor, labels_BS: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
     """sum_t CE(h_t @ W^T, label_t) computed over chunks of `chunk_tokens` tokens ([B, S, D] -> scalar)."""
     h_ND, labels_N = h_BSD.flatten(0, 1), labels_BS.flatten(0, 1)
     total = torch.zeros((), dtype=torch.float32, device=h_ND.device)

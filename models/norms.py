@@ -19,8 +19,9 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, hidden, residual, residual_in_fp32: bool):
         """(hidden, residual) -> (rmsnorm(hidden + residual), hidden + residual); residual None means zero."""
-        return ops.add_rmsnorm(hidden, residual, self.weight, eps=self.eps, residual_in_fp32=residual_in_fp32,
-                               backend=self.backend)
+        return ops.add_rmsnorm(
+            hidden, residual, self.weight, eps=self.eps, residual_in_fp32=residual_in_fp32, backend=self.backend
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.add_and_norm(x, None, residual_in_fp32=False)[0]
@@ -36,5 +37,12 @@ class GatedRMSNorm(nn.Module):
         self.backend = "auto"
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        return ops.rmsnorm_gated(x, self.weight, z=z, eps=self.eps, group_size=self.group_size,
-                                 norm_before_gate=self.norm_before_gate, backend=self.backend)
+        return ops.rmsnorm_gated(
+            x,
+            self.weight,
+            z=z,
+            eps=self.eps,
+            group_size=self.group_size,
+            norm_before_gate=self.norm_before_gate,
+            backend=self.backend,
+        )

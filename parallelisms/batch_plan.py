@@ -35,20 +35,25 @@ class BatchPlan:
     def errors(self) -> list[str]:
         """Each way the batch does not divide, naming the key and a value that would work (empty when fine)."""
         dp = self.dp_degree
-        key = ("parallelism.pipeline_parallel_microbatch_size" if self.pipeline
-               else "training.local_batch_size")
+        key = "parallelism.pipeline_parallel_microbatch_size" if self.pipeline else "training.local_batch_size"
         if self.global_rows < 1:
-            return ["training.global_batch_size and training.local_batch_size are both -1 (or not positive); set "
-                    "training.global_batch_size to the sequences per optimizer step"]
+            return [
+                "training.global_batch_size and training.local_batch_size are both -1 (or not positive); set "
+                "training.global_batch_size to the sequences per optimizer step"
+            ]
         if self.global_rows % dp:
             fits = max(dp, self.global_rows // dp * dp)
-            return [f"training.global_batch_size={self.global_rows} must divide by the data-parallel degree "
-                    f"dp_replicate x dp_shard = {dp}; e.g. --training.global_batch_size {fits}"]
+            return [
+                f"training.global_batch_size={self.global_rows} must divide by the data-parallel degree "
+                f"dp_replicate x dp_shard = {dp}; e.g. --training.global_batch_size {fits}"
+            ]
         if self.microbatch_rows < 1:
             return [f"{key}={self.microbatch_rows} must be >= 1"]
         if self.rows_per_dp_rank % self.microbatch_rows:
             fits = max(d for d in range(1, self.microbatch_rows + 1) if self.rows_per_dp_rank % d == 0)
             what = "pipeline microbatches" if self.pipeline else "gradient accumulation steps"
-            return [f"training.global_batch_size / dp = {self.rows_per_dp_rank} rows per data-parallel rank must "
-                    f"divide by {key}={self.microbatch_rows} ({what}); e.g. --{key} {fits}"]
+            return [
+                f"training.global_batch_size / dp = {self.rows_per_dp_rank} rows per data-parallel rank must "
+                f"divide by {key}={self.microbatch_rows} ({what}); e.g. --{key} {fits}"
+            ]
         return []

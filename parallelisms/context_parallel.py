@@ -153,8 +153,9 @@ def all_to_all_seq_to_heads_packed(send_KBSd: torch.Tensor, group) -> torch.Tens
     if cp == 1:
         return send_KBSd[0]
     if send_KBSd.dim() != 4 or send_KBSd.shape[0] != cp or not send_KBSd.is_contiguous():
-        raise ValueError(f"all_to_all_seq_to_heads_packed expects a contiguous [cp={cp}, b, s/cp, d]; "
-                         f"got {tuple(send_KBSd.shape)}")
+        raise ValueError(
+            f"all_to_all_seq_to_heads_packed expects a contiguous [cp={cp}, b, s/cp, d]; got {tuple(send_KBSd.shape)}"
+        )
     return _SeqToHeads.apply(send_KBSd, group)
 
 
@@ -292,8 +293,17 @@ class MambaContextParallel:
         if D_has_hdim is None:
             D_has_hdim = mixer.D.numel() != mixer.nheads
         return cls(
-            cp_group, d_inner, mixer.nheads, mixer.ngroups, mixer.d_state, mixer.conv1d,
-            (mixer, "dt_bias"), (mixer, "A_log"), (mixer, "D"), D_has_hdim, load_balance,
+            cp_group,
+            d_inner,
+            mixer.nheads,
+            mixer.ngroups,
+            mixer.d_state,
+            mixer.conv1d,
+            (mixer, "dt_bias"),
+            (mixer, "A_log"),
+            (mixer, "D"),
+            D_has_hdim,
+            load_balance,
         )
 
     def __deepcopy__(self, memo):

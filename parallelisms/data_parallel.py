@@ -38,7 +38,7 @@ class FlatGradients:
         self.views: list[torch.Tensor] = []
         offset = 0
         for p in params:
-            view = self.flat[offset:offset + p.numel()].view_as(p)
+            view = self.flat[offset : offset + p.numel()].view_as(p)
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
@@ -54,7 +54,9 @@ class FlatGradients:
         """
         for p, view in zip(self.params, self.views):
             if p.grad is not view:
-                raise RuntimeError("a parameter's .grad is no longer its view of the flat gradient buffer (was it "
-                                   "set to None? zero gradients with optimizer.zero_grad(set_to_none=False))")
+                raise RuntimeError(
+                    "a parameter's .grad is no longer its view of the flat gradient buffer (was it "
+                    "set to None? zero gradients with optimizer.zero_grad(set_to_none=False))"
+                )
         dist.all_reduce(self.flat, group=self.group)
         self.flat.div_(self.world)

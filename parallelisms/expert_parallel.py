@@ -42,14 +42,20 @@ def validate_expert_parallel(model_args, pdims) -> list[str]:
         return []
     errs = []
     if "E" not in model_args.layer_types:
-        errs.append(f"parallelism.expert_parallel_degree={pdims.ep} but the model has no MoE ('E') layers; "
-                    "set expert_parallel_degree 1")
+        errs.append(
+            f"parallelism.expert_parallel_degree={pdims.ep} but the model has no MoE ('E') layers; "
+            "set expert_parallel_degree 1"
+        )
     elif model_args.moe_num_experts % pdims.ep:
-        errs.append(f"parallelism.expert_parallel_degree={pdims.ep} must divide model.moe_num_experts="
-                    f"{model_args.moe_num_experts} (each ep rank holds the same number of experts)")
+        errs.append(
+            f"parallelism.expert_parallel_degree={pdims.ep} must divide model.moe_num_experts="
+            f"{model_args.moe_num_experts} (each ep rank holds the same number of experts)"
+        )
     if (pdims.dp_shard * pdims.cp) % pdims.ep:
-        errs.append(f"parallelism.expert_parallel_degree={pdims.ep} must divide data_parallel_shard_degree x "
-                    f"context_parallel_degree = {pdims.dp_shard * pdims.cp} (EP borrows those ranks)")
+        errs.append(
+            f"parallelism.expert_parallel_degree={pdims.ep} must divide data_parallel_shard_degree x "
+            f"context_parallel_degree = {pdims.dp_shard * pdims.cp} (EP borrows those ranks)"
+        )
     return errs
 
 
@@ -110,7 +116,7 @@ def _source_major_to_expert_major(recv_counts_IE: torch.Tensor, total: int) -> t
     already (the all-to-all's split sizes), so that building the index needs no second host sync."""
     ep, n_local = recv_counts_IE.shape
     flat = recv_counts_IE.reshape(-1)
-    start = flat.cumsum(0) - flat                      # block (i, e) starts here in the received buffer
+    start = flat.cumsum(0) - flat  # block (i, e) starts here in the received buffer
     order = torch.arange(ep * n_local, device=flat.device).view(ep, n_local).t().reshape(-1)  # e-major blocks
     sizes, starts = flat[order], start[order]
     block_of_row = torch.repeat_interleave(torch.arange(order.numel(), device=flat.device), sizes, output_size=total)
@@ -133,8 +139,9 @@ class ExpertParallelGroupedExperts(GroupedExperts):
         ep, group = self.ep_size, self.ep_group
         counts_E = num_tokens_per_expert_E.to(torch.int64)
         if counts_E.numel() != self.num_experts:
-            raise ValueError(f"expert parallel: got counts for {counts_E.numel()} experts, expected the global "
-                             f"{self.num_experts}")
+            raise ValueError(
+                f"expert parallel: got counts for {counts_E.numel()} experts, expected the global {self.num_experts}"
+            )
         recv_counts_IE = exchange_counts(counts_E, ep, group)
         splits = torch.cat([counts_E.view(ep, -1).sum(1), recv_counts_IE.sum(1)]).tolist()  # one host sync
         send_splits, recv_splits = splits[:ep], splits[ep:]
@@ -155,7 +162,7 @@ def _shard_over_ep(param: nn.Parameter, ep_mesh) -> nn.Parameter:
     """[E, ...] parameter -> DTensor on `ep_mesh` with Shard(0) (local [E/ep, ...]); works on the meta device."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     n_local = param.shape[0] // ep
-    local = param.detach()[rank * n_local:(rank + 1) * n_local].clone()
+    local = param.detach()[rank * n_local : (rank + 1) * n_local].clone()
     dt = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())
     return nn.Parameter(dt, requires_grad=param.requires_grad)
 

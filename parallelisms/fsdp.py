@@ -19,8 +19,14 @@ from configs.job_config import Parallelism
 from parallelisms.expert_parallel import expert_modules
 
 
-def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype = torch.float32, pdims=None) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    world_mesh: DeviceMesh,
+    p: Parallelism,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    pdims=None,
+) -> nn.Module:
     dp_mesh = world_mesh["dp_replicate", "dp_shard_cp"]
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if p.fsdp_cpu_offload:
@@ -30,7 +36,7 @@ def apply_fsdp(model: nn.Module, world_mesh: DeviceMesh, p: Parallelism, param_d
         expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
     layers = list(model.layers.values())
     k = p.fsdp_blocks_per_unit or auto_blocks_per_unit(layers)  # >= 0 (configs/checks.py); 0 = auto
-    units = [layers[i:i + k] for i in range(0, len(layers), k)]
+    units = [layers[i : i + k] for i in range(0, len(layers), k)]
     pipelined = pdims is not None and pdims.pp > 1
     for i, unit in enumerate(units):
         # default: reshard, except the last unit (its parameters are needed again first in backward) and

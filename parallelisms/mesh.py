@@ -40,8 +40,14 @@ class ParallelDims:
                     f"data_parallel_replicate_degree x context_parallel_degree = {fixed}; change those degrees or NGPU"
                 )
             dp_shard = world_size // fixed
-        dims = cls(p.pipeline_parallel_degree, p.data_parallel_replicate_degree, dp_shard,
-                   p.context_parallel_degree, p.expert_parallel_degree, world_size)
+        dims = cls(
+            p.pipeline_parallel_degree,
+            p.data_parallel_replicate_degree,
+            dp_shard,
+            p.context_parallel_degree,
+            p.expert_parallel_degree,
+            world_size,
+        )
         if dims.pp * dims.dp_replicate * dims.dp_shard * dims.cp != world_size:
             raise ConfigError(
                 f"parallelism degrees pp={dims.pp} x dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} "
@@ -89,8 +95,11 @@ class ParallelDims:
         """The 4-D world mesh with its flattened views; None for a single process."""
         if self.world_size == 1:
             return None
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp),
-                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp"))
+        mesh = init_device_mesh(
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp"),
+        )
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
@@ -105,8 +114,11 @@ class ParallelDims:
         the world mesh's, so an ep group is ep consecutive ranks of one dp_shard x cp group.
         """
         efsdp = self.dp_shard * self.cp // self.ep
-        return init_device_mesh(self._device_type, (self.pp, self.dp_replicate, efsdp, self.ep),
-                                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        return init_device_mesh(
+            self._device_type,
+            (self.pp, self.dp_replicate, efsdp, self.ep),
+            mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"),
+        )
 
 
 def coords(mesh: DeviceMesh | None, dim: str) -> tuple[int, int]:

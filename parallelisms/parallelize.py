@@ -57,10 +57,16 @@ class ModelParts:
     has_last_stage: bool
 
 
-def build_model_parts(cfg, pdims, mesh, model_args: ModelArgs, device: torch.device, param_dtype: torch.dtype,
-                      n_microbatches: int = 1,
-                      pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                      ) -> ModelParts:
+def build_model_parts(
+    cfg,
+    pdims,
+    mesh,
+    model_args: ModelArgs,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    n_microbatches: int = 1,
+    pipeline_loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> ModelParts:
     """Build, split (pipeline), parallelise, materialise and initialise this rank's model parts.
 
     Under pipeline parallel `pipeline_loss_fn(logits_BSV, labels_BS)` is the schedule's loss (already scaled, see
@@ -72,8 +78,9 @@ def build_model_parts(cfg, pdims, mesh, model_args: ModelArgs, device: torch.dev
     if pdims.pp_enabled:
         if pipeline_loss_fn is None:
             raise ValueError("pipeline parallel needs the schedule's loss function (pipeline_loss_fn)")
-        schedule, parts, has_first, has_last = pipeline_model(model, mesh, pdims, cfg, device, pipeline_loss_fn,
-                                                              parallelize, n_microbatches)
+        schedule, parts, has_first, has_last = pipeline_model(
+            model, mesh, pdims, cfg, device, pipeline_loss_fn, parallelize, n_microbatches
+        )
     else:
         schedule, parts, has_first, has_last = None, [parallelize(model)], True, True
     for part in parts:

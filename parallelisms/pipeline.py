@@ -66,8 +66,10 @@ def split_layers(n_layers: int, num_stages: int, first_last_weight: float = 0.0)
     if num_stages < 1:
         raise ValueError(f"need at least one pipeline stage, got {num_stages}")
     if num_stages > n_layers:
-        raise ValueError(f"{num_stages} pipeline stages but only {n_layers} layers: every stage needs a layer; "
-                         f"lower the stage count or add layers")
+        raise ValueError(
+            f"{num_stages} pipeline stages but only {n_layers} layers: every stage needs a layer; "
+            f"lower the stage count or add layers"
+        )
     if first_last_weight < 0:
         raise ValueError(f"parallelism.pipeline_parallel_first_last_stage_weight={first_last_weight} must be >= 0")
     w = first_last_weight if num_stages > 1 else 0.0
@@ -87,8 +89,10 @@ def ranges_from_split_points(n_layers: int, split_points: list[int]) -> list[ran
     """[6, 12, 18] with 24 layers -> [0:6, 6:12, 12:18, 18:24]; ValueError unless strictly increasing in (0, n)."""
     pts = [int(p) for p in split_points]
     if any(p <= 0 or p >= n_layers for p in pts):
-        raise ValueError(f"parallelism.pipeline_parallel_split_points={pts} must lie in [1, {n_layers - 1}] "
-                         f"(the first layer index of every stage but the first, {n_layers} layers)")
+        raise ValueError(
+            f"parallelism.pipeline_parallel_split_points={pts} must lie in [1, {n_layers - 1}] "
+            f"(the first layer index of every stage but the first, {n_layers} layers)"
+        )
     if any(b <= a for a, b in itertools.pairwise(pts)):
         raise ValueError(f"parallelism.pipeline_parallel_split_points={pts} must be strictly increasing")
     edges = [0, *pts, n_layers]
@@ -99,24 +103,35 @@ def ranges_from_pattern(layer_pattern: str) -> list[range]:
     """'MM*|-ME|M' -> [0:3, 3:6, 6:7]; ValueError for an empty stage."""
     sizes = [len(s) for s in layer_pattern.split("|")]
     if any(n == 0 for n in sizes):
-        raise ValueError(f"model.layer_pattern={layer_pattern!r} has an empty pipeline stage (two '|' in a row or "
-                         f"a '|' at an end); every stage needs a layer")
+        raise ValueError(
+            f"model.layer_pattern={layer_pattern!r} has an empty pipeline stage (two '|' in a row or "
+            f"a '|' at an end); every stage needs a layer"
+        )
     edges = [0]
     for n in sizes:
         edges.append(edges[-1] + n)
     return [range(a, b) for a, b in itertools.pairwise(edges)]
 
 
-def stage_layer_ranges(n_layers: int, layer_pattern: str, pp: int, schedule: str, layers_per_stage: int = -1,
-                       split_points: list[int] | None = None, first_last_weight: float = 0.0) -> list[range]:
+def stage_layer_ranges(
+    n_layers: int,
+    layer_pattern: str,
+    pp: int,
+    schedule: str,
+    layers_per_stage: int = -1,
+    split_points: list[int] | None = None,
+    first_last_weight: float = 0.0,
+) -> list[range]:
     """The layers of every pipeline stage (all ranks, stage order), or ValueError naming the key to fix."""
     schedule = canonical_schedule(schedule)
     multi = schedule in MULTI_STAGE_SCHEDULES
     explicit = None
     if split_points:
         if "|" in layer_pattern:
-            raise ValueError("both parallelism.pipeline_parallel_split_points and '|' in model.layer_pattern set the "
-                             "stage split; keep one of them")
+            raise ValueError(
+                "both parallelism.pipeline_parallel_split_points and '|' in model.layer_pattern set the "
+                "stage split; keep one of them"
+            )
         explicit = ranges_from_split_points(n_layers, split_points)
         source = "parallelism.pipeline_parallel_split_points"
     elif "|" in layer_pattern:
@@ -131,16 +146,20 @@ def stage_layer_ranges(n_layers: int, layer_pattern: str, pp: int, schedule: str
         raise ValueError(f"{source} makes {len(explicit)} stages but {how} asks for {num_stages}; make them agree")
     per_rank = f"{num_stages} stages from {how}"
     if not multi and num_stages != pp:
-        raise ValueError(f"{per_rank}, but the single-stage schedule {schedule} runs exactly one stage per rank "
-                         f"(pipeline_parallel_degree={pp}); use {pp} stages or a multi-stage schedule "
-                         f"({', '.join(MULTI_STAGE_SCHEDULES)})")
+        raise ValueError(
+            f"{per_rank}, but the single-stage schedule {schedule} runs exactly one stage per rank "
+            f"(pipeline_parallel_degree={pp}); use {pp} stages or a multi-stage schedule "
+            f"({', '.join(MULTI_STAGE_SCHEDULES)})"
+        )
     if multi and num_stages % pp:
         raise ValueError(f"{per_rank} do not divide over pipeline_parallel_degree={pp}; use a multiple of {pp}")
     if schedule in V_SCHEDULES and num_stages != 2 * pp:
         raise ValueError(f"{per_rank}, but {schedule} needs exactly 2 stages per rank ({2 * pp} stages)")
     if num_stages > n_layers:
-        raise ValueError(f"{per_rank} but the model has only {n_layers} layers; every stage needs a layer "
-                         f"(lower pipeline_parallel_degree / stages per rank or add layers)")
+        raise ValueError(
+            f"{per_rank} but the model has only {n_layers} layers; every stage needs a layer "
+            f"(lower pipeline_parallel_degree / stages per rank or add layers)"
+        )
     return explicit if explicit is not None else split_layers(n_layers, num_stages, first_last_weight)
 
 
@@ -157,9 +176,11 @@ def validate_pipeline(cfg, pdims, model_args, n_microbatches: int) -> list[str]:
     `n_microbatches` comes from the BatchPlan (parallelisms/batch_plan.py), which checks that the batch divides."""
     p, errs = cfg.parallelism, []
     if model_args.tie_embeddings and p.fsdp_cpu_offload:
-        errs.append("model.tie_embeddings=true under pipeline parallel sums the tied weight's gradients between the "
-                    "first and the last stage over the GPU backend, which cannot reach parallelism.fsdp_cpu_offload's "
-                    "CPU gradients; set fsdp_cpu_offload false or --model.tie_embeddings false")
+        errs.append(
+            "model.tie_embeddings=true under pipeline parallel sums the tied weight's gradients between the "
+            "first and the last stage over the GPU backend, which cannot reach parallelism.fsdp_cpu_offload's "
+            "CPU gradients; set fsdp_cpu_offload false or --model.tie_embeddings false"
+        )
     try:
         schedule = canonical_schedule(p.pipeline_parallel_schedule)
     except ValueError as e:
@@ -169,22 +190,34 @@ def validate_pipeline(cfg, pdims, model_args, n_microbatches: int) -> list[str]:
         errs.append(err)
     num_stages = None
     try:
-        num_stages = len(stage_layer_ranges(
-            model_args.n_layers, model_args.layer_pattern, pdims.pp, schedule, p.pipeline_parallel_layers_per_stage,
-            p.pipeline_parallel_split_points, p.pipeline_parallel_first_last_stage_weight))
+        num_stages = len(
+            stage_layer_ranges(
+                model_args.n_layers,
+                model_args.layer_pattern,
+                pdims.pp,
+                schedule,
+                p.pipeline_parallel_layers_per_stage,
+                p.pipeline_parallel_split_points,
+                p.pipeline_parallel_first_last_stage_weight,
+            )
+        )
     except ValueError as e:
         errs.append(str(e))
     if num_stages is not None and n_microbatches >= 1:
         if schedule in ("1F1B",) and n_microbatches < num_stages:
-            errs.append(f"{schedule} needs at least as many microbatches as stages: {n_microbatches} microbatches "
-                        f"(training.global_batch_size / dp / parallelism.pipeline_parallel_microbatch_size) < "
-                        f"{num_stages} stages; raise the batch or lower the microbatch size")
+            errs.append(
+                f"{schedule} needs at least as many microbatches as stages: {n_microbatches} microbatches "
+                f"(training.global_batch_size / dp / parallelism.pipeline_parallel_microbatch_size) < "
+                f"{num_stages} stages; raise the batch or lower the microbatch size"
+            )
         if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
             rounds = max(1, n_microbatches // pdims.pp)
             if n_microbatches % rounds:
-                errs.append(f"{schedule} needs the microbatch count ({n_microbatches}) to be a multiple of "
-                            f"{rounds} = microbatches // pipeline_parallel_degree; use a multiple of "
-                            f"pipeline_parallel_degree={pdims.pp} microbatches")
+                errs.append(
+                    f"{schedule} needs the microbatch count ({n_microbatches}) to be a multiple of "
+                    f"{rounds} = microbatches // pipeline_parallel_degree; use a multiple of "
+                    f"pipeline_parallel_degree={pdims.pp} microbatches"
+                )
     return errs
 
 
@@ -195,9 +228,11 @@ def split_backward_error(schedule: str, on_gpu: bool, torch_version: str) -> str
     debug model, fp32 deterministic: ZBVZeroBubble drifted from one GPU by 3e-5 at step 2 and 1.3e-4 at step 5,
     where 1F1B stayed within 2e-7). The CPU path has no such node (the references are plain torch ops)."""
     if schedule in SPLIT_BACKWARD_SCHEDULES and on_gpu and TorchVersion(torch_version) < (2, 13):
-        return (f"parallelism.pipeline_parallel_schedule={schedule} on GPUs needs torch >= 2.13 (this is "
-                f"{torch_version}, whose zero-bubble weight step gives mamba_ssm's fused add+norm wrong gradients); "
-                "use 1F1B, Interleaved1F1B or GPipe, or upgrade torch")
+        return (
+            f"parallelism.pipeline_parallel_schedule={schedule} on GPUs needs torch >= 2.13 (this is "
+            f"{torch_version}, whose zero-bubble weight step gives mamba_ssm's fused add+norm wrong gradients); "
+            "use 1F1B, Interleaved1F1B or GPipe, or upgrade torch"
+        )
     return None
 
 
@@ -277,8 +312,11 @@ def keep_graph_for_weight_grads(stage_backward_input: Callable) -> Callable:
 
     def keeping(stage_outputs_or_loss, *args, **kwargs):
         with torch.enable_grad():
-            roots = [t.view_as(t).grad_fn for t in stage_outputs_or_loss
-                     if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+            roots = [
+                t.view_as(t).grad_fn
+                for t in stage_outputs_or_loss
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None
+            ]
         dinputs, param_groups = stage_backward_input(stage_outputs_or_loss, *args, **kwargs)
         for group in param_groups:
             group["graph_roots"] = roots
@@ -296,9 +334,16 @@ def _keep_graph_for_weight_grads_before_torch_2_13() -> None:
     stage_module.stage_backward_input = keep_graph_for_weight_grads(stage_module.stage_backward_input)
 
 
-def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.device,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   parallelize: Callable[[nn.Module], nn.Module], n_microbatches: int):
+def pipeline_model(
+    model: nn.Module,
+    world_mesh,
+    pdims,
+    cfg,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    parallelize: Callable[[nn.Module], nn.Module],
+    n_microbatches: int,
+):
     """Split `model` (on the meta device) into this pp rank's stages and build the schedule.
 
     Returns (schedule, model_parts, has_first_stage, has_last_stage). The parts are still on the meta device when
@@ -313,9 +358,15 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
 
     p = cfg.parallelism
     schedule_name = canonical_schedule(p.pipeline_parallel_schedule)
-    ranges = stage_layer_ranges(model.args.n_layers, model.args.layer_pattern, pdims.pp, schedule_name,
-                                p.pipeline_parallel_layers_per_stage, p.pipeline_parallel_split_points,
-                                p.pipeline_parallel_first_last_stage_weight)
+    ranges = stage_layer_ranges(
+        model.args.n_layers,
+        model.args.layer_pattern,
+        pdims.pp,
+        schedule_name,
+        p.pipeline_parallel_layers_per_stage,
+        p.pipeline_parallel_split_points,
+        p.pipeline_parallel_first_last_stage_weight,
+    )
     num_stages = len(ranges)
     pp_mesh = world_mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
@@ -323,8 +374,9 @@ def pipeline_model(model: nn.Module, world_mesh, pdims, cfg, device: torch.devic
 
     tied_group = None
     if model.args.tie_embeddings:  # collective: every rank builds the groups of the two ranks holding copies
-        last_stage_rank = next(r for r in range(pdims.pp)
-                               if num_stages - 1 in stage_ids_for_rank(r, pdims.pp, num_stages, schedule_name))
+        last_stage_rank = next(
+            r for r in range(pdims.pp) if num_stages - 1 in stage_ids_for_rank(r, pdims.pp, num_stages, schedule_name)
+        )
         tied_group = build_tied_embedding_group(world_mesh, pdims.pp, sorted({0, last_stage_rank}))
 
     stages, parts = [], []

@@ -74,9 +74,7 @@ def validate_cp_shapes(seq_len: int, cp: int, load_balance: bool) -> None:
         )
 
 
-def shard_sequence(
-    t: torch.Tensor, cp_rank: int, cp_size: int, load_balance: bool, seq_dim: int = 1
-) -> torch.Tensor:
+def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, load_balance: bool, seq_dim: int = 1) -> torch.Tensor:
     """This CP rank's tokens of a per-token tensor (input_ids, labels, embeddings ...), along seq_dim.
 
     [b, s, ...] -> [b, s/cp, ...]: the contiguous block cp_rank, or with load_balance the two chunks

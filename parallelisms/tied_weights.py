@@ -76,8 +76,10 @@ def sum_tied_embedding_grads(model_parts: list[nn.Module]) -> None:
     weights = [part.tok_embeddings.weight for part in holders]
     for part, w in zip(holders, weights):
         if w.grad is None:
-            raise RuntimeError("the tied embedding's copy has no gradient after the pipeline's backward; the "
-                               "gradient sum must run after schedule.step and before the optimizer's zero_grad")
+            raise RuntimeError(
+                "the tied embedding's copy has no gradient after the pipeline's backward; the "
+                "gradient sum must run after schedule.step and before the optimizer's zero_grad"
+            )
         if not part.embeds_tokens:  # the head's copy: the first stage's copy stands for both in the norm
             count_in_norm_elsewhere(w)
     grads = [_local(w.grad) for w in weights]

@@ -93,18 +93,40 @@ def run_folder(output_root: str, job_name: str) -> str:
 def build_command(spec: LaunchSpec) -> list[str]:
     """The srun + torchrun + train.py argument list (no shell in between: arguments arrive exactly as given)."""
     dump = run_folder(spec.output_root, spec.job_name)
-    srun = ["srun", f"--nodes={spec.nodes}", f"--ntasks={spec.nodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", "--label"]
+    srun = [
+        "srun",
+        f"--nodes={spec.nodes}",
+        f"--ntasks={spec.nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--label",
+    ]
     if spec.cpus_per_task:
         # one task per node starts all its GPUs' ranks: it needs the node's cores, not srun's default of one
         srun.append(f"--cpus-per-task={spec.cpus_per_task}")
-    torchrun = [spec.python, "-m", "torch.distributed.run", f"--nnodes={spec.nodes}",
-                f"--nproc_per_node={spec.gpus_per_node}", "--rdzv_backend=c10d",
-                f"--rdzv_endpoint={spec.head_node}:{spec.port}", f"--rdzv_id={spec.job_id}",
-                "--max_restarts=0",  # a failed rank fails the job; Slurm's requeue (not torchrun) restarts it
-                f"--log_dir={os.path.join(dump, 'logs')}", "--tee=3", "--local-ranks-filter=0"]
-    train = ["train.py", "--job.config_file", spec.config_file, "--job.dump_folder", dump,
-             "--checkpoint.enable", "true"]
+    torchrun = [
+        spec.python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.nodes}",
+        f"--nproc_per_node={spec.gpus_per_node}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={spec.head_node}:{spec.port}",
+        f"--rdzv_id={spec.job_id}",
+        "--max_restarts=0",  # a failed rank fails the job; Slurm's requeue (not torchrun) restarts it
+        f"--log_dir={os.path.join(dump, 'logs')}",
+        "--tee=3",
+        "--local-ranks-filter=0",
+    ]
+    train = [
+        "train.py",
+        "--job.config_file",
+        spec.config_file,
+        "--job.dump_folder",
+        dump,
+        "--checkpoint.enable",
+        "true",
+    ]
     if spec.checkpoint_root:
         train += ["--checkpoint.folder", os.path.join(spec.checkpoint_root, spec.job_name)]
     return srun + torchrun + train + list(spec.overrides)
@@ -125,13 +147,17 @@ def spec_from(argv: list[str], env: Mapping[str, str]) -> tuple[LaunchSpec, bool
     overrides: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, overrides = argv[:cut], argv[cut + 1:]
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 allow_abbrev=False)
+        argv, overrides = argv[:cut], argv[cut + 1 :]
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     ap.add_argument("--nodes", default=env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"))
     ap.add_argument("--gpus_per_node", default=env.get("GPUS_PER_NODE") or env.get("SLURM_GPUS_ON_NODE"))
-    ap.add_argument("--head_node", default=env.get("HEAD_NODE", ""),
-                    help="rendezvous host (default: the first host of SLURM_JOB_NODELIST)")
+    ap.add_argument(
+        "--head_node",
+        default=env.get("HEAD_NODE", ""),
+        help="rendezvous host (default: the first host of SLURM_JOB_NODELIST)",
+    )
     ap.add_argument("--config", default=env.get("CONFIG_FILE"), help="the TOML job file")
     ap.add_argument("--job_name", default=env.get("SLURM_JOB_NAME"))
     ap.add_argument("--job_id", default=env.get("SLURM_JOB_ID"))
@@ -143,9 +169,17 @@ def spec_from(argv: list[str], env: Mapping[str, str]) -> tuple[LaunchSpec, bool
     ap.add_argument("--dry_run", action="store_true", help="print the command instead of running it")
     a, unknown = ap.parse_known_args(argv)
     overrides = unknown + overrides  # train.py options given before `--` pass through too
-    missing = [f"--{k} (or {v})" for k, v in (("nodes", "SLURM_NNODES"), ("gpus_per_node", "GPUS_PER_NODE"),
-                                             ("config", "CONFIG_FILE"), ("job_name", "SLURM_JOB_NAME"),
-                                             ("job_id", "SLURM_JOB_ID")) if not getattr(a, k)]
+    missing = [
+        f"--{k} (or {v})"
+        for k, v in (
+            ("nodes", "SLURM_NNODES"),
+            ("gpus_per_node", "GPUS_PER_NODE"),
+            ("config", "CONFIG_FILE"),
+            ("job_name", "SLURM_JOB_NAME"),
+            ("job_id", "SLURM_JOB_ID"),
+        )
+        if not getattr(a, k)
+    ]
     if missing:
         raise ValueError("missing " + ", ".join(missing) + "; inside an allocation Slurm sets the SLURM_* ones")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", a.job_name):
@@ -157,10 +191,20 @@ def spec_from(argv: list[str], env: Mapping[str, str]) -> tuple[LaunchSpec, bool
             raise ValueError("no rendezvous host: pass --head_node (or run inside an allocation: SLURM_JOB_NODELIST)")
         head = first_host(nodelist, env.get("PATH"))
     cpus = int(a.cpus_per_task) if str(a.cpus_per_task).isdigit() else 0
-    spec = LaunchSpec(nodes=_int(a.nodes, "nodes"), gpus_per_node=_int(a.gpus_per_node, "gpus_per_node"),
-                      head_node=head, config_file=a.config, job_name=a.job_name, job_id=str(a.job_id),
-                      output_root=a.output_root, checkpoint_root=a.checkpoint_root, port=_int(a.port, "port"),
-                      cpus_per_task=cpus, python=a.python, overrides=overrides)
+    spec = LaunchSpec(
+        nodes=_int(a.nodes, "nodes"),
+        gpus_per_node=_int(a.gpus_per_node, "gpus_per_node"),
+        head_node=head,
+        config_file=a.config,
+        job_name=a.job_name,
+        job_id=str(a.job_id),
+        output_root=a.output_root,
+        checkpoint_root=a.checkpoint_root,
+        port=_int(a.port, "port"),
+        cpus_per_task=cpus,
+        python=a.python,
+        overrides=overrides,
+    )
     return spec, a.dry_run
 
 

@@ -19,23 +19,58 @@ REPO = Path(__file__).resolve().parents[1]
 
 # A small, fast Mamba-2 over packed multi-document rows (the embedded corpus, byte tokens), fp32, deterministic.
 PARITY_ARGS = [
-    "--job.config_file", "configs/debug.toml",
-    "--model.d_model", "64", "--model.n_layers", "4", "--model.d_state", "16", "--model.headdim", "16",
-    "--model.chunk_size", "16", "--model.tie_embeddings", "false",
-    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-    "--training.steps", "4", "--training.deterministic", "true", "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false",
+    "--job.config_file",
+    "configs/debug.toml",
+    "--model.d_model",
+    "64",
+    "--model.n_layers",
+    "4",
+    "--model.d_state",
+    "16",
+    "--model.headdim",
+    "16",
+    "--model.chunk_size",
+    "16",
+    "--model.tie_embeddings",
+    "false",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "4",
+    "--training.deterministic",
+    "true",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
 ]
 
 
-def run_training(nproc: int, args: list[str], dump_folder: Path, timeout: int = 600, check: bool = True,
-                 env_extra: dict | None = None) -> list[dict]:
+def run_training(
+    nproc: int,
+    args: list[str],
+    dump_folder: Path,
+    timeout: int = 600,
+    check: bool = True,
+    env_extra: dict | None = None,
+) -> list[dict]:
     """Run the trainer (torchrun when nproc > 1, CPU only) and return its metrics.jsonl records."""
     dump_folder = Path(dump_folder)
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-                "--rdzv_endpoint=localhost:0"]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+        ]
     cmd += ["train.py", *args, "--job.dump_folder", str(dump_folder)]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1", **(env_extra or {}))
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

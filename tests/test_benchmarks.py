@@ -19,10 +19,27 @@ from models import build_model_on_meta
 
 
 def test_parse_args_and_ours_command():
-    a = cmp.parse_args(["--sizes", "1.3b", "--warmup", "2", "--steps", "3", "--", "--compile.enable", "true",
-                        "--activation_checkpoint.mode", "full"])
-    assert a.size_list == ["1.3b"] and a.overrides == ["--compile.enable", "true", "--activation_checkpoint.mode",
-                                                        "full"]
+    a = cmp.parse_args(
+        [
+            "--sizes",
+            "1.3b",
+            "--warmup",
+            "2",
+            "--steps",
+            "3",
+            "--",
+            "--compile.enable",
+            "true",
+            "--activation_checkpoint.mode",
+            "full",
+        ]
+    )
+    assert a.size_list == ["1.3b"] and a.overrides == [
+        "--compile.enable",
+        "true",
+        "--activation_checkpoint.mode",
+        "full",
+    ]
     cmd = cmp.ours_command(cmp.SIZES["1.3b"], a.warmup, a.steps, "/tmp/d", a.overrides, python="py")
     assert cmd[:4] == ["py", "train.py", "--job.config_file", "configs/mamba2_1.3b.toml"]
     opts = dict(zip(cmd[2::2], cmd[3::2]))
@@ -51,15 +68,18 @@ def test_ours_command_parses_as_a_config():
 def test_summaries():
     tokens = 1000
     # warm-up step 1 (fast, ignored); timed steps take 1000/100 s and 1000/200 s
-    records = [{"step": 1, "tokens_per_sec": 1e6, "memory_gib": 3.0, "loss": 9.0},
-               {"step": 2, "tokens_per_sec": 100.0, "memory_gib": 5.0, "loss": 8.0},
-               {"step": 3, "tokens_per_sec": 200.0, "memory_gib": 4.0, "loss": 7.0}]
+    records = [
+        {"step": 1, "tokens_per_sec": 1e6, "memory_gib": 3.0, "loss": 9.0},
+        {"step": 2, "tokens_per_sec": 100.0, "memory_gib": 5.0, "loss": 8.0},
+        {"step": 3, "tokens_per_sec": 200.0, "memory_gib": 4.0, "loss": 7.0},
+    ]
     got = cmp.summarize_ours(records, warmup=1)
     assert got["tokens_per_sec"] == pytest.approx(2 * tokens / (tokens / 100 + tokens / 200))
     assert got["memory_gib"] == 5.0 and got["timed_steps"] == 2 and got["final_loss"] == 7.0
     # a repeated step (resumed run): the last record wins
-    assert cmp.summarize_ours(records + [{**records[2], "tokens_per_sec": 400.0}], 1)["tokens_per_sec"] == \
-        pytest.approx(2 / (1 / 100 + 1 / 400))
+    assert cmp.summarize_ours(records + [{**records[2], "tokens_per_sec": 400.0}], 1)[
+        "tokens_per_sec"
+    ] == pytest.approx(2 / (1 / 100 + 1 / 400))
     with pytest.raises(ValueError, match="no metrics after step 3"):
         cmp.summarize_ours(records, warmup=3)
     t = cmp.summarize_times([9.0, 0.5, 1.5], warmup=1, tokens_per_step=1000)
@@ -68,8 +88,11 @@ def test_summaries():
 
 def _matmul_params(model) -> int:
     """Weights of in_proj / out_proj of every layer and the lm_head: what a token multiplies by."""
-    return sum(p.numel() for n, p in model.named_parameters()
-               if n.endswith(("in_proj.weight", "out_proj.weight")) or n == "lm_head.weight")
+    return sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if n.endswith(("in_proj.weight", "out_proj.weight")) or n == "lm_head.weight"
+    )
 
 
 @pytest.mark.parametrize("size", ["370m", "1.3b"])
@@ -81,8 +104,11 @@ def test_flops_and_mfu(size):
 
     for side, args in (("ours", ours_args), ("theirs", their_args)):
         # untied, so that the lm_head has a parameter of its own to count
-        overrides = {"tie_embeddings": False, "vocab_size": args.vocab_size,
-                     "pad_vocab_size_multiple": args.pad_vocab_size_multiple}
+        overrides = {
+            "tie_embeddings": False,
+            "vocab_size": args.vocab_size,
+            "pad_vocab_size_multiple": args.pad_vocab_size_multiple,
+        }
         model = build_model_on_meta(build_model_args(s.flavor, overrides))
         f = cmp.flops_per_token(s, side)
         assert f["6n"] == 6 * _matmul_params(model)
@@ -97,20 +123,44 @@ def test_flops_and_mfu(size):
 
 
 def test_format_table():
-    recs = [{"size": "370m", "batch": 8, "seq_len": 2048, "overrides": ["--compile.enable", "true"],
-             "ours": {"tokens_per_sec": 50_000.0, "memory_gib": 30.25, "mfu_6n": 0.1234, "mfu_ssd": 0.13},
-             "theirs": {"tokens_per_sec": 40_000.0, "memory_gib": 29.7, "mfu_6n": 0.0987, "mfu_ssd": 0.104}},
-            {"size": "1.3b", "batch": 4, "seq_len": 4096, "overrides": [], "ours": {"error": "exit 1: OOM"},
-             "theirs": None}]
+    recs = [
+        {
+            "size": "370m",
+            "batch": 8,
+            "seq_len": 2048,
+            "overrides": ["--compile.enable", "true"],
+            "ours": {"tokens_per_sec": 50_000.0, "memory_gib": 30.25, "mfu_6n": 0.1234, "mfu_ssd": 0.13},
+            "theirs": {"tokens_per_sec": 40_000.0, "memory_gib": 29.7, "mfu_6n": 0.0987, "mfu_ssd": 0.104},
+        },
+        {
+            "size": "1.3b",
+            "batch": 4,
+            "seq_len": 4096,
+            "overrides": [],
+            "ours": {"error": "exit 1: OOM"},
+            "theirs": None,
+        },
+    ]
     text = cmp.format_table(recs)
     lines = text.splitlines()
     assert lines[0].startswith("| model") and set(lines[1]) <= {"|", "-"}
     cells = [c.strip() for c in lines[2].strip("|").split("|")]
-    assert cells == ["370m", "8x2048 --compile.enable true", "50,000", "40,000", "1.250", "30.2", "29.7",
-                     "12.3%", "9.9%", "13.0%", "10.4%"]
+    assert cells == [
+        "370m",
+        "8x2048 --compile.enable true",
+        "50,000",
+        "40,000",
+        "1.250",
+        "30.2",
+        "29.7",
+        "12.3%",
+        "9.9%",
+        "13.0%",
+        "10.4%",
+    ]
     assert [c.strip() for c in lines[3].strip("|").split("|")][2:5] == ["n/a", "n/a", "n/a"]
     assert lines[-1] == "1.3b ours failed: exit 1: OOM"
-    assert cmp.last_result_line("noise\nRESULT {\"a\": 1}\nRESULT {\"a\": 2}\n") == {"a": 2}
+    assert cmp.last_result_line('noise\nRESULT {"a": 1}\nRESULT {"a": 2}\n') == {"a": 2}
 
 
 def _stand_in_mamba_ssm(monkeypatch, seen: dict):
@@ -129,8 +179,13 @@ def _stand_in_mamba_ssm(monkeypatch, seen: dict):
             super().__init__()
             seen.update(vars(config))
             ssm = {k: v for k, v in config.ssm_cfg.items() if k != "layer"}
-            args = ModelArgs(d_model=config.d_model, n_layers=config.n_layer, vocab_size=config.vocab_size,
-                             pad_vocab_size_multiple=config.pad_vocab_size_multiple, **ssm)
+            args = ModelArgs(
+                d_model=config.d_model,
+                n_layers=config.n_layer,
+                vocab_size=config.vocab_size,
+                pad_vocab_size_multiple=config.pad_vocab_size_multiple,
+                **ssm,
+            )
             self.inner = Mamba2LM(args).to(device=device, dtype=dtype)
             init_weights(self.inner, seed=0, init_std=0.02)
             self.lm_head = self.inner.lm_head
@@ -143,8 +198,12 @@ def _stand_in_mamba_ssm(monkeypatch, seen: dict):
     cfg_mod = types.ModuleType("mamba_ssm.models.config_mamba")
     lm_mod = types.ModuleType("mamba_ssm.models.mixer_seq_simple")
     cfg_mod.MambaConfig, lm_mod.MambaLMHeadModel = MambaConfig, MambaLMHeadModel
-    for name, mod in (("mamba_ssm", pkg), ("mamba_ssm.models", types.ModuleType("mamba_ssm.models")),
-                      ("mamba_ssm.models.config_mamba", cfg_mod), ("mamba_ssm.models.mixer_seq_simple", lm_mod)):
+    for name, mod in (
+        ("mamba_ssm", pkg),
+        ("mamba_ssm.models", types.ModuleType("mamba_ssm.models")),
+        ("mamba_ssm.models.config_mamba", cfg_mod),
+        ("mamba_ssm.models.mixer_seq_simple", lm_mod),
+    ):
         monkeypatch.setitem(sys.modules, name, mod)
 
 
@@ -163,8 +222,24 @@ def test_theirs_worker_loop_on_cpu(monkeypatch):
 
 
 def test_script_ours_side_on_cpu(tmp_path, capsys):
-    recs = cmp.main(["--sizes", "debug", "--skip_theirs", "--warmup", "1", "--steps", "2", "--out",
-                     str(tmp_path / "r.json"), "--work_dir", str(tmp_path / "w"), "--", "--training.seed", "3"])
+    recs = cmp.main(
+        [
+            "--sizes",
+            "debug",
+            "--skip_theirs",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--work_dir",
+            str(tmp_path / "w"),
+            "--",
+            "--training.seed",
+            "3",
+        ]
+    )
     ours = recs[0]["ours"]
     assert "error" not in ours, ours
     metrics = cmp.read_jsonl(str(tmp_path / "w" / "debug-ours" / "metrics.jsonl"))
@@ -178,14 +253,37 @@ def test_script_ours_side_on_cpu(tmp_path, capsys):
 
 def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
     a = cmp.parse_args(["--variant=--training.seed 4 --training.cuda_graph false", "--", "--training.seed", "3"])
-    assert a.variant_overrides == [["--training.seed", "3"],
-                                   ["--training.seed", "3", "--training.seed", "4", "--training.cuda_graph", "false"]]
-    recs = cmp.main(["--sizes", "debug", "--skip_theirs", "--warmup", "1", "--steps", "1", "--out",
-                     str(tmp_path / "r.json"), "--work_dir", str(tmp_path / "w"),
-                     "--variant=--training.seed 4", "--", "--training.seed", "3"])
-    assert [r["overrides"] for r in recs] == [["--training.seed", "3"], ["--training.seed", "3", "--training.seed", "4"]]
+    assert a.variant_overrides == [
+        ["--training.seed", "3"],
+        ["--training.seed", "3", "--training.seed", "4", "--training.cuda_graph", "false"],
+    ]
+    recs = cmp.main(
+        [
+            "--sizes",
+            "debug",
+            "--skip_theirs",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "r.json"),
+            "--work_dir",
+            str(tmp_path / "w"),
+            "--variant=--training.seed 4",
+            "--",
+            "--training.seed",
+            "3",
+        ]
+    )
+    assert [r["overrides"] for r in recs] == [
+        ["--training.seed", "3"],
+        ["--training.seed", "3", "--training.seed", "4"],
+    ]
     # the later --training.seed wins: different initial weights, so a different first loss
-    first = [cmp.read_jsonl(str(tmp_path / "w" / d / "metrics.jsonl"))[0]["loss"] for d in ("debug-ours", "debug-ours-1")]
+    first = [
+        cmp.read_jsonl(str(tmp_path / "w" / d / "metrics.jsonl"))[0]["loss"] for d in ("debug-ours", "debug-ours-1")
+    ]
     assert first[0] != first[1]
 
 
@@ -195,9 +293,13 @@ def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
 
     assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
     kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
-    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 0, "dur": 100},
-              kernel("gemm", 0, 40), kernel("ssd_fwd", 50, 20), kernel("ncclDevKernel_AllGather", 30, 30),
-              kernel("gemm", 120, 10)]  # outside the step: ignored
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 0, "dur": 100},
+        kernel("gemm", 0, 40),
+        kernel("ssd_fwd", 50, 20),
+        kernel("ncclDevKernel_AllGather", 30, 30),
+        kernel("gemm", 120, 10),
+    ]  # outside the step: ignored
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     s = summarize(str(path))
@@ -211,8 +313,14 @@ def test_trace_summary_host_self_times():
     from benchmarks.trace_summary import host_self_times
 
     op = lambda name, ts, dur, tid=1: {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}  # noqa: E731
-    events = [op("step", 0, 10), op("a", 1, 2), op("b", 4, 4), op("launch", 5, 1), op("other", 0, 3, tid=2),
-              op("late", 50, 5)]  # outside the window
+    events = [
+        op("step", 0, 10),
+        op("a", 1, 2),
+        op("b", 4, 4),
+        op("launch", 5, 1),
+        op("other", 0, 3, tid=2),
+        op("late", 50, 5),
+    ]  # outside the window
     h = host_self_times(events, (0, 20))
     assert h["thread"] == 1 and h["traced_ms"] == 0.01
     assert dict(h["self_ms"]) == {"step": 0.004, "b": 0.003, "a": 0.002, "launch": 0.001}
@@ -223,10 +331,14 @@ def test_trace_summary_fsdp_hook_times():
     from benchmarks.trace_summary import hook_times
 
     ann = lambda name, ts, dur, cat="user_annotation": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
-    events = [ann("FSDP::pre_forward (layers.0)", 0, 3000), ann("FSDP::pre_forward (layers.1)", 5000, 1000),
-              ann("FSDP::pre_forward (layers.1)", 5000, 1000, cat="gpu_user_annotation"),
-              ann("FSDP::backward_prefetch for layers.0", 7000, 500), ann("aten::mm", 0, 9000, cat="cpu_op"),
-              ann("FSDP::pre_backward (layers.0)", 90_000, 1000)]  # outside the window
+    events = [
+        ann("FSDP::pre_forward (layers.0)", 0, 3000),
+        ann("FSDP::pre_forward (layers.1)", 5000, 1000),
+        ann("FSDP::pre_forward (layers.1)", 5000, 1000, cat="gpu_user_annotation"),
+        ann("FSDP::backward_prefetch for layers.0", 7000, 500),
+        ann("aten::mm", 0, 9000, cat="cpu_op"),
+        ann("FSDP::pre_backward (layers.0)", 90_000, 1000),
+    ]  # outside the window
     assert hook_times(events, (0, 10_000)) == [("FSDP::pre_forward", 2, 4.0), ("FSDP::backward_prefetch", 1, 0.5)]
 
 
@@ -235,8 +347,10 @@ def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
 
     def write(name, tps, mem, steps=6):
         (tmp_path / name).mkdir()
-        lines = [json.dumps({"step": s, "loss": 5.0, "tokens_per_sec": tps if s > 1 else 1.0, "memory_gib": mem})
-                 for s in range(1, steps + 1)]
+        lines = [
+            json.dumps({"step": s, "loss": 5.0, "tokens_per_sec": tps if s > 1 else 1.0, "memory_gib": mem})
+            for s in range(1, steps + 1)
+        ]
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
     write("ref", 1000.0, 40.0)

@@ -202,7 +202,7 @@ def test_async_save_snapshots_the_state_at_save_time(tmp_path):
 
 
 def bf16_round(snap: dict) -> dict:
-    return {k[len("model."):]: v.to(torch.bfloat16).float() for k, v in snap.items() if k.startswith("model.")}
+    return {k[len("model.") :]: v.to(torch.bfloat16).float() for k, v in snap.items() if k.startswith("model.")}
 
 
 def test_model_only_save_then_initial_load_path(tmp_path):
@@ -241,8 +241,10 @@ def test_export_cli_and_initial_load_from_full_checkpoint(tmp_path):
     # initial_load_path may also point at a full training checkpoint: its "model" entries are read
     model2, opt2, sched2 = build(1)
     assert manager(tmp_path / "fresh", model2, opt2, sched2, None, initial_load_path=mgr.step_dir(2)).load() == 0
-    assert_same({f"model.{k}": v for k, v in get_model_state_dict(model2).items()},
-                {k: v for k, v in snaps[2].items() if k.startswith("model.")})
+    assert_same(
+        {f"model.{k}": v for k, v in get_model_state_dict(model2).items()},
+        {k: v for k, v in snaps[2].items() if k.startswith("model.")},
+    )
 
 
 def test_clear_errors(tmp_path):

@@ -78,8 +78,11 @@ def test_changed_tokenizer_of_the_same_size_is_refused_then_allowed_loudly(tmp_p
     assert a.vocab_size == b.vocab_size == 258
     save_run(tmp_path, run_record=record(a))
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint", "step-2", RECORD_FILE))
-    with pytest.raises(ResumeMismatch, match=r"(?s)tokenizer differs.*--checkpoint.allow_changed_tokenizer "
-                                             r"true.*vocab_sha256: saved '[0-9a-f]+', now '[0-9a-f]+'"):
+    with pytest.raises(
+        ResumeMismatch,
+        match=r"(?s)tokenizer differs.*--checkpoint.allow_changed_tokenizer "
+        r"true.*vocab_sha256: saved '[0-9a-f]+', now '[0-9a-f]+'",
+    ):
         resume(tmp_path, record(b))
     with caplog.at_level(logging.WARNING, logger=LOG):
         assert resume(tmp_path, record(b), allow_changed_tokenizer=True)[1] == 2
@@ -93,8 +96,12 @@ def test_changed_data_and_model_are_refused_with_each_difference(tmp_path):
     with pytest.raises(ResumeMismatch) as e:
         resume(tmp_path, now)
     msg = str(e.value)
-    for line in ("training.seq_len: saved 256, now 512", "training.dataset: saved 'default', now 'other.jsonl'",
-                 "training.document_masking: saved True, now False", "--checkpoint.allow_changed_data true"):
+    for line in (
+        "training.seq_len: saved 256, now 512",
+        "training.dataset: saved 'default', now 'other.jsonl'",
+        "training.document_masking: saved True, now False",
+        "--checkpoint.allow_changed_data true",
+    ):
         assert line in msg, msg
     model, opt, _ = build(1)
     before = snapshot(model)
@@ -132,22 +139,24 @@ def test_changed_lr_weight_decay_and_schedule_apply_from_the_first_resumed_step(
     opt.param_groups[0]["weight_decay"] = 0.5
     for group in opt.param_groups:
         group["lr"] = group["initial_lr"] = 1e-3
-    new_schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)  # another schedule function
+    new_schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)  # another schedule function
     mgr2 = manager(tmp_path, model, opt, new_schedule, ToyLoader(), {"tokens_seen": 0})
     mgr2.run_record = now
     with caplog.at_level(logging.WARNING, logger=LOG):
         assert mgr2.load() == 4
-    assert "changed hyperparameter, applied from the first resumed step: optimizer.lr: saved 0.0008, now 0.001" \
+    assert (
+        "changed hyperparameter, applied from the first resumed step: optimizer.lr: saved 0.0008, now 0.001"
         in caplog.text
+    )
     # the moments and the step counts are the checkpoint's; lr, weight decay and schedule the current ones
     full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
     got = {f"optim.{k}": v for k, v in get_optimizer_state_dict(model, opt, options=full).items()}
     assert_same(got, snap, [k for k in snap if k.startswith("optim.state.")])
-    assert new_schedule.last_epoch == 4 and opt.param_groups[0]["lr"] == 1e-3 * 0.5 ** 4
-    assert new_schedule.get_last_lr() == [1e-3 * 0.5 ** 4]
+    assert new_schedule.last_epoch == 4 and opt.param_groups[0]["lr"] == 1e-3 * 0.5**4
+    assert new_schedule.get_last_lr() == [1e-3 * 0.5**4]
     assert opt.param_groups[0]["weight_decay"] == 0.5
     new_schedule.step()
-    assert opt.param_groups[0]["lr"] == 1e-3 * 0.5 ** 5
+    assert opt.param_groups[0]["lr"] == 1e-3 * 0.5**5
 
 
 def test_load_step_with_checkpointing_off_is_a_config_error():
@@ -155,8 +164,11 @@ def test_load_step_with_checkpointing_off_is_a_config_error():
     from configs.parser import ConfigError, load_config
 
     job = load_config(["--job.config_file", "configs/debug.toml", "--checkpoint.load_step", "3"])
-    with pytest.raises(ConfigError, match=r"checkpoint.load_step=3 resumes only with checkpointing on; set "
-                                          r"--checkpoint.enable true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"checkpoint.load_step=3 resumes only with checkpointing on; set "
+        r"--checkpoint.enable true",
+    ):
         resolve_job(job, 1)
 
 
@@ -179,8 +191,11 @@ def test_flipped_byte_in_a_distcp_file_is_a_clear_error(tmp_path, caplog):
     assert_same(snapshot(model, opt), snap)  # untouched: loads
     data = os.path.join(step_dir, "__0_0.distcp")
     flip_byte(data, os.path.getsize(data) // 2)
-    with pytest.raises(ChecksumError, match=r"checkpoint .*step-2 is corrupt: __0_0.distcp has crc32 [0-9a-f]{8}, "
-                                            r"[0-9a-f]{8} when saved.*--checkpoint.load_step N"):
+    with pytest.raises(
+        ChecksumError,
+        match=r"checkpoint .*step-2 is corrupt: __0_0.distcp has crc32 [0-9a-f]{8}, "
+        r"[0-9a-f]{8} when saved.*--checkpoint.load_step N",
+    ):
         resume(tmp_path)
     os.remove(os.path.join(step_dir, CHECKSUMS_FILE))  # as written before checksums: loads, with a warning
     flip_byte(data, os.path.getsize(data) // 2)
@@ -257,10 +272,14 @@ def test_checkpoint_in_the_old_pickled_format_still_resumes(tmp_path, caplog):
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     from checkpoint.export import ModelState
 
-    old = {"model": ModelState([model]).state_dict(), "optimizer": get_optimizer_state_dict(model, opt, options=flat),
-           "lr_scheduler": sched.state_dict(), "dataloader": loader.state_dict(),
-           "train_state": {"step": 3, "tokens_seen": 12},
-           "rng": {"torch": torch.get_rng_state(), "host": pickle.dumps((np.random.get_state(), random.getstate()))}}
+    old = {
+        "model": ModelState([model]).state_dict(),
+        "optimizer": get_optimizer_state_dict(model, opt, options=flat),
+        "lr_scheduler": sched.state_dict(),
+        "dataloader": loader.state_dict(),
+        "train_state": {"step": 3, "tokens_seen": 12},
+        "rng": {"torch": torch.get_rng_state(), "host": pickle.dumps((np.random.get_state(), random.getstate()))},
+    }
     want_snap, want_rng = snapshot(model, opt), random.getstate()
     dcp.save(old, storage_writer=FileSystemWriter(str(tmp_path / "checkpoint" / "step-3")))
     random.seed(5)
@@ -277,8 +296,12 @@ def test_changed_shuffle_buffer_is_refused_and_older_records_compare_as_the_defa
     save_run(tmp_path, run_record=saved)
     with pytest.raises(ResumeMismatch, match=r"training.shuffle_buffer: saved 0, now 64"):
         resume(tmp_path, record(training__shuffle_buffer=64))
-    older = {**saved, "data": {k: v for k, v in saved["data"].items()
-                               if k not in ("datasets", "shuffle", "shuffle_buffer", "shards")}}
+    older = {
+        **saved,
+        "data": {
+            k: v for k, v in saved["data"].items() if k not in ("datasets", "shuffle", "shuffle_buffer", "shards")
+        },
+    }
     (tmp_path / "older").mkdir()
     save_run(tmp_path / "older", run_record=older)  # written before the data identity existed
     assert resume(tmp_path / "older", record())[1] == 2

@@ -39,8 +39,14 @@ def _in_repo(monkeypatch):
 def test_resume_from_an_older_step_starts_a_new_branch(tmp_path, capfd):
     """Issue 16.1: steps 2..10 saved; resumed from 4 with keep_latest_k 2 and stopped at 7; then restarted."""
     folder = tmp_path / "checkpoint"
-    args = PARITY_ARGS + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true",
-                          "--checkpoint.interval", "2"]
+    args = PARITY_ARGS + [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+    ]
     train.main(args + ["--training.steps", "10"])
     assert complete_steps(str(folder)) == [2, 4, 6, 8, 10]
     capfd.readouterr()
@@ -51,7 +57,12 @@ def test_resume_from_an_older_step_starts_a_new_branch(tmp_path, capfd):
     # retention counted the new branch only: it kept 6 and 7, not the abandoned 8 and 10
     assert complete_steps(str(folder)) == [6, 7]
     assert sorted(p.name for p in folder.iterdir()) == [
-        "abandoned-step-10", "abandoned-step-6", "abandoned-step-8", "step-6", "step-7"]
+        "abandoned-step-10",
+        "abandoned-step-6",
+        "abandoned-step-8",
+        "step-6",
+        "step-7",
+    ]
 
     records = len(read_metrics(tmp_path))
     train.main(args + ["--training.steps", "8", "--checkpoint.keep_latest_k", "2"])
@@ -73,7 +84,13 @@ def test_abandoned_names_never_collide_and_incomplete_folders_stay(tmp_path):
     _fake_step(tmp_path, "abandoned-step-8")  # from an earlier branch
     assert abandon_newer_steps(str(tmp_path), 4) == ["abandoned-step-6", "abandoned-step-8.1"]
     assert sorted(os.listdir(tmp_path)) == [
-        "abandoned-step-6", "abandoned-step-8", "abandoned-step-8.1", "step-10", "step-2", "step-4"]
+        "abandoned-step-6",
+        "abandoned-step-8",
+        "abandoned-step-8.1",
+        "step-10",
+        "step-2",
+        "step-4",
+    ]
     assert abandon_newer_steps(str(tmp_path), 4) == []
 
 
@@ -91,8 +108,11 @@ time.sleep(300)
 @contextlib.contextmanager
 def holder(dump_folder, checkpoint_folder=""):
     """Another process holding the folders' locks until killed with SIGKILL (at the end, or by the caller)."""
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(REPO), str(dump_folder), str(checkpoint_folder)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(REPO), str(dump_folder), str(checkpoint_folder)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "HELD"
         yield proc
@@ -124,8 +144,17 @@ def test_a_shared_checkpoint_folder_outside_the_dump_folders_is_locked_too(tmp_p
     shared = tmp_path / "shared_ckpt"
     with holder(tmp_path / "a", shared) as first:
         with pytest.raises(SystemExit, match=rf"checkpoint.folder {shared} is in use by another run, pid {first.pid}"):
-            train.main(PARITY_ARGS + ["--job.dump_folder", str(tmp_path / "b"), "--checkpoint.enable", "true",
-                                      "--checkpoint.folder", str(shared)])
+            train.main(
+                PARITY_ARGS
+                + [
+                    "--job.dump_folder",
+                    str(tmp_path / "b"),
+                    "--checkpoint.enable",
+                    "true",
+                    "--checkpoint.folder",
+                    str(shared),
+                ]
+            )
         assert not (tmp_path / "b" / "metrics.jsonl").exists()
 
 
@@ -177,8 +206,11 @@ _ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 _ZIP_POS = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1792 vs 1680")
 
 
-@pytest.mark.parametrize("error, async_mode", [(_ENOSPC, "disabled"), (_ZIP_POS, "disabled"), (_ENOSPC, "async")],
-                         ids=["enospc", "torch_unexpected_pos", "enospc_async"])
+@pytest.mark.parametrize(
+    "error, async_mode",
+    [(_ENOSPC, "disabled"), (_ZIP_POS, "disabled"), (_ENOSPC, "async")],
+    ids=["enospc", "torch_unexpected_pos", "enospc_async"],
+)
 def test_disk_full_names_folder_free_and_needed_space_and_keeps_older_steps(tmp_path, monkeypatch, error, async_mode):
     import torch.distributed.checkpoint.filesystem as fs
 
@@ -200,8 +232,11 @@ def test_disk_full_names_folder_free_and_needed_space_and_keeps_older_steps(tmp_
     msg = str(failed.value)
     human = f"{step2_bytes / 2**10:.1f} KiB"
     folder = re.escape(mgr.folder)
-    assert re.search(rf"checkpoint save of step 4 (ran out of disk space in {folder}|failed writing to {folder}, "
-                     rf"most likely out of disk space): [\d.]+ [KMG]iB free", msg), msg
+    assert re.search(
+        rf"checkpoint save of step 4 (ran out of disk space in {folder}|failed writing to {folder}, "
+        rf"most likely out of disk space): [\d.]+ [KMG]iB free",
+        msg,
+    ), msg
     assert f" free, about {human} needed (the size of step-2)" in msg and "(step-2) are intact" in msg
     assert "lower --checkpoint.keep_latest_k (now 3)" in msg and "point --checkpoint.folder at a disk" in msg
     # torch.save's zip writer may turn the write error into its own "unexpected pos" RuntimeError
@@ -228,8 +263,11 @@ def test_disk_full_before_any_checkpoint_estimates_the_state_and_other_errors_pa
     monkeypatch.setattr(fs.FileSystem, "create_stream", full_disk(100, _ENOSPC))
     # parameters + AdamW's exp_avg / exp_avg_sq (fp32) + its step counters
     want = sum(p.numel() * 4 * 3 + 4 for p in model.parameters())
-    with pytest.raises(CheckpointDiskFullError, match=rf"about {want / 2**10:.1f} KiB needed \(the model and "
-                                                      r"optimizer state seen by this rank\).*checkpoints \(none\)"):
+    with pytest.raises(
+        CheckpointDiskFullError,
+        match=rf"about {want / 2**10:.1f} KiB needed \(the model and "
+        r"optimizer state seen by this rank\).*checkpoints \(none\)",
+    ):
         mgr.save(2)
     monkeypatch.undo()
 

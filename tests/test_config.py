@@ -9,36 +9,49 @@ from configs.parser import ConfigError, help_text, load_config
 
 
 def test_toml_then_overrides_in_both_forms():
-    cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.steps", "7",
-                       "--checkpoint.enable=true", "--model.d_model=64", "--optimizer.lr", "1e-3"])
+    cfg = load_config(
+        [
+            "--job.config_file",
+            "configs/debug.toml",
+            "--training.steps",
+            "7",
+            "--checkpoint.enable=true",
+            "--model.d_model=64",
+            "--optimizer.lr",
+            "1e-3",
+        ]
+    )
     assert cfg.training.steps == 7 and cfg.checkpoint.enable is True and cfg.optimizer.lr == 1e-3
     assert cfg.model_overrides["d_model"] == 64 and cfg.job.config_file == "configs/debug.toml"
     assert cfg.training.seq_len == 256  # from the TOML
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--training.stepz", "3"], "training.stepz"),
-    (["--trainin.steps", "3"], "[trainin]"),
-    (["--training.steps", "three"], "--training.steps: 'three' is not a valid int"),
-    (["--checkpoint.enable", "maybe"], "checkpoint.enable"),
-    (["--model.headdim", "7"], "model.headdim=7 must divide"),
-    (["--model.flavor", "9B"], "model.flavor='9B' is unknown"),
-    (["--lr_scheduler.decay_type", "step"], "lr_scheduler.decay_type='step' is not allowed"),
-    (["--training.seq_len", "0"], "training.seq_len=0 must be >= 1"),
-    (["--training.max_norm", "nan"], "training.max_norm=nan must be a finite number >= 0 (0 disables clipping)"),
-    (["--training.max_norm", "-1"], "training.max_norm=-1.0 must be a finite number >= 0"),
-    (["--optimizer.lr", "-3e-4"], "optimizer.lr=-0.0003 must be a finite number > 0"),
-    (["--optimizer.lr", "nan"], "optimizer.lr=nan must be a finite number > 0"),
-    (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
-    (["--optimizer.beta2", "1.0"], "optimizer.beta2=1.0 must be in [0, 1)"),
-    (["--optimizer.eps", "0"], "optimizer.eps=0.0 must be a finite number > 0"),
-    (["--lr_scheduler.min_lr_factor", "inf"], "lr_scheduler.min_lr_factor=inf must be in [0, 1]"),
-    (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps=-1 must be >= 0"),
-    (["--training.gc_freq", "-1"], "training.gc_freq=-1 must be >= 0"),
-    (["--job.config_file", "configs/nope.toml"], "no such file"),
-    (["--training.steps"], "needs a value"),
-    (["steps=3"], "unexpected argument"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--training.stepz", "3"], "training.stepz"),
+        (["--trainin.steps", "3"], "[trainin]"),
+        (["--training.steps", "three"], "--training.steps: 'three' is not a valid int"),
+        (["--checkpoint.enable", "maybe"], "checkpoint.enable"),
+        (["--model.headdim", "7"], "model.headdim=7 must divide"),
+        (["--model.flavor", "9B"], "model.flavor='9B' is unknown"),
+        (["--lr_scheduler.decay_type", "step"], "lr_scheduler.decay_type='step' is not allowed"),
+        (["--training.seq_len", "0"], "training.seq_len=0 must be >= 1"),
+        (["--training.max_norm", "nan"], "training.max_norm=nan must be a finite number >= 0 (0 disables clipping)"),
+        (["--training.max_norm", "-1"], "training.max_norm=-1.0 must be a finite number >= 0"),
+        (["--optimizer.lr", "-3e-4"], "optimizer.lr=-0.0003 must be a finite number > 0"),
+        (["--optimizer.lr", "nan"], "optimizer.lr=nan must be a finite number > 0"),
+        (["--optimizer.weight_decay", "-0.1"], "optimizer.weight_decay=-0.1 must be a finite number >= 0"),
+        (["--optimizer.beta2", "1.0"], "optimizer.beta2=1.0 must be in [0, 1)"),
+        (["--optimizer.eps", "0"], "optimizer.eps=0.0 must be a finite number > 0"),
+        (["--lr_scheduler.min_lr_factor", "inf"], "lr_scheduler.min_lr_factor=inf must be in [0, 1]"),
+        (["--lr_scheduler.warmup_steps", "-1"], "lr_scheduler.warmup_steps=-1 must be >= 0"),
+        (["--training.gc_freq", "-1"], "training.gc_freq=-1 must be >= 0"),
+        (["--job.config_file", "configs/nope.toml"], "no such file"),
+        (["--training.steps"], "needs a value"),
+        (["steps=3"], "unexpected argument"),
+    ],
+)
 def test_errors_name_the_key(argv, needle):
     with pytest.raises(ConfigError) as e:
         load_config(argv)
@@ -54,23 +67,55 @@ def test_unknown_key_in_toml(tmp_path):
 
 def test_help_lists_every_key():
     text = help_text()
-    for key in ("--parallelism.data_parallel_shard_degree", "--checkpoint.load_step", "--model.layer_pattern",
-                "--training.global_batch_size", "--lr_scheduler.decay_ratio", "--compile.enable"):
+    for key in (
+        "--parallelism.data_parallel_shard_degree",
+        "--checkpoint.load_step",
+        "--model.layer_pattern",
+        "--training.global_batch_size",
+        "--lr_scheduler.decay_ratio",
+        "--compile.enable",
+    ):
         assert key in text
 
 
 def test_cpu_offload_without_gpu_is_refused(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug.toml",
-                        "--parallelism.fsdp_cpu_offload", "true", "--job.dump_folder", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120, env=dict(__import__("os").environ,
-                                                                              CUDA_VISIBLE_DEVICES=""))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "configs/debug.toml",
+            "--parallelism.fsdp_cpu_offload",
+            "true",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(__import__("os").environ, CUDA_VISIBLE_DEVICES=""),
+    )
     assert r.returncode != 0 and "parallelism.fsdp_cpu_offload needs GPUs" in r.stderr
 
 
 def test_train_py_fails_before_compute_with_the_fix(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug.toml",
-                        "--training.global_batch_size", "12", "--training.local_batch_size", "8",
-                        "--job.dump_folder", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "configs/debug.toml",
+            "--training.global_batch_size",
+            "12",
+            "--training.local_batch_size",
+            "8",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "training.local_batch_size=8" in r.stderr and "global_batch_size" in r.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -80,8 +125,13 @@ def test_run_train_sh_prints_a_config_error_once_before_any_worker(tmp_path):
     import os
 
     env = dict(os.environ, CONFIG_FILE="configs/debug.toml", NGPU="2", LOG_RANK="0,1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run(["./run_train.sh", "--training.global_batch_size", "7", "--job.dump_folder", str(tmp_path / "run")],
-                       capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        ["./run_train.sh", "--training.global_batch_size", "7", "--job.dump_folder", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 2 and out.count("config error: invalid job") == 1, out[-3000:]
     assert "e.g. --training.global_batch_size 6" in out
@@ -97,8 +147,11 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
 
     def errors(argv, world):
         cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.cuda_graph", "true", *argv])
-        return cuda_graph_errors(cfg, ParallelDims.from_config(cfg.parallelism, world),
-                                 build_model_args(cfg.model.flavor, cfg.model_overrides))
+        return cuda_graph_errors(
+            cfg,
+            ParallelDims.from_config(cfg.parallelism, world),
+            build_model_args(cfg.model.flavor, cfg.model_overrides),
+        )
 
     cuda = ["training.cuda_graph needs a CUDA GPU"] if not __import__("torch").cuda.is_available() else []
     assert [e.split(";")[0] for e in errors([], 1)] == cuda

@@ -50,8 +50,21 @@ def naive_causal_conv1d(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activati
     return F.silu(out) if activation in ("silu", "swish") else out
 
 
-def naive_ssd(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=None, z=None, dt_bias=None,
-              dt_softplus=False, dt_limit=(0.0, float("inf")), seq_idx=None, **_):
+def naive_ssd(
+    x_BLHP,
+    dt_BLH,
+    A_H,
+    B_BLGN,
+    C_BLGN,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    seq_idx=None,
+    **_,
+):
     b, L, H, P = x_BLHP.shape
     G = B_BLGN.shape[2]
     dt = dt_BLH + dt_bias if dt_bias is not None else dt_BLH
@@ -260,12 +273,21 @@ def test_apply_context_parallel_wires_hooks_by_class_and_checks_heads():
             self.conv1d, self.A_log, self.n_heads, self.n_kv_heads, self.cp = like.conv1d, like.A_log, 8, 2, None
 
     def layers(n_heads, n_kv_heads):
-        args = ModelArgs(d_model=32, n_layers=3, d_state=4, headdim=4, ngroups=2, n_heads=n_heads,
-                         n_kv_heads=n_kv_heads, attn_head_dim=4)
+        args = ModelArgs(
+            d_model=32,
+            n_layers=3,
+            d_state=4,
+            headdim=4,
+            ngroups=2,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            attn_head_dim=4,
+        )
         with torch.device("meta"):
             mixer = Mamba2Mixer(args, 0, 3)
-            return nn.ModuleDict({"0": mixer, "1": Attention(args, 1, 3), "2": nn.Linear(2, 2),
-                                  "3": _LooksLikeAMixer(mixer)})
+            return nn.ModuleDict(
+                {"0": mixer, "1": Attention(args, 1, 3), "2": nn.Linear(2, 2), "3": _LooksLikeAMixer(mixer)}
+            )
 
     model = layers(8, 2)
     assert apply_context_parallel(model, None) == 0 and model["0"].cp is None  # cp = 1: hooks stay off
@@ -349,8 +371,16 @@ def _mixer_core(cpm, xBCdt, seq_idx, chunk_size=8):
     D = cpm.get_D()
     D = D.reshape(H, P) if cpm.D_has_hdim else D
     y = ssd_chunk_scan(
-        x.reshape(b, s, H, P), dt, -torch.exp(cpm.get_A_log()), B.reshape(b, s, G, -1), C.reshape(b, s, G, -1),
-        chunk_size, D=D, dt_bias=cpm.get_dt_bias(), dt_softplus=True, seq_idx=seq_idx,
+        x.reshape(b, s, H, P),
+        dt,
+        -torch.exp(cpm.get_A_log()),
+        B.reshape(b, s, G, -1),
+        C.reshape(b, s, G, -1),
+        chunk_size,
+        D=D,
+        dt_bias=cpm.get_dt_bias(),
+        dt_softplus=True,
+        seq_idx=seq_idx,
     )
     return cpm.post_conv_ssm(y.reshape(b, s, -1))
 
@@ -405,8 +435,9 @@ def _layers_checks(rank, cp, load_balance):
     from parallelisms.context_parallel import apply_context_parallel
 
     group = dist.group.WORLD
-    args = ModelArgs(d_model=16, n_layers=2, d_state=4, headdim=4, ngroups=1, chunk_size=8, D_has_hdim=True,
-                     n_heads=4, n_kv_heads=1)
+    args = ModelArgs(
+        d_model=16, n_layers=2, d_state=4, headdim=4, ngroups=1, chunk_size=8, D_has_hdim=True, n_heads=4, n_kv_heads=1
+    )
     torch.manual_seed(3)
     ref = nn.ModuleDict({"0": Mamba2Mixer(args, 0, 2), "1": Attention(args, 1, 2)}).double()
     with torch.no_grad():

@@ -39,9 +39,20 @@ def tiny_hf(tmp_path, ngroups=1, tie=False, vocab=100, d=32, layers=2, seed=0, n
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Mamba2Config(hidden_size=d, num_hidden_layers=layers, vocab_size=vocab, state_size=8, head_dim=8,
-                       num_heads=2 * d // 8, n_groups=ngroups, expand=2, conv_kernel=4, chunk_size=8,
-                       tie_word_embeddings=tie, layer_norm_epsilon=1e-5)
+    cfg = Mamba2Config(
+        hidden_size=d,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        state_size=8,
+        head_dim=8,
+        num_heads=2 * d // 8,
+        n_groups=ngroups,
+        expand=2,
+        conv_kernel=4,
+        chunk_size=8,
+        tie_word_embeddings=tie,
+        layer_norm_epsilon=1e-5,
+    )
     hf = Mamba2ForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in hf.parameters():
@@ -126,8 +137,19 @@ def _write_mamba_ssm(folder, model: Mamba2LM) -> None:
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_mamba_ssm_roundtrip_with_vocab_padding(tmp_path, tie):
-    args = ModelArgs(d_model=32, n_layers=2, vocab_size=50, pad_vocab_size_multiple=16, d_state=8, headdim=8,
-                     ngroups=2, chunk_size=8, D_has_hdim=True, norm_before_gate=True, tie_embeddings=tie)
+    args = ModelArgs(
+        d_model=32,
+        n_layers=2,
+        vocab_size=50,
+        pad_vocab_size_multiple=16,
+        d_state=8,
+        headdim=8,
+        ngroups=2,
+        chunk_size=8,
+        D_has_hdim=True,
+        norm_before_gate=True,
+        tie_embeddings=tie,
+    )
     torch.manual_seed(0)
     src_model = Mamba2LM(args)
     with torch.no_grad():
@@ -147,7 +169,8 @@ def test_mamba_ssm_roundtrip_with_vocab_padding(tmp_path, tie):
     want = ours_to_foreign(src_model.state_dict(), "mamba_ssm")
     assert sorted(back) == sorted(want) and all(torch.equal(back[k], want[k]) for k in want)
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
-        (tmp_path / "ssm" / "config.json").read_text())
+        (tmp_path / "ssm" / "config.json").read_text()
+    )
 
 
 def test_errors_name_the_problem(tmp_path):
@@ -194,9 +217,20 @@ def test_errors_name_the_problem(tmp_path):
 
 # ------------------------------------------------------------------------------------- initial_load_path
 TRAIN_ARGS = [
-    "--job.config_file", "configs/debug.toml", "--training.seq_len", "64", "--training.local_batch_size", "2",
-    "--training.global_batch_size", "4", "--training.steps", "1", "--training.deterministic", "true",
-    "--metrics.enable_tensorboard", "false",
+    "--job.config_file",
+    "configs/debug.toml",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--training.steps",
+    "1",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
 ]
 
 
@@ -217,8 +251,9 @@ def _first_batch_loss(dcp_path, extra: list[str]) -> float:
     model = our_model(dcp_path)
     with torch.no_grad():
         logits = model(batch["input_ids"], seq_idx=batch["seq_idx"])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(),
-                                             ignore_index=IGNORE_INDEX).item()
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX
+    ).item()
 
 
 def test_initial_load_path_under_layouts(tmp_path):
@@ -236,6 +271,11 @@ def test_initial_load_path_under_layouts(tmp_path):
     assert abs(fsdp[0]["loss"] - want) <= 1e-5 * want, (fsdp[0]["loss"], want)
     if not os.path.exists(os.path.join(os.path.dirname(__file__), "..", "parallelisms", "pipeline.py")):
         pytest.skip("parallelisms/pipeline.py (PP) is not there yet")
-    pp = run_training(2, TRAIN_ARGS + extra + ["--parallelism.pipeline_parallel_degree", "2",
-                                               "--parallelism.data_parallel_shard_degree", "1"], tmp_path / "pp")
+    pp = run_training(
+        2,
+        TRAIN_ARGS
+        + extra
+        + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"],
+        tmp_path / "pp",
+    )
     assert abs(pp[0]["loss"] - want) <= 1e-5 * want, (pp[0]["loss"], want)

@@ -47,8 +47,9 @@ def reference_rows(docs, tok, seq_len, n_rows):
     for k in range(n_rows):
         a, b = k * seq_len, (k + 1) * seq_len
         seq_idx = np.concatenate([[0], np.cumsum(start[a + 1 : b])])
-        rows.append(dict(input_ids=toks[a:b], labels=np.where(eos[a:b], IGNORE_INDEX, toks[a + 1 : b + 1]),
-                         seq_idx=seq_idx))
+        rows.append(
+            dict(input_ids=toks[a:b], labels=np.where(eos[a:b], IGNORE_INDEX, toks[a + 1 : b + 1]), seq_idx=seq_idx)
+        )
     return rows
 
 
@@ -101,8 +102,9 @@ def _train_bpe(folder, specials=("<|endoftext|>", "<pad>")):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tk.train_from_iterator(DOCS * 3, trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tk.save(str(folder / "tokenizer.json"))

@@ -34,11 +34,17 @@ def test_empty_documents_are_refused_when_the_loader_is_built(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "blank.jsonl").write_text("\n".join(json.dumps({"text": ""}) for _ in range(3)) + "\n")
     _write_parquet(tmp_path / "nulls.parquet", text=[None, None], other=["not", "this"])
-    for name, documents in (("empty.txt", "its one document is"), ("blank.jsonl", "all 3 documents are"),
-                            ("nulls.parquet", "all 2 documents are")):
+    for name, documents in (
+        ("empty.txt", "its one document is"),
+        ("blank.jsonl", "all 3 documents are"),
+        ("nulls.parquet", "all 2 documents are"),
+    ):
         source = build_text_source(str(tmp_path / name), "train", "text")
-        with pytest.raises(ValueError, match=rf"training.dataset='.*{name}': {documents} empty "
-                                             r".*check that training.dataset_text_field"):
+        with pytest.raises(
+            ValueError,
+            match=rf"training.dataset='.*{name}': {documents} empty "
+            r".*check that training.dataset_text_field",
+        ):
             StepBatchLoader(ByteTokenizer(), source, seq_len=8, rows_per_rank=2)
     # The check stops at the first document with a token: empty documents before it stay legal.
     batch = StepBatchLoader(ByteTokenizer(), ListSource(["", "", "ok"]), seq_len=4, rows_per_rank=1).next_batch()
@@ -57,10 +63,26 @@ def test_empty_validation_split_is_refused_too(tmp_path):
 
 def test_train_py_stops_on_an_empty_corpus_before_step_1(tmp_path):
     (tmp_path / "empty.txt").write_bytes(b"")
-    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/debug.toml", "--training.steps", "2",
-                        "--training.dataset", str(tmp_path / "empty.txt"), "--job.dump_folder", str(tmp_path / "out"),
-                        "--metrics.enable_tensorboard", "false"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "configs/debug.toml",
+            "--training.steps",
+            "2",
+            "--training.dataset",
+            str(tmp_path / "empty.txt"),
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--metrics.enable_tensorboard",
+            "false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert "its one document is empty" in r.stderr and "loss is nan" not in r.stderr, r.stderr[-2000:]
     assert "data error:" in r.stderr and "Traceback" not in r.stderr  # a message, not a crash
@@ -72,8 +94,11 @@ def test_train_py_stops_on_an_empty_corpus_before_step_1(tmp_path):
 def test_non_utf8_jsonl_names_file_line_and_byte(tmp_path):
     lines = [json.dumps({"text": "one"}).encode(), b"", b'{"text": "caf\xe9"}']  # latin-1 e-acute on line 3
     (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    with pytest.raises(ValueError, match=r"training.dataset: .*bad.jsonl line 3, byte 14: not valid UTF-8 "
-                                         r"\(bytes e9.*re-encode the file"):
+    with pytest.raises(
+        ValueError,
+        match=r"training.dataset: .*bad.jsonl line 3, byte 14: not valid UTF-8 "
+        r"\(bytes e9.*re-encode the file",
+    ):
         build_text_source(str(tmp_path / "bad.jsonl"), "train", "text")
 
 
@@ -107,8 +132,11 @@ def test_malformed_jsonl_line_is_named_by_its_line_number(tmp_path):
 
 def test_parquet_non_string_column_is_refused_naming_the_string_columns(tmp_path):
     _write_parquet(tmp_path / "ints.parquet", text=[1, 2, 3], body=["a", "b", "c"])
-    with pytest.raises(ValueError, match=r"training.dataset: .*ints.parquet: column 'text' holds int64 values, "
-                                         r"not text; set training.dataset_text_field to a string column .*'body'"):
+    with pytest.raises(
+        ValueError,
+        match=r"training.dataset: .*ints.parquet: column 'text' holds int64 values, "
+        r"not text; set training.dataset_text_field to a string column .*'body'",
+    ):
         build_text_source(str(tmp_path / "ints.parquet"), "train", "text")
     _write_parquet(tmp_path / "large.parquet", text=__import__("pyarrow").array(["x", "y"], "large_string"))
     assert list(build_text_source(str(tmp_path / "large.parquet"), "train", "text")) == ["x", "y"]
@@ -138,6 +166,7 @@ def test_tokenizer_with_sparse_ids_reports_largest_id_plus_one(tmp_path):
 
     cfg = JobConfig()
     pdims = ParallelDims.from_config(cfg.parallelism, 1)
-    errs = job_errors(cfg, pdims, build_model_args("debug", {}), tok,
-                      BatchPlan.from_config(cfg.training, cfg.parallelism, pdims))
+    errs = job_errors(
+        cfg, pdims, build_model_args("debug", {}), tok, BatchPlan.from_config(cfg.training, cfg.parallelism, pdims)
+    )
     assert any("set --model.vocab_size 701" in e for e in errs), errs  # the debug flavor has 258 ids

@@ -55,13 +55,25 @@ def test_a_dropped_view_is_an_error_not_a_silent_unreduced_step():
     assert run_distributed(_grad_set_to_none, 2) == [True, True]
 
 
-@pytest.mark.parametrize("replicate, shard, cp, pp, ddp", [
-    (2, 1, 1, 1, True), (4, 1, 1, 1, True),
-    (2, 2, 1, 1, False), (2, 1, 2, 1, False), (2, 1, 1, 2, False), (1, 1, 1, 1, False), (1, 4, 1, 1, False),
-])
+@pytest.mark.parametrize(
+    "replicate, shard, cp, pp, ddp",
+    [
+        (2, 1, 1, 1, True),
+        (4, 1, 1, 1, True),
+        (2, 2, 1, 1, False),
+        (2, 1, 2, 1, False),
+        (2, 1, 1, 2, False),
+        (1, 1, 1, 1, False),
+        (1, 4, 1, 1, False),
+    ],
+)
 def test_ddp_exactly_when_dp_replicate_is_the_only_parallelism(replicate, shard, cp, pp, ddp):
-    p = Parallelism(data_parallel_replicate_degree=replicate, data_parallel_shard_degree=shard,
-                    context_parallel_degree=cp, pipeline_parallel_degree=pp)
+    p = Parallelism(
+        data_parallel_replicate_degree=replicate,
+        data_parallel_shard_degree=shard,
+        context_parallel_degree=cp,
+        pipeline_parallel_degree=pp,
+    )
     dims = ParallelDims.from_config(p, replicate * shard * cp * pp)
     assert dims.ddp_enabled is ddp
     assert dims.fsdp_enabled is (not ddp and replicate * shard * cp > 1)
@@ -76,8 +88,9 @@ def _units_after_fsdp(rank, world_size, blocks_per_unit):
     dims = ParallelDims.from_config(Parallelism(data_parallel_shard_degree=2), 2)
     args = build_model_args("debug", {"n_layers": 5, "d_model": 32, "headdim": 16, "d_state": 8})
     model = build_model_on_meta(args)
-    apply_fsdp(model, dims.build_mesh("cpu"), Parallelism(fsdp_blocks_per_unit=blocks_per_unit), torch.float32,
-               pdims=dims)
+    apply_fsdp(
+        model, dims.build_mesh("cpu"), Parallelism(fsdp_blocks_per_unit=blocks_per_unit), torch.float32, pdims=dims
+    )
     states = [fully_shard.state(layer) for layer in model.layers.values()]
     distinct = []
     for s in states:

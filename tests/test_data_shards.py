@@ -120,7 +120,7 @@ def test_jsonl_byte_ranges_read_the_documents_of_jsonlfile(tmp_path, bytes_per_r
     path.write_bytes(b"\xef\xbb\xbf" + "\n\n".join(lines[:5]).encode() + b"\r\n  \n" + "\n".join(lines[5:]).encode())
     src = JsonlByteRanges(str(path), "text", bytes_per_range)
     assert src.ranges[0][0] == 0 and src.ranges[-1][1] == path.stat().st_size
-    assert all(a < b and (a == 0 or path.read_bytes()[a - 1:a] == b"\n") for a, b in src.ranges)
+    assert all(a < b and (a == 0 or path.read_bytes()[a - 1 : a] == b"\n") for a, b in src.ranges)
     assert [t for r in src.ranges for t in src.texts_in(*r)] == list(JsonlFile(str(path), "text", "k")) == DOCS * 3
 
 
@@ -128,9 +128,11 @@ def test_jsonl_errors_name_the_line(tmp_path):
     from data.preprocess import JsonlByteRanges
 
     good = [json.dumps({"text": f"doc {i}"}).encode() for i in range(8)]
-    for bad, match in ((b'{"text": "caf\xe9"}', r"a.jsonl line 6, byte 14: not valid UTF-8"),
-                       (b'{"text": ', r"a.jsonl line 6: not a JSON object per line"),
-                       (b'{"body": "x"}', r"a.jsonl line 6 has no field 'text'")):
+    for bad, match in (
+        (b'{"text": "caf\xe9"}', r"a.jsonl line 6, byte 14: not valid UTF-8"),
+        (b'{"text": ', r"a.jsonl line 6: not a JSON object per line"),
+        (b'{"body": "x"}', r"a.jsonl line 6 has no field 'text'"),
+    ):
         (tmp_path / "a.jsonl").write_bytes(b"\n".join(good[:5] + [bad] + good[5:]))
         src = JsonlByteRanges(str(tmp_path / "a.jsonl"), "text", 60)
         with pytest.raises((ValueError, KeyError), match=match):
@@ -142,9 +144,27 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
     tok_dir.mkdir()
     _train_bpe(tok_dir)
     src = write_jsonl(tmp_path / "in" / "a.jsonl", DOCS * 4)
-    r = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(tmp_path / "in" / "*.jsonl"),
-                        "--tokenizer", str(tok_dir), "--out", str(tmp_path / "out"), "--workers", "2",
-                        "--mb-per-shard", "0.0002"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data.preprocess",
+            "--input",
+            str(tmp_path / "in" / "*.jsonl"),
+            "--tokenizer",
+            str(tok_dir),
+            "--out",
+            str(tmp_path / "out"),
+            "--workers",
+            "2",
+            "--mb-per-shard",
+            "0.0002",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["n_docs"] == 28 and manifest["dtype"] == "uint16"
@@ -155,8 +175,13 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
     ds = ShardDataset(str(tmp_path / "out"))
     for g, text in enumerate(DOCS * 4):
         assert ds.doc_tokens(g).tolist() == tok.encode(text) + [tok.eos_id]
-    r = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(tmp_path / "missing"), "--out",
-                        str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "data.preprocess", "--input", str(tmp_path / "missing"), "--out", str(tmp_path / "o")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "missing: no such file or folder" in r.stderr and "save_to_disk" in r.stderr
     # Training with the byte tokenizer refuses these shards before reading a token.
     cfg = _job(tmp_path / "out")
@@ -167,10 +192,18 @@ def test_preprocess_command_line_with_a_hf_tokenizer(tmp_path):
 def test_preprocess_a_hf_dataset_saved_to_disk(tmp_path):
     datasets = pytest.importorskip("datasets")
     docs = DOCS * 5
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": docs, "n": list(range(len(docs)))})}
-                         ).save_to_disk(str(tmp_path / "hf"))
-    preprocess([str(tmp_path / "hf")], "", str(tmp_path / "out"), text_field="body", docs_per_shard=8,
-               workers=2, progress=False)
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"body": docs, "n": list(range(len(docs)))})}
+    ).save_to_disk(str(tmp_path / "hf"))
+    preprocess(
+        [str(tmp_path / "hf")],
+        "",
+        str(tmp_path / "out"),
+        text_field="body",
+        docs_per_shard=8,
+        workers=2,
+        progress=False,
+    )
     ds = ShardDataset(str(tmp_path / "out"))
     assert [ds.doc_tokens(g).tolist() for g in range(len(docs))] == [list(d.encode()) + [256] for d in docs]
     with pytest.raises(ValueError, match="without split 'test'.*pass --split"):
@@ -185,11 +218,14 @@ def test_preprocess_parquet_and_txt_inputs_in_order(tmp_path):
     pq.write_table(pa.table({"text": ["first", None, "third"]}), tmp_path / "in" / "a.parquet", row_group_size=2)
     (tmp_path / "in" / "b.txt").write_text("a whole file")
     write_jsonl(tmp_path / "c.jsonl", ["from jsonl"])
-    preprocess([str(tmp_path / "in"), str(tmp_path / "c.jsonl")], "", str(tmp_path / "out"), docs_per_shard=2,
-               progress=False)
+    preprocess(
+        [str(tmp_path / "in"), str(tmp_path / "c.jsonl")], "", str(tmp_path / "out"), docs_per_shard=2, progress=False
+    )
     ds = ShardDataset(str(tmp_path / "out"))
-    texts = [bytes(ds.doc_tokens(g)[:-1].tolist()).decode() if ds.doc_tokens(g)[-1] == 256 else None
-             for g in range(ds.num_documents)]
+    texts = [
+        bytes(ds.doc_tokens(g)[:-1].tolist()).decode() if ds.doc_tokens(g)[-1] == 256 else None
+        for g in range(ds.num_documents)
+    ]
     assert texts == ["first", "", "third", "a whole file", "from jsonl"]  # a null row is an empty document
     assert [f["n_docs"] for f in ds.manifest["source"]["files"]] == [3, 1, 1]
 
@@ -233,7 +269,7 @@ def test_shuffle_is_a_seeded_permutation_per_epoch(tmp_path):
         rows = PackedRows(ds, 8, shuffle=True, seed=seed, pad_id=PAD)
         order, cum = rows._epoch_index(epoch)
         stream = np.concatenate([rows.row(k)["input_ids"] for k in range(-(-2 * ds.num_tokens // 8))])
-        text = bytes(t for t in stream[epoch * ds.num_tokens:(epoch + 1) * ds.num_tokens] if t < 256).decode()
+        text = bytes(t for t in stream[epoch * ds.num_tokens : (epoch + 1) * ds.num_tokens] if t < 256).decode()
         return order.tolist(), text
 
     o0, t0 = epoch_docs(7, 0)
@@ -292,13 +328,17 @@ def test_each_rank_builds_only_its_rows(tmp_path, dp):
 
 @pytest.fixture
 def three_datasets(tmp_path):
-    return [str(make_shards(tmp_path, labelled_docs(tag, n, seed=i), tag))
-            for i, (tag, n) in enumerate((("alpha", 60), ("beta", 200), ("gamma", 25)))]
+    return [
+        str(make_shards(tmp_path, labelled_docs(tag, n, seed=i), tag))
+        for i, (tag, n) in enumerate((("alpha", 60), ("beta", 200), ("gamma", 25)))
+    ]
 
 
 def _mixture(folders, weights, seq_len=32, seed=3):
-    streams = [PackedRows(ShardDataset(f), seq_len, shuffle=True, seed=seed, pad_id=PAD, stream_id=i)
-               for i, f in enumerate(folders)]
+    streams = [
+        PackedRows(ShardDataset(f), seq_len, shuffle=True, seed=seed, pad_id=PAD, stream_id=i)
+        for i, f in enumerate(folders)
+    ]
     return MixtureRows(streams, weights)
 
 
@@ -326,16 +366,20 @@ def test_mixture_resumes_exactly_under_a_layout_change(three_datasets):
     k, gbs, seq = 6, 8, 32
 
     def loaders(dp, state=None):
-        out = [PrefetchLoader(RowStepLoader(_mixture(three_datasets, [3, 2, 1], seq), seq, gbs // dp, r, dp, pad_id=PAD))
-               for r in range(dp)]
+        out = [
+            PrefetchLoader(RowStepLoader(_mixture(three_datasets, [3, 2, 1], seq), seq, gbs // dp, r, dp, pad_id=PAD))
+            for r in range(dp)
+        ]
         for ld in out:
             if state is not None:
                 ld.load_state_dict(state)
         return out
 
     def global_steps(lds, n):
-        return [{key: torch.cat([p[key] for p in parts]) for key in parts[0]}
-                for parts in ([ld.next_batch() for ld in lds] for _ in range(n))]
+        return [
+            {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+            for parts in ([ld.next_batch() for ld in lds] for _ in range(n))
+        ]
 
     reference = global_steps(loaders(1), k + 4)
     saved = loaders(4)
@@ -399,8 +443,13 @@ del loader  # dropped, never closed: as train.py leaves its loader at the end of
 
 def test_exit_while_the_prefetch_thread_is_busy_is_clean():
     """Without the join at exit this aborts ("terminate called without an active exception"), 5 runs in 5."""
-    r = subprocess.run([sys.executable, "-c", EXIT_WHILE_PREFETCHING.format(repo=str(REPO))], capture_output=True,
-                       text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [sys.executable, "-c", EXIT_WHILE_PREFETCHING.format(repo=str(REPO))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0 and "terminate called" not in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
@@ -427,8 +476,10 @@ def test_training_datasets_table_in_toml(tmp_path, three_datasets):
     from configs.parser import ConfigError, load_config
 
     toml = tmp_path / "mix.toml"
-    toml.write_text("[training]\nseq_len = 32\n" + "".join(
-        f'[[training.datasets]]\npath = "{p}"\nweight = {w}\n' for p, w in zip(three_datasets, (5, 3, 2))))
+    toml.write_text(
+        "[training]\nseq_len = 32\n"
+        + "".join(f'[[training.datasets]]\npath = "{p}"\nweight = {w}\n' for p, w in zip(three_datasets, (5, 3, 2)))
+    )
     cfg = load_config(["--job.config_file", str(toml)])
     assert cfg.training.datasets == [{"path": p, "weight": w} for p, w in zip(three_datasets, (5, 3, 2))]
     loader = build_loader(cfg, ByteTokenizer(), _plan(cfg))
@@ -479,7 +530,7 @@ def test_validation_over_shards_is_one_padded_pass(tmp_path):
     got = torch.cat([b["input_ids"] for b in batches])
     assert got.shape[0] == 2 * -(-len(reference) // 2)
     assert np.array_equal(got[: len(reference)].numpy(), np.stack([r["input_ids"] for r in reference]))
-    assert (got[len(reference):] == PAD).all()
+    assert (got[len(reference) :] == PAD).all()
 
 
 def _corpus_docs(n_bytes: int, seed: int = 0):
@@ -495,8 +546,9 @@ def _corpus_docs(n_bytes: int, seed: int = 0):
 
 def _trains_from_generated_corpus(tmp_path, n_bytes):
     write_jsonl(tmp_path / "corpus.jsonl", _corpus_docs(n_bytes))
-    manifest = preprocess([str(tmp_path / "corpus.jsonl")], "", str(tmp_path / "shards"), progress=False,
-                          workers=os.cpu_count() or 1)
+    manifest = preprocess(
+        [str(tmp_path / "corpus.jsonl")], "", str(tmp_path / "shards"), progress=False, workers=os.cpu_count() or 1
+    )
     assert manifest["n_tokens"] > n_bytes * 0.95
     args = PARITY_ARGS + ["--training.shuffle", "false"]
     from_text = run_training(1, args + ["--training.dataset", str(tmp_path / "corpus.jsonl")], tmp_path / "text")
@@ -518,8 +570,18 @@ def test_mixture_run_resumes_on_another_layout(tmp_path, three_datasets):
     """train.py with a mixture: 6 steps on 2 ranks (checkpoint at 3) resumed on 1 rank = 6 uninterrupted steps."""
     mix = ",".join(f"{p}:{w}" for p, w in zip(three_datasets, (5, 3, 2)))
     # A constant LR, so that the first run's shorter training.steps does not change its schedule.
-    args = PARITY_ARGS + ["--training.datasets", mix, "--training.steps", "6", "--checkpoint.interval", "3",
-                          "--lr_scheduler.min_lr_factor", "1.0", "--lr_scheduler.warmup_steps", "0"]
+    args = PARITY_ARGS + [
+        "--training.datasets",
+        mix,
+        "--training.steps",
+        "6",
+        "--checkpoint.interval",
+        "3",
+        "--lr_scheduler.min_lr_factor",
+        "1.0",
+        "--lr_scheduler.warmup_steps",
+        "0",
+    ]
     reference = run_training(1, args, tmp_path / "ref")
     run_training(2, args + ["--checkpoint.enable", "true", "--training.steps", "3"], tmp_path / "run")
     resumed = run_training(1, args + ["--checkpoint.enable", "true"], tmp_path / "run")
@@ -527,9 +589,33 @@ def test_mixture_run_resumes_on_another_layout(tmp_path, three_datasets):
 
 
 def test_loader_benchmark_runs(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/data_loader.py", "loader", "--corpus_mb", "1", "--dp", "1,64",
-                        "--text_dp", "1", "--seq_len", "64", "--local_batch_size", "2", "--warmup", "1", "--steps", "3",
-                        "--work", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/data_loader.py",
+            "loader",
+            "--corpus_mb",
+            "1",
+            "--dp",
+            "1,64",
+            "--text_dp",
+            "1",
+            "--seq_len",
+            "64",
+            "--local_batch_size",
+            "2",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+            "--work",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     records = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [(x["kind"], x["dp"]) for x in records] == [("shards", 1), ("shards", 64), ("text_on_the_fly", 1)]
@@ -538,10 +624,35 @@ def test_loader_benchmark_runs(tmp_path):
 
 @pytest.mark.slow
 def test_stall_benchmark_runs_on_cpu(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/data_loader.py", "stall", "--config", "configs/debug.toml", "--cpu",
-                        "--corpus_mb", "1", "--warmup", "1", "--steps", "2", "--work", str(tmp_path), "--",
-                        "--training.seq_len", "64", "--training.local_batch_size", "2",
-                        "--training.global_batch_size", "2"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/data_loader.py",
+            "stall",
+            "--config",
+            "configs/debug.toml",
+            "--cpu",
+            "--corpus_mb",
+            "1",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--work",
+            str(tmp_path),
+            "--",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads(r.stdout.strip().splitlines()[-1])
     assert record["steps"] == 2 and 0 < record["data_fraction"] < 1

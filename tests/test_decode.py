@@ -73,13 +73,35 @@ def test_selective_state_update_ref_steps_equal_the_chunked_scan():
     A, D, dt_bias = -torch.rand(H, generator=g) - 0.5, torch.randn(H, P, generator=g), torch.randn(H, generator=g)
     init = torch.randn(b, H, P, N, generator=g)
     dt_limit = (0.05, 1.5)  # a real clamp, so both ends of dt_limit matter
-    want_y, want_state = ssd_chunk_scan_ref(x, dt, A, Bm, Cm, 4, D=D, z=z, dt_bias=dt_bias, dt_softplus=True,
-                                            dt_limit=dt_limit, initial_states=init, return_final_states=True)
+    want_y, want_state = ssd_chunk_scan_ref(
+        x,
+        dt,
+        A,
+        Bm,
+        Cm,
+        4,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        dt_limit=dt_limit,
+        initial_states=init,
+        return_final_states=True,
+    )
     state = init.clone()
     for t in range(L):
         y = selective_state_update_ref(
-            state, x[:, t], dt[:, t, :, None].expand(b, H, P), A[:, None, None].expand(H, P, N), Bm[:, t], Cm[:, t],
-            D, z[:, t], dt_bias[:, None].expand(H, P), dt_softplus=True, dt_limit=dt_limit,
+            state,
+            x[:, t],
+            dt[:, t, :, None].expand(b, H, P),
+            A[:, None, None].expand(H, P, N),
+            Bm[:, t],
+            Cm[:, t],
+            D,
+            z[:, t],
+            dt_bias[:, None].expand(H, P),
+            dt_softplus=True,
+            dt_limit=dt_limit,
         )
         torch.testing.assert_close(y, want_y[:, t], rtol=RTOL, atol=1e-6)
     torch.testing.assert_close(state, want_state, rtol=RTOL, atol=1e-6)
@@ -93,8 +115,9 @@ def test_causal_conv1d_update_ref_steps_equal_the_parallel_conv(state_len):
     want = causal_conv1d_ref(x, w, bias, activation="silu")
     state = torch.zeros(b, d, state_len)
     for t in range(L):
-        torch.testing.assert_close(causal_conv1d_update_ref(x[:, :, t], state, w, bias, "silu"), want[:, :, t],
-                                   rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(
+            causal_conv1d_update_ref(x[:, :, t], state, w, bias, "silu"), want[:, :, t], rtol=RTOL, atol=1e-6
+        )
     torch.testing.assert_close(state, F.pad(x, (state_len, 0))[:, :, -state_len:])  # the last inputs, oldest first
 
 
@@ -102,8 +125,14 @@ def test_step_refs_reject_bad_shapes():
     with pytest.raises(ValueError, match=r"conv_state must be \[batch, dim, state_len >= width - 1\]"):
         causal_conv1d_update_ref(torch.zeros(2, 6), torch.zeros(2, 6, 2), torch.zeros(6, 4))
     with pytest.raises(ValueError, match=r"A must be \[nheads, headdim, dstate\]"):
-        selective_state_update_ref(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3), torch.zeros(1, 2, 3),
-                                   torch.zeros(2), torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+        selective_state_update_ref(
+            torch.zeros(1, 2, 3, 4),
+            torch.zeros(1, 2, 3),
+            torch.zeros(1, 2, 3),
+            torch.zeros(2),
+            torch.zeros(1, 1, 4),
+            torch.zeros(1, 1, 4),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -134,8 +163,16 @@ def test_decode_steps_equal_the_parallel_forward(flavor, k):
 # The branches the default flavors leave out: groups of B / C, D per channel, norm before gate, a dt clamp, a
 # conv of width 3, in/out projection biases; attention without rotary or GQA, sigmoid routing with renormalisation.
 VARIANTS = {
-    "debug": dict(ngroups=2, D_has_hdim=True, norm_before_gate=True, dt_limit_min=0.01, dt_limit_max=0.2, d_conv=3,
-                  bias=True, conv_bias=False),
+    "debug": dict(
+        ngroups=2,
+        D_has_hdim=True,
+        norm_before_gate=True,
+        dt_limit_min=0.01,
+        dt_limit_max=0.2,
+        d_conv=3,
+        bias=True,
+        conv_bias=False,
+    ),
     "hybrid_moe_debug": dict(rope_theta=0.0, n_kv_heads=4, moe_score_func="sigmoid", moe_route_norm=True),
 }
 
@@ -288,19 +325,37 @@ def test_greedy_generation_equals_transformers_recurrent_decoding(tmp_path):
     overrides = {"d_model": 64, "n_layers": 4, "chunk_size": 16, "ngroups": 2}
     model = perturbed_model("debug", tuple(overrides.items()))
     write_dcp_weights(model.state_dict(), str(tmp_path / "weights"))
-    convert_main(["to-hf", str(tmp_path / "weights"), str(tmp_path / "hf"), "--config", str(DEBUG_TOML),
-                  *[a for k, v in overrides.items() for a in (f"--model.{k}", str(v))]])
+    convert_main(
+        [
+            "to-hf",
+            str(tmp_path / "weights"),
+            str(tmp_path / "hf"),
+            "--config",
+            str(DEBUG_TOML),
+            *[a for k, v in overrides.items() for a in (f"--model.{k}", str(v))],
+        ]
+    )
     hf = transformers.Mamba2ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
     prompts, n_new, V = [list(b"Once upon a time, there"), list(b"q")], 24, model.args.vocab_size
     ours = generate(model, prompts, n_new, SamplingParams(temperature=0))
     for prompt, out in zip(prompts, ours):
-        got = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new, eos_token_id=None,
-                          suppress_tokens=list(range(V, model.args.padded_vocab_size)), output_scores=True,
-                          return_dict_in_generate=True)
-        assert got.sequences[0, len(prompt):].tolist() == out
+        got = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n_new,
+            min_new_tokens=n_new,
+            eos_token_id=None,
+            suppress_tokens=list(range(V, model.args.padded_vocab_size)),
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        assert got.sequences[0, len(prompt) :].tolist() == out
         cache = model.allocate_inference_cache(1, len(prompt) + n_new)
         logits = [model.prefill(torch.tensor([prompt]), cache)]
         logits += [model.decode_step(torch.tensor([t]), cache) for t in out[:-1]]
-        assert_logits_close(torch.stack(logits, 1)[0, :, :V], torch.stack(got.scores, 1)[0, :, :V],
-                            f"transformers' scores, prompt of {len(prompt)}")
+        assert_logits_close(
+            torch.stack(logits, 1)[0, :, :V],
+            torch.stack(got.scores, 1)[0, :, :V],
+            f"transformers' scores, prompt of {len(prompt)}",
+        )

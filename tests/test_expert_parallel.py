@@ -23,8 +23,17 @@ from parallelisms.expert_parallel import (
 from parallelisms.mesh import ParallelDims
 from tests.dist_utils import run_distributed
 
-TINY = {"d_model": 32, "d_state": 16, "headdim": 16, "chunk_size": 16, "moe_hidden_dim": 24, "mlp_hidden_dim": 48,
-        "n_heads": 4, "n_kv_heads": 2, "moe_load_balance_coeff": 0.0}
+TINY = {
+    "d_model": 32,
+    "d_state": 16,
+    "headdim": 16,
+    "chunk_size": 16,
+    "moe_hidden_dim": 24,
+    "mlp_hidden_dim": 48,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "moe_load_balance_coeff": 0.0,
+}
 
 
 def test_regroup_index_matches_naive():
@@ -148,8 +157,13 @@ def _model_grads_vs_single(rank, world, layouts):
         for n, p in model.named_parameters():
             assert isinstance(p.grad, DTensor)
             experts_seen += ".experts." in n
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[n].grad, rtol=1e-4, atol=1e-7,
-                                       msg=lambda m, n=n, where=(dp_replicate, dp_shard, ep): f"{where} grad {n}: {m}")
+            torch.testing.assert_close(
+                p.grad.full_tensor(),
+                ref_params[n].grad,
+                rtol=1e-4,
+                atol=1e-7,
+                msg=lambda m, n=n, where=(dp_replicate, dp_shard, ep): f"{where} grad {n}: {m}",
+            )
         assert experts_seen == 6  # w1, w2, w3 of two MoE layers
         results.append((float(norm), float(ref_norm)))
         dist.barrier()
@@ -177,12 +191,28 @@ def test_ep_that_does_not_divide_experts_fails_before_compute(tmp_path, ep):
 
     from tests.parity import REPO
 
-    r = subprocess.run([sys.executable, "train.py", "--job.config_file", "configs/hybrid_moe_debug.toml",
-                        "--parallelism.expert_parallel_degree", str(ep), "--training.global_batch_size", "-1",
-                        "--training.local_batch_size", "8",
-                        "--job.dump_folder", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-                       env=dict(os.environ, WORLD_SIZE=str(ep), CUDA_VISIBLE_DEVICES=""))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "configs/hybrid_moe_debug.toml",
+            "--parallelism.expert_parallel_degree",
+            str(ep),
+            "--training.global_batch_size",
+            "-1",
+            "--training.local_batch_size",
+            "8",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=dict(os.environ, WORLD_SIZE=str(ep), CUDA_VISIBLE_DEVICES=""),
+    )
     assert r.returncode != 0 and "moe_num_experts=4" in r.stderr, r.stderr[-2000:]
 
 

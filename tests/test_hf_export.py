@@ -28,10 +28,27 @@ transformers = pytest.importorskip("transformers")
 
 MODEL_ARGS = ["--model.d_model", "64", "--model.n_layers", "4", "--model.chunk_size", "16", "--model.ngroups", "2"]
 TRAIN_ARGS = [
-    "--job.config_file", "configs/debug.toml", *MODEL_ARGS, "--training.seq_len", "64",
-    "--training.local_batch_size", "4", "--training.global_batch_size", "4", "--training.steps", "8",
-    "--lr_scheduler.warmup_steps", "1", "--training.deterministic", "true", "--metrics.enable_tensorboard", "false",
-    "--checkpoint.enable", "true", "--checkpoint.interval", "8",
+    "--job.config_file",
+    "configs/debug.toml",
+    *MODEL_ARGS,
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "4",
+    "--training.global_batch_size",
+    "4",
+    "--training.steps",
+    "8",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    "8",
 ]
 BYTE_EOS, BYTE_PAD = 256, 257
 
@@ -58,7 +75,7 @@ def assert_our_greedy_choices(model: Mamba2LM, seq: list[int], prompt_len: int, 
     assert len(new) == new_tokens or (0 < len(new) < new_tokens and new[-1] == eos), new
     assert eos not in new[:-1], new
     with torch.no_grad():
-        choices = model(torch.tensor([seq]))[0, prompt_len - 1:-1].argmax(-1).tolist()
+        choices = model(torch.tensor([seq]))[0, prompt_len - 1 : -1].argmax(-1).tolist()
     assert choices == new, (seq[:prompt_len], new, choices)
 
 
@@ -92,9 +109,13 @@ def test_trained_export_loads_in_transformers_with_our_logits_and_greedy_tokens(
 
     for text in ("The ", "Once upon a time, there", "q"):
         prompt = list(text.encode())
-        got = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                          do_sample=False, max_new_tokens=16)
-        assert got[0, :len(prompt)].tolist() == prompt
+        got = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=16,
+        )
+        assert got[0, : len(prompt)].tolist() == prompt
         assert_our_greedy_choices(ours, got[0].tolist(), len(prompt), 16, BYTE_EOS)
 
 
@@ -102,8 +123,12 @@ def test_a_step_folder_exports_without_config_from_its_run_record(trained_step, 
     main(["to-hf", str(trained_step), str(tmp_path / "with"), "--config", "configs/debug.toml", *MODEL_ARGS])
     main(["to-hf", str(trained_step), str(tmp_path / "without")])  # the model comes from run_record.json
     for name in ("config.json", "generation_config.json"):
-        assert json.loads((tmp_path / "with" / name).read_text()) == json.loads((tmp_path / "without" / name).read_text())
-    assert (tmp_path / "with" / "model.safetensors").read_bytes() == (tmp_path / "without" / "model.safetensors").read_bytes()
+        assert json.loads((tmp_path / "with" / name).read_text()) == json.loads(
+            (tmp_path / "without" / name).read_text()
+        )
+    assert (tmp_path / "with" / "model.safetensors").read_bytes() == (
+        tmp_path / "without" / "model.safetensors"
+    ).read_bytes()
 
 
 def _perturbed_weights(args: ModelArgs, folder) -> Mamba2LM:
@@ -132,9 +157,16 @@ def tiny_tokenizer(folder, with_config: bool) -> str:
     folder.mkdir(exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     if with_config:
-        (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|endoftext|>",
-             "pad_token": "<pad>"}))
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": "<s>",
+                    "eos_token": "<|endoftext|>",
+                    "pad_token": "<pad>",
+                }
+            )
+        )
         (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>"}))
     return str(folder / "tokenizer.json")
 
@@ -145,9 +177,21 @@ def test_config_fields_and_tokenizer_files_round_trip(tmp_path, with_config):
 
     from data.tokenizer import HFTokenizer
 
-    args = ModelArgs(d_model=32, n_layers=2, vocab_size=50, pad_vocab_size_multiple=16, d_state=8, headdim=8,
-                     ngroups=2, chunk_size=8, norm_eps=1e-6, residual_in_fp32=False, conv_bias=False, bias=True,
-                     tie_embeddings=False)
+    args = ModelArgs(
+        d_model=32,
+        n_layers=2,
+        vocab_size=50,
+        pad_vocab_size_multiple=16,
+        d_state=8,
+        headdim=8,
+        ngroups=2,
+        chunk_size=8,
+        norm_eps=1e-6,
+        residual_in_fp32=False,
+        conv_bias=False,
+        bias=True,
+        tie_embeddings=False,
+    )
     ours = _perturbed_weights(args, tmp_path / "dcp")
     tokenizer_json = tiny_tokenizer(tmp_path / "tok", with_config)
     files = export_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "hf"), "hf", args, tokenizer_path=tokenizer_json)
@@ -156,9 +200,17 @@ def test_config_fields_and_tokenizer_files_round_trip(tmp_path, with_config):
 
     hf = load_hf(tmp_path / "hf")
     c = hf.config
-    assert (c.vocab_size, c.n_groups, c.chunk_size, c.layer_norm_epsilon, c.residual_in_fp32, c.use_conv_bias,
-            c.use_bias, c.tie_word_embeddings, c.rescale_prenorm_residual) == (64, 2, 8, 1e-6, False, False, True,
-                                                                               False, False)
+    assert (
+        c.vocab_size,
+        c.n_groups,
+        c.chunk_size,
+        c.layer_norm_epsilon,
+        c.residual_in_fp32,
+        c.use_conv_bias,
+        c.use_bias,
+        c.tie_word_embeddings,
+        c.rescale_prenorm_residual,
+    ) == (64, 2, 8, 1e-6, False, False, True, False, False)
     bos = 2 if with_config else 0  # tokenizer_config.json's bos_token, else eos
     assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == (bos, 0, 1)
     assert hf.generation_config.bos_token_id == bos and hf.generation_config.eos_token_id == 0
@@ -172,8 +224,22 @@ def test_config_fields_and_tokenizer_files_round_trip(tmp_path, with_config):
     assert (hf_tok.eos_token_id, hf_tok.pad_token_id, hf_tok.bos_token_id) == (0, 1, bos)
 
     back = import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "back"), "hf")
-    for k in ("d_model", "n_layers", "padded_vocab_size", "ngroups", "chunk_size", "norm_eps", "residual_in_fp32",
-              "conv_bias", "bias", "tie_embeddings", "D_has_hdim", "norm_before_gate", "d_state", "headdim"):
+    for k in (
+        "d_model",
+        "n_layers",
+        "padded_vocab_size",
+        "ngroups",
+        "chunk_size",
+        "norm_eps",
+        "residual_in_fp32",
+        "conv_bias",
+        "bias",
+        "tie_embeddings",
+        "D_has_hdim",
+        "norm_before_gate",
+        "d_state",
+        "headdim",
+    ):
         assert getattr(back, k) == getattr(args, k), k
 
 
@@ -182,8 +248,9 @@ def test_what_hf_cannot_hold_is_refused_before_writing(tmp_path):
     _perturbed_weights(args, tmp_path / "dcp")
     too_big = tiny_tokenizer(tmp_path / "tok", with_config=False)
     with pytest.raises(ValueError, match="has 12 tokens but the model only 10.*--model.tokenizer_path"):
-        export_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "o"), "hf", replace(args, vocab_size=10),
-                          tokenizer_path=too_big)
+        export_checkpoint(
+            str(tmp_path / "dcp"), str(tmp_path / "o"), "hf", replace(args, vocab_size=10), tokenizer_path=too_big
+        )
     with pytest.raises(UnsupportedCheckpoint, match="hybrid"):
         export_checkpoint(str(tmp_path / "dcp"), str(tmp_path / "o"), "hf", replace(args, layer_pattern="M*"))
     with pytest.raises(UnsupportedCheckpoint, match="D_has_hdim"):

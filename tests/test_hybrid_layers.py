@@ -18,8 +18,17 @@ D = 32
 
 
 def _args(**kw) -> ModelArgs:
-    base = dict(d_model=D, n_heads=4, n_kv_heads=2, rope_theta=10000.0, mlp_hidden_dim=48,
-                moe_num_experts=4, moe_top_k=2, moe_hidden_dim=24, moe_shared_experts=0)
+    base = dict(
+        d_model=D,
+        n_heads=4,
+        n_kv_heads=2,
+        rope_theta=10000.0,
+        mlp_hidden_dim=48,
+        moe_num_experts=4,
+        moe_top_k=2,
+        moe_hidden_dim=24,
+        moe_shared_experts=0,
+    )
     base.update(kw)
     return ModelArgs(**base)
 
@@ -292,9 +301,15 @@ def _naive_moe(m: MoE, x_BSD: torch.Tensor, bias: torch.Tensor | None = None) ->
     return out.view_as(x_BSD)
 
 
-@pytest.mark.parametrize("score_func,route_norm,shared", [
-    ("softmax", False, 0), ("softmax", True, 1), ("sigmoid", False, 2), ("sigmoid", True, 0),
-])
+@pytest.mark.parametrize(
+    "score_func,route_norm,shared",
+    [
+        ("softmax", False, 0),
+        ("softmax", True, 1),
+        ("sigmoid", False, 2),
+        ("sigmoid", True, 0),
+    ],
+)
 def test_moe_equals_dense_naive_float64(score_func, route_norm, shared):
     torch.manual_seed(6)
     m = _moe(moe_score_func=score_func, moe_route_norm=route_norm, moe_shared_experts=shared, moe_top_k=2)

@@ -13,8 +13,18 @@ from models.loss import IGNORE_INDEX as LOSS_IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 # The packages that sit above models/ (they import it; it must not import them).
-ABOVE_MODELS = {"data", "configs", "parallelisms", "checkpoint", "components", "generation", "integrations", "train",
-                "evaluate", "generate"}
+ABOVE_MODELS = {
+    "data",
+    "configs",
+    "parallelisms",
+    "checkpoint",
+    "components",
+    "generation",
+    "integrations",
+    "train",
+    "evaluate",
+    "generate",
+}
 
 
 def _imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -31,9 +41,12 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 def test_models_import_nothing_from_the_packages_above_them():
     files = sorted((REPO / "models").rglob("*.py"))
     assert files, "models/ has no Python files: the check would pass vacuously"
-    bad = [f"{path.relative_to(REPO)}:{line} imports {module}"
-           for path in files for line, module in _imported_modules(path)
-           if module.split(".")[0] in ABOVE_MODELS]
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in files
+        for line, module in _imported_modules(path)
+        if module.split(".")[0] in ABOVE_MODELS
+    ]
     assert not bad, "models/ must depend on none of " + ", ".join(sorted(ABOVE_MODELS)) + ":\n" + "\n".join(bad)
 
 

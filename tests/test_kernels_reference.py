@@ -34,8 +34,20 @@ def naive_dt(dt, dt_bias, dt_softplus, dt_limit):
     return dt.clamp(dt_limit[0], dt_limit[1])
 
 
-def naive_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, dt_limit=(0.0, INF),
-              seq_idx=None, initial_states=None):
+def naive_ssd(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=(0.0, INF),
+    seq_idx=None,
+    initial_states=None,
+):
     """Token-by-token recurrence; the state resets where the document id changes (initial state = doc 0)."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
@@ -93,16 +105,18 @@ def make_seq_idx(b, L, boundaries_per_row):
     return torch.stack(rows)[:b]
 
 
-def ssd_inputs(b=2, L=24, H=4, P=3, G=1, N=5, D_shape="H", with_z=True, with_init=True, seed=0,
-               requires_grad=False):
+def ssd_inputs(b=2, L=24, H=4, P=3, G=1, N=5, D_shape="H", with_z=True, with_init=True, seed=0, requires_grad=False):
     g = torch.Generator().manual_seed(seed)
 
     def r(*s, scale=1.0):
         return (torch.randn(*s, generator=g, dtype=F64) * scale).requires_grad_(requires_grad)
 
     inp = dict(
-        x=r(b, L, H, P), dt=r(b, L, H, scale=0.5), A=(-torch.exp(torch.rand(H, generator=g, dtype=F64))),
-        B=r(b, L, G, N), C=r(b, L, G, N),
+        x=r(b, L, H, P),
+        dt=r(b, L, H, scale=0.5),
+        A=(-torch.exp(torch.rand(H, generator=g, dtype=F64))),
+        B=r(b, L, G, N),
+        C=r(b, L, G, N),
         D={"H": r(H), "HP": r(H, P), None: None}[D_shape],
         z=r(b, L, H, P) if with_z else None,
         dt_bias=r(H, scale=0.5),
@@ -116,8 +130,14 @@ def ssd_inputs(b=2, L=24, H=4, P=3, G=1, N=5, D_shape="H", with_z=True, with_ini
 
 def ssd_call(fn, inp, chunk_size=None, **kw):
     args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
-    kwargs = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], seq_idx=inp["seq_idx"],
-                  initial_states=inp["initial_states"], **kw)
+    kwargs = dict(
+        D=inp["D"],
+        z=inp["z"],
+        dt_bias=inp["dt_bias"],
+        seq_idx=inp["seq_idx"],
+        initial_states=inp["initial_states"],
+        **kw,
+    )
     if chunk_size is None:
         return fn(*args, **kwargs)
     return fn(*args, chunk_size, **kwargs, return_final_states=True)
@@ -295,8 +315,26 @@ def test_add_rmsnorm_matches_formula_and_dtypes():
 # ----------------------------------------------------------------------------- (e) fused split path
 
 
-def naive_split_conv1d_scan(zxbcdt, cw, cb, dt_bias, A, D, seq_idx, headdim, ngroups, dstate, d_nonssm,
-                            rms_w, eps, norm_before_gate, wo, bo, init, dt_limit):
+def naive_split_conv1d_scan(
+    zxbcdt,
+    cw,
+    cb,
+    dt_bias,
+    A,
+    D,
+    seq_idx,
+    headdim,
+    ngroups,
+    dstate,
+    d_nonssm,
+    rms_w,
+    eps,
+    norm_before_gate,
+    wo,
+    bo,
+    init,
+    dt_limit,
+):
     b, L, _ = zxbcdt.shape
     H = A.shape[0]
     dim = H * headdim
@@ -304,9 +342,20 @@ def naive_split_conv1d_scan(zxbcdt, cw, cb, dt_bias, A, D, seq_idx, headdim, ngr
     xBC = naive_conv(xBC.transpose(1, 2), cw, cb, seq_idx, "silu").transpose(1, 2)
     x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
     zz = z.reshape(b, L, H, headdim)
-    y, fin = naive_ssd(x.reshape(b, L, H, headdim), dt, A, B.reshape(b, L, ngroups, dstate),
-                       C.reshape(b, L, ngroups, dstate), D=D, z=None if rms_w is not None else zz,
-                       dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit, seq_idx=seq_idx, initial_states=init)
+    y, fin = naive_ssd(
+        x.reshape(b, L, H, headdim),
+        dt,
+        A,
+        B.reshape(b, L, ngroups, dstate),
+        C.reshape(b, L, ngroups, dstate),
+        D=D,
+        z=None if rms_w is not None else zz,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        dt_limit=dt_limit,
+        seq_idx=seq_idx,
+        initial_states=init,
+    )
     y = y.reshape(b, L, dim)
     if rms_w is not None:
         gate = F.silu(z)
@@ -331,8 +380,9 @@ def naive_split_conv1d_scan(zxbcdt, cw, cb, dt_bias, A, D, seq_idx, headdim, ngr
         (1, True, True, False, True, 3, True),
     ],
 )
-def test_split_conv1d_scan_matches_composed(ngroups, D_hdim, use_norm, norm_before_gate, use_outproj, d_nonssm,
-                                            use_init):
+def test_split_conv1d_scan_matches_composed(
+    ngroups, D_hdim, use_norm, norm_before_gate, use_outproj, d_nonssm, use_init
+):
     g = torch.Generator().manual_seed(4)
     b, L, H, P, N, W = 2, 22, 4, 3, 4, 4
     dim = H * P
@@ -350,23 +400,59 @@ def test_split_conv1d_scan_matches_composed(ngroups, D_hdim, use_norm, norm_befo
     init = r(b, H, P, N) if use_init else None
     seq = make_seq_idx(b, L, [[6, 11], [16]])
     out, fin = mamba_split_conv1d_scan_ref(
-        zxbcdt, cw, cb, dt_bias, A, D, 8, seq_idx=seq, dt_limit=(0.0, 3.0), activation="silu",
-        rmsnorm_weight=rms_w, rmsnorm_eps=1e-5, outproj_weight=wo, outproj_bias=bo, headdim=P, ngroups=ngroups,
-        norm_before_gate=norm_before_gate, initial_states=init, return_final_states=True,
+        zxbcdt,
+        cw,
+        cb,
+        dt_bias,
+        A,
+        D,
+        8,
+        seq_idx=seq,
+        dt_limit=(0.0, 3.0),
+        activation="silu",
+        rmsnorm_weight=rms_w,
+        rmsnorm_eps=1e-5,
+        outproj_weight=wo,
+        outproj_bias=bo,
+        headdim=P,
+        ngroups=ngroups,
+        norm_before_gate=norm_before_gate,
+        initial_states=init,
+        return_final_states=True,
     )
-    ref, fin_ref = naive_split_conv1d_scan(zxbcdt, cw, cb, dt_bias, A, D, seq, P, ngroups, N, d_nonssm, rms_w,
-                                           1e-5, norm_before_gate, wo, bo, init, (0.0, 3.0))
+    ref, fin_ref = naive_split_conv1d_scan(
+        zxbcdt,
+        cw,
+        cb,
+        dt_bias,
+        A,
+        D,
+        seq,
+        P,
+        ngroups,
+        N,
+        d_nonssm,
+        rms_w,
+        1e-5,
+        norm_before_gate,
+        wo,
+        bo,
+        init,
+        (0.0, 3.0),
+    )
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(fin, fin_ref, rtol=1e-10, atol=1e-10)
 
 
 def test_split_conv1d_scan_bad_sizes():
     with pytest.raises(ValueError, match="zxbcdt last dim"):
-        mamba_split_conv1d_scan_ref(torch.randn(1, 4, 27), torch.randn(16, 4), None, torch.zeros(2),
-                                    -torch.ones(2), torch.ones(2), 4, headdim=4)
+        mamba_split_conv1d_scan_ref(
+            torch.randn(1, 4, 27), torch.randn(16, 4), None, torch.zeros(2), -torch.ones(2), torch.ones(2), 4, headdim=4
+        )
     with pytest.raises(ValueError, match="headdim"):
-        mamba_split_conv1d_scan_ref(torch.randn(1, 4, 26), torch.randn(16, 4), None, torch.zeros(2),
-                                    -torch.ones(2), torch.ones(2), 4)
+        mamba_split_conv1d_scan_ref(
+            torch.randn(1, 4, 26), torch.randn(16, 4), None, torch.zeros(2), -torch.ones(2), torch.ones(2), 4
+        )
 
 
 # ----------------------------------------------------------------------------- (f) gradients
@@ -433,8 +519,9 @@ def test_ssd_chunked_memory_is_per_chunk():
 def test_dispatch_on_cpu():
     inp = ssd_inputs()
     for backend in ("auto", "reference"):
-        torch.testing.assert_close(ssd_call(ssd_chunk_scan, inp, 8, backend=backend),
-                                   ssd_call(ssd_chunk_scan_ref, inp, 8))
+        torch.testing.assert_close(
+            ssd_call(ssd_chunk_scan, inp, 8, backend=backend), ssd_call(ssd_chunk_scan_ref, inp, 8)
+        )
     with pytest.raises(ValueError, match="CUDA tensors"):
         ssd_call(ssd_chunk_scan, inp, 8, backend="cuda")
     with pytest.raises(ValueError, match="CUDA tensors"):
@@ -444,8 +531,9 @@ def test_dispatch_on_cpu():
     x = torch.randn(1, 4, 6)
     w = torch.randn(4, 3)
     torch.testing.assert_close(causal_conv1d(x, w, backend="auto"), causal_conv1d_ref(x, w))
-    torch.testing.assert_close(rmsnorm_gated(x, torch.ones(6), backend="reference"),
-                               rmsnorm_gated_ref(x, torch.ones(6)))
+    torch.testing.assert_close(
+        rmsnorm_gated(x, torch.ones(6), backend="reference"), rmsnorm_gated_ref(x, torch.ones(6))
+    )
     torch.testing.assert_close(add_rmsnorm(x, x, torch.ones(6))[0], add_rmsnorm_ref(x, x, torch.ones(6))[0])
     assert callable(mamba_split_conv1d_scan)
     # Importing the kernel layer must never import mamba_ssm / causal_conv1d.
@@ -455,14 +543,16 @@ def test_dispatch_on_cpu():
 def test_bad_inputs_raise_clear_errors():
     inp = ssd_inputs()
     with pytest.raises(ValueError, match="ngroups=3 must divide nheads=4"):
-        ssd_chunk_scan_ref(inp["x"], inp["dt"], inp["A"], torch.randn(2, 24, 3, 5, dtype=F64),
-                           torch.randn(2, 24, 3, 5, dtype=F64), 8)
+        ssd_chunk_scan_ref(
+            inp["x"], inp["dt"], inp["A"], torch.randn(2, 24, 3, 5, dtype=F64), torch.randn(2, 24, 3, 5, dtype=F64), 8
+        )
     bad_seq = inp["seq_idx"].flip(1)
     with pytest.raises(ValueError, match="non-decreasing"):
         ssd_chunk_scan_ref(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 8, seq_idx=bad_seq)
     with pytest.raises(ValueError, match="initial_states"):
-        ssd_chunk_scan_ref(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 8,
-                           initial_states=torch.zeros(2, 4, 3, 4, dtype=F64))
+        ssd_chunk_scan_ref(
+            inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], 8, initial_states=torch.zeros(2, 4, 3, 4, dtype=F64)
+        )
 
 
 # ----------------------------------------------------------------------------- CUDA wrapper plumbing
@@ -476,16 +566,52 @@ def test_cuda_wrappers_pass_arguments_like_upstream(monkeypatch):
     """
     from models.kernels import cuda as kcuda
 
-    def chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
-                   cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, INF), return_final_states=False,
-                   return_varlen_states=False):
+    def chunk_scan(
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        z=None,
+        dt_bias=None,
+        initial_states=None,
+        seq_idx=None,
+        cu_seqlens=None,
+        dt_softplus=False,
+        dt_limit=(0.0, INF),
+        return_final_states=False,
+        return_varlen_states=False,
+    ):
         assert seq_idx is None or (seq_idx.dtype == torch.int32 and seq_idx.is_contiguous())
-        return ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                                  dt_limit=dt_limit, seq_idx=seq_idx, initial_states=initial_states,
-                                  return_final_states=return_final_states)
+        return ssd_chunk_scan_ref(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+            seq_idx=seq_idx,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+        )
 
-    def conv_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                final_states_out=None, activation=None):
+    def conv_fn(
+        x,
+        weight,
+        bias=None,
+        seq_idx=None,
+        initial_states=None,
+        return_final_states=False,
+        final_states_out=None,
+        activation=None,
+    ):
         if seq_idx is not None:
             assert seq_idx.dtype == torch.int32 and x.stride(1) == 1 and x.stride(2) % 8 == 0
         assert bias is None or bias.dtype == weight.dtype
@@ -495,25 +621,79 @@ def test_cuda_wrappers_pass_arguments_like_upstream(monkeypatch):
         assert bias is None
         return rmsnorm_gated_ref(x, weight, z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
 
-    def rms_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=None, eps=1e-6, dropout_p=0.0,
-               rowscale=None, prenorm=False, residual_in_fp32=False, return_dropout_mask=False):
+    def rms_fn(
+        x,
+        weight,
+        bias,
+        residual=None,
+        x1=None,
+        weight1=None,
+        bias1=None,
+        eps=1e-6,
+        dropout_p=0.0,
+        rowscale=None,
+        prenorm=False,
+        residual_in_fp32=False,
+        return_dropout_mask=False,
+    ):
         assert prenorm and bias is None
         return add_rmsnorm_ref(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
 
-    def split_fn(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None, seq_idx=None,
-                 dt_limit=(0.0, INF), return_final_states=False, activation="silu", rmsnorm_weight=None,
-                 rmsnorm_eps=1e-6, outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1,
-                 norm_before_gate=True):
+    def split_fn(
+        zxbcdt,
+        conv1d_weight,
+        conv1d_bias,
+        dt_bias,
+        A,
+        D,
+        chunk_size,
+        initial_states=None,
+        seq_idx=None,
+        dt_limit=(0.0, INF),
+        return_final_states=False,
+        activation="silu",
+        rmsnorm_weight=None,
+        rmsnorm_eps=1e-6,
+        outproj_weight=None,
+        outproj_bias=None,
+        headdim=None,
+        ngroups=1,
+        norm_before_gate=True,
+    ):
         assert seq_idx is None or seq_idx.dtype == torch.int32
         return mamba_split_conv1d_scan_ref(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,
-            activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-            outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
-            norm_before_gate=norm_before_gate, initial_states=initial_states, return_final_states=return_final_states)
+            zxbcdt,
+            conv1d_weight,
+            conv1d_bias,
+            dt_bias,
+            A,
+            D,
+            chunk_size,
+            seq_idx=seq_idx,
+            dt_limit=dt_limit,
+            activation=activation,
+            rmsnorm_weight=rmsnorm_weight,
+            rmsnorm_eps=rmsnorm_eps,
+            outproj_weight=outproj_weight,
+            outproj_bias=outproj_bias,
+            headdim=headdim,
+            ngroups=ngroups,
+            norm_before_gate=norm_before_gate,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+        )
 
-    monkeypatch.setattr(kcuda, "_KERNELS", dict(
-        mamba_chunk_scan_combined=chunk_scan, causal_conv1d_fn=conv_fn, rmsnorm_fn=gated_fn, rms_norm_fn=rms_fn,
-        mamba_split_conv1d_scan_combined=split_fn))
+    monkeypatch.setattr(
+        kcuda,
+        "_KERNELS",
+        dict(
+            mamba_chunk_scan_combined=chunk_scan,
+            causal_conv1d_fn=conv_fn,
+            rmsnorm_fn=gated_fn,
+            rms_norm_fn=rms_fn,
+            mamba_split_conv1d_scan_combined=split_fn,
+        ),
+    )
 
     inp = ssd_inputs()
     inp["seq_idx"] = inp["seq_idx"].long()
@@ -526,25 +706,43 @@ def test_cuda_wrappers_pass_arguments_like_upstream(monkeypatch):
     w, bias = torch.randn(16, 4, generator=g), torch.randn(16, generator=g).double()
     seq = make_seq_idx(2, 15, [[4], [9]]).long()
     for xv in (x_BLD[..., :16].transpose(1, 2), x_BLD[..., :16].transpose(1, 2).contiguous()):  # strided, chan-first
-        torch.testing.assert_close(kcuda.causal_conv1d_cuda(xv, w, bias, seq, "silu"),
-                                   causal_conv1d_ref(xv, w, bias.float(), seq, "silu"))
+        torch.testing.assert_close(
+            kcuda.causal_conv1d_cuda(xv, w, bias, seq, "silu"), causal_conv1d_ref(xv, w, bias.float(), seq, "silu")
+        )
     with pytest.raises(ValueError, match="multiple of 8"):
         kcuda.causal_conv1d_cuda(torch.randn(1, 6, 5), torch.randn(6, 4), None, seq[:1, :5])
 
     z = torch.randn(2, 15, 16, generator=g)
-    torch.testing.assert_close(kcuda.rmsnorm_gated_cuda(x_BLD[..., :16], torch.ones(16), z, group_size=8),
-                               rmsnorm_gated_ref(x_BLD[..., :16], torch.ones(16), z, group_size=8))
-    for a, e in zip(kcuda.add_rmsnorm_cuda(x_BLD, None, torch.ones(24), residual_in_fp32=True),
-                    add_rmsnorm_ref(x_BLD, None, torch.ones(24), residual_in_fp32=True)):
+    torch.testing.assert_close(
+        kcuda.rmsnorm_gated_cuda(x_BLD[..., :16], torch.ones(16), z, group_size=8),
+        rmsnorm_gated_ref(x_BLD[..., :16], torch.ones(16), z, group_size=8),
+    )
+    for a, e in zip(
+        kcuda.add_rmsnorm_cuda(x_BLD, None, torch.ones(24), residual_in_fp32=True),
+        add_rmsnorm_ref(x_BLD, None, torch.ones(24), residual_in_fp32=True),
+    ):
         torch.testing.assert_close(a, e)
 
     H, P, N = 8, 2, 4  # zxbcdt width 48 and 24 conv channels: multiples of 8, as the fused kernel needs
     dim, conv_dim = H * P, H * P + 2 * N
     zxbcdt = torch.randn(2, 15, dim + conv_dim + H, generator=g)
-    args = (zxbcdt, torch.randn(conv_dim, 4, generator=g), torch.randn(conv_dim, generator=g), torch.zeros(H),
-            -torch.ones(H), torch.ones(H), 8)
-    kw = dict(seq_idx=seq, rmsnorm_weight=torch.ones(dim), headdim=P, norm_before_gate=False,
-              initial_states=torch.randn(2, H, P, N, generator=g), return_final_states=True)
+    args = (
+        zxbcdt,
+        torch.randn(conv_dim, 4, generator=g),
+        torch.randn(conv_dim, generator=g),
+        torch.zeros(H),
+        -torch.ones(H),
+        torch.ones(H),
+        8,
+    )
+    kw = dict(
+        seq_idx=seq,
+        rmsnorm_weight=torch.ones(dim),
+        headdim=P,
+        norm_before_gate=False,
+        initial_states=torch.randn(2, H, P, N, generator=g),
+        return_final_states=True,
+    )
     for a, e in zip(kcuda.mamba_split_conv1d_scan_cuda(*args, **kw), mamba_split_conv1d_scan_ref(*args, **kw)):
         torch.testing.assert_close(a, e)
 

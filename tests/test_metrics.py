@@ -22,12 +22,16 @@ def _active_matmul_params(model: nn.Module, top_k: int, num_experts: int) -> int
     return n
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # every hidden size given explicitly
-    {"d_model": 112, "mlp_hidden_dim": 0, "moe_hidden_dim": 0},  # the default formulas (8/3 * d rounded to 64)
-    # fewer MLP units than top_k: the experts are 0 wide; metrics' old copy of the formula counted 1
-    {"mlp_hidden_dim": 3, "moe_hidden_dim": 0, "moe_top_k": 4, "moe_shared_experts": 0},
-], ids=["explicit", "default-formulas", "tiny-mlp"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # every hidden size given explicitly
+        {"d_model": 112, "mlp_hidden_dim": 0, "moe_hidden_dim": 0},  # the default formulas (8/3 * d rounded to 64)
+        # fewer MLP units than top_k: the experts are 0 wide; metrics' old copy of the formula counted 1
+        {"mlp_hidden_dim": 3, "moe_hidden_dim": 0, "moe_top_k": 4, "moe_shared_experts": 0},
+    ],
+    ids=["explicit", "default-formulas", "tiny-mlp"],
+)
 def test_six_n_counts_the_matmul_parameters_the_model_builds(overrides):
     args = build_model_args("hybrid_moe_debug", overrides)
     assert set(args.layer_types) == set("M*-E")

@@ -52,17 +52,31 @@ def stand_in_wandb(monkeypatch):
 
 
 def _config(tmp_path, *overrides: str):
-    return load_config(["--job.config_file", "configs/debug.toml", "--job.dump_folder", str(tmp_path / "run"),
-                        "--metrics.enable_wandb", "true", *overrides])
+    return load_config(
+        [
+            "--job.config_file",
+            "configs/debug.toml",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--metrics.enable_wandb",
+            "true",
+            *overrides,
+        ]
+    )
 
 
 def test_rank0_logs_to_wandb_offline_what_tensorboard_gets(tmp_path, stand_in_wandb):
     cfg = _config(tmp_path)
     logger = MetricsLogger.from_config(cfg, is_rank0=True)
-    (name, kwargs), = stand_in_wandb
+    ((name, kwargs),) = stand_in_wandb
     assert name == "init"
-    assert kwargs == {"project": "mambatitan", "name": "run", "mode": "offline", "dir": str(tmp_path / "run"),
-                      "config": dataclasses.asdict(cfg)}
+    assert kwargs == {
+        "project": "mambatitan",
+        "name": "run",
+        "mode": "offline",
+        "dir": str(tmp_path / "run"),
+        "config": dataclasses.asdict(cfg),
+    }
     logger.tb.close()
     logger.tb = _ScalarRecorder()
     base = {"loss": 2.5, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_sec": 10.0, "mfu": 0.0, "memory_gib": 0.5}
@@ -85,18 +99,30 @@ def test_other_ranks_start_no_wandb_run(tmp_path, stand_in_wandb):
     assert stand_in_wandb == []
 
 
-@pytest.mark.parametrize("setting, env, expected", [
-    ("auto", {}, "offline"),
-    ("auto", {"WANDB_API_KEY": "k"}, "online"),
-    ("auto", {"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"),
-    ("offline", {"WANDB_API_KEY": "k"}, "offline"),
-    ("online", {}, "online"),
-])
+@pytest.mark.parametrize(
+    "setting, env, expected",
+    [
+        ("auto", {}, "offline"),
+        ("auto", {"WANDB_API_KEY": "k"}, "online"),
+        ("auto", {"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}, "offline"),
+        ("offline", {"WANDB_API_KEY": "k"}, "offline"),
+        ("online", {}, "online"),
+    ],
+)
 def test_wandb_mode(tmp_path, stand_in_wandb, monkeypatch, setting, env, expected):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    cfg = _config(tmp_path, "--metrics.wandb_mode", setting, "--metrics.wandb_project", "p",
-                  "--metrics.wandb_run_name", "r", "--metrics.enable_tensorboard", "false")
+    cfg = _config(
+        tmp_path,
+        "--metrics.wandb_mode",
+        setting,
+        "--metrics.wandb_project",
+        "p",
+        "--metrics.wandb_run_name",
+        "r",
+        "--metrics.enable_tensorboard",
+        "false",
+    )
     MetricsLogger.from_config(cfg, is_rank0=True).close()
     kwargs = stand_in_wandb[0][1]
     assert (kwargs["mode"], kwargs["project"], kwargs["name"]) == (expected, "p", "r")

@@ -96,8 +96,9 @@ def test_init_is_layout_independent():
     other = build_model_on_meta(args)
     other.to_empty(device="cpu")
     init_weights(other, seed=8)
-    assert not torch.equal(dict(other.named_parameters())["layers.2.mixer.in_proj.weight"],
-                           ref["layers.2.mixer.in_proj.weight"])
+    assert not torch.equal(
+        dict(other.named_parameters())["layers.2.mixer.in_proj.weight"], ref["layers.2.mixer.in_proj.weight"]
+    )
 
 
 def test_init_matches_mamba_ssm_scheme():
@@ -109,7 +110,7 @@ def test_init_matches_mamba_ssm_scheme():
     A = torch.exp(mixer.A_log)
     assert A.min() >= a.A_init_min and A.max() <= a.A_init_max
     assert torch.all(mixer.D == 1) and torch.all(mixer.norm.weight == 1)
-    bound = 1 / (a.d_inner ** 0.5) / (a.n_layers ** 0.5)  # out_proj rescaled by 1/sqrt(n_layers)
+    bound = 1 / (a.d_inner**0.5) / (a.n_layers**0.5)  # out_proj rescaled by 1/sqrt(n_layers)
     assert mixer.out_proj.weight.abs().max() <= bound
     assert abs(model.tok_embeddings.weight.std().item() - a.initializer_range) < 0.005
 

@@ -14,12 +14,16 @@ def reference(tmp_path_factory):
 CP = "--parallelism.context_parallel_degree"
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, [CP, "2"]),
-    (2, [CP, "2", "--parallelism.context_parallel_load_balance", "true"]),
-    (4, [CP, "4"]),  # one B/C group, replicated over 4 ranks
-    (4, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
-], ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, [CP, "2"]),
+        (2, [CP, "2", "--parallelism.context_parallel_load_balance", "true"]),
+        (4, [CP, "4"]),  # one B/C group, replicated over 4 ranks
+        (4, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    ],
+    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2"],
+)
 def test_context_parallel_matches_single_process(reference, tmp_path, nproc, layout):
     assert_same_losses(reference, run_training(nproc, PARITY_ARGS + layout, tmp_path))
 
@@ -39,9 +43,24 @@ def test_cp_shape_errors_before_compute(tmp_path):
 
     from tests.parity import REPO
 
-    r = subprocess.run([sys.executable, "train.py", *PARITY_ARGS, "--training.seq_len", "66",
-                        "--parallelism.context_parallel_degree", "2",
-                        "--parallelism.context_parallel_load_balance", "true", "--job.dump_folder", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=""))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *PARITY_ARGS,
+            "--training.seq_len",
+            "66",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_load_balance",
+            "true",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, WORLD_SIZE="2", CUDA_VISIBLE_DEVICES=""),
+    )
     assert r.returncode != 0 and "training.seq_len=66" in r.stderr, r.stderr[-2000:]

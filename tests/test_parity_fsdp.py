@@ -17,10 +17,19 @@ def reference(tmp_path_factory):
     return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("ref"))
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "1"],  # one unit per block
-    ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],  # auto
-], ids=["fsdp4", "hsdp2x2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [
+            "--parallelism.data_parallel_shard_degree",
+            "4",
+            "--parallelism.fsdp_blocks_per_unit",
+            "1",
+        ],  # one unit per block
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],  # auto
+    ],
+    ids=["fsdp4", "hsdp2x2"],
+)
 def test_data_parallel_matches_single_process(reference, tmp_path, layout):
     assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))
 
@@ -31,11 +40,21 @@ def test_fsdp2_with_gradient_accumulation(reference, tmp_path):
     assert_same_losses(reference, got)
 
 
-@pytest.mark.parametrize("layout", [
-    ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "3"],  # units 0-2, 3
-    ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-     "--parallelism.fsdp_blocks_per_unit", "2"],
-], ids=["fsdp4-3-blocks-per-unit", "pp2xfsdp2-2-blocks-per-unit"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "3"],  # units 0-2, 3
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--parallelism.fsdp_blocks_per_unit",
+            "2",
+        ],
+    ],
+    ids=["fsdp4-3-blocks-per-unit", "pp2xfsdp2-2-blocks-per-unit"],
+)
 def test_several_blocks_per_fsdp_unit(reference, tmp_path, layout):
     assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))
 
@@ -66,12 +85,18 @@ def test_checkpoint_between_ddp_and_fsdp(reference, tmp_path, save, resume):
 def _launch(nproc: int, args: list[str], dump_folder) -> subprocess.Popen:
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-                "--rdzv_endpoint=localhost:0"]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+        ]
     cmd += ["train.py", *args, "--job.dump_folder", str(dump_folder)]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
 
 
 def _kill_when_folder_appears(proc: subprocess.Popen, folder, timeout: float = 300) -> None:
@@ -88,8 +113,14 @@ def _kill_when_folder_appears(proc: subprocess.Popen, folder, timeout: float = 3
 @pytest.mark.parametrize("first_nproc, resume_nproc", [(1, 1), (4, 2)], ids=["same-layout", "fsdp4-to-fsdp2"])
 def test_sigkill_then_resume_gives_uninterrupted_losses(tmp_path, first_nproc, resume_nproc):
     steps, interval = (8, 4) if first_nproc == 1 else (6, 3)
-    args = PARITY_ARGS + ["--training.steps", str(steps), "--checkpoint.enable", "true",
-                          "--checkpoint.interval", str(interval)]
+    args = PARITY_ARGS + [
+        "--training.steps",
+        str(steps),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        str(interval),
+    ]
 
     def layout(n):
         return ["--parallelism.data_parallel_shard_degree", str(n)] if n > 1 else []
@@ -109,8 +140,16 @@ def test_async_checkpoint_resumes_exactly(tmp_path):
     uninterrupted losses; keep_latest_k prunes older complete checkpoints."""
     import shutil
 
-    args = PARITY_ARGS + ["--checkpoint.enable", "true", "--checkpoint.interval", "2", "--checkpoint.async_mode",
-                          "async", "--parallelism.data_parallel_shard_degree", "2"]
+    args = PARITY_ARGS + [
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ]
     whole = run_training(2, args, tmp_path / "whole")
     shutil.copytree(tmp_path / "whole" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
     resumed = run_training(2, args + ["--checkpoint.keep_latest_k", "1"], tmp_path / "resumed")

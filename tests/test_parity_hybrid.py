@@ -17,12 +17,38 @@ import pytest
 from tests.parity import assert_same_losses, losses_by_step, run_training
 
 HYBRID_ARGS = [
-    "--job.config_file", "configs/hybrid_moe_debug.toml",
-    "--model.d_model", "64", "--model.d_state", "16", "--model.headdim", "16", "--model.chunk_size", "16",
-    "--model.moe_hidden_dim", "32", "--model.mlp_hidden_dim", "64", "--model.moe_load_balance_coeff", "1e-2",
-    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-    "--training.steps", "4", "--training.deterministic", "true", "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false",
+    "--job.config_file",
+    "configs/hybrid_moe_debug.toml",
+    "--model.d_model",
+    "64",
+    "--model.d_state",
+    "16",
+    "--model.headdim",
+    "16",
+    "--model.chunk_size",
+    "16",
+    "--model.moe_hidden_dim",
+    "32",
+    "--model.mlp_hidden_dim",
+    "64",
+    "--model.moe_load_balance_coeff",
+    "1e-2",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "4",
+    "--training.deterministic",
+    "true",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
 ]
 EP = "--parallelism.expert_parallel_degree"
 CP = "--parallelism.context_parallel_degree"
@@ -49,25 +75,33 @@ def reference(tmp_path_factory):
     return run_training(1, HYBRID_ARGS, tmp_path_factory.mktemp("ref"))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, [SHARD, "2"]),
-    (2, [EP, "2"]),
-    (4, [EP, "4"]),
-    (4, [PP, "2", EP, "2"]),  # the pattern's '|' splits "M*ME" | "M-ME": one MoE layer per stage
-    (2, [CP, "2"]),           # attention and Mamba layers under all-to-all CP
-], ids=["fsdp2", "ep2", "ep4", "pp2xep2", "cp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, [SHARD, "2"]),
+        (2, [EP, "2"]),
+        (4, [EP, "4"]),
+        (4, [PP, "2", EP, "2"]),  # the pattern's '|' splits "M*ME" | "M-ME": one MoE layer per stage
+        (2, [CP, "2"]),  # attention and Mamba layers under all-to-all CP
+    ],
+    ids=["fsdp2", "ep2", "ep4", "pp2xep2", "cp2"],
+)
 def test_hybrid_matches_single_process(reference, tmp_path, nproc, layout):
     assert_parity(reference, run_training(nproc, HYBRID_ARGS + layout, tmp_path))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout", [
-    (4, [EP, "2"]),                                                   # efsdp 2: experts also FSDP-sharded
-    (4, ["--parallelism.data_parallel_replicate_degree", "2", SHARD, "2", EP, "2"]),  # HSDP x EP
-    (2, [CP, "2", EP, "2"]),                                          # EP borrowing the CP ranks
-    (4, [CP, "2", SHARD, "2", EP, "4", "--parallelism.context_parallel_load_balance", "true"]),
-    (4, [PP, "2", EP, "2", "--parallelism.pipeline_parallel_schedule", "GPipe"]),
-], ids=["ep2-efsdp2", "hsdp2xep2", "cp2xep2", "cp2xfsdp2xep4-balanced", "pp2xep2-gpipe"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (4, [EP, "2"]),  # efsdp 2: experts also FSDP-sharded
+        (4, ["--parallelism.data_parallel_replicate_degree", "2", SHARD, "2", EP, "2"]),  # HSDP x EP
+        (2, [CP, "2", EP, "2"]),  # EP borrowing the CP ranks
+        (4, [CP, "2", SHARD, "2", EP, "4", "--parallelism.context_parallel_load_balance", "true"]),
+        (4, [PP, "2", EP, "2", "--parallelism.pipeline_parallel_schedule", "GPipe"]),
+    ],
+    ids=["ep2-efsdp2", "hsdp2xep2", "cp2xep2", "cp2xfsdp2xep4-balanced", "pp2xep2-gpipe"],
+)
 def test_hybrid_more_layouts_match_single_process(reference, tmp_path, nproc, layout):
     assert_parity(reference, run_training(nproc, HYBRID_ARGS + layout, tmp_path))
 
@@ -108,9 +142,21 @@ def test_checkpoint_saved_at_ep4_resumes_at_ep2_efsdp2(reference, tmp_path):
 
 def test_hybrid_moe_debug_config_trains(tmp_path):
     """configs/hybrid_moe_debug.toml as shipped (only shortened to 20 steps) learns on the CPU."""
-    losses = [r["loss"] for r in run_training(1, ["--job.config_file", "configs/hybrid_moe_debug.toml",
-                                                  "--training.steps", "20", "--metrics.enable_tensorboard", "false"],
-                                              tmp_path)]
+    losses = [
+        r["loss"]
+        for r in run_training(
+            1,
+            [
+                "--job.config_file",
+                "configs/hybrid_moe_debug.toml",
+                "--training.steps",
+                "20",
+                "--metrics.enable_tensorboard",
+                "false",
+            ],
+            tmp_path,
+        )
+    ]
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses  # 5.7 -> ~2.5 on the embedded corpus
     assert all(r < losses[0] for r in losses[1:]), losses

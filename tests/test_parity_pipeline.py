@@ -16,14 +16,24 @@ def reference(tmp_path_factory):
     return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("ref"))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_pack", "stack"]),
-    (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "GPipe", "--parallelism.pipeline_parallel_pack", "sum"]),
-    # 4 layers -> 4 virtual stages of one layer, two per rank (stages 0, 2 on rank 0)
-    (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
-    # pp 2 x dp_shard 2: each FSDP pair runs 4 microbatches of its 4 rows
-    (4, PP2 + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"]),
-], ids=["pp2-1f1b-stack", "pp2-gpipe-sum", "pp2-interleaved1f1b", "pp2xfsdp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (
+            2,
+            PP2 + ["--parallelism.pipeline_parallel_schedule", "1F1B", "--parallelism.pipeline_parallel_pack", "stack"],
+        ),
+        (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "GPipe", "--parallelism.pipeline_parallel_pack", "sum"]),
+        # 4 layers -> 4 virtual stages of one layer, two per rank (stages 0, 2 on rank 0)
+        (2, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]),
+        # pp 2 x dp_shard 2: each FSDP pair runs 4 microbatches of its 4 rows
+        (
+            4,
+            PP2 + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+        ),
+    ],
+    ids=["pp2-1f1b-stack", "pp2-gpipe-sum", "pp2-interleaved1f1b", "pp2xfsdp2"],
+)
 def test_pipeline_matches_single_process(reference, tmp_path, nproc, layout):
     assert_same_losses(reference, run_training(nproc, PARITY_ARGS + layout, tmp_path))
 
@@ -38,9 +48,16 @@ def test_other_schedules_match_single_process(reference, tmp_path, schedule):
 @pytest.mark.slow
 def test_weighted_split_microbatch_2_and_hsdp(reference, tmp_path):
     # uneven stages (layer 0 | layers 1-3), microbatches of 2 rows, HSDP: 2 replicas under PP 2
-    layout = PP2 + ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
-                    "1", "--parallelism.pipeline_parallel_split_points", "[1]",
-                    "--parallelism.pipeline_parallel_microbatch_size", "2"]
+    layout = PP2 + [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.pipeline_parallel_split_points",
+        "[1]",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ]
     assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))
 
 

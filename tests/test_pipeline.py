@@ -59,6 +59,7 @@ def test_weighted_split_gives_end_stages_fewer_layers():
     assert sizes(split_layers(6, 3, first_last_weight=100)) == [1, 4, 1]
     # a single stage ignores the weight
     assert sizes(split_layers(7, 1, first_last_weight=3)) == [7]
+
     # the largest stage cost is within one layer of the best possible (brute force over all cuts)
     def worst(cuts, n, s, w):
         e = [0, *cuts, n]
@@ -72,8 +73,12 @@ def test_weighted_split_gives_end_stages_fewer_layers():
 
 def test_explicit_splits():
     assert sizes(stage_layer_ranges(24, "", 4, "1F1B", split_points=[4, 12, 20])) == [4, 8, 8, 4]
-    assert stage_layer_ranges(9, "MM*|-ME|M|MM", 2, "Interleaved1F1B") == [range(3), range(3, 6), range(6, 7),
-                                                                          range(7, 9)]
+    assert stage_layer_ranges(9, "MM*|-ME|M|MM", 2, "Interleaved1F1B") == [
+        range(3),
+        range(3, 6),
+        range(6, 7),
+        range(7, 9),
+    ]
     assert ranges_from_pattern("M*ME|M-ME") == [range(4), range(4, 8)]
 
 
@@ -88,22 +93,31 @@ def test_virtual_stages():
     assert canonical_schedule("interleaved1f1b") == "Interleaved1F1B"
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(n_layers=3, pp=4, schedule="1F1B"), "only 3 layers"),
-    (dict(n_layers=8, pp=2, schedule="1F1B", split_points=[4, 2]), "strictly increasing"),
-    (dict(n_layers=8, pp=2, schedule="1F1B", split_points=[9]), r"must lie in \[1, 7\]"),
-    (dict(n_layers=8, pp=2, schedule="1F1B", split_points=[2, 4]), "exactly one stage per rank"),
-    (dict(n_layers=6, pp=2, schedule="1F1B", pattern="MM|MM|MM"), "exactly one stage per rank"),
-    (dict(n_layers=6, pp=2, schedule="Interleaved1F1B", pattern="MM|MM|MM"), "do not divide"),
-    (dict(n_layers=6, pp=2, schedule="Interleaved1F1B", pattern="MMM|MMM", layers_per_stage=1), "make them agree"),
-    (dict(n_layers=4, pp=2, schedule="MyFancy"), "choose one of"),
-    (dict(n_layers=4, pp=2, schedule="1F1B", pattern="MM||MM"), "empty pipeline stage"),
-    (dict(n_layers=12, pp=2, schedule="ZBVZeroBubble", layers_per_stage=2), "exactly 2 stages per rank"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(n_layers=3, pp=4, schedule="1F1B"), "only 3 layers"),
+        (dict(n_layers=8, pp=2, schedule="1F1B", split_points=[4, 2]), "strictly increasing"),
+        (dict(n_layers=8, pp=2, schedule="1F1B", split_points=[9]), r"must lie in \[1, 7\]"),
+        (dict(n_layers=8, pp=2, schedule="1F1B", split_points=[2, 4]), "exactly one stage per rank"),
+        (dict(n_layers=6, pp=2, schedule="1F1B", pattern="MM|MM|MM"), "exactly one stage per rank"),
+        (dict(n_layers=6, pp=2, schedule="Interleaved1F1B", pattern="MM|MM|MM"), "do not divide"),
+        (dict(n_layers=6, pp=2, schedule="Interleaved1F1B", pattern="MMM|MMM", layers_per_stage=1), "make them agree"),
+        (dict(n_layers=4, pp=2, schedule="MyFancy"), "choose one of"),
+        (dict(n_layers=4, pp=2, schedule="1F1B", pattern="MM||MM"), "empty pipeline stage"),
+        (dict(n_layers=12, pp=2, schedule="ZBVZeroBubble", layers_per_stage=2), "exactly 2 stages per rank"),
+    ],
+)
 def test_split_errors(kw, match):
     with pytest.raises(ValueError, match=match):
-        stage_layer_ranges(kw["n_layers"], kw.get("pattern", ""), kw["pp"], kw["schedule"],
-                           kw.get("layers_per_stage", -1), kw.get("split_points"))
+        stage_layer_ranges(
+            kw["n_layers"],
+            kw.get("pattern", ""),
+            kw["pp"],
+            kw["schedule"],
+            kw.get("layers_per_stage", -1),
+            kw.get("split_points"),
+        )
 
 
 def _cfg(**parallelism):
@@ -138,9 +152,15 @@ def test_validate_pipeline_errors():
     errs = _pipeline_errors(_cfg(pipeline_parallel_microbatch_size=8), pd, ok)  # 1 microbatch < 2 stages
     assert len(errs) == 1 and "at least as many microbatches" in errs[0]
     pd4 = ParallelDims(pp=4, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=4)
-    errs = _pipeline_errors(_cfg(pipeline_parallel_schedule="Interleaved1F1B", pipeline_parallel_microbatch_size=1,
-                                 pipeline_parallel_split_points=[1, 2, 3, 4, 5, 6, 7]), pd4,
-                            ModelArgs(n_layers=8, tie_embeddings=False))
+    errs = _pipeline_errors(
+        _cfg(
+            pipeline_parallel_schedule="Interleaved1F1B",
+            pipeline_parallel_microbatch_size=1,
+            pipeline_parallel_split_points=[1, 2, 3, 4, 5, 6, 7],
+        ),
+        pd4,
+        ModelArgs(n_layers=8, tie_embeddings=False),
+    )
     assert errs == []  # 8 microbatches, 2 rounds
     cfg = _cfg(pipeline_parallel_schedule="Interleaved1F1B")
     cfg.training.global_batch_size = 6  # 6 microbatches over pp 4: rounds = 1, fine; 10 over 4: 2 rounds, 10 % 2 = 0
@@ -148,8 +168,9 @@ def test_validate_pipeline_errors():
     cfg.training.global_batch_size = 9  # 9 microbatches: 2 rounds, 9 % 2 != 0
     errs = _pipeline_errors(cfg, pd4, ModelArgs(n_layers=8, tie_embeddings=False))
     assert len(errs) == 1 and "multiple of" in errs[0]
-    plan = BatchPlan.from_config(_cfg(pipeline_parallel_microbatch_size=2).training,
-                                 _cfg(pipeline_parallel_microbatch_size=2).parallelism, pd)
+    plan = BatchPlan.from_config(
+        _cfg(pipeline_parallel_microbatch_size=2).training, _cfg(pipeline_parallel_microbatch_size=2).parallelism, pd
+    )
     assert (plan.rows_per_dp_rank, plan.microbatch_rows, plan.n_microbatches) == (8, 2, 4)
 
 
@@ -158,22 +179,26 @@ def test_batch_plan_names_a_value_that_works():
     cfg = JobConfig()
     cfg.training.global_batch_size, cfg.training.local_batch_size = 8, 8  # 4 rows per rank, microbatches of 8
     plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd2)
-    assert plan.errors() == ["training.global_batch_size / dp = 4 rows per data-parallel rank must divide by "
-                              "training.local_batch_size=8 (gradient accumulation steps); e.g. "
-                              "--training.local_batch_size 4"]
+    assert plan.errors() == [
+        "training.global_batch_size / dp = 4 rows per data-parallel rank must divide by "
+        "training.local_batch_size=8 (gradient accumulation steps); e.g. "
+        "--training.local_batch_size 4"
+    ]
     cfg.training.local_batch_size = -1  # follows the global batch: the rank's whole share, no accumulation
     plan = BatchPlan.from_config(cfg.training, cfg.parallelism, pd2)
     assert plan.errors() == [] and (plan.microbatch_rows, plan.n_microbatches) == (4, 1)
     cfg.training.global_batch_size = 7
-    assert "e.g. --training.global_batch_size 6" in BatchPlan.from_config(cfg.training, cfg.parallelism,
-                                                                         pd2).errors()[0]
+    assert (
+        "e.g. --training.global_batch_size 6" in BatchPlan.from_config(cfg.training, cfg.parallelism, pd2).errors()[0]
+    )
 
 
 def test_stage_module_keeps_fqns():
     from models import build_model_on_meta
 
-    model = build_model_on_meta(ModelArgs(d_model=32, n_layers=4, d_state=8, headdim=8, vocab_size=64,
-                                          tie_embeddings=False))
+    model = build_model_on_meta(
+        ModelArgs(d_model=32, n_layers=4, d_state=8, headdim=8, vocab_size=64, tie_embeddings=False)
+    )
     first = build_stage_module(model, range(2), True, False, "stack")
     last = build_stage_module(model, range(2, 4), False, True, "stack")
     assert first.norm_f is None and first.lm_head is None and last.tok_embeddings is None
@@ -251,28 +276,37 @@ def _pipeline_worker(rank, world_size, schedules, pack):
         model = copy.deepcopy(reference)
         model.zero_grad(set_to_none=True)
         schedule, parts, has_first, has_last = pipeline_model(
-            model, mesh, pdims, cfg, torch.device("cpu"), lambda lg, lb: _ce_sum(lg, lb) / n_tokens, parallelize,
-            ROWS)
+            model, mesh, pdims, cfg, torch.device("cpu"), lambda lg, lb: _ce_sum(lg, lb) / n_tokens, parallelize, ROWS
+        )
         losses = [] if has_last else None
         if has_first:
             schedule.step(tokens, seq_idx=seq_idx, target=labels if has_last else None, losses=losses)
         else:
             schedule.step(seq_idx=seq_idx, target=labels if has_last else None, losses=losses)
         loss = torch.stack(losses).sum().item() * n_tokens if has_last else None
-        grad_err = max((p.grad - ref_grads[n]).abs().max().item() / (ref_grads[n].abs().max().item() + 1e-12)
-                       for part in parts for n, p in part.named_parameters())
-        expected = [seq_idx[i:i + 1] for i in range(ROWS)]
+        grad_err = max(
+            (p.grad - ref_grads[n]).abs().max().item() / (ref_grads[n].abs().max().item() + 1e-12)
+            for part in parts
+            for n, p in part.named_parameters()
+        )
+        expected = [seq_idx[i : i + 1] for i in range(ROWS)]
         for v in seen.values():
             # torch 2.13 runs each stage once more at the first step to infer the inter-stage shapes, on the
             # first microbatch's real keyword inputs (torch 2.11 on meta tensors, which the probe skips)
             if len(v) == ROWS + 1 and torch.equal(v[0], expected[0]):
                 v.pop(0)
-        probes_ok = {k: len(v) == ROWS and all(torch.equal(a, b) for a, b in zip(v, expected))
-                     for k, v in seen.items()}
+        probes_ok = {k: len(v) == ROWS and all(torch.equal(a, b) for a, b in zip(v, expected)) for k, v in seen.items()}
         # torch's extra shape-inference forward must leave no trace in buffers: one count per microbatch
         probes_ok.update({f"calls{i}": int(part.probe_calls) == ROWS for i, part in enumerate(parts)})
-        out[schedule_name] = dict(loss=loss, ref=ref_loss.item(), grad_err=grad_err, probes_ok=probes_ok,
-                                  has_first=has_first, has_last=has_last, n_seen=[len(v) for v in seen.values()])
+        out[schedule_name] = dict(
+            loss=loss,
+            ref=ref_loss.item(),
+            grad_err=grad_err,
+            probes_ok=probes_ok,
+            has_first=has_first,
+            has_last=has_last,
+            n_seen=[len(v) for v in seen.values()],
+        )
     return out
 
 

@@ -102,7 +102,8 @@ def _tied_worker(rank, world_size, schedules):
         cfg.parallelism.pipeline_parallel_schedule = schedule_name
         cfg.parallelism.pipeline_parallel_microbatch_size = 1
         schedule, parts, has_first, has_last = pipeline_model(
-            copy.deepcopy(reference), mesh, pdims, cfg, torch.device("cpu"), loss_fn, lambda part: part, ROWS)
+            copy.deepcopy(reference), mesh, pdims, cfg, torch.device("cpu"), loss_fn, lambda part: part, ROWS
+        )
         opts = [adamw(part) for part in parts]
         params = [p for part in parts for p in part.parameters()]
         losses, norms = [], []
@@ -119,8 +120,11 @@ def _tied_worker(rank, world_size, schedules):
                 o.step()
                 o.zero_grad()
             losses.append(torch.stack(mb_losses).sum().item() if has_last else None)
-        copies = {("first" if part.embeds_tokens else "last"): part.tok_embeddings.weight.detach().clone()
-                  for part in parts if part.tok_embeddings is not None}
+        copies = {
+            ("first" if part.embeds_tokens else "last"): part.tok_embeddings.weight.detach().clone()
+            for part in parts
+            if part.tok_embeddings is not None
+        }
         out[schedule_name] = dict(losses=losses, norms=norms, copies=copies)
     return dict(ref_losses=ref_losses, ref_norms=ref_norms, ref_weight=one.tok_embeddings.weight.detach(), **out)
 
@@ -182,16 +186,20 @@ def reference(tmp_path_factory):
     return run_training(1, TIED, tmp_path_factory.mktemp("tied_ref"))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, PP2),
-    pytest.param(4, PP2_FSDP2, marks=pytest.mark.slow),
-    # 4 virtual stages of one layer, two per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
-    pytest.param(2, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], marks=pytest.mark.slow),
-    # the V: rank 0 holds stages 0 and 3, so both copies of the tied weight
-    pytest.param(2, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], marks=pytest.mark.slow),
-    # pp 4: the copies on pp ranks 0 and 3, summed over a group of just those two (one per dp column)
-    pytest.param(4, ["--parallelism.pipeline_parallel_degree", "4"], marks=pytest.mark.slow),
-], ids=["pp2", "pp2xfsdp2", "pp2-interleaved1f1b", "pp2-zbv", "pp4"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, PP2),
+        pytest.param(4, PP2_FSDP2, marks=pytest.mark.slow),
+        # 4 virtual stages of one layer, two per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+        pytest.param(2, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], marks=pytest.mark.slow),
+        # the V: rank 0 holds stages 0 and 3, so both copies of the tied weight
+        pytest.param(2, PP2 + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], marks=pytest.mark.slow),
+        # pp 4: the copies on pp ranks 0 and 3, summed over a group of just those two (one per dp column)
+        pytest.param(4, ["--parallelism.pipeline_parallel_degree", "4"], marks=pytest.mark.slow),
+    ],
+    ids=["pp2", "pp2xfsdp2", "pp2-interleaved1f1b", "pp2-zbv", "pp4"],
+)
 def test_tied_pipeline_matches_single_process(reference, tmp_path, nproc, layout):
     got = run_training(nproc, TIED + layout, tmp_path)
     assert_same_losses(reference, got)
@@ -204,11 +212,15 @@ def _tied_keys(step_dir) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save, resume", [
-    ((2, PP2), (1, [])),
-    ((1, []), (2, PP2)),
-    ((4, PP2_FSDP2), (1, [])),  # both stages write the same shards of the tied weight and its optimizer state
-], ids=["pp2-to-one-process", "one-process-to-pp2", "pp2xfsdp2-to-one-process"])
+@pytest.mark.parametrize(
+    "save, resume",
+    [
+        ((2, PP2), (1, [])),
+        ((1, []), (2, PP2)),
+        ((4, PP2_FSDP2), (1, [])),  # both stages write the same shards of the tied weight and its optimizer state
+    ],
+    ids=["pp2-to-one-process", "one-process-to-pp2", "pp2xfsdp2-to-one-process"],
+)
 def test_tied_checkpoint_resumes_in_the_other_layout(reference, tmp_path, save, resume):
     """A step-2 checkpoint written under one layout resumes under the other with the uninterrupted losses; every
     layout writes the tied weight once, under the embedding's name."""

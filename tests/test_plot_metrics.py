@@ -24,8 +24,16 @@ def _write(path: Path, records: list[dict]) -> Path:
 
 
 def _record(step: int, loss: float, **extra) -> dict:
-    return {"step": step, "loss": loss, "grad_norm": 1.0 / step, "lr": 1e-3 * step, "tokens_per_sec": 100.0 * step,
-            "mfu": 0.0, "memory_gib": 0.5, **extra}
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": 1.0 / step,
+        "lr": 1e-3 * step,
+        "tokens_per_sec": 100.0 * step,
+        "mfu": 0.0,
+        "memory_gib": 0.5,
+        **extra,
+    }
 
 
 def _line(fig, gid: str):
@@ -43,12 +51,23 @@ def _png_size(path: Path) -> tuple[int, int]:
 @pytest.fixture
 def two_runs(tmp_path):
     # Run a was resumed from step 2: steps 3 and 4 were logged twice, the second time with other losses.
-    a = _write(tmp_path / "a" / "metrics.jsonl",
-               [_record(1, 5.0), _record(2, 4.0), _record(3, 3.5), _record(4, 3.4, val_loss=3.9),
-                _record(3, 3.0), _record(4, 2.5, val_loss=2.9), _record(5, 2.0)])
+    a = _write(
+        tmp_path / "a" / "metrics.jsonl",
+        [
+            _record(1, 5.0),
+            _record(2, 4.0),
+            _record(3, 3.5),
+            _record(4, 3.4, val_loss=3.9),
+            _record(3, 3.0),
+            _record(4, 2.5, val_loss=2.9),
+            _record(5, 2.0),
+        ],
+    )
     # Run b skipped step 2 (non-finite gradient norm, written as NaN).
-    b = _write(tmp_path / "b" / "metrics.jsonl",
-               [_record(1, 5.1), {**_record(2, 4.5), "grad_norm": float("nan"), "skipped": True}, _record(3, 4.2)])
+    b = _write(
+        tmp_path / "b" / "metrics.jsonl",
+        [_record(1, 5.1), {**_record(2, 4.5), "grad_norm": float("nan"), "skipped": True}, _record(3, 4.2)],
+    )
     return a, b
 
 
@@ -59,8 +78,13 @@ def test_two_runs_overlaid_hold_the_last_record_of_each_step(tmp_path, two_runs)
 
     # loss, val_loss, lr, grad_norm, tokens_per_sec: 2 columns x 3 rows of 6.4 x 3.4-inch panels at 50 dpi
     assert _png_size(out) == (2 * 320, 3 * 170)
-    assert [ax.get_title() for ax in fig.axes] == ["training loss", "validation loss", "learning rate",
-                                                   "gradient norm (before clipping)", "tokens/s per device"]
+    assert [ax.get_title() for ax in fig.axes] == [
+        "training loss",
+        "validation loss",
+        "learning rate",
+        "gradient norm (before clipping)",
+        "tokens/s per device",
+    ]
     loss_a = _line(fig, "a:loss")
     np.testing.assert_array_equal(loss_a.get_xdata(), [1, 2, 3, 4, 5])
     np.testing.assert_array_equal(loss_a.get_ydata(), [5.0, 4.0, 3.0, 2.5, 2.0])  # the resumed run's records win
@@ -84,8 +108,10 @@ def test_smoothing_draws_the_trailing_mean_over_the_raw_line(tmp_path):
 
 
 def test_wall_time_axis_counts_from_the_first_record(tmp_path):
-    f = _write(tmp_path / "r" / "metrics.jsonl",
-               [_record(1, 3.0, time="2026-11-23T08:00:00+00:00"), _record(2, 2.0, time="2026-11-23T08:00:30+00:00")])
+    f = _write(
+        tmp_path / "r" / "metrics.jsonl",
+        [_record(1, 3.0, time="2026-11-23T08:00:00+00:00"), _record(2, 2.0, time="2026-11-23T08:00:30+00:00")],
+    )
     fig = plot_metrics.main([str(f), "--metrics", "loss", "--x", "time", "--out", str(tmp_path / "t.png")])
     np.testing.assert_array_equal(_line(fig, "r:loss").get_xdata(), [0.0, 30.0])
     g = _write(tmp_path / "e" / "metrics.jsonl", [_record(1, 3.0, elapsed_s=4.0), _record(2, 2.0, elapsed_s=9.5)])
@@ -93,15 +119,18 @@ def test_wall_time_axis_counts_from_the_first_record(tmp_path):
     np.testing.assert_array_equal(_line(fig, "e:loss").get_xdata(), [4.0, 9.5])
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "no such file or folder"),
-    ("empty", "is empty"),
-    ("folder-without-file", "folder without metrics.jsonl"),
-    ("bad-line", r"metrics.jsonl:2 is not JSON"),
-    ("label-count", "--labels names 2 runs but 1 were given"),
-    ("unknown-metric", r"no run has \['val_ppl'\]"),
-    ("time-without-fields", "--x time needs a 'time' or 'elapsed_s' field"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such file or folder"),
+        ("empty", "is empty"),
+        ("folder-without-file", "folder without metrics.jsonl"),
+        ("bad-line", r"metrics.jsonl:2 is not JSON"),
+        ("label-count", "--labels names 2 runs but 1 were given"),
+        ("unknown-metric", r"no run has \['val_ppl'\]"),
+        ("time-without-fields", "--x time needs a 'time' or 'elapsed_s' field"),
+    ],
+)
 def test_bad_input_exits_naming_the_problem(tmp_path, case, message):
     good = _write(tmp_path / "good" / "metrics.jsonl", [_record(1, 3.0)])
     run, extra = str(good), []
@@ -114,7 +143,7 @@ def test_bad_input_exits_naming_the_problem(tmp_path, case, message):
         run = str(tmp_path / "bare")
     elif case == "bad-line":
         (tmp_path / "bad").mkdir()
-        (tmp_path / "bad" / "metrics.jsonl").write_text(json.dumps(_record(1, 3.0)) + "\n{\"step\": 2, \"lo\n")
+        (tmp_path / "bad" / "metrics.jsonl").write_text(json.dumps(_record(1, 3.0)) + '\n{"step": 2, "lo\n')
         run = str(tmp_path / "bad")
     elif case == "label-count":
         extra = ["--labels", "x,y"]
@@ -131,6 +160,6 @@ def test_bad_input_exits_naming_the_problem(tmp_path, case, message):
 def test_trailing_mean_matches_a_plain_loop():
     y = np.array([3.0, -1.0, 4.0, 1.0, -5.0, 9.0, 2.0])
     for window in (1, 3, 10):
-        expected = [np.mean(y[max(0, i - window + 1):i + 1]) for i in range(len(y))]
+        expected = [np.mean(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
         np.testing.assert_allclose(plot_metrics.trailing_mean(y, window), expected)
     assert math.isclose(plot_metrics.trailing_mean(np.array([2.0]), 5)[0], 2.0)

@@ -41,11 +41,14 @@ def test_is_chosen():
     assert output_folder("/run", "traces") == "/run/traces" and output_folder("/run", "/abs/t") == "/abs/t"
 
 
-@pytest.mark.parametrize("steps,cfg_kw,expected", [
-    (range(1, 6), {"profile_steps": [2, 3, 5]}, [2, 3, 5]),      # consecutive chosen steps, and the last step
-    (range(1, 6), {"profile_steps": [1]}, [1]),                  # the first step (no warm-up step before it)
-    (range(3, 8), {"profile_freq": 2}, [4, 6]),                  # a run resumed at step 3: training step numbers
-])
+@pytest.mark.parametrize(
+    "steps,cfg_kw,expected",
+    [
+        (range(1, 6), {"profile_steps": [2, 3, 5]}, [2, 3, 5]),  # consecutive chosen steps, and the last step
+        (range(1, 6), {"profile_steps": [1]}, [1]),  # the first step (no warm-up step before it)
+        (range(3, 8), {"profile_freq": 2}, [4, 6]),  # a run resumed at step 3: training step numbers
+    ],
+)
 def test_traces_at_chosen_steps(tmp_path, steps, cfg_kw, expected):
     prof = StepProfiler(Profiling(enable_profiling=True, **cfg_kw), str(tmp_path), rank=0, device=torch.device("cpu"))
     _run_loop(prof, steps)
@@ -71,11 +74,14 @@ def test_memory_snapshot_skipped_on_cpu(tmp_path, caplog):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"profile_steps": [0, 3]}, "profiling.profile_steps"),
-    ({"profile_freq": 0}, "profiling.profile_freq=0"),
-    ({"profile_steps": ["x"]}, "profiling.profile_steps"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"profile_steps": [0, 3]}, "profiling.profile_steps"),
+        ({"profile_freq": 0}, "profiling.profile_freq=0"),
+        ({"profile_steps": ["x"]}, "profiling.profile_steps"),
+    ],
+)
 def test_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg):
         validate_profiling(Profiling(enable_profiling=True, **kw))
@@ -86,8 +92,19 @@ def test_train_py_traces_step_2_only(tmp_path):
     args = list(PARITY_ARGS)
     args[args.index("--training.steps") + 1] = "3"
     ref = run_training(1, args, tmp_path / "plain")
-    got = run_training(1, args + ["--profiling.enable_profiling", "true", "--profiling.profile_steps", "[2]",
-                                  "--profiling.enable_memory_snapshot", "true"], tmp_path / "prof")
+    got = run_training(
+        1,
+        args
+        + [
+            "--profiling.enable_profiling",
+            "true",
+            "--profiling.profile_steps",
+            "[2]",
+            "--profiling.enable_memory_snapshot",
+            "true",
+        ],
+        tmp_path / "prof",
+    )
     assert _iterations(tmp_path / "prof" / "profile_trace") == [2]
     assert not (tmp_path / "prof" / "memory_snapshot").exists()  # CPU: skipped
     assert not (tmp_path / "plain" / "profile_trace").exists()
@@ -121,8 +138,9 @@ def test_cuda_traces_and_memory_snapshots(tmp_path):
     assert any(e.get("cat") == "kernel" for e in events)
     assert _iterations(tmp_path / "memory_snapshot") == [2, 3]
     for s in (2, 3):
-        snap = pickle.loads((tmp_path / "memory_snapshot" / f"iteration_{s}" / "rank0_memory_snapshot.pickle")
-                            .read_bytes())
+        snap = pickle.loads(
+            (tmp_path / "memory_snapshot" / f"iteration_{s}" / "rank0_memory_snapshot.pickle").read_bytes()
+        )
         sizes = {e["size"] for trace in snap["device_traces"] for e in trace if e["action"] == "alloc"}
         assert size_of[s] in sizes and size_of[s + 1] not in sizes and size_of[1] in sizes
     # recording stopped with the last listed step: a later allocation is not in the history
@@ -130,8 +148,9 @@ def test_cuda_traces_and_memory_snapshots(tmp_path):
     later = {e["size"] for trace in torch.cuda.memory._snapshot()["device_traces"] for e in trace}
     assert size_of[6] not in later
     # out of memory: the observer writes oom/ (a fresh profiler, recording again)
-    oom = StepProfiler(Profiling(enable_memory_snapshot=True, profile_steps=[99]), str(tmp_path / "o"), 0,
-                       torch.device("cuda"))
+    oom = StepProfiler(
+        Profiling(enable_memory_snapshot=True, profile_steps=[99]), str(tmp_path / "o"), 0, torch.device("cuda")
+    )
     oom.step(1)
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(2**50, dtype=torch.uint8, device="cuda")

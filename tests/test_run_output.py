@@ -37,15 +37,30 @@ def _in_repo(monkeypatch):
 
 
 def test_a_run_explains_itself_and_a_rerun_of_a_finished_job_says_so(tmp_path, capfd):
-    args = PARITY_ARGS + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable", "true", "--checkpoint.interval",
-                          "2", "--validation.enable", "true", "--validation.freq", "1", "--validation.steps", "1"]
+    args = PARITY_ARGS + [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "1",
+        "--validation.steps",
+        "1",
+    ]
     train.main(args + ["--training.steps", "2"])
     out = capfd.readouterr().out
 
     assert re.search(STAMP + r"saved checkpoint \S+/checkpoint/step-2 \(\d+\.\d [KMG]iB, \d+\.\d s\)", out), out
     tokens = 2 * 8 * 64  # steps x global_batch_size x seq_len
-    summary = re.search(STAMP + rf"end of run: steps 1-2 of 2 \| {tokens:,} tokens \| wall [^|]+ \| val_loss final "
-                        r"(\S+), best (\S+) \(step (\d)\) \| outputs: (.*)", out)
+    summary = re.search(
+        STAMP + rf"end of run: steps 1-2 of 2 \| {tokens:,} tokens \| wall [^|]+ \| val_loss final "
+        r"(\S+), best (\S+) \(step (\d)\) \| outputs: (.*)",
+        out,
+    )
     assert summary, out
     records = read_metrics(tmp_path)
     vals = [r["val_loss"] for r in records]  # validation.freq 1: every record has one
@@ -92,8 +107,10 @@ def test_no_config_file_prints_the_usage_and_exits_2(capsys):
 
 def _log_lines(tmp_path, stdout_path, env_extra: dict) -> str:
     """The lines one INFO record becomes in a fresh process whose stdout is `stdout_path`."""
-    code = ("import logging; from components.log import setup_logging; setup_logging(); "
-            "logging.getLogger('train').info('hello')")
+    code = (
+        "import logging; from components.log import setup_logging; setup_logging(); "
+        "logging.getLogger('train').info('hello')"
+    )
     stdout_path.parent.mkdir(parents=True, exist_ok=True)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **env_extra}
     with open(stdout_path, "w") as f:

@@ -19,14 +19,21 @@ from slurm.launch import build_command, expand_nodelist, main, run_folder, spec_
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "slurm" / "train.sbatch"
-TRICKY = ["--training.dataset", "/data/my corpus/*.parquet", "--job.description", "it's \"quoted\" $HOME; ls"]
+TRICKY = ["--training.dataset", "/data/my corpus/*.parquet", "--job.description", 'it\'s "quoted" $HOME; ls']
 
 
 def _env(nodes: int, **extra) -> dict[str, str]:
     nodelist = "gpu017" if nodes == 1 else f"gpu[017-{16 + nodes:03d}]"
-    return {"SLURM_NNODES": str(nodes), "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_NAME": "m2-370m",
-            "SLURM_JOB_ID": "4242", "GPUS_PER_NODE": "8", "CONFIG_FILE": "configs/mamba2_370m.toml",
-            "PATH": "/nonexistent", **extra}  # no scontrol on PATH: the host-list parser answers
+    return {
+        "SLURM_NNODES": str(nodes),
+        "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_JOB_NAME": "m2-370m",
+        "SLURM_JOB_ID": "4242",
+        "GPUS_PER_NODE": "8",
+        "CONFIG_FILE": "configs/mamba2_370m.toml",
+        "PATH": "/nonexistent",
+        **extra,
+    }  # no scontrol on PATH: the host-list parser answers
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -35,7 +42,7 @@ def _flag(cmd: list[str], name: str) -> str:
 
 
 def _train_args(cmd: list[str]) -> list[str]:
-    return cmd[cmd.index("train.py") + 1:]
+    return cmd[cmd.index("train.py") + 1 :]
 
 
 @pytest.mark.parametrize("nodes", [1, 4])
@@ -43,9 +50,9 @@ def test_command(nodes):
     spec, dry = spec_from(["--python", "python3", "--", *TRICKY], _env(nodes))
     cmd = build_command(spec)
     assert not dry and cmd[0] == "srun"
-    srun = cmd[:cmd.index("python3")]
+    srun = cmd[: cmd.index("python3")]
     assert _flag(srun, "--nodes") == _flag(srun, "--ntasks") == str(nodes) and "--ntasks-per-node=1" in srun
-    torchrun = cmd[cmd.index("python3"):cmd.index("train.py")]
+    torchrun = cmd[cmd.index("python3") : cmd.index("train.py")]
     assert torchrun[:3] == ["python3", "-m", "torch.distributed.run"]
     assert _flag(torchrun, "--nnodes") == str(nodes) and _flag(torchrun, "--nproc_per_node") == "8"
     assert _flag(torchrun, "--rdzv_backend") == "c10d"
@@ -53,26 +60,67 @@ def test_command(nodes):
     assert _flag(torchrun, "--rdzv_id") == "4242"
     from torch.distributed.run import get_args_parser  # torchrun itself accepts every flag
 
-    parsed = get_args_parser().parse_args(torchrun[3:] + cmd[cmd.index("train.py"):])
+    parsed = get_args_parser().parse_args(torchrun[3:] + cmd[cmd.index("train.py") :])
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.rdzv_endpoint) == (str(nodes), "8", "gpu017:29500")
     assert parsed.training_script == "train.py" and parsed.training_script_args == _train_args(cmd)
-    assert _train_args(cmd) == ["--job.config_file", "configs/mamba2_370m.toml", "--job.dump_folder",
-                                "outputs/m2-370m", "--checkpoint.enable", "true", *TRICKY]
+    assert _train_args(cmd) == [
+        "--job.config_file",
+        "configs/mamba2_370m.toml",
+        "--job.dump_folder",
+        "outputs/m2-370m",
+        "--checkpoint.enable",
+        "true",
+        *TRICKY,
+    ]
     assert shlex.split(shlex.join(cmd)) == cmd  # the printed form quotes spaces, quotes, $ and ; safely
 
 
 def test_arguments_override_environment():
-    spec, dry = spec_from(["--dry_run", "--nodes", "2", "--gpus_per_node", "4", "--head_node", "10.0.0.5",
-                           "--port", "29600", "--config", "configs/debug.toml", "--cpus_per_task", "64",
-                           "--checkpoint_root", "/fast/ckpt", "--python", "py", "--training.steps", "7", "--",
-                           "--optimizer.lr", "1e-4"], _env(4))
+    spec, dry = spec_from(
+        [
+            "--dry_run",
+            "--nodes",
+            "2",
+            "--gpus_per_node",
+            "4",
+            "--head_node",
+            "10.0.0.5",
+            "--port",
+            "29600",
+            "--config",
+            "configs/debug.toml",
+            "--cpus_per_task",
+            "64",
+            "--checkpoint_root",
+            "/fast/ckpt",
+            "--python",
+            "py",
+            "--training.steps",
+            "7",
+            "--",
+            "--optimizer.lr",
+            "1e-4",
+        ],
+        _env(4),
+    )
     cmd = build_command(spec)
     assert dry and "--cpus-per-task=64" in cmd and _flag(cmd, "--nnodes") == "2"
     assert _flag(cmd, "--nproc_per_node") == "4" and _flag(cmd, "--rdzv_endpoint") == "10.0.0.5:29600"
     # options train.py understands, before or after `--`, pass through in order after ours
-    assert _train_args(cmd) == ["--job.config_file", "configs/debug.toml", "--job.dump_folder", "outputs/m2-370m",
-                                "--checkpoint.enable", "true", "--checkpoint.folder", "/fast/ckpt/m2-370m",
-                                "--training.steps", "7", "--optimizer.lr", "1e-4"]
+    assert _train_args(cmd) == [
+        "--job.config_file",
+        "configs/debug.toml",
+        "--job.dump_folder",
+        "outputs/m2-370m",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.folder",
+        "/fast/ckpt/m2-370m",
+        "--training.steps",
+        "7",
+        "--optimizer.lr",
+        "1e-4",
+    ]
 
 
 def test_run_folder_stable_across_requeues():
@@ -92,12 +140,15 @@ def test_expand_nodelist():
     assert expand_nodelist("node5") == ["node5"]
 
 
-@pytest.mark.parametrize("argv,env_drop,env_set,msg", [
-    ([], ["SLURM_NNODES"], {}, "missing --nodes"),
-    ([], [], {"GPUS_PER_NODE": "0"}, "gpus_per_node=0 must be >= 1"),
-    ([], [], {"SLURM_JOB_NAME": "a/b"}, "job name 'a/b'"),
-    ([], ["SLURM_JOB_NODELIST"], {}, "pass --head_node"),
-])
+@pytest.mark.parametrize(
+    "argv,env_drop,env_set,msg",
+    [
+        ([], ["SLURM_NNODES"], {}, "missing --nodes"),
+        ([], [], {"GPUS_PER_NODE": "0"}, "gpus_per_node=0 must be >= 1"),
+        ([], [], {"SLURM_JOB_NAME": "a/b"}, "job name 'a/b'"),
+        ([], ["SLURM_JOB_NODELIST"], {}, "pass --head_node"),
+    ],
+)
 def test_errors(argv, env_drop, env_set, msg):
     env = {k: v for k, v in _env(2, **env_set).items() if k not in env_drop}
     with pytest.raises(ValueError, match=msg):
@@ -130,30 +181,44 @@ def _fake_cluster(tmp_path: Path, **extra) -> dict[str, str]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NCCL_", "TORCH_NCCL_", "SLURM_"))}
-    return dict(base, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), PYTHON=sys.executable,
-                SLURM_SUBMIT_DIR=str(REPO), SLURM_NNODES="3", SLURM_JOB_NODELIST="host[A-C]", SLURM_JOB_ID="77",
-                SLURM_JOB_NAME="sb-test", SLURM_GPUS_ON_NODE="4", SLURM_CPUS_ON_NODE="32",
-                CONFIG_FILE="configs/debug.toml", OUTPUT_ROOT=str(tmp_path / "out"), **extra)
+    return dict(
+        base,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        FAKE_DIR=str(tmp_path),
+        PYTHON=sys.executable,
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_NNODES="3",
+        SLURM_JOB_NODELIST="host[A-C]",
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NAME="sb-test",
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_CPUS_ON_NODE="32",
+        CONFIG_FILE="configs/debug.toml",
+        OUTPUT_ROOT=str(tmp_path / "out"),
+        **extra,
+    )
 
 
 def test_sbatch_launches_the_built_command(tmp_path):
     env = _fake_cluster(tmp_path, FAKE_SRUN_RC="0")
-    r = subprocess.run(["bash", str(SBATCH), *TRICKY], env=env, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        ["bash", str(SBATCH), *TRICKY], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     got = (tmp_path / "srun_args").read_bytes().decode().split("\0")[:-1]
     expected = build_command(spec_from(["--", *TRICKY], env)[0])  # the stand-in scontrol names hostA first
     assert ["srun", *got] == expected
     assert _flag(expected, "--rdzv_endpoint") == "hostA:29500" and "--cpus-per-task=32" in expected
-    assert _flag(expected, "--nproc_per_node") == "4" and _train_args(expected)[-len(TRICKY):] == TRICKY
+    assert _flag(expected, "--nproc_per_node") == "4" and _train_args(expected)[-len(TRICKY) :] == TRICKY
     assert (tmp_path / "srun_env").read_text().split() == ["0", "1"]  # NVLS off, async error handling on
     assert (tmp_path / "out" / "sb-test").is_dir()
 
 
 def test_sbatch_requeues_on_usr1(tmp_path):
     env = _fake_cluster(tmp_path, FAKE_SRUN_HOLD="1", FAKE_SRUN_RC="3")
-    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(SBATCH)], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.time() + 30
         while not (tmp_path / "srun_args").exists() and time.time() < deadline:
@@ -182,15 +247,41 @@ def test_generated_torchrun_trains_and_requeue_resumes(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = str(s.getsockname()[1])
-    argv = ["--nodes", "1", "--gpus_per_node", "2", "--head_node", "localhost", "--port", port, "--job_name", "t",
-            "--job_id", "9", "--config", "configs/debug.toml", "--output_root", str(tmp_path), "--python",
-            sys.executable, "--", "--metrics.enable_tensorboard", "false", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--checkpoint.interval", "2"]
+    argv = [
+        "--nodes",
+        "1",
+        "--gpus_per_node",
+        "2",
+        "--head_node",
+        "localhost",
+        "--port",
+        port,
+        "--job_name",
+        "t",
+        "--job_id",
+        "9",
+        "--config",
+        "configs/debug.toml",
+        "--output_root",
+        str(tmp_path),
+        "--python",
+        sys.executable,
+        "--",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--checkpoint.interval",
+        "2",
+    ]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for steps in (2, 4):  # the first attempt "ends" after step 2's checkpoint
         cmd = build_command(spec_from([*argv, "--training.steps", str(steps)], {})[0])
-        r = subprocess.run(cmd[cmd.index(sys.executable):], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run(
+            cmd[cmd.index(sys.executable) :], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from step 2" in r.stdout
     records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]

@@ -68,8 +68,7 @@ def interpret(**case):
     """Run one case in a fresh interpreter process; fail with its output if it fails."""
     code = f"import tests.test_ssd_triton as t; t.run_case_in_child(**{case!r})"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc.stdout
 
@@ -81,9 +80,11 @@ def make_inputs(b, L, H, P, G, N, seed, D_shape="H", with_z=False, with_init=Tru
         return torch.randn(*s, generator=g, dtype=torch.float64) * scale
 
     inp = dict(
-        x_BLHP=r(b, L, H, P), dt_BLH=r(b, L, H, scale=0.5), A_H=-(torch.rand(H, generator=g, dtype=torch.float64)
-                                                                   * 2 + 0.3),
-        B_BLGN=r(b, L, G, N), C_BLGN=r(b, L, G, N),
+        x_BLHP=r(b, L, H, P),
+        dt_BLH=r(b, L, H, scale=0.5),
+        A_H=-(torch.rand(H, generator=g, dtype=torch.float64) * 2 + 0.3),
+        B_BLGN=r(b, L, G, N),
+        C_BLGN=r(b, L, G, N),
         D={"H": r(H), "HP": r(H, P), None: None}[D_shape],
         z=r(b, L, H, P) if with_z else None,
         dt_bias=r(H, scale=0.3),
@@ -108,8 +109,9 @@ def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0
             k: (v.detach().clone().to(dtype).requires_grad_() if v is not None and v.is_floating_point() else v)
             for k, v in inp.items()
         }
-        y, final = f(**leaves, chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                     return_final_states=True)
+        y, final = f(
+            **leaves, chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True
+        )
         results[name] = (y, final, leaves)
     gy = torch.randn(results["ref"][0].shape, generator=g, dtype=torch.float64)
     gf = torch.randn(results["ref"][1].shape, generator=g, dtype=torch.float64)
@@ -144,16 +146,23 @@ def check_split_path(b, L, H, P, G, N, seed, chunk_size):
         return torch.randn(*s, generator=g, dtype=torch.float64) * scale
 
     tensors = dict(
-        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H), conv1d_weight=r(conv_dim, 4, scale=0.3),
-        conv1d_bias=r(conv_dim, scale=0.1), dt_bias=r(H, scale=0.3) - 1, A=-(torch.rand(H, generator=g) + 0.5).double(),
-        D=r(H), rmsnorm_weight=1 + r(dim, scale=0.1), outproj_weight=r(24, dim, scale=dim ** -0.5),
+        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H),
+        conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1),
+        dt_bias=r(H, scale=0.3) - 1,
+        A=-(torch.rand(H, generator=g) + 0.5).double(),
+        D=r(H),
+        rmsnorm_weight=1 + r(dim, scale=0.1),
+        outproj_weight=r(24, dim, scale=dim**-0.5),
     )
     seq = torch.zeros(b, L, dtype=torch.int32)
-    seq[:, L // 3:] = 1
+    seq[:, L // 3 :] = 1
     cot = r(b, L, 24)
     res = {}
-    for name, fn, dtype, kw in (("ours", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton")),
-                                ("ref", mamba_split_conv1d_scan_ref, torch.float64, {})):
+    for name, fn, dtype, kw in (
+        ("ours", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton")),
+        ("ref", mamba_split_conv1d_scan_ref, torch.float64, {}),
+    ):
         leaves = {k: v.detach().clone().to(dtype).requires_grad_() for k, v in tensors.items()}
         out = fn(**leaves, chunk_size=chunk_size, seq_idx=seq, headdim=P, ngroups=G, rmsnorm_eps=1e-5, **kw)
         (out.double() * cot).sum().backward()
@@ -175,14 +184,35 @@ def test_documents_initial_states_two_groups_remainder():
 
 def test_one_group_D_per_channel_z_odd_chunk():
     """No documents, ngroups 1, D [H, P], z gating, dt limits, chunk 24 (not a power of two), remainder 2."""
-    interpret(b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
-              call=dict(chunk_size=24, dt_limit=(0.01, 1.5)))
+    interpret(
+        b=2,
+        L=50,
+        H=4,
+        P=16,
+        G=1,
+        N=16,
+        seed=1,
+        D_shape="HP",
+        with_z=True,
+        with_init=False,
+        call=dict(chunk_size=24, dt_limit=(0.01, 1.5)),
+    )
 
 
 def test_per_head_backward_mode():
     """bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is 'grouped'), 2 heads/program."""
-    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=16),
-              config=dict(bc_mode="per_head", heads_per_prog=2))
+    interpret(
+        b=2,
+        L=40,
+        H=4,
+        P=16,
+        G=1,
+        N=16,
+        seed=5,
+        seq_cuts=CUTS,
+        call=dict(chunk_size=16),
+        config=dict(bc_mode="per_head", heads_per_prog=2),
+    )
 
 
 def test_fused_path_contract_under_triton_backend():
@@ -211,9 +241,17 @@ def test_bad_input_raises_before_compute():
 def test_sweep(chunk_size, G, variant, bc_mode):
     L = 64 if variant == "exact_multiple_no_softplus" else 45
     interpret(
-        b=2, L=L, H=4, P=16, G=G, N=32, seed=chunk_size * 10 + G,
-        D_shape=None if variant == "seq_noinit_noD" else "H", with_z=variant == "noseq_init_z",
-        with_init=variant in ("seq_init", "noseq_init_z"), seq_cuts=CUTS if variant.startswith("seq") else None,
+        b=2,
+        L=L,
+        H=4,
+        P=16,
+        G=G,
+        N=32,
+        seed=chunk_size * 10 + G,
+        D_shape=None if variant == "seq_noinit_noD" else "H",
+        with_z=variant == "noseq_init_z",
+        with_init=variant in ("seq_init", "noseq_init_z"),
+        seq_cuts=CUTS if variant.startswith("seq") else None,
         call=dict(chunk_size=chunk_size, dt_softplus=variant != "exact_multiple_no_softplus"),
         config=dict(bc_mode=bc_mode, heads_per_prog=2 if bc_mode == "grouped" else 8),
     )

@@ -22,14 +22,18 @@ CKPT_EVERY_STEP = ["--checkpoint.enable", "true", "--checkpoint.interval", "1"]
 
 
 def run_with_faults(args: list[str], dump: Path, **faults: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tests/train_with_faults.py", *PARITY_ARGS, *args,
-                           "--job.dump_folder", str(dump)], cwd=REPO, env=dict(ENV, **faults),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "tests/train_with_faults.py", *PARITY_ARGS, *args, "--job.dump_folder", str(dump)],
+        cwd=REPO,
+        env=dict(ENV, **faults),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def saved_steps(dump: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*")
-                  if (p / ".metadata").exists())
+    return sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*") if (p / ".metadata").exists())
 
 
 def model_weights(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -48,13 +52,17 @@ def test_nonfinite_gradient_stops_before_the_optimizer_step_and_saves_nothing(tm
 
 
 def test_skipped_nonfinite_gradient_leaves_the_weights_and_training_goes_on(tmp_path):
-    r = run_with_faults(CKPT_EVERY_STEP + ["--training.steps", "5", "--training.skip_nonfinite_grads", "1"],
-                        tmp_path, MT_NAN_GRAD_STEPS="3")
+    r = run_with_faults(
+        CKPT_EVERY_STEP + ["--training.steps", "5", "--training.skip_nonfinite_grads", "1"],
+        tmp_path,
+        MT_NAN_GRAD_STEPS="3",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     records = {rec["step"]: rec for rec in read_metrics(tmp_path)}
     assert records[3].get("skipped") is True and not records[4].get("skipped")
-    assert sorted(records) == [1, 2, 3, 4, 5] and all(map(torch.isfinite, map(torch.tensor, (
-        [records[s]["loss"] for s in records]))))
+    assert sorted(records) == [1, 2, 3, 4, 5] and all(
+        map(torch.isfinite, map(torch.tensor, ([records[s]["loss"] for s in records])))
+    )
     ckpt = tmp_path / "checkpoint"
     before, after = model_weights(ckpt / "step-2", tmp_path), model_weights(ckpt / "step-3", tmp_path)
     assert before.keys() == after.keys() and before
@@ -65,8 +73,9 @@ def test_skipped_nonfinite_gradient_leaves_the_weights_and_training_goes_on(tmp_
 
 
 def test_too_many_nonfinite_gradients_in_a_row_stop_the_run(tmp_path):
-    r = run_with_faults(["--training.steps", "6", "--training.skip_nonfinite_grads", "1"], tmp_path,
-                        MT_NAN_GRAD_STEPS="3,4")
+    r = run_with_faults(
+        ["--training.steps", "6", "--training.skip_nonfinite_grads", "1"], tmp_path, MT_NAN_GRAD_STEPS="3,4"
+    )
     assert r.returncode != 0 and "the global gradient norm is nan at step 4" in r.stderr, r.stderr[-3000:]
 
 
@@ -97,8 +106,9 @@ def test_sigterm_finishes_the_step_saves_and_the_run_resumes(tmp_path, nproc):
     args = [*PARITY_ARGS[2:], *LONG_RUN, "--job.dump_folder", str(tmp_path)]
     if nproc == 2:
         args += ["--parallelism.data_parallel_shard_degree", "2"]
-    proc = subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        ["./run_train.sh", *args], cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         _wait_for_steps(tmp_path, 2, proc)
         proc.send_signal(signal.SIGTERM)  # the launcher itself (run_train.sh execs python / torchrun)
@@ -111,8 +121,14 @@ def test_sigterm_finishes_the_step_saves_and_the_run_resumes(tmp_path, nproc):
     last = read_metrics(tmp_path)[-1]["step"]
     assert f"stopped by SIGTERM after step {last}" in out + err, (out + err)[-3000:]
     assert saved_steps(tmp_path) == [last]  # off the interval, complete
-    r = subprocess.run(["./run_train.sh", *args, "--training.steps", str(last + 1)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)  # the last value of a key wins
+    r = subprocess.run(
+        ["./run_train.sh", *args, "--training.steps", str(last + 1)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # the last value of a key wins
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from step {last}" in r.stdout + r.stderr
     assert read_metrics(tmp_path)[-1]["step"] == last + 1
@@ -142,9 +158,21 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
 def test_workers_die_with_a_launcher_killed_by_sigkill(tmp_path):
     env = dict(ENV, CONFIG_FILE="configs/debug.toml", NGPU="2")
-    proc = subprocess.Popen(["./run_train.sh", *PARITY_ARGS[2:], *LONG_RUN, "--parallelism.data_parallel_shard_degree",
-                             "2", "--job.dump_folder", str(tmp_path)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "./run_train.sh",
+            *PARITY_ARGS[2:],
+            *LONG_RUN,
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_steps(tmp_path, 2, proc)
         workers = _children(proc.pid)

@@ -38,8 +38,16 @@ from tests.dist_utils import free_port  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = "integrations/torchtitan/mamba2_debug.toml"
 # A few fast steps of the debug flavor; fp32 everywhere so that layouts agree to rounding.
-RUN_ARGS = ["--job.config_file", DEBUG_TOML, "--training.seq_len", "64", "--training.mixed_precision_param",
-            "float32", "--lr_scheduler.warmup_steps", "1"]
+RUN_ARGS = [
+    "--job.config_file",
+    DEBUG_TOML,
+    "--training.seq_len",
+    "64",
+    "--training.mixed_precision_param",
+    "float32",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
 
 
 def test_spec_registers_every_flavor():
@@ -90,12 +98,18 @@ def test_loss_matches_models_loss_and_torchtitan():
 
 
 def _titan_settings(**parallelism):
-    p = dict(module_fqns_per_model_part=None, pipeline_parallel_first_stage_less_layers=1,
-             pipeline_parallel_last_stage_less_layers=1, pipeline_parallel_schedule_csv="",
-             pipeline_parallel_schedule="1F1B", pipeline_parallel_layers_per_stage=None)
+    p = dict(
+        module_fqns_per_model_part=None,
+        pipeline_parallel_first_stage_less_layers=1,
+        pipeline_parallel_last_stage_less_layers=1,
+        pipeline_parallel_schedule_csv="",
+        pipeline_parallel_schedule="1F1B",
+        pipeline_parallel_layers_per_stage=None,
+    )
     p.update(parallelism)
     return SimpleNamespace(
-        parallelism=SimpleNamespace(**p), model=SimpleNamespace(flavor="debug", converters=[]),
+        parallelism=SimpleNamespace(**p),
+        model=SimpleNamespace(flavor="debug", converters=[]),
         training=SimpleNamespace(enable_cpu_offload=False),
         activation_checkpoint=SimpleNamespace(mode="selective", selective_ac_option="op"),
     )
@@ -108,8 +122,9 @@ def test_unsupported_settings_are_refused_before_compute():
     with pytest.raises(ValueError) as e:
         parallelize_mamba2(model, dims, _titan_settings())
     assert "tensor_parallel_degree=2" in str(e.value) and "selective_ac_option='op'" in str(e.value)
-    _, errs = pipeline_settings(_titan_settings(pipeline_parallel_last_stage_less_layers=2),
-                                get_train_spec("mamba2").model_args["debug"])
+    _, errs = pipeline_settings(
+        _titan_settings(pipeline_parallel_last_stage_less_layers=2), get_train_spec("mamba2").model_args["debug"]
+    )
     assert any("'debug_untied'" in e for e in errs) and any("last_stage_less_layers" in e for e in errs)
 
 
@@ -189,13 +204,15 @@ def run_torchtitan(args: list[str], tmp_path: Path, nproc: int = 1) -> dict[int,
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     found = [line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("METRICS ")]
     by_rank = {int(rank): json.loads(records) for _, rank, records in found}
-    return {rank: {key: [rec[key] for rec in records] for key in ("loss", "grad_norm")}
-            for rank, records in by_rank.items()}
+    return {
+        rank: {key: [rec[key] for rec in records] for key in ("loss", "grad_norm")} for rank, records in by_rank.items()
+    }
 
 
 def test_torchtitan_trainer_trains_mamba2(tmp_path):
-    losses = run_torchtitan(RUN_ARGS + ["--training.steps", "4", "--training.local_batch_size", "4"],
-                            tmp_path)[0]["loss"]
+    losses = run_torchtitan(RUN_ARGS + ["--training.steps", "4", "--training.local_batch_size", "4"], tmp_path)[0][
+        "loss"
+    ]
     assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.3, losses
 
@@ -210,8 +227,9 @@ def test_torchtitan_fsdp_matches_one_process(tmp_path):
     fsdp = run_torchtitan(RUN_ARGS + steps + ["--training.local_batch_size", "2"], tmp_path / "fsdp", nproc=2)
     for rank in (0, 1):
         for key in ("loss", "grad_norm"):
-            torch.testing.assert_close(torch.tensor(fsdp[rank][key]), torch.tensor(one[key]), rtol=1e-5, atol=0,
-                                       msg=f"rank {rank} {key}")
+            torch.testing.assert_close(
+                torch.tensor(fsdp[rank][key]), torch.tensor(one[key]), rtol=1e-5, atol=0, msg=f"rank {rank} {key}"
+            )
 
 
 @pytest.mark.slow
@@ -220,8 +238,9 @@ def test_torchtitan_pipeline_trains(tmp_path):
     data, mambatitan's stage split), and training goes on."""
     args = RUN_ARGS + ["--model.flavor", "debug_untied", "--training.local_batch_size", "4"]
     one = run_torchtitan(args + ["--training.steps", "1"], tmp_path / "one")[0]["loss"]
-    pp = run_torchtitan(args + ["--training.steps", "4", "--parallelism.pipeline_parallel_degree", "2"],
-                        tmp_path / "pp", nproc=2)
+    pp = run_torchtitan(
+        args + ["--training.steps", "4", "--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp", nproc=2
+    )
     assert pp[0]["loss"] == [-1.0] * 4  # rank 0 holds the first stage only
     losses = pp[1]["loss"]
     torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(one[0]), rtol=1e-5, atol=0)
@@ -242,8 +261,16 @@ def test_launcher_without_an_accelerator_says_so(monkeypatch):
 def test_torchtitan_checkpoint_resumes_exactly(tmp_path):
     """torchtitan's checkpoint at step 2 (model, optimizer, lr schedule and PackedRows' data position) resumes to the
     same steps 3-4 as the uninterrupted run."""
-    args = RUN_ARGS + ["--training.local_batch_size", "4", "--training.steps", "4", "--checkpoint.enable",
-                       "--checkpoint.interval", "2", "--checkpoint.no-last-save-model-only"]
+    args = RUN_ARGS + [
+        "--training.local_batch_size",
+        "4",
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.no-last-save-model-only",
+    ]
     straight = run_torchtitan(args, tmp_path)[0]
     shutil.rmtree(tmp_path / "checkpoint" / "step-4")
     resumed = run_torchtitan(args, tmp_path)[0]

@@ -20,7 +20,7 @@ def test_warmup_then_cosine_to_min():
 def test_warmup_stable_decay():
     f = [lr_factor(i, 20, warmup=2, decay_ratio=0.25, decay_type="linear", min_lr_factor=0.0) for i in range(20)]
     decay_steps = round(18 * 0.25)  # 4 (banker's rounding of 4.5)
-    assert f[2:20 - decay_steps] == [1.0] * (18 - decay_steps)
+    assert f[2 : 20 - decay_steps] == [1.0] * (18 - decay_steps)
     assert f[-decay_steps:] == pytest.approx([0.75, 0.5, 0.25, 0.0])
 
 
@@ -31,15 +31,36 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", *PARITY_ARGS, "--optimizer.lr", "1e4", "--training.steps", "6",
-                        "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "true",
-                        "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path)],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            *PARITY_ARGS,
+            "--optimizer.lr",
+            "1e4",
+            "--training.steps",
+            "6",
+            "--lr_scheduler.warmup_steps",
+            "0",
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert "loss is nan at step" in r.stderr and "the newest complete checkpoint is step-" in r.stderr, r.stderr[-2000:]
     bad_step = int(r.stderr.split("loss is nan at step ")[1].split(":")[0])
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
-    assert saved and saved[-1] == bad_step - 1 and (tmp_path / "checkpoint" / f"step-{saved[-1]}" / ".metadata").exists()
+    assert (
+        saved and saved[-1] == bad_step - 1 and (tmp_path / "checkpoint" / f"step-{saved[-1]}" / ".metadata").exists()
+    )
 
 
 def test_chunked_cross_entropy_matches_full_logits():
@@ -79,8 +100,11 @@ def test_document_masking_off_treats_rows_as_one_stream(tmp_path):
     stream = run_training(1, PARITY_ARGS + ["--training.document_masking", "false"], tmp_path / "stream")
     # state now flows across document starts: beyond the 1e-5 parity tolerance of identical runs
     assert any(abs(a["loss"] - b["loss"]) > 1e-5 * a["loss"] for a, b in zip(masked[1:], stream[1:]))
-    pp = run_training(2, PARITY_ARGS + ["--training.document_masking", "false",
-                                        "--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp")
+    pp = run_training(
+        2,
+        PARITY_ARGS + ["--training.document_masking", "false", "--parallelism.pipeline_parallel_degree", "2"],
+        tmp_path / "pp",
+    )
     assert_same_losses(stream, pp)
 
 
@@ -89,9 +113,23 @@ def test_run_train_sh_on_cpu_with_gloo_and_log_rank(tmp_path):
     import os
 
     env = dict(os.environ, CONFIG_FILE="configs/debug.toml", NGPU="2", LOG_RANK="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run(["./run_train.sh", *PARITY_ARGS[2:], "--training.steps", "2",
-                        "--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            "./run_train.sh",
+            *PARITY_ARGS[2:],
+            "--training.steps",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "2",
+            "--job.dump_folder",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "[rank1]" in out and "[rank0]" not in out  # only rank 1's lines are shown

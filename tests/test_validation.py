@@ -22,11 +22,36 @@ from configs.parser import load_config
 from tests.parity import REPO, read_metrics, run_training
 
 ARGS = [
-    "--job.config_file", "configs/debug.toml", "--model.d_model", "64", "--model.n_layers", "2",
-    "--model.d_state", "16", "--model.headdim", "16", "--model.chunk_size", "16", "--model.tie_embeddings", "false",
-    "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.global_batch_size", "2",
-    "--training.steps", "2", "--training.deterministic", "true", "--metrics.enable_tensorboard", "false",
-    "--validation.steps", "3", "--validation.local_batch_size", "2",
+    "--job.config_file",
+    "configs/debug.toml",
+    "--model.d_model",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.d_state",
+    "16",
+    "--model.headdim",
+    "16",
+    "--model.chunk_size",
+    "16",
+    "--model.tie_embeddings",
+    "false",
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "2",
+    "--training.steps",
+    "2",
+    "--training.deterministic",
+    "true",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--validation.steps",
+    "3",
+    "--validation.local_batch_size",
+    "2",
 ]
 
 
@@ -54,8 +79,9 @@ def test_validator_matches_direct_loss():
         for _ in range(3):
             b = loader.next_batch()
             logits = model(b["input_ids"], seq_idx=b["seq_idx"])
-            loss_sum += torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(),
-                                                          ignore_index=IGNORE_INDEX, reduction="sum").item()
+            loss_sum += torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            ).item()
             n += (b["labels"] != IGNORE_INDEX).sum().item()
     assert got["val_tokens"] == n
     assert abs(got["val_loss"] - loss_sum / n) <= 1e-5 * got["val_loss"]
@@ -72,31 +98,42 @@ def test_validator_matches_direct_loss():
 def _evaluate(nproc: int, args: list[str]) -> dict:
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-                "--rdzv_endpoint=localhost:0"]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run(cmd + ["evaluate.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+    r = subprocess.run(
+        cmd + ["evaluate.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("evaluation: ")][-1]
-    return json.loads(line[len("evaluation: "):])
+    return json.loads(line[len("evaluation: ") :])
 
 
 def test_evaluate_matches_in_training_validation(tmp_path):
     dump = ["--job.dump_folder", str(tmp_path)]
-    run_training(1, ARGS + ["--checkpoint.enable", "true", "--validation.enable", "true",
-                                      "--validation.freq", "2"], tmp_path)
+    run_training(
+        1, ARGS + ["--checkpoint.enable", "true", "--validation.enable", "true", "--validation.freq", "2"], tmp_path
+    )
     one = _evaluate(1, ARGS + dump + ["--checkpoint.load_step", "2"])
     assert one["checkpoint"].endswith("step-2") and one["val_tokens"] == 3 * 2 * 64
     # FSDP2: each rank reads 1 validation row per batch, so the global batches are the single-process ones
-    two = _evaluate(2, ARGS + dump + ["--validation.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "2"])
+    two = _evaluate(
+        2, ARGS + dump + ["--validation.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "2"]
+    )
     assert two["val_tokens"] == one["val_tokens"]
     assert abs(two["val_loss"] - one["val_loss"]) <= 1e-5 * one["val_loss"]
     # A weights-only folder (as checkpoint.convert writes) evaluates the same
     from checkpoint.export import convert_to_weights_only
 
     convert_to_weights_only(str(tmp_path / "checkpoint" / "step-2"), str(tmp_path / "w"))
-    w = _evaluate(1, ARGS + ["--job.dump_folder", str(tmp_path / "other"),
-                             "--checkpoint.initial_load_path", str(tmp_path / "w")])
+    w = _evaluate(
+        1, ARGS + ["--job.dump_folder", str(tmp_path / "other"), "--checkpoint.initial_load_path", str(tmp_path / "w")]
+    )
     assert w["val_loss"] == one["val_loss"]
     val = [r for r in read_metrics(tmp_path) if "val_loss" in r]
     if not val:
@@ -110,11 +147,22 @@ def test_validation_under_pipeline_parallel_matches_one_process(tmp_path):
     """PP2: validation batches go through the schedule's forward-only pass; val_loss equals one process'."""
     from tests.parity import PARITY_ARGS, run_training
 
-    args = PARITY_ARGS + ["--validation.enable", "true", "--validation.freq", "2", "--validation.steps", "2",
-                          "--validation.local_batch_size", "8"]
+    args = PARITY_ARGS + [
+        "--validation.enable",
+        "true",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "2",
+        "--validation.local_batch_size",
+        "8",
+    ]
     ref = {r["step"]: r["val_loss"] for r in run_training(1, args, tmp_path / "one") if "val_loss" in r}
-    pp = {r["step"]: r["val_loss"] for r in run_training(
-        2, args + ["--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp2") if "val_loss" in r}
+    pp = {
+        r["step"]: r["val_loss"]
+        for r in run_training(2, args + ["--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp2")
+        if "val_loss" in r
+    }
     assert sorted(ref) == sorted(pp) == [2, 4]
     for step in ref:
         assert abs(pp[step] - ref[step]) <= 1e-5 * ref[step], (step, ref[step], pp[step])

@@ -34,8 +34,10 @@ def build_corpus_bytes() -> bytes:
 
 def main() -> None:
     if sys.version_info[:2] != (3, 11):
-        print(f"note: running Python {sys.version.split()[0]}; the committed corpus came from CPython 3.11",
-              file=sys.stderr)
+        print(
+            f"note: running Python {sys.version.split()[0]}; the committed corpus came from CPython 3.11",
+            file=sys.stderr,
+        )
     data = build_corpus_bytes()
     OUT_PATH.write_bytes(data)
     print(f"wrote {OUT_PATH} ({len(data)} bytes)")

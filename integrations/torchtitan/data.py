@@ -63,9 +63,11 @@ def check_tokenizer_fits_flavor(tokenizer_vocab: int, flavor: str) -> None:
     if flavor not in flavors:
         raise ValueError(f"model.flavor={flavor!r} is not a mamba2 flavor; choose one of {sorted(flavors)}")
     if tokenizer_vocab > flavors[flavor].vocab_size:
-        raise ValueError(f"the tokenizer has ids up to {tokenizer_vocab - 1} but flavor {flavor!r} embeds "
-                         f"vocab_size={flavors[flavor].vocab_size} ids; pick a flavor whose vocabulary holds the "
-                         "tokenizer's (or leave model.hf_assets_path empty for the byte tokenizer, 258 ids)")
+        raise ValueError(
+            f"the tokenizer has ids up to {tokenizer_vocab - 1} but flavor {flavor!r} embeds "
+            f"vocab_size={flavors[flavor].vocab_size} ids; pick a flavor whose vocabulary holds the "
+            "tokenizer's (or leave model.hf_assets_path empty for the byte tokenizer, 258 ids)"
+        )
 
 
 class PackedRows(IterableDataset, Stateful):
@@ -93,18 +95,28 @@ class PackedRows(IterableDataset, Stateful):
         self.packer.load_state_dict(state_dict["packer"])
 
 
-def build_mamba2_dataloader(dp_world_size: int, dp_rank: int, tokenizer: Mamba2Tokenizer, job_config,
-                            **kwargs) -> ParallelAwareDataloader:
+def build_mamba2_dataloader(
+    dp_world_size: int, dp_rank: int, tokenizer: Mamba2Tokenizer, job_config, **kwargs
+) -> ParallelAwareDataloader:
     """torchtitan's build_dataloader_fn: local_batch_size rows of seq_len tokens per call of next()."""
     del kwargs
     t = job_config.training
     if t.dataloader.num_workers:
         # Each worker would iterate its own copy of the packer: every row num_workers times. Packing is cheap (the
         # tokenizer runs in the packer's process either way); preprocessed shards are the path for large data.
-        raise ValueError(f"training.dataloader.num_workers={t.dataloader.num_workers}: the mamba2 data loader packs "
-                         "one stream per rank in the training process; set it to 0")
+        raise ValueError(
+            f"training.dataloader.num_workers={t.dataloader.num_workers}: the mamba2 data loader packs "
+            "one stream per rank in the training process; set it to 0"
+        )
     source = build_text_source(t.dataset, "train", "text", t.dataset_path or "")
-    rows = PackedRows(source, tokenizer.inner, t.seq_len, dp_rank, dp_world_size,
-                      with_seq_idx=job_config.parallelism.pipeline_parallel_degree == 1)
-    return ParallelAwareDataloader(rows, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                                   **asdict(t.dataloader), batch_size=t.local_batch_size)
+    rows = PackedRows(
+        source,
+        tokenizer.inner,
+        t.seq_len,
+        dp_rank,
+        dp_world_size,
+        with_seq_idx=job_config.parallelism.pipeline_parallel_degree == 1,
+    )
+    return ParallelAwareDataloader(
+        rows, dp_rank=dp_rank, dp_world_size=dp_world_size, **asdict(t.dataloader), batch_size=t.local_batch_size
+    )

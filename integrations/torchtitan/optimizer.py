@@ -15,13 +15,18 @@ from torchtitan.components.optimizer import OptimizersContainer, build_optimizer
 from components.moe_balance import MoEBalancer
 
 
-def build_mamba2_optimizers(model_parts: list[nn.Module], optimizer_config, parallel_dims,
-                            ft_manager=None) -> OptimizersContainer:
+def build_mamba2_optimizers(
+    model_parts: list[nn.Module], optimizer_config, parallel_dims, ft_manager=None
+) -> OptimizersContainer:
     optimizers = build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     # Of the whole model: a pipeline stage without MoE layers still joins the balancer's pp reduction.
     if "E" in model_parts[0].args.layer_types:
         loss_mesh, pp_mesh = parallel_dims.get_optional_mesh("loss"), parallel_dims.get_optional_mesh("pp")
-        balancer = MoEBalancer(model_parts, True, loss_mesh.get_group() if loss_mesh is not None else None,
-                               pp_mesh.get_group() if pp_mesh is not None else None)
+        balancer = MoEBalancer(
+            model_parts,
+            True,
+            loss_mesh.get_group() if loss_mesh is not None else None,
+            pp_mesh.get_group() if pp_mesh is not None else None,
+        )
         optimizers.register_step_post_hook(lambda *args, **kwargs: balancer.after_step())
     return optimizers

@@ -37,23 +37,33 @@ class _DataParallelMesh:
 def unsupported_settings(parallel_dims, job_config) -> list[str]:
     """Settings of torchtitan's config this integration cannot run, each with the fix (empty when fine)."""
     errs = []
-    for name, degree in (("tensor_parallel_degree", parallel_dims.tp), ("context_parallel_degree", parallel_dims.cp),
-                         ("expert_parallel_degree", parallel_dims.ep)):
+    for name, degree in (
+        ("tensor_parallel_degree", parallel_dims.tp),
+        ("context_parallel_degree", parallel_dims.cp),
+        ("expert_parallel_degree", parallel_dims.ep),
+    ):
         if degree > 1:
-            errs.append(f"parallelism.{name}={degree} is not supported for mamba2 under torchtitan (Mamba-2 has no "
-                        "TP plan here; its all-to-all CP and EP run in mambatitan's own train.py); set it to 1")
+            errs.append(
+                f"parallelism.{name}={degree} is not supported for mamba2 under torchtitan (Mamba-2 has no "
+                "TP plan here; its all-to-all CP and EP run in mambatitan's own train.py); set it to 1"
+            )
     ac = job_config.activation_checkpoint
     if ac.mode not in ("none", "full", "selective"):
         errs.append(f"activation_checkpoint.mode={ac.mode!r} is not supported for mamba2; use none, full or selective")
     elif ac.mode == "selective" and not (str(ac.selective_ac_option).isdigit() and int(ac.selective_ac_option) >= 1):
-        errs.append(f"activation_checkpoint.selective_ac_option={ac.selective_ac_option!r}: mamba2 checkpoints every "
-                    "n-th block only; give an integer n >= 1 (op-level SAC is not supported)")
+        errs.append(
+            f"activation_checkpoint.selective_ac_option={ac.selective_ac_option!r}: mamba2 checkpoints every "
+            "n-th block only; give an integer n >= 1 (op-level SAC is not supported)"
+        )
     if parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled:
-        errs.append("plain DDP (data_parallel_replicate_degree > 1 with shard degree 1) is not wired for mamba2; "
-                    "use FSDP (data_parallel_shard_degree) or HSDP (both)")
+        errs.append(
+            "plain DDP (data_parallel_replicate_degree > 1 with shard degree 1) is not wired for mamba2; "
+            "use FSDP (data_parallel_shard_degree) or HSDP (both)"
+        )
     if job_config.model.converters:
-        errs.append(f"model.converters={job_config.model.converters} (float8 / mx) is not supported for mamba2; "
-                    "leave it empty")
+        errs.append(
+            f"model.converters={job_config.model.converters} (float8 / mx) is not supported for mamba2; leave it empty"
+        )
     return errs
 
 
@@ -72,10 +82,14 @@ def parallelize_mamba2(model: nn.Module, parallel_dims, job_config) -> nn.Module
             fsdp_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
             fsdp_cpu_offload=job_config.training.enable_cpu_offload,
         )
-        apply_fsdp(model, _DataParallelMesh(parallel_dims.get_mesh(names)), fsdp_options,
-                   param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
-                   reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
-                   pdims=SimpleNamespace(ep=1, pp=parallel_dims.pp))
+        apply_fsdp(
+            model,
+            _DataParallelMesh(parallel_dims.get_mesh(names)),
+            fsdp_options,
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pdims=SimpleNamespace(ep=1, pp=parallel_dims.pp),
+        )
         # torchtitan's trainer already divides the loss sum by the GLOBAL token count: FSDP must sum the
         # gradients, not average them once more over the data-parallel ranks (as torchtitan's llama3 does).
         disable_fsdp_gradient_division(model)

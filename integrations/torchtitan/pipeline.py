@@ -34,17 +34,23 @@ def pipeline_settings(job_config, model_args) -> tuple[SimpleNamespace, list[str
     them (each naming torchtitan's key and the fix)."""
     p, errs = job_config.parallelism, []
     if p.module_fqns_per_model_part is not None:
-        errs.append("parallelism.module_fqns_per_model_part is not supported for mamba2; split with "
-                    "parallelism.pipeline_parallel_layers_per_stage or '|' in the flavor's layer_pattern")
+        errs.append(
+            "parallelism.module_fqns_per_model_part is not supported for mamba2; split with "
+            "parallelism.pipeline_parallel_layers_per_stage or '|' in the flavor's layer_pattern"
+        )
     if p.pipeline_parallel_first_stage_less_layers != p.pipeline_parallel_last_stage_less_layers:
-        errs.append("mamba2 weights the first and the last stage alike: set parallelism."
-                    "pipeline_parallel_first_stage_less_layers and ..._last_stage_less_layers to the same value")
+        errs.append(
+            "mamba2 weights the first and the last stage alike: set parallelism."
+            "pipeline_parallel_first_stage_less_layers and ..._last_stage_less_layers to the same value"
+        )
     if p.pipeline_parallel_schedule_csv:
         errs.append("parallelism.pipeline_parallel_schedule_csv is not supported for mamba2; name a schedule")
     if model_args.tie_embeddings:
-        errs.append(f"flavor {job_config.model.flavor!r} ties the head to the embedding, whose two pipeline copies "
-                    "need a gradient sum that torchtitan's trainer does not do; use the flavor "
-                    f"'{job_config.model.flavor}_untied'")
+        errs.append(
+            f"flavor {job_config.model.flavor!r} ties the head to the embedding, whose two pipeline copies "
+            "need a gradient sum that torchtitan's trainer does not do; use the flavor "
+            f"'{job_config.model.flavor}_untied'"
+        )
     settings = SimpleNamespace(
         pipeline_parallel_schedule=p.pipeline_parallel_schedule,
         pipeline_parallel_layers_per_stage=p.pipeline_parallel_layers_per_stage or -1,
@@ -55,23 +61,29 @@ def pipeline_settings(job_config, model_args) -> tuple[SimpleNamespace, list[str
     return settings, errs
 
 
-def pipeline_mamba2(model: nn.Module, parallel_dims, job_config, device: torch.device, model_args,
-                    parallelize_fn, loss_fn):
+def pipeline_mamba2(
+    model: nn.Module, parallel_dims, job_config, device: torch.device, model_args, parallelize_fn, loss_fn
+):
     """Split `model` (meta device) into this pp rank's stages, parallelise each with `parallelize_fn`, and build
     torchtitan's schedule. Returns (schedule, model_parts, has_first_stage, has_last_stage) as torchtitan expects;
     the parts stay on the meta device (torchtitan materialises and initialises them)."""
     settings, errs = pipeline_settings(job_config, model_args)
     pp = parallel_dims.pp
     n_microbatches = job_config.training.local_batch_size // job_config.parallelism.pipeline_parallel_microbatch_size
-    errs += validate_pipeline(SimpleNamespace(parallelism=settings), SimpleNamespace(pp=pp), model_args,
-                              n_microbatches)
+    errs += validate_pipeline(SimpleNamespace(parallelism=settings), SimpleNamespace(pp=pp), model_args, n_microbatches)
     if errs:
         raise ValueError("mamba2 pipeline parallel under torchtitan:\n  - " + "\n  - ".join(errs))
 
     schedule_name = canonical_schedule(settings.pipeline_parallel_schedule)
-    ranges = stage_layer_ranges(model_args.n_layers, model_args.layer_pattern, pp, schedule_name,
-                                settings.pipeline_parallel_layers_per_stage, None,
-                                settings.pipeline_parallel_first_last_stage_weight)
+    ranges = stage_layer_ranges(
+        model_args.n_layers,
+        model_args.layer_pattern,
+        pp,
+        schedule_name,
+        settings.pipeline_parallel_layers_per_stage,
+        None,
+        settings.pipeline_parallel_first_last_stage_weight,
+    )
     pp_mesh = parallel_dims.get_mesh("pp")
     stage_ids = stage_ids_for_rank(pp_mesh.get_local_rank(), pp, len(ranges), schedule_name)
     stages, parts = [], []

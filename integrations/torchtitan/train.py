@@ -22,12 +22,19 @@ def main() -> None:
 
     # torchtitan picks its device the same way and, finding none, fails deep inside with a CUDA AttributeError.
     if _get_available_device_type() is None:
-        sys.exit("torchtitan's trainer needs an accelerator (CUDA) and none is visible; on a CPU use mambatitan's "
-                 "own trainer: python train.py --job.config_file configs/debug.toml")
+        sys.exit(
+            "torchtitan's trainer needs an accelerator (CUDA) and none is visible; on a CPU use mambatitan's "
+            "own trainer: python train.py --job.config_file configs/debug.toml"
+        )
 
     # torchtitan reads LOCAL_RANK / WORLD_SIZE that torchrun sets; a plain `python -m` run is one process.
-    for key, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"),
-                       ("MASTER_PORT", "29511")):
+    for key, value in (
+        ("LOCAL_RANK", "0"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "localhost"),
+        ("MASTER_PORT", "29511"),
+    ):
         os.environ.setdefault(key, value)
     torchtitan_main(Trainer)
 

@@ -69,7 +69,11 @@ def head_dims(args: ModelArgs) -> tuple[int, int, int]:
 
 
 def rotary_cos_sin(
-    seqlen: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32,
+    seqlen: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
     offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [s, head_dim/2] for positions offset..offset+s-1 (frequency j: theta^(-2j/head_dim)), fp32 or fp64.
@@ -187,8 +191,15 @@ def flash_varlen_core(q_BSHD, k_BSHD, v_BSHD, seq_idx_BS, scale: float) -> torch
     cu = cu_seqlens_from_seq_idx(seq_idx_BS)
     # max_seqlen only sizes the launch grid: s is a valid upper bound and needs no host sync.
     o = _flash_varlen(
-        q_BSHD.reshape(b * s, h, d), k_BSHD.reshape(b * s, -1, d), v_BSHD.reshape(b * s, -1, d),
-        cu, cu, s, s, softmax_scale=scale, causal=True,
+        q_BSHD.reshape(b * s, h, d),
+        k_BSHD.reshape(b * s, -1, d),
+        v_BSHD.reshape(b * s, -1, d),
+        cu,
+        cu,
+        s,
+        s,
+        softmax_scale=scale,
+        causal=True,
     )
     return o.view(b, s, h, d)
 
@@ -275,11 +286,13 @@ class Attention(nn.Module):
         return self.wo(o_BSHD.reshape(b, s_local, self.n_heads * self.head_dim))
 
     # ---- recurrent decoding (models.inference) -------------------------------------------------------
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype,
-                                 device: torch.device) -> KVCache:
+    def allocate_inference_cache(
+        self, batch_size: int, max_seqlen: int, dtype: torch.dtype, device: torch.device
+    ) -> KVCache:
         shape = (batch_size, max_seqlen, self.n_kv_heads, self.head_dim)
-        return KVCache(k_BLHD=torch.zeros(shape, dtype=dtype, device=device),
-                       v_BLHD=torch.zeros(shape, dtype=dtype, device=device))
+        return KVCache(
+            k_BLHD=torch.zeros(shape, dtype=dtype, device=device), v_BLHD=torch.zeros(shape, dtype=dtype, device=device)
+        )
 
     def prefill(self, x_BSD: torch.Tensor, cache: InferenceCache, seq_idx: torch.Tensor | None = None):
         """forward(x_BSD, seq_idx), writing the rotated keys and the values of columns 0..s-1 into the cache."""
@@ -311,8 +324,14 @@ class Attention(nn.Module):
             cols_L = torch.arange(pos + 1, device=x_B1D.device)
             mask_B11L = (cols_L[None, :] >= cache.first_real_B[:, None])[:, None, None, :]
         q, k, v = (t.transpose(1, 2) for t in (q_B1HD, kv.k_BLHD[:, : pos + 1], kv.v_BLHD[:, : pos + 1]))
-        o_BH1D = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B11L, scale=1.0 / math.sqrt(self.head_dim),
-                                                enable_gqa=self.n_heads != self.n_kv_heads)
+        o_BH1D = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask_B11L,
+            scale=1.0 / math.sqrt(self.head_dim),
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
         return self.wo(o_BH1D.transpose(1, 2).reshape(b, 1, self.n_heads * self.head_dim))
 
     def _cp_seq_to_heads(self, cp, q_BSHD, k_BSHD, v_BSHD):

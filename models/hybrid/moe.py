@@ -99,8 +99,11 @@ class GroupedExperts(nn.Module):
         if self.backend == "loop":
             return False
         ok = (
-            hasattr(torch, "_grouped_mm") and x_TD.is_cuda and x_TD.dtype == torch.bfloat16
-            and self.w1.shape[1] % 8 == 0 and self.w1.shape[2] % 8 == 0
+            hasattr(torch, "_grouped_mm")
+            and x_TD.is_cuda
+            and x_TD.dtype == torch.bfloat16
+            and self.w1.shape[1] % 8 == 0
+            and self.w1.shape[2] % 8 == 0
         )
         if self.backend == "grouped_mm":
             if not ok:
@@ -176,7 +179,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.d_model, hidden, self.num_experts, n_layers)
         self.shared_experts = (
             MLP(args, layer_id, n_layers, hidden_dim=hidden * args.moe_shared_experts)
-            if args.moe_shared_experts else None
+            if args.moe_shared_experts
+            else None
         )
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.int64), persistent=False)

@@ -85,13 +85,36 @@ def _seq_idx_i32(seq_idx: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def ssd_chunk_scan_cuda(
-    x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-    dt_limit=(0.0, float("inf")), seq_idx=None, initial_states=None, return_final_states=False,
+    x_BLHP,
+    dt_BLH,
+    A_H,
+    B_BLGN,
+    C_BLGN,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
 ):
     return kernels()["mamba_chunk_scan_combined"](
-        x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=D, z=z, dt_bias=dt_bias,
-        initial_states=initial_states, seq_idx=_seq_idx_i32(seq_idx), dt_softplus=dt_softplus,
-        dt_limit=tuple(dt_limit), return_final_states=return_final_states,
+        x_BLHP,
+        dt_BLH,
+        A_H,
+        B_BLGN,
+        C_BLGN,
+        chunk_size,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        initial_states=initial_states,
+        seq_idx=_seq_idx_i32(seq_idx),
+        dt_softplus=dt_softplus,
+        dt_limit=tuple(dt_limit),
+        return_final_states=return_final_states,
     )
 
 
@@ -135,10 +158,25 @@ def add_rmsnorm_cuda(x, residual, weight, eps=1e-5, residual_in_fp32=False):
 
 
 def mamba_split_conv1d_scan_cuda(
-    zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=None,
-    dt_limit=(0.0, float("inf")), activation="silu", rmsnorm_weight=None, rmsnorm_eps=1e-6,
-    outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1, norm_before_gate=True,
-    initial_states=None, return_final_states=False,
+    zxbcdt,
+    conv1d_weight,
+    conv1d_bias,
+    dt_bias,
+    A,
+    D,
+    chunk_size,
+    seq_idx=None,
+    dt_limit=(0.0, float("inf")),
+    activation="silu",
+    rmsnorm_weight=None,
+    rmsnorm_eps=1e-6,
+    outproj_weight=None,
+    outproj_bias=None,
+    headdim=None,
+    ngroups=1,
+    norm_before_gate=True,
+    initial_states=None,
+    return_final_states=False,
 ):
     if zxbcdt.shape[-1] % 8 or conv1d_weight.shape[0] % 8:
         # The fused kernel runs causal_conv1d channel-last on a view of zxbcdt, which needs both multiples of 8.
@@ -147,9 +185,23 @@ def mamba_split_conv1d_scan_cuda(
             "to be multiples of 8; change the sizes or use the unfused path (model.use_fused_path=false)"
         )
     return kernels()["mamba_split_conv1d_scan_combined"](
-        zxbcdt.contiguous(), conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=initial_states,
-        seq_idx=_seq_idx_i32(seq_idx), dt_limit=tuple(dt_limit), return_final_states=return_final_states,
-        activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-        outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
+        zxbcdt.contiguous(),
+        conv1d_weight,
+        conv1d_bias,
+        dt_bias,
+        A,
+        D,
+        chunk_size,
+        initial_states=initial_states,
+        seq_idx=_seq_idx_i32(seq_idx),
+        dt_limit=tuple(dt_limit),
+        return_final_states=return_final_states,
+        activation=activation,
+        rmsnorm_weight=rmsnorm_weight,
+        rmsnorm_eps=rmsnorm_eps,
+        outproj_weight=outproj_weight,
+        outproj_bias=outproj_bias,
+        headdim=headdim,
+        ngroups=ngroups,
         norm_before_gate=norm_before_gate,
     )

@@ -99,8 +99,20 @@ def ssd_chunk_scan(
     else:
         fn = _cuda.ssd_chunk_scan_cuda if use_cuda_kernels(backend, x_BLHP) else ssd_chunk_scan_ref
     return fn(
-        x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus,
-        dt_limit=dt_limit, seq_idx=seq_idx, initial_states=initial_states, return_final_states=return_final_states,
+        x_BLHP,
+        dt_BLH,
+        A_H,
+        B_BLGN,
+        C_BLGN,
+        chunk_size,
+        D=D,
+        z=z,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        dt_limit=dt_limit,
+        seq_idx=seq_idx,
+        initial_states=initial_states,
+        return_final_states=return_final_states,
     )
 
 
@@ -176,16 +188,46 @@ def mamba_split_conv1d_scan(
     """
     if use_triton_ssd(backend, zxbcdt):
         return mamba_split_conv1d_scan_composed(
-            zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,
-            activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-            outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
-            norm_before_gate=norm_before_gate, initial_states=initial_states,
-            return_final_states=return_final_states, ssd_backend="triton",
+            zxbcdt,
+            conv1d_weight,
+            conv1d_bias,
+            dt_bias,
+            A,
+            D,
+            chunk_size,
+            seq_idx=seq_idx,
+            dt_limit=dt_limit,
+            activation=activation,
+            rmsnorm_weight=rmsnorm_weight,
+            rmsnorm_eps=rmsnorm_eps,
+            outproj_weight=outproj_weight,
+            outproj_bias=outproj_bias,
+            headdim=headdim,
+            ngroups=ngroups,
+            norm_before_gate=norm_before_gate,
+            initial_states=initial_states,
+            return_final_states=return_final_states,
+            ssd_backend="triton",
         )
     fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
     return fn(
-        zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx=seq_idx, dt_limit=dt_limit,
-        activation=activation, rmsnorm_weight=rmsnorm_weight, rmsnorm_eps=rmsnorm_eps,
-        outproj_weight=outproj_weight, outproj_bias=outproj_bias, headdim=headdim, ngroups=ngroups,
-        norm_before_gate=norm_before_gate, initial_states=initial_states, return_final_states=return_final_states,
+        zxbcdt,
+        conv1d_weight,
+        conv1d_bias,
+        dt_bias,
+        A,
+        D,
+        chunk_size,
+        seq_idx=seq_idx,
+        dt_limit=dt_limit,
+        activation=activation,
+        rmsnorm_weight=rmsnorm_weight,
+        rmsnorm_eps=rmsnorm_eps,
+        outproj_weight=outproj_weight,
+        outproj_bias=outproj_bias,
+        headdim=headdim,
+        ngroups=ngroups,
+        norm_before_gate=norm_before_gate,
+        initial_states=initial_states,
+        return_final_states=return_final_states,
     )

@@ -87,9 +87,7 @@ def mamba_split_conv1d_scan_ref(
     """
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be [batch, seqlen, features], got {tuple(zxbcdt.shape)}")
-    d_nonssm, dim, dstate, nheads = split_zxbcdt_sizes(
-        zxbcdt.shape[-1], conv1d_weight.shape[0], D, headdim, ngroups
-    )
+    d_nonssm, dim, dstate, nheads = split_zxbcdt_sizes(zxbcdt.shape[-1], conv1d_weight.shape[0], D, headdim, ngroups)
     headdim = dim // nheads
     if outproj_weight is None and outproj_bias is not None:
         raise ValueError("outproj_bias given without outproj_weight")
@@ -104,8 +102,19 @@ def mamba_split_conv1d_scan_ref(
     z_BLHP = z.reshape(b, L, nheads, headdim)
 
     out = ssd_chunk_scan_ref(
-        x, dt, A, B, C, chunk_size, D=D, z=z_BLHP if rmsnorm_weight is None else None, dt_bias=dt_bias,
-        dt_softplus=True, dt_limit=dt_limit, seq_idx=seq_idx, initial_states=initial_states,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=D,
+        z=z_BLHP if rmsnorm_weight is None else None,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        dt_limit=dt_limit,
+        seq_idx=seq_idx,
+        initial_states=initial_states,
         return_final_states=return_final_states,
     )
     out, final_states = out if return_final_states else (out, None)

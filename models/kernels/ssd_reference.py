@@ -114,8 +114,20 @@ def ssd_chunk_scan_ref(
     cdt = _compute_dtype(x_BLHP)
     with no_autocast(x_BLHP.device):
         y_BLHP, final_BHPN = _ssd_chunked(
-            x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
-            seq_idx, initial_states, cdt,
+            x_BLHP,
+            dt_BLH,
+            A_H,
+            B_BLGN,
+            C_BLGN,
+            chunk_size,
+            D,
+            z,
+            dt_bias,
+            dt_softplus,
+            dt_limit,
+            seq_idx,
+            initial_states,
+            cdt,
         )
     y_BLHP = y_BLHP.to(x_BLHP.dtype)
     return (y_BLHP, final_BHPN) if return_final_states else y_BLHP

@@ -92,7 +92,10 @@ def causal_conv1d_update(
     # the cache was allocated otherwise, e.g. fp32 weights under autocast).
     dtype = conv_state_BDS.dtype
     out_BD = kernels()["causal_conv1d_update"](
-        x_BD.to(dtype), conv_state_BDS, weight_DW.to(dtype).contiguous(),
-        None if bias_D is None else bias_D.to(dtype), activation,
+        x_BD.to(dtype),
+        conv_state_BDS,
+        weight_DW.to(dtype).contiguous(),
+        None if bias_D is None else bias_D.to(dtype),
+        activation,
     )
     return out_BD.to(x_BD.dtype)

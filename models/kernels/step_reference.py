@@ -62,8 +62,9 @@ def selective_state_update_ref(
     _check_shape("dt", dt_BHP, (b, H, P), "[batch, nheads, headdim]")
     _check_shape("A", A_HPN, (H, P, N), "[nheads, headdim, dstate]")
     if B_BGN.dim() != 3 or B_BGN.shape[0] != b or B_BGN.shape[2] != N or H % B_BGN.shape[1]:
-        raise ValueError(f"B must be [batch, ngroups, dstate] = [{b}, G, {N}] with G dividing {H}, "
-                         f"got {list(B_BGN.shape)}")
+        raise ValueError(
+            f"B must be [batch, ngroups, dstate] = [{b}, G, {N}] with G dividing {H}, got {list(B_BGN.shape)}"
+        )
     _check_shape("C", C_BGN, tuple(B_BGN.shape), "B's shape [batch, ngroups, dstate]")
     _check_shape("D", D_HP, (H, P), "[nheads, headdim]")
     _check_shape("z", z_BHP, (b, H, P), "[batch, nheads, headdim]")
@@ -104,13 +105,15 @@ def causal_conv1d_update_ref(
         raise ValueError(f"weight must be [dim, width] with dim={d}, got {list(weight_DW.shape)}")
     W = weight_DW.shape[1]
     if conv_state_BDS.dim() != 3 or conv_state_BDS.shape[:2] != (b, d) or conv_state_BDS.shape[2] < W - 1:
-        raise ValueError(f"conv_state must be [batch, dim, state_len >= width - 1] = [{b}, {d}, >= {W - 1}], "
-                         f"got {list(conv_state_BDS.shape)}")
+        raise ValueError(
+            f"conv_state must be [batch, dim, state_len >= width - 1] = [{b}, {d}, >= {W - 1}], "
+            f"got {list(conv_state_BDS.shape)}"
+        )
     _check_shape("bias", bias_D, (d,), "[dim]")
     cdt = _compute_dtype(x_BD)
     with no_autocast(x_BD.device):
         inputs_BDT = torch.cat([conv_state_BDS, x_BD.to(conv_state_BDS.dtype)[:, :, None]], dim=-1)
-        window_BDW = inputs_BDT[:, :, inputs_BDT.shape[-1] - W:].to(cdt)
+        window_BDW = inputs_BDT[:, :, inputs_BDT.shape[-1] - W :].to(cdt)
         out = (window_BDW * weight_DW.to(cdt)).sum(-1)
         if bias_D is not None:
             out = out + bias_D.to(cdt)

@@ -38,8 +38,9 @@ class Block(nn.Module):
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps)
         self.mixer = build_mixer(letter, args, layer_id)
 
-    def forward(self, hidden_BSD: torch.Tensor, residual_BSD: torch.Tensor | None,
-                seq_idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden_BSD: torch.Tensor, residual_BSD: torch.Tensor | None, seq_idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         normed_BSD, residual_BSD = self.norm.add_and_norm(hidden_BSD, residual_BSD, self.residual_in_fp32)
         if residual_BSD is hidden_BSD:
             # The first block (no residual yet, fp32) would return its own input as the residual. Under FSDP2

@@ -32,13 +32,23 @@ class Mamba2Mixer(nn.Module):
         self.ngroups, self.d_state = args.ngroups, args.d_state
         self.conv_dim = self.d_inner + 2 * self.ngroups * self.d_state
         self.in_proj = nn.Linear(args.d_model, self.d_inner + self.conv_dim + self.nheads, bias=args.bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, args.d_conv, groups=self.conv_dim,
-                                padding=args.d_conv - 1, bias=args.conv_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            args.d_conv,
+            groups=self.conv_dim,
+            padding=args.d_conv - 1,
+            bias=args.conv_bias,
+        )
         self.dt_bias = nn.Parameter(torch.empty(self.nheads))
         self.A_log = nn.Parameter(torch.empty(self.nheads))
         self.D = nn.Parameter(torch.empty(self.d_inner if args.D_has_hdim else self.nheads))
-        self.norm = GatedRMSNorm(self.d_inner, eps=args.norm_eps, group_size=self.d_inner // self.ngroups,
-                                 norm_before_gate=args.norm_before_gate)
+        self.norm = GatedRMSNorm(
+            self.d_inner,
+            eps=args.norm_eps,
+            group_size=self.d_inner // self.ngroups,
+            norm_before_gate=args.norm_before_gate,
+        )
         self.out_proj = nn.Linear(self.d_inner, args.d_model, bias=args.bias)
         self.dt_limit = (args.dt_limit_min, args.dt_limit_max)
         self.backend = "auto"  # "reference" forces the PyTorch references (model.kernels)
@@ -58,15 +68,20 @@ class Mamba2Mixer(nn.Module):
         if self.cp is None and self.args.use_fused_path and zxbcdt.is_cuda and self.backend != "reference":
             return self._fused_forward(zxbcdt, seq_idx, return_final_states)
         if self.cp is not None and return_final_states:
-            raise ValueError("Mamba2Mixer: final SSM states (inference prefill) are not available under context "
-                             "parallel; decode with a model built without context parallel")
+            raise ValueError(
+                "Mamba2Mixer: final SSM states (inference prefill) are not available under context "
+                "parallel; decode with a model built without context parallel"
+            )
         z_BSE, xBCdt = zxbcdt.split([self.d_inner, self.conv_dim + self.nheads], dim=-1)
         if self.cp is not None:
-            xBCdt = self.cp.pre_conv_ssm(xBCdt)  # [b, s/cp, conv_dim + H] -> [b, s, (conv_dim + H) of this rank's heads]
+            xBCdt = self.cp.pre_conv_ssm(
+                xBCdt
+            )  # [b, s/cp, conv_dim + H] -> [b, s, (conv_dim + H) of this rank's heads]
         return self._conv_ssm_out(z_BSE, xBCdt, seq_idx, return_final_states)
 
-    def _conv_ssm_out(self, z_BSE: torch.Tensor, xBCdt: torch.Tensor, seq_idx: torch.Tensor | None,
-                      return_final_states: bool = False):
+    def _conv_ssm_out(
+        self, z_BSE: torch.Tensor, xBCdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool = False
+    ):
         """conv -> SSD -> gated norm -> out_proj, unfused. Under CP xBCdt is the whole sequence of this rank's heads
         (pre_conv_ssm's output) and z this rank's tokens."""
         if self.cp is not None:
@@ -80,17 +95,27 @@ class Mamba2Mixer(nn.Module):
             dt_bias, A_log, D = self.dt_bias, self.A_log, self.D
         xBC_BSC, dt_BSH = xBCdt.split([conv_channels, nheads], dim=-1)
         # causal_conv1d takes [b, c, s]; the transposed view is channel-last, which its seq_idx path needs.
-        xBC_BSC = ops.causal_conv1d(xBC_BSC.transpose(1, 2), conv_w.squeeze(1), conv_b, seq_idx,
-                                    activation="silu", backend=self.backend).transpose(1, 2)
+        xBC_BSC = ops.causal_conv1d(
+            xBC_BSC.transpose(1, 2), conv_w.squeeze(1), conv_b, seq_idx, activation="silu", backend=self.backend
+        ).transpose(1, 2)
         gn = ngroups * self.d_state
         x_BSI, B_BSG, C_BSG = xBC_BSC.split([d_inner, gn, gn], dim=-1)
         b, s = x_BSI.shape[:2]
         D_ssd = D.view(-1, self.headdim) if self.args.D_has_hdim else D
         y_BSHP = ops.ssd_chunk_scan(
-            x_BSI.reshape(b, s, -1, self.headdim), dt_BSH, -torch.exp(A_log.float()),
-            B_BSG.reshape(b, s, ngroups, self.d_state), C_BSG.reshape(b, s, ngroups, self.d_state),
-            self.args.chunk_size, D=D_ssd, dt_bias=dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
-            seq_idx=seq_idx, return_final_states=return_final_states, backend=self.backend,
+            x_BSI.reshape(b, s, -1, self.headdim),
+            dt_BSH,
+            -torch.exp(A_log.float()),
+            B_BSG.reshape(b, s, ngroups, self.d_state),
+            C_BSG.reshape(b, s, ngroups, self.d_state),
+            self.args.chunk_size,
+            D=D_ssd,
+            dt_bias=dt_bias,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            seq_idx=seq_idx,
+            return_final_states=return_final_states,
+            backend=self.backend,
         )
         y_BSHP, final_BHPN = y_BSHP if return_final_states else (y_BSHP, None)
         y_BSI = y_BSHP.reshape(b, s, -1)
@@ -102,23 +127,38 @@ class Mamba2Mixer(nn.Module):
         """conv + SSD + gated norm + out_proj in mamba_ssm's fused kernel (CUDA, no CP): (out, final or None)."""
         D = self.D.view(-1, self.headdim) if self.args.D_has_hdim else self.D
         out = ops.mamba_split_conv1d_scan(
-            zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()),
-            D, self.args.chunk_size, seq_idx=seq_idx, dt_limit=self.dt_limit, activation="silu",
-            rmsnorm_weight=self.norm.weight, rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight,
-            outproj_bias=self.out_proj.bias, headdim=self.headdim, ngroups=self.ngroups,
-            norm_before_gate=self.args.norm_before_gate, return_final_states=return_final_states,
+            zxbcdt,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.dt_bias,
+            -torch.exp(self.A_log.float()),
+            D,
+            self.args.chunk_size,
+            seq_idx=seq_idx,
+            dt_limit=self.dt_limit,
+            activation="silu",
+            rmsnorm_weight=self.norm.weight,
+            rmsnorm_eps=self.norm.eps,
+            outproj_weight=self.out_proj.weight,
+            outproj_bias=self.out_proj.bias,
+            headdim=self.headdim,
+            ngroups=self.ngroups,
+            norm_before_gate=self.args.norm_before_gate,
+            return_final_states=return_final_states,
             backend=self.backend,
         )
         return out if return_final_states else (out, None)
 
     # ---- recurrent decoding (models.inference) -------------------------------------------------------
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype,
-                                 device: torch.device) -> MambaLayerCache:
+    def allocate_inference_cache(
+        self, batch_size: int, max_seqlen: int, dtype: torch.dtype, device: torch.device
+    ) -> MambaLayerCache:
         """Zeroed conv state [b, conv_dim, d_conv] in `dtype` and SSM state [b, H, P, N] in float32."""
         return MambaLayerCache(
             conv_state_BCW=torch.zeros(batch_size, self.conv_dim, self.args.d_conv, dtype=dtype, device=device),
-            ssm_state_BHPN=torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32,
-                                       device=device),
+            ssm_state_BHPN=torch.zeros(
+                batch_size, self.nheads, self.headdim, self.d_state, dtype=torch.float32, device=device
+            ),
         )
 
     def prefill(self, u_BSD: torch.Tensor, cache: InferenceCache, seq_idx: torch.Tensor | None = None):
@@ -143,16 +183,25 @@ class Mamba2Mixer(nn.Module):
         b = u_B1D.shape[0]
         H, P, N, G = self.nheads, self.headdim, self.d_state, self.ngroups
         z_BI, xBC_BC, dt_BH = self.in_proj(u_B1D[:, 0]).split([self.d_inner, self.conv_dim, H], dim=-1)
-        xBC_BC = step_ops.causal_conv1d_update(xBC_BC, layer.conv_state_BCW, self.conv1d.weight.squeeze(1),
-                                               self.conv1d.bias, "silu", backend=self.backend)
+        xBC_BC = step_ops.causal_conv1d_update(
+            xBC_BC, layer.conv_state_BCW, self.conv1d.weight.squeeze(1), self.conv1d.bias, "silu", backend=self.backend
+        )
         x_BI, B_BGN, C_BGN = xBC_BC.split([self.d_inner, G * N, G * N], dim=-1)
         # Per-head quantities as the step kernel's [H, P(, N)] stride-0 views (its fast "tied head dim" path).
         D_HP = self.D.view(H, P) if self.args.D_has_hdim else self.D[:, None].expand(H, P)
         y_BHP = step_ops.selective_state_update(
-            layer.ssm_state_BHPN, x_BI.view(b, H, P), dt_BH[:, :, None].expand(b, H, P),
-            (-torch.exp(self.A_log.float()))[:, None, None].expand(H, P, N), B_BGN.view(b, G, N),
-            C_BGN.view(b, G, N), D_HP, None, self.dt_bias[:, None].expand(H, P), dt_softplus=True,
-            dt_limit=self.dt_limit, backend=self.backend,
+            layer.ssm_state_BHPN,
+            x_BI.view(b, H, P),
+            dt_BH[:, :, None].expand(b, H, P),
+            (-torch.exp(self.A_log.float()))[:, None, None].expand(H, P, N),
+            B_BGN.view(b, G, N),
+            C_BGN.view(b, G, N),
+            D_HP,
+            None,
+            self.dt_bias[:, None].expand(H, P),
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            backend=self.backend,
         )
         return self.out_proj(self.norm(y_BHP.reshape(b, 1, self.d_inner), z_BI[:, None]))
 

@@ -63,9 +63,7 @@ class Mamba2LM(nn.Module):
         self.pack_format = "sum"
         self.embeds_tokens = True  # False: tok_embeddings only holds the tied head's weight (see the module doc)
         self.tok_embeddings = nn.Embedding(args.padded_vocab_size, args.d_model)
-        self.layers = nn.ModuleDict(
-            {str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)}
-        )
+        self.layers = nn.ModuleDict({str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)})
         self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.d_model, args.padded_vocab_size, bias=False)
         self.tie_weights()
@@ -79,8 +77,13 @@ class Mamba2LM(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.lm_head is not None:
             self.lm_head.weight = self.tok_embeddings.weight
 
-    def forward(self, inputs: torch.Tensor, seq_idx: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        seq_idx: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_chunk_tokens: int = 0,
+    ) -> torch.Tensor:
         """tokens [b, s] (or the packed inter-stage tensor) -> logits [b, s, V] (or the packed tensor).
 
         seq_idx: int32 [b, s], the document id of every position (whole-sequence length under CP).
@@ -104,8 +107,13 @@ class Mamba2LM(nn.Module):
         return logits_BSV if labels is None else cross_entropy_sum(logits_BSV, labels)
 
     # ---- recurrent decoding (models.inference: the cache layout and the left-padding rule) ---------------
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None,
-                                 device: torch.device | str | None = None) -> InferenceCache:
+    def allocate_inference_cache(
+        self,
+        batch_size: int,
+        max_seqlen: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> InferenceCache:
         """A zeroed cache for `batch_size` rows of up to `max_seqlen` tokens (prompt + generated).
 
         dtype / device default to the embedding's: the conv inputs and the KV cache are kept in `dtype`,
@@ -113,8 +121,9 @@ class Mamba2LM(nn.Module):
         """
         self._check_can_decode()
         if batch_size < 1 or max_seqlen < 1:
-            raise ValueError(f"allocate_inference_cache: batch_size={batch_size} and max_seqlen={max_seqlen} "
-                             "must both be >= 1")
+            raise ValueError(
+                f"allocate_inference_cache: batch_size={batch_size} and max_seqlen={max_seqlen} must both be >= 1"
+            )
         weight = self.tok_embeddings.weight
         dtype, device = dtype or weight.dtype, torch.device(device) if device is not None else weight.device
         cache = InferenceCache(batch_size=batch_size, max_seqlen=max_seqlen)
@@ -124,8 +133,9 @@ class Mamba2LM(nn.Module):
         return cache
 
     @torch.no_grad()
-    def prefill(self, input_ids_BS: torch.Tensor, cache: InferenceCache,
-                prompt_lengths_B: torch.Tensor | None = None) -> torch.Tensor:
+    def prefill(
+        self, input_ids_BS: torch.Tensor, cache: InferenceCache, prompt_lengths_B: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The parallel forward over left-padded prompts, filling the cache -> logits of the last column [B, V].
 
         Row b's prompt is its last prompt_lengths_B[b] tokens (None: no padding); see models.inference for
@@ -133,24 +143,33 @@ class Mamba2LM(nn.Module):
         """
         self._check_can_decode()
         if input_ids_BS.dim() != 2 or input_ids_BS.dtype.is_floating_point:
-            raise ValueError(f"prefill: input_ids must be integer token ids [batch, seqlen], got "
-                             f"{input_ids_BS.dtype} {list(input_ids_BS.shape)}")
+            raise ValueError(
+                f"prefill: input_ids must be integer token ids [batch, seqlen], got "
+                f"{input_ids_BS.dtype} {list(input_ids_BS.shape)}"
+            )
         b, s = input_ids_BS.shape
         if cache.batch_size != b:
-            raise ValueError(f"prefill: the cache holds {cache.batch_size} rows but {b} prompts were given; "
-                             "allocate the cache for this batch size")
+            raise ValueError(
+                f"prefill: the cache holds {cache.batch_size} rows but {b} prompts were given; "
+                "allocate the cache for this batch size"
+            )
         if cache.seqlen != 0:
-            raise ValueError(f"prefill: the cache already holds {cache.seqlen} tokens; call cache.reset() "
-                             "(or allocate a new cache) before a new batch")
+            raise ValueError(
+                f"prefill: the cache already holds {cache.seqlen} tokens; call cache.reset() "
+                "(or allocate a new cache) before a new batch"
+            )
         if s > cache.max_seqlen:
-            raise ValueError(f"prefill: {s} prompt columns exceed the cache's max_seqlen={cache.max_seqlen}; "
-                             "allocate a longer cache")
+            raise ValueError(
+                f"prefill: {s} prompt columns exceed the cache's max_seqlen={cache.max_seqlen}; allocate a longer cache"
+            )
         seq_idx_BS = None
         if prompt_lengths_B is not None:
             lengths_B = torch.as_tensor(prompt_lengths_B, device=input_ids_BS.device).to(torch.int64)
             if lengths_B.shape != (b,) or bool(((lengths_B < 1) | (lengths_B > s)).any()):
-                raise ValueError(f"prefill: prompt_lengths must be [batch] = [{b}] values in [1, {s}] "
-                                 f"(every prompt needs a token), got {lengths_B.tolist()}")
+                raise ValueError(
+                    f"prefill: prompt_lengths must be [batch] = [{b}] values in [1, {s}] "
+                    f"(every prompt needs a token), got {lengths_B.tolist()}"
+                )
             seq_idx_BS = left_padding_seq_idx(lengths_B, s)
             if seq_idx_BS is not None:
                 cache.first_real_B = s - lengths_B
@@ -165,13 +184,17 @@ class Mamba2LM(nn.Module):
         """Feed one token per row (at column cache.seqlen), advancing every layer's state -> logits [B, V]."""
         self._check_can_decode()
         if token_ids_B.shape != (cache.batch_size,) or token_ids_B.dtype.is_floating_point:
-            raise ValueError(f"decode_step: token_ids must be integer ids [batch] = [{cache.batch_size}], got "
-                             f"{token_ids_B.dtype} {list(token_ids_B.shape)}")
+            raise ValueError(
+                f"decode_step: token_ids must be integer ids [batch] = [{cache.batch_size}], got "
+                f"{token_ids_B.dtype} {list(token_ids_B.shape)}"
+            )
         if cache.seqlen == 0:
             raise ValueError("decode_step: the cache is empty; call prefill with the prompts first")
         if cache.seqlen >= cache.max_seqlen:
-            raise ValueError(f"decode_step: the cache is full (max_seqlen={cache.max_seqlen}); allocate it with "
-                             "room for the prompt plus every token to generate")
+            raise ValueError(
+                f"decode_step: the cache is full (max_seqlen={cache.max_seqlen}); allocate it with "
+                "room for the prompt plus every token to generate"
+            )
         hidden_B1D, residual_B1D = self.tok_embeddings(token_ids_B[:, None]), None
         for layer in self.layers.values():
             hidden_B1D, residual_B1D = layer.step(hidden_B1D, residual_B1D, cache)
@@ -183,14 +206,23 @@ class Mamba2LM(nn.Module):
         return self.lm_head(h_B1D)[:, 0]
 
     def _check_can_decode(self) -> None:
-        whole = (self.tok_embeddings is not None and self.embeds_tokens and self.norm_f is not None
-                 and self.lm_head is not None and len(self.layers) == self.args.n_layers)
+        whole = (
+            self.tok_embeddings is not None
+            and self.embeds_tokens
+            and self.norm_f is not None
+            and self.lm_head is not None
+            and len(self.layers) == self.args.n_layers
+        )
         if not whole:
-            raise ValueError("recurrent decoding needs the whole model (embedding, every layer, norm_f and lm_head); "
-                             "this one is a pipeline stage: build the model without pipeline parallel")
+            raise ValueError(
+                "recurrent decoding needs the whole model (embedding, every layer, norm_f and lm_head); "
+                "this one is a pipeline stage: build the model without pipeline parallel"
+            )
         if self.training:
-            raise ValueError("recurrent decoding runs in eval mode (MoE layers would count tokens and add "
-                             "auxiliary losses as in training); call model.eval() first")
+            raise ValueError(
+                "recurrent decoding runs in eval mode (MoE layers would count tokens and add "
+                "auxiliary losses as in training); call model.eval() first"
+            )
 
     def set_kernel_backend(self, backend: str) -> None:
         """'auto', 'triton' or 'reference' for the Mamba mixers and the norms (see model.kernels).

@@ -26,8 +26,13 @@ def train(args: list[str], folder: Path, nproc: int = 1, autotune_cache: Path | 
     autotunes in every new process and may choose differently, which changes fp32 sums in the last bits)."""
     cmd = [sys.executable]
     if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-                "--rdzv_endpoint=localhost:0"]
+        cmd += [
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d",
+            "--rdzv_endpoint=localhost:0",
+        ]
     cmd += ["train.py", *args, "--job.dump_folder", str(folder)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible_gpus(nproc), PYTHONUNBUFFERED="1")
     if autotune_cache is not None:

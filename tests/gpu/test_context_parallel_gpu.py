@@ -16,9 +16,22 @@ from tests.gpu.launch import train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")]
 
 COMMON = [
-    "--training.seq_len", "512", "--training.global_batch_size", "4", "--training.steps", "6",
-    "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false", "--checkpoint.enable", "false",
-    "--training.mixed_precision_param", "float32", "--training.deterministic", "true",
+    "--training.seq_len",
+    "512",
+    "--training.global_batch_size",
+    "4",
+    "--training.steps",
+    "6",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable",
+    "false",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.deterministic",
+    "true",
 ]
 MODELS = {
     "mamba": ["--job.config_file", "configs/debug.toml"],
@@ -40,7 +53,11 @@ def test_fp32_cp2_matches_one_gpu(tmp_path, model, balanced):
     cache = tmp_path / "triton_cache"
     args = MODELS[model] + COMMON
     ref = train(args, tmp_path / "one_gpu", 1, autotune_cache=cache)
-    got = train(args + CP2 + ["--parallelism.context_parallel_load_balance", str(balanced).lower()],
-                tmp_path / "cp2", 2, autotune_cache=cache)
+    got = train(
+        args + CP2 + ["--parallelism.context_parallel_load_balance", str(balanced).lower()],
+        tmp_path / "cp2",
+        2,
+        autotune_cache=cache,
+    )
     _close(ref, got, "loss", 1e-4)
     _close(ref, got, "grad_norm", 1e-3)

@@ -22,9 +22,18 @@ def _their_model(ngroups: int, tie: bool):
     from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
 
     torch.manual_seed(0)
-    cfg = MambaConfig(d_model=128, d_intermediate=0, n_layer=3, vocab_size=250, pad_vocab_size_multiple=16,
-                      ssm_cfg={"layer": "Mamba2", "d_state": 32, "headdim": 32, "ngroups": ngroups, "chunk_size": 64},
-                      rms_norm=True, residual_in_fp32=True, fused_add_norm=True, tie_embeddings=tie)
+    cfg = MambaConfig(
+        d_model=128,
+        d_intermediate=0,
+        n_layer=3,
+        vocab_size=250,
+        pad_vocab_size_multiple=16,
+        ssm_cfg={"layer": "Mamba2", "d_state": 32, "headdim": 32, "ngroups": ngroups, "chunk_size": 64},
+        rms_norm=True,
+        residual_in_fp32=True,
+        fused_add_norm=True,
+        tie_embeddings=tie,
+    )
     model = MambaLMHeadModel(cfg, device="cuda", dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

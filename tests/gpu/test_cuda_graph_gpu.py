@@ -18,9 +18,26 @@ from tests.gpu.launch import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-ARGS = ["--job.config_file", "configs/debug.toml", "--training.steps", "6", "--training.seq_len", "512",
-        "--training.global_batch_size", "8", "--training.local_batch_size", "4", "--training.loss_chunk_tokens",
-        "1024", "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false"]
+ARGS = [
+    "--job.config_file",
+    "configs/debug.toml",
+    "--training.steps",
+    "6",
+    "--training.seq_len",
+    "512",
+    "--training.global_batch_size",
+    "8",
+    "--training.local_batch_size",
+    "4",
+    "--training.loss_chunk_tokens",
+    "1024",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+]
 
 
 def _train(args: list[str], folder: Path, nproc: int = 1) -> list[dict]:

@@ -62,11 +62,14 @@ def test_selective_state_update_kernel_matches_reference(dtype, ngroups, dt_limi
         x, z = randn(b, H, P), randn(b, H, P) if with_z else None
         dt_BHP = randn(b, H)[:, :, None].expand(b, H, P)
         B, C = randn(b, ngroups, N), randn(b, ngroups, N)
-        y_k = step_ops.selective_state_update(state_k, x, dt_BHP, A_HPN, B, C, D_HP, z, dt_bias_HP,
-                                              dt_softplus=True, dt_limit=dt_limit, backend="cuda")
+        y_k = step_ops.selective_state_update(
+            state_k, x, dt_BHP, A_HPN, B, C, D_HP, z, dt_bias_HP, dt_softplus=True, dt_limit=dt_limit, backend="cuda"
+        )
         y_r = selective_state_update_ref(
-            state_r, *(t.double() if t is not None else None for t in (x, dt_BHP, A_HPN, B, C, D_HP, z, dt_bias_HP)),
-            dt_softplus=True, dt_limit=dt_limit,
+            state_r,
+            *(t.double() if t is not None else None for t in (x, dt_BHP, A_HPN, B, C, D_HP, z, dt_bias_HP)),
+            dt_softplus=True,
+            dt_limit=dt_limit,
         )
         assert y_k.dtype == dtype
         out_tol, state_tol = OP_TOL[dtype]

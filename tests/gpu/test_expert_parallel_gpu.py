@@ -18,10 +18,24 @@ from tests.gpu.launch import train
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")]
 
 ARGS = [
-    "--job.config_file", "configs/hybrid_moe_debug.toml", "--model.moe_load_balance_coeff", "1e-2",
-    "--training.seq_len", "256", "--training.local_batch_size", "2", "--training.global_batch_size", "8",
-    "--training.steps", "6", "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false",
-    "--checkpoint.enable", "false",
+    "--job.config_file",
+    "configs/hybrid_moe_debug.toml",
+    "--model.moe_load_balance_coeff",
+    "1e-2",
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "6",
+    "--lr_scheduler.warmup_steps",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--checkpoint.enable",
+    "false",
 ]
 FP32 = ["--training.mixed_precision_param", "float32", "--training.deterministic", "true"]
 

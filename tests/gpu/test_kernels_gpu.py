@@ -23,8 +23,7 @@ from models.kernels.reference import (  # noqa: E402
 )
 
 if not kcuda.cuda_kernels_available():
-    pytest.skip(f"mamba_ssm / causal_conv1d unavailable: {kcuda.cuda_kernels_import_error()}",
-                allow_module_level=True)
+    pytest.skip(f"mamba_ssm / causal_conv1d unavailable: {kcuda.cuda_kernels_import_error()}", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -112,15 +111,25 @@ def test_ssd_chunk_scan(dtype, ngroups, chunk_size, variant):
     with_seq = variant != "noseq_Dhdim_z"
     with_init = variant == "seq_init_final"
     tensors = dict(
-        x_BLHP=r(b, L, H, P), dt_BLH=r(b, L, H) * 0.5, A_H=A, B_BLGN=r(b, L, ngroups, N), C_BLGN=r(b, L, ngroups, N),
+        x_BLHP=r(b, L, H, P),
+        dt_BLH=r(b, L, H) * 0.5,
+        A_H=A,
+        B_BLGN=r(b, L, ngroups, N),
+        C_BLGN=r(b, L, ngroups, N),
         D=r(H, P, dt=torch.float32) if variant == "noseq_Dhdim_z" else r(H, dt=torch.float32),
-        z=r(b, L, H, P) if variant == "noseq_Dhdim_z" else None, dt_bias=dt_bias,
+        z=r(b, L, H, P) if variant == "noseq_Dhdim_z" else None,
+        dt_bias=dt_bias,
         seq_idx=seq_idx_for(b, L) if with_seq else None,
         initial_states=r(b, H, P, N, dt=torch.float32) if with_init else None,
     )
     static = dict(chunk_size=chunk_size, dt_softplus=True, return_final_states=with_init)
-    compare(lambda **t: kcuda.ssd_chunk_scan_cuda(**t, **static), lambda **t: ssd_chunk_scan_ref(**t, **static),
-            tensors, params={"A_H", "D", "dt_bias"}, dtype=dtype)
+    compare(
+        lambda **t: kcuda.ssd_chunk_scan_cuda(**t, **static),
+        lambda **t: ssd_chunk_scan_ref(**t, **static),
+        tensors,
+        params={"A_H", "D", "dt_bias"},
+        dtype=dtype,
+    )
 
 
 def test_ssd_dt_limit():
@@ -128,14 +137,22 @@ def test_ssd_dt_limit():
     b, L, H, P, N = 1, 130, 4, 16, 16
     dt_bias, A = mamba_dt_params(H, gen)
     tensors = dict(
-        x_BLHP=torch.randn(b, L, H, P, generator=gen).to(DEV), dt_BLH=torch.randn(b, L, H, generator=gen).to(DEV),
-        A_H=A, B_BLGN=torch.randn(b, L, 1, N, generator=gen).to(DEV),
+        x_BLHP=torch.randn(b, L, H, P, generator=gen).to(DEV),
+        dt_BLH=torch.randn(b, L, H, generator=gen).to(DEV),
+        A_H=A,
+        B_BLGN=torch.randn(b, L, 1, N, generator=gen).to(DEV),
         C_BLGN=torch.randn(b, L, 1, N, generator=gen).to(DEV),
-        dt_bias=dt_bias, seq_idx=seq_idx_for(b, L),
+        dt_bias=dt_bias,
+        seq_idx=seq_idx_for(b, L),
     )
     static = dict(chunk_size=64, dt_softplus=True, dt_limit=(0.01, 0.05))
-    compare(lambda **t: kcuda.ssd_chunk_scan_cuda(**t, **static), lambda **t: ssd_chunk_scan_ref(**t, **static),
-            tensors, params={"A_H", "dt_bias"}, dtype=torch.float32)
+    compare(
+        lambda **t: kcuda.ssd_chunk_scan_cuda(**t, **static),
+        lambda **t: ssd_chunk_scan_ref(**t, **static),
+        tensors,
+        params={"A_H", "dt_bias"},
+        dtype=torch.float32,
+    )
 
 
 # ----------------------------------------------------------------------------- conv
@@ -151,13 +168,18 @@ def test_causal_conv1d(dtype, width, layout):
     if layout == "channel_last_seq":
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
     tensors = dict(
-        x_BDL=x, weight_DW=torch.randn(D, width, generator=gen).to(DEV, dtype),
+        x_BDL=x,
+        weight_DW=torch.randn(D, width, generator=gen).to(DEV, dtype),
         bias_D=torch.randn(D, generator=gen).to(DEV, dtype),
         seq_idx_BL=None if layout.endswith("noseq") else seq_idx_for(b, L),
     )
-    compare(lambda **t: kcuda.causal_conv1d_cuda(**t, activation="silu"),
-            lambda **t: causal_conv1d_ref(**t, activation="silu"),
-            tensors, params={"weight_DW", "bias_D"}, dtype=dtype)
+    compare(
+        lambda **t: kcuda.causal_conv1d_cuda(**t, activation="silu"),
+        lambda **t: causal_conv1d_ref(**t, activation="silu"),
+        tensors,
+        params={"weight_DW", "bias_D"},
+        dtype=dtype,
+    )
 
 
 # ----------------------------------------------------------------------------- norms
@@ -168,12 +190,19 @@ def test_causal_conv1d(dtype, width, layout):
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 def test_rmsnorm_gated(dtype, group_size, norm_before_gate):
     gen = torch.Generator().manual_seed(5)
-    tensors = dict(x=torch.randn(2, 100, 256, generator=gen).to(DEV, dtype),
-                   weight=(1 + 0.1 * torch.randn(256, generator=gen)).to(DEV, dtype),
-                   z=torch.randn(2, 100, 256, generator=gen).to(DEV, dtype))
+    tensors = dict(
+        x=torch.randn(2, 100, 256, generator=gen).to(DEV, dtype),
+        weight=(1 + 0.1 * torch.randn(256, generator=gen)).to(DEV, dtype),
+        z=torch.randn(2, 100, 256, generator=gen).to(DEV, dtype),
+    )
     static = dict(eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate)
-    compare(lambda **t: kcuda.rmsnorm_gated_cuda(**t, **static), lambda **t: rmsnorm_gated_ref(**t, **static),
-            tensors, params={"weight"}, dtype=dtype)
+    compare(
+        lambda **t: kcuda.rmsnorm_gated_cuda(**t, **static),
+        lambda **t: rmsnorm_gated_ref(**t, **static),
+        tensors,
+        params={"weight"},
+        dtype=dtype,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -182,15 +211,23 @@ def test_rmsnorm_gated(dtype, group_size, norm_before_gate):
 def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32):
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 100, 256, generator=gen).to(DEV, dtype)
-    res = {"none": None, "fp32": torch.randn(2, 100, 256, generator=gen).to(DEV),
-           "same": torch.randn(2, 100, 256, generator=gen).to(DEV, dtype)}[residual_kind]
+    res = {
+        "none": None,
+        "fp32": torch.randn(2, 100, 256, generator=gen).to(DEV),
+        "same": torch.randn(2, 100, 256, generator=gen).to(DEV, dtype),
+    }[residual_kind]
     tensors = dict(x=x, residual=res, weight=(1 + 0.1 * torch.randn(256, generator=gen)).to(DEV, dtype))
     normed_k, res_k = kcuda.add_rmsnorm_cuda(x, res, tensors["weight"], eps=1e-5, residual_in_fp32=residual_in_fp32)
     normed_r, res_r = add_rmsnorm_ref(x, res, tensors["weight"], eps=1e-5, residual_in_fp32=residual_in_fp32)
     assert normed_k.dtype == normed_r.dtype and res_k.dtype == res_r.dtype, "dtype semantics differ"
     static = dict(eps=1e-5, residual_in_fp32=residual_in_fp32)
-    compare(lambda **t: kcuda.add_rmsnorm_cuda(**t, **static), lambda **t: add_rmsnorm_ref(**t, **static),
-            tensors, params={"weight"}, dtype=dtype)
+    compare(
+        lambda **t: kcuda.add_rmsnorm_cuda(**t, **static),
+        lambda **t: add_rmsnorm_ref(**t, **static),
+        tensors,
+        params={"weight"},
+        dtype=dtype,
+    )
 
 
 # ----------------------------------------------------------------------------- fused Mamba-2 path
@@ -216,18 +253,33 @@ def test_mamba_split_conv1d_scan(dtype, ngroups, D_hdim, use_norm, norm_before_g
         return (torch.randn(*s, generator=gen) * scale).to(DEV, dt)
 
     tensors = dict(
-        zxbcdt=r(b, L, dim + conv_dim + H), conv1d_weight=r(conv_dim, W, scale=0.5), conv1d_bias=r(conv_dim, scale=0.1),
-        dt_bias=dt_bias, A=A, D=r(H, P, dt=torch.float32) if D_hdim else r(H, dt=torch.float32),
+        zxbcdt=r(b, L, dim + conv_dim + H),
+        conv1d_weight=r(conv_dim, W, scale=0.5),
+        conv1d_bias=r(conv_dim, scale=0.1),
+        dt_bias=dt_bias,
+        A=A,
+        D=r(H, P, dt=torch.float32) if D_hdim else r(H, dt=torch.float32),
         rmsnorm_weight=(1 + r(dim, scale=0.1)) if use_norm else None,
-        outproj_weight=r(48, dim, scale=dim ** -0.5) if use_outproj else None,
-        seq_idx=seq_idx_for(b, L), initial_states=r(b, H, P, N, dt=torch.float32) if use_init else None,
+        outproj_weight=r(48, dim, scale=dim**-0.5) if use_outproj else None,
+        seq_idx=seq_idx_for(b, L),
+        initial_states=r(b, H, P, N, dt=torch.float32) if use_init else None,
     )
-    static = dict(chunk_size=chunk, activation="silu", rmsnorm_eps=1e-5, headdim=None if D_hdim else P,
-                  ngroups=ngroups, norm_before_gate=norm_before_gate, return_final_states=use_init)
-    compare(lambda **t: kcuda.mamba_split_conv1d_scan_cuda(**t, **static),
-            lambda **t: mamba_split_conv1d_scan_ref(**t, **static), tensors,
-            params={"conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight", "outproj_weight"},
-            dtype=dtype)
+    static = dict(
+        chunk_size=chunk,
+        activation="silu",
+        rmsnorm_eps=1e-5,
+        headdim=None if D_hdim else P,
+        ngroups=ngroups,
+        norm_before_gate=norm_before_gate,
+        return_final_states=use_init,
+    )
+    compare(
+        lambda **t: kcuda.mamba_split_conv1d_scan_cuda(**t, **static),
+        lambda **t: mamba_split_conv1d_scan_ref(**t, **static),
+        tensors,
+        params={"conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "rmsnorm_weight", "outproj_weight"},
+        dtype=dtype,
+    )
 
 
 def test_fused_equals_unfused_kernels():
@@ -240,15 +292,40 @@ def test_fused_equals_unfused_kernels():
     cw, cb = (0.5 * torch.randn(conv_dim, W, generator=gen)).to(DEV), torch.zeros(conv_dim, device=DEV)
     D, rms_w = torch.randn(H, generator=gen).to(DEV), torch.ones(dim, device=DEV)
     seq = seq_idx_for(b, L)
-    fused = ops.mamba_split_conv1d_scan(zxbcdt, cw, cb, dt_bias, A, D, 64, seq_idx=seq, rmsnorm_weight=rms_w,
-                                        rmsnorm_eps=1e-5, headdim=P, norm_before_gate=False, backend="cuda")
+    fused = ops.mamba_split_conv1d_scan(
+        zxbcdt,
+        cw,
+        cb,
+        dt_bias,
+        A,
+        D,
+        64,
+        seq_idx=seq,
+        rmsnorm_weight=rms_w,
+        rmsnorm_eps=1e-5,
+        headdim=P,
+        norm_before_gate=False,
+        backend="cuda",
+    )
     z, xBC, dt = zxbcdt.split([dim, conv_dim, H], dim=-1)
     xBC = ops.causal_conv1d(xBC.transpose(1, 2), cw, cb, seq, "silu", backend="cuda").transpose(1, 2)
     x, B, C = xBC.split([dim, N, N], dim=-1)
-    y = ops.ssd_chunk_scan(x.reshape(b, L, H, P), dt, A, B.reshape(b, L, 1, N), C.reshape(b, L, 1, N), 64, D=D,
-                           dt_bias=dt_bias, dt_softplus=True, seq_idx=seq, backend="cuda")
-    unfused = ops.rmsnorm_gated(y.reshape(b, L, dim), rms_w, z, eps=1e-5, group_size=dim, norm_before_gate=False,
-                                backend="cuda")
+    y = ops.ssd_chunk_scan(
+        x.reshape(b, L, H, P),
+        dt,
+        A,
+        B.reshape(b, L, 1, N),
+        C.reshape(b, L, 1, N),
+        64,
+        D=D,
+        dt_bias=dt_bias,
+        dt_softplus=True,
+        seq_idx=seq,
+        backend="cuda",
+    )
+    unfused = ops.rmsnorm_gated(
+        y.reshape(b, L, dim), rms_w, z, eps=1e-5, group_size=dim, norm_before_gate=False, backend="cuda"
+    )
     assert rel_err(fused, unfused) < 1e-3
 
 

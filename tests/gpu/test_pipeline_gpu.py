@@ -19,10 +19,30 @@ from tests.gpu.launch import train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs >= 2 CUDA GPUs")]
 
-ARGS = ["--job.config_file", "configs/debug.toml", "--training.steps", "5", "--training.seq_len", "512",
-        "--training.global_batch_size", "8", "--training.local_batch_size", "8", "--metrics.log_freq", "1",
-        "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false", "--model.tie_embeddings", "false",
-        "--training.mixed_precision_param", "float32", "--training.deterministic", "true"]
+ARGS = [
+    "--job.config_file",
+    "configs/debug.toml",
+    "--training.steps",
+    "5",
+    "--training.seq_len",
+    "512",
+    "--training.global_batch_size",
+    "8",
+    "--training.local_batch_size",
+    "8",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "false",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--model.tie_embeddings",
+    "false",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.deterministic",
+    "true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +54,22 @@ def one_gpu(tmp_path_factory):
 def test_pp2_matches_one_gpu(one_gpu, tmp_path: Path, schedule):
     if split_backward_error(schedule, True, torch.__version__):
         pytest.skip(f"{schedule} needs torch >= 2.13 on GPUs")
-    pp = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule,
-          "--parallelism.pipeline_parallel_microbatch_size", "2"]
+    pp = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "2",
+    ]
     got = train(ARGS + pp, tmp_path / schedule, nproc=2)
     assert [r["step"] for r in got] == [r["step"] for r in one_gpu]
     for key in ("loss", "grad_norm"):
-        print(schedule, key, "relative difference per step:",
-              [f"{abs(a[key] - b[key]) / abs(a[key]):.1e}" for a, b in zip(one_gpu, got)])
+        print(
+            schedule,
+            key,
+            "relative difference per step:",
+            [f"{abs(a[key] - b[key]) / abs(a[key]):.1e}" for a, b in zip(one_gpu, got)],
+        )
         bad = [(a["step"], a[key], b[key]) for a, b in zip(one_gpu, got) if abs(a[key] - b[key]) > 1e-4 * abs(a[key])]
         assert not bad, f"PP2 {schedule} {key} (step, 1 GPU, PP2): {bad}"

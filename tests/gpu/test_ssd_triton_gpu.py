@@ -72,8 +72,11 @@ def make(dtype, b, L, H, P, N, G, variant, gen):
         return torch.randn(*s, generator=gen).to(DEV, dt)
 
     return dict(
-        x_BLHP=r(b, L, H, P), dt_BLH=r(b, L, H) * 0.5, A_H=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV),
-        B_BLGN=r(b, L, G, N), C_BLGN=r(b, L, G, N),
+        x_BLHP=r(b, L, H, P),
+        dt_BLH=r(b, L, H) * 0.5,
+        A_H=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV),
+        B_BLGN=r(b, L, G, N),
+        C_BLGN=r(b, L, G, N),
         D=r(H, P, dt=torch.float32) if variant == "noseq_Dhdim_z" else r(H, dt=torch.float32),
         z=r(b, L, H, P) if variant == "noseq_Dhdim_z" else None,
         dt_bias=(dt0 + torch.log(-torch.expm1(-dt0))).to(DEV),
@@ -123,10 +126,14 @@ def test_split_conv1d_scan_triton_backend_matches_reference():
 
     # Weights in the activation dtype, as the model's bf16 parameters under FSDP (test_kernels_gpu does the same).
     tensors = dict(
-        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H), conv1d_weight=r(conv_dim, 4, scale=0.3),
-        conv1d_bias=r(conv_dim, scale=0.1), dt_bias=r(H, dt=torch.float32, scale=0.3) - 2,
-        A=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV), D=r(H, dt=torch.float32),
-        rmsnorm_weight=1 + r(dim, scale=0.1), outproj_weight=r(d_model, dim, scale=dim ** -0.5),
+        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H),
+        conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1),
+        dt_bias=r(H, dt=torch.float32, scale=0.3) - 2,
+        A=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV),
+        D=r(H, dt=torch.float32),
+        rmsnorm_weight=1 + r(dim, scale=0.1),
+        outproj_weight=r(d_model, dim, scale=dim**-0.5),
     )
     seq = seq_idx_for(b, L)
 

@@ -24,8 +24,15 @@ from tests.test_torchtitan import run_torchtitan  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-ARGS = ["--job.config_file", "integrations/torchtitan/mamba2_debug.toml", "--training.seq_len", "512",
-        "--training.mixed_precision_param", "float32", "--debug.deterministic"]
+ARGS = [
+    "--job.config_file",
+    "integrations/torchtitan/mamba2_debug.toml",
+    "--training.seq_len",
+    "512",
+    "--training.mixed_precision_param",
+    "float32",
+    "--debug.deterministic",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +67,12 @@ def test_fsdp2_matches_one_gpu(tmp_path: Path):
     one = run_torchtitan(ARGS + steps + ["--training.local_batch_size", "8"], tmp_path / "one")[0]
     fsdp = run_torchtitan(ARGS + steps + ["--training.local_batch_size", "4"], tmp_path / "fsdp", nproc=2)[0]
     for key in ("loss", "grad_norm"):
-        print("FSDP2", key, "relative difference per step:",
-              [f"{abs(a - b) / abs(a):.1e}" for a, b in zip(one[key], fsdp[key])])
+        print(
+            "FSDP2",
+            key,
+            "relative difference per step:",
+            [f"{abs(a - b) / abs(a):.1e}" for a, b in zip(one[key], fsdp[key])],
+        )
         torch.testing.assert_close(torch.tensor(fsdp[key]), torch.tensor(one[key]), rtol=1e-4, atol=0, msg=key)
 
 
@@ -69,8 +80,9 @@ def test_fsdp2_matches_one_gpu(tmp_path: Path):
 def test_pipeline_parallel_trains(tmp_path: Path):
     args = ARGS + ["--model.flavor", "debug_untied"]
     one = run_torchtitan(args + ["--training.steps", "1"], tmp_path / "one")[0]["loss"]
-    pp = run_torchtitan(args + ["--training.steps", "10", "--parallelism.pipeline_parallel_degree", "2"],
-                        tmp_path / "pp", nproc=2)[1]["loss"]
+    pp = run_torchtitan(
+        args + ["--training.steps", "10", "--parallelism.pipeline_parallel_degree", "2"], tmp_path / "pp", nproc=2
+    )[1]["loss"]
     torch.testing.assert_close(torch.tensor(pp[0]), torch.tensor(one[0]), rtol=1e-4, atol=0)
     assert pp[-1] < pp[0] - 0.5, pp
 
@@ -84,8 +96,20 @@ USER_COMMANDS = {
 @pytest.mark.parametrize("entry", list(USER_COMMANDS.values()), ids=list(USER_COMMANDS))
 def test_user_commands_train(tmp_path: Path, entry):
     """The two commands README.md gives, as a user runs them (torchrun, one GPU): torchtitan logs falling losses."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--rdzv_backend=c10d",
-           "--rdzv_endpoint=localhost:0", *entry, *ARGS, "--training.steps", "10", "--job.dump_folder", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=localhost:0",
+        *entry,
+        *ARGS,
+        "--training.steps",
+        "10",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     log = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)

@@ -67,17 +67,49 @@ def _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q: int, cfg: BlockConfig):
     CB = torch.empty(b, NC, G, Q, Q, device=dev, dtype=torch.float32)
     grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
     cb_fwd_kernel[grid](
-        C, B, CB, L, Q, NC, G, N, *C.stride(), *B.stride(),
-        BLOCK_M=cfg.cb_m, BLOCK_S=cfg.cb_s, BLOCK_N=cfg.cb_n, PREC=_dot_precision(x), num_warps=cfg.cb_warps,
+        C,
+        B,
+        CB,
+        L,
+        Q,
+        NC,
+        G,
+        N,
+        *C.stride(),
+        *B.stride(),
+        BLOCK_M=cfg.cb_m,
+        BLOCK_S=cfg.cb_s,
+        BLOCK_N=cfg.cb_n,
+        PREC=_dot_precision(x),
+        num_warps=cfg.cb_warps,
         num_stages=cfg.cb_stages,
     )
 
     states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
     grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
     chunk_state_fwd_kernel[grid](
-        x, B, dt_p, dA_cs, seq_arg, states, L, Q, NC, H, G, P, N, *x.stride(), *B.stride(),
-        HAS_SEQ=has_seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k,
-        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.state_stages,
+        x,
+        B,
+        dt_p,
+        dA_cs,
+        seq_arg,
+        states,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *x.stride(),
+        *B.stride(),
+        HAS_SEQ=has_seq,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=cfg.state_n,
+        BLOCK_K=cfg.state_k,
+        PREC=_dot_precision(x),
+        num_warps=cfg.state_warps,
+        num_stages=cfg.state_stages,
     )
 
     S_in = torch.empty_like(states, dtype=x.dtype)
@@ -85,8 +117,21 @@ def _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q: int, cfg: BlockConfig):
     PN = P * N
     grid = (b * H, triton.cdiv(PN, cfg.pass_block))
     state_passing_fwd_kernel[grid](
-        states, dA_cs, seq_arg, init if init is not None else _dummy(dev), S_in, final, L, Q, NC, H, PN,
-        HAS_SEQ=has_seq, HAS_INIT=init is not None, BLOCK=cfg.pass_block, num_warps=4,
+        states,
+        dA_cs,
+        seq_arg,
+        init if init is not None else _dummy(dev),
+        S_in,
+        final,
+        L,
+        Q,
+        NC,
+        H,
+        PN,
+        HAS_SEQ=has_seq,
+        HAS_INIT=init is not None,
+        BLOCK=cfg.pass_block,
+        num_warps=4,
     )
     return CB, states, S_in, final
 
@@ -99,11 +144,35 @@ def _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     grid = (b * NC * H, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
     chunk_scan_fwd_kernel[grid](
-        CB, x, dt_p, dA_cs, C, S_in, D if D is not None else _dummy(x.device), seq if seq is not None else
-        _dummy(x.device), y, L, Q, NC, H, G, P, N, *x.stride(), *C.stride(), *y.stride(),
-        HAS_SEQ=seq is not None, HAS_D=D is not None, D_HAS_HDIM=D is not None and D.dim() == 2,
-        BLOCK_M=cfg.scan_m, BLOCK_K=cfg.scan_k, BLOCK_P=cfg.scan_p, BLOCK_N=cfg.scan_n,
-        PREC=_dot_precision(x), num_warps=cfg.scan_warps, num_stages=cfg.scan_stages,
+        CB,
+        x,
+        dt_p,
+        dA_cs,
+        C,
+        S_in,
+        D if D is not None else _dummy(x.device),
+        seq if seq is not None else _dummy(x.device),
+        y,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *x.stride(),
+        *C.stride(),
+        *y.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_D=D is not None,
+        D_HAS_HDIM=D is not None and D.dim() == 2,
+        BLOCK_M=cfg.scan_m,
+        BLOCK_K=cfg.scan_k,
+        BLOCK_P=cfg.scan_p,
+        BLOCK_N=cfg.scan_n,
+        PREC=_dot_precision(x),
+        num_warps=cfg.scan_warps,
+        num_stages=cfg.scan_stages,
     )
     return y, final
 
@@ -139,9 +208,27 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     dS_in = torch.empty_like(states, dtype=torch.float32)
     grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
     chunk_scan_bwd_dstates_kernel[grid](
-        dy, C, dA_cs, seq_arg, dS_in, L, Q, NC, H, G, P, N, *dy.stride(), *C.stride(),
-        HAS_SEQ=has_seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k,
-        PREC=_dot_precision(x), num_warps=cfg.state_warps, num_stages=cfg.state_stages,
+        dy,
+        C,
+        dA_cs,
+        seq_arg,
+        dS_in,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *dy.stride(),
+        *C.stride(),
+        HAS_SEQ=has_seq,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=cfg.state_n,
+        BLOCK_K=cfg.state_k,
+        PREC=_dot_precision(x),
+        num_warps=cfg.state_warps,
+        num_stages=cfg.state_stages,
     )
 
     # Reverse recurrence: dH (gradient of each chunk's state), dinit, and the a_last terms.
@@ -151,8 +238,24 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     dtot = torch.empty(n_blocks, b, H, NC, device=dev, dtype=torch.float32)
     state_passing_bwd_kernel[(b * H, n_blocks)](
-        dS_in, S_in, dA_cs, seq_arg, dfinal if dfinal is not None else _dummy(dev), dH, dinit, dtot,
-        L, Q, NC, H, PN, b, HAS_SEQ=has_seq, HAS_DFINAL=dfinal is not None, BLOCK=cfg.pass_block, num_warps=4,
+        dS_in,
+        S_in,
+        dA_cs,
+        seq_arg,
+        dfinal if dfinal is not None else _dummy(dev),
+        dH,
+        dinit,
+        dtot,
+        L,
+        Q,
+        NC,
+        H,
+        PN,
+        b,
+        HAS_SEQ=has_seq,
+        HAS_DFINAL=dfinal is not None,
+        BLOCK=cfg.pass_block,
+        num_warps=4,
     )
     del dS_in, states
 
@@ -164,11 +267,40 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     n_k = triton.cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else _dummy(dev)
     chunk_scan_bwd_dx_kernel[(b * NC * H, n_k)](
-        CB, x, dt_p, dA_cs, B, dy, dH, D if D is not None else _dummy(dev), seq_arg, dx, ddt, q, dD_part,
-        L, Q, NC, H, G, P, N, *x.stride(), *B.stride(), *dy.stride(), *dx.stride(),
-        HAS_SEQ=has_seq, HAS_D=D is not None, D_HAS_HDIM=D is not None and D.dim() == 2,
-        BLOCK_K=cfg.dx_k, BLOCK_M=cfg.dx_m, BLOCK_P=BP, BLOCK_N=cfg.dx_n,
-        PREC=_dot_precision(x), num_warps=cfg.dx_warps, num_stages=cfg.dx_stages,
+        CB,
+        x,
+        dt_p,
+        dA_cs,
+        B,
+        dy,
+        dH,
+        D if D is not None else _dummy(dev),
+        seq_arg,
+        dx,
+        ddt,
+        q,
+        dD_part,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *x.stride(),
+        *B.stride(),
+        *dy.stride(),
+        *dx.stride(),
+        HAS_SEQ=has_seq,
+        HAS_D=D is not None,
+        D_HAS_HDIM=D is not None and D.dim() == 2,
+        BLOCK_K=cfg.dx_k,
+        BLOCK_M=cfg.dx_m,
+        BLOCK_P=BP,
+        BLOCK_N=cfg.dx_n,
+        PREC=_dot_precision(x),
+        num_warps=cfg.dx_warps,
+        num_stages=cfg.dx_stages,
     )
     dD = None
     if D is not None:
@@ -187,25 +319,107 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     if grouped:
         dCB_part = torch.zeros(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # upper blocks stay 0
         chunk_scan_bwd_dcb_kernel[(b * NC * G * n_hb, n_m)](
-            dy, x, dt_p, dA_cs, C, CB, S_in, seq_arg, dC_part, dCB_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
-            *x.stride(), *C.stride(), *dy.stride(),
-            HAS_SEQ=has_seq, PREC=_dot_precision(x), HEADS_POW2=triton.next_power_of_2(hpp),
-            BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_k, BLOCK_P=BP, BLOCK_N=BN, num_warps=cfg.dc_warps,
+            dy,
+            x,
+            dt_p,
+            dA_cs,
+            C,
+            CB,
+            S_in,
+            seq_arg,
+            dC_part,
+            dCB_part,
+            O,
+            R_part,
+            L,
+            Q,
+            NC,
+            H,
+            G,
+            P,
+            N,
+            hpp,
+            b,
+            *x.stride(),
+            *C.stride(),
+            *dy.stride(),
+            HAS_SEQ=has_seq,
+            PREC=_dot_precision(x),
+            HEADS_POW2=triton.next_power_of_2(hpp),
+            BLOCK_M=cfg.dc_m,
+            BLOCK_K=cfg.dc_k,
+            BLOCK_P=BP,
+            BLOCK_N=BN,
+            num_warps=cfg.dc_warps,
             num_stages=cfg.dc_stages,
         )
     else:
         chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
-            dy, x, dt_p, dA_cs, B, C, CB, S_in, seq_arg, dC_part, O, R_part, L, Q, NC, H, G, P, N, hpp, b,
-            *x.stride(), *B.stride(), *C.stride(), *dy.stride(),
-            HAS_SEQ=has_seq, BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_k, BLOCK_P=BP, BLOCK_N=BN,
-            PREC=_dot_precision(x), num_warps=cfg.dc_warps, num_stages=cfg.dc_stages,
+            dy,
+            x,
+            dt_p,
+            dA_cs,
+            B,
+            C,
+            CB,
+            S_in,
+            seq_arg,
+            dC_part,
+            O,
+            R_part,
+            L,
+            Q,
+            NC,
+            H,
+            G,
+            P,
+            N,
+            hpp,
+            b,
+            *x.stride(),
+            *B.stride(),
+            *C.stride(),
+            *dy.stride(),
+            HAS_SEQ=has_seq,
+            BLOCK_M=cfg.dc_m,
+            BLOCK_K=cfg.dc_k,
+            BLOCK_P=BP,
+            BLOCK_N=BN,
+            PREC=_dot_precision(x),
+            num_warps=cfg.dc_warps,
+            num_stages=cfg.dc_stages,
         )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     chunk_state_bwd_db_kernel[(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k))](
-        dy, x, dt_p, dA_cs, C, dH, seq_arg, dB_part, L, Q, NC, H, G, P, N, hpp, b,
-        *x.stride(), *C.stride(), *dy.stride(),
-        HAS_SEQ=has_seq, INTRA=not grouped, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=BP, BLOCK_N=BN,
-        PREC=_dot_precision(x), num_warps=cfg.db_warps, num_stages=cfg.db_stages,
+        dy,
+        x,
+        dt_p,
+        dA_cs,
+        C,
+        dH,
+        seq_arg,
+        dB_part,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        hpp,
+        b,
+        *x.stride(),
+        *C.stride(),
+        *dy.stride(),
+        HAS_SEQ=has_seq,
+        INTRA=not grouped,
+        BLOCK_K=cfg.db_k,
+        BLOCK_M=cfg.db_m,
+        BLOCK_P=BP,
+        BLOCK_N=BN,
+        PREC=_dot_precision(x),
+        num_warps=cfg.db_warps,
+        num_stages=cfg.db_stages,
     )
     dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
     dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
@@ -239,7 +453,16 @@ class _SSDChunked(torch.autograd.Function):
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         dx, ddt, ddA, dB, dC, dD, dinit = _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg)
         return (
-            dx, ddt, ddA, dB, dC, dD, dinit if init is not None else None, None, None, None,
+            dx,
+            ddt,
+            ddA,
+            dB,
+            dC,
+            dD,
+            dinit if init is not None else None,
+            None,
+            None,
+            None,
         )
 
 
@@ -270,8 +493,10 @@ def ssd_chunk_scan_triton(
     b, L, H, P = x_BLHP.shape
     if seq_idx is not None:
         if seq_idx.shape != (b, L) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
-            raise ValueError(f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
-                             f"{seq_idx.dtype} {tuple(seq_idx.shape)}")
+            raise ValueError(
+                f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
+                f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
+            )
         if not seq_idx.is_cuda:
             # The non-decreasing check reads values; on CUDA that would synchronise the device on every call
             # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.
@@ -288,8 +513,16 @@ def ssd_chunk_scan_triton(
         seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
         init = None if initial_states is None else initial_states.float().contiguous()
         y, final = _SSDChunked.apply(
-            x_BLHP, dt_p, dA_p, B_BLGN.to(dtype), C_BLGN.to(dtype),
-            None if D is None else D.float().contiguous(), init, seq, Q, cfg,
+            x_BLHP,
+            dt_p,
+            dA_p,
+            B_BLGN.to(dtype),
+            C_BLGN.to(dtype),
+            None if D is None else D.float().contiguous(),
+            init,
+            seq,
+            Q,
+            cfg,
         )
         if z is not None:
             y = (y.float() * F.silu(z.float())).to(dtype)

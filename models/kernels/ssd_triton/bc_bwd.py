@@ -20,15 +20,49 @@ import triton.language as tl
 
 @triton.jit
 def chunk_scan_bwd_dc_kernel(
-    dy_ptr, x_ptr, dt_ptr, dA_ptr, B_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dC_ptr, O_ptr, R_ptr,
-    L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH,
-    s_x_b, s_x_l, s_x_h, s_x_p,
-    s_b_b, s_b_l, s_b_g, s_b_n,
-    s_c_b, s_c_l, s_c_g, s_c_n,
-    s_y_b, s_y_l, s_y_h, s_y_p,
+    dy_ptr,
+    x_ptr,
+    dt_ptr,
+    dA_ptr,
+    B_ptr,
+    C_ptr,
+    CB_ptr,
+    S_in_ptr,
+    seq_ptr,
+    dC_ptr,
+    O_ptr,
+    R_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    HEADS_PER_PROG,
+    BATCH,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_b_n,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
     HAS_SEQ: tl.constexpr,
     PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -47,7 +81,8 @@ def chunk_scan_bwd_dc_kernel(
     t_m = (t0 + offs_m).to(tl.int64)
     C_m = tl.load(
         C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-        mask=valid_m[:, None] & mask_n[None, :], other=0.0,
+        mask=valid_m[:, None] & mask_n[None, :],
+        other=0.0,
     )
     keep_m = valid_m
     if HAS_SEQ:
@@ -64,11 +99,13 @@ def chunk_scan_bwd_dc_kernel(
         a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
         dy_m = tl.load(
             dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-            mask=valid_m[:, None] & mask_p[None, :], other=0.0,
+            mask=valid_m[:, None] & mask_p[None, :],
+            other=0.0,
         )
         S = tl.load(
             S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
-            mask=mask_p[:, None] & mask_n[None, :], other=0.0,
+            mask=mask_p[:, None] & mask_n[None, :],
+            other=0.0,
         )
         dC_h = tl.dot(dy_m, S.to(dy_m.dtype), input_precision=PREC) * tl.where(keep_m, tl.exp(a_m), 0.0)[:, None]
         head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
@@ -88,7 +125,8 @@ def chunk_scan_bwd_dc_kernel(
                 keep = keep & (seq_k[None, :] == seq_m[:, None])
             xT = tl.load(
                 x_base + t_k[None, :] * s_x_l + offs_p[:, None] * s_x_p,
-                mask=mask_p[:, None] & valid_k[None, :], other=0.0,
+                mask=mask_p[:, None] & valid_k[None, :],
+                other=0.0,
             )
             dyx = tl.dot(dy_m, xT, input_precision=PREC)
             decay = tl.exp(tl.where(keep, a_m[:, None] - a_k[None, :], float("-inf")))
@@ -100,7 +138,8 @@ def chunk_scan_bwd_dc_kernel(
             carry += tl.sum(M, axis=1)
             b_k = tl.load(
                 B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l + offs_n[None, :] * s_b_n,
-                mask=valid_k[:, None] & mask_n[None, :], other=0.0,
+                mask=valid_k[:, None] & mask_n[None, :],
+                other=0.0,
             )
             dC_h += tl.dot(dcb.to(b_k.dtype), b_k, input_precision=PREC)
         dC_acc += dC_h
@@ -110,15 +149,42 @@ def chunk_scan_bwd_dc_kernel(
 
 @triton.jit
 def chunk_state_bwd_db_kernel(
-    dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, dH_ptr, seq_ptr, dB_ptr,
-    L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH,
-    s_x_b, s_x_l, s_x_h, s_x_p,
-    s_c_b, s_c_l, s_c_g, s_c_n,
-    s_y_b, s_y_l, s_y_h, s_y_p,
+    dy_ptr,
+    x_ptr,
+    dt_ptr,
+    dA_ptr,
+    C_ptr,
+    dH_ptr,
+    seq_ptr,
+    dB_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    HEADS_PER_PROG,
+    BATCH,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
     HAS_SEQ: tl.constexpr,
     INTRA: tl.constexpr,  # False: only the chunk-state term (bc_mode "grouped" adds dCBᵀ C on the host)
     PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -151,11 +217,13 @@ def chunk_state_bwd_db_kernel(
         a_last = tl.load(dA_base + Q - 1)
         x_k = tl.load(
             x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-            mask=valid_k[:, None] & mask_p[None, :], other=0.0,
+            mask=valid_k[:, None] & mask_p[None, :],
+            other=0.0,
         )
         dH = tl.load(
             dH_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
-            mask=mask_p[:, None] & mask_n[None, :], other=0.0,
+            mask=mask_p[:, None] & mask_n[None, :],
+            other=0.0,
         )
         scale_k = tl.where(keep_k, tl.exp(a_last - a_k) * dt_k, 0.0)
         dB_h = tl.dot(x_k, dH.to(x_k.dtype), input_precision=PREC) * scale_k[:, None]
@@ -172,14 +240,16 @@ def chunk_state_bwd_db_kernel(
                     keep = keep & (seq_k[:, None] == seq_m[None, :])
                 dyT = tl.load(
                     dy_base + t_m[None, :] * s_y_l + offs_p[:, None] * s_y_p,
-                    mask=mask_p[:, None] & valid_m[None, :], other=0.0,
+                    mask=mask_p[:, None] & valid_m[None, :],
+                    other=0.0,
                 )
                 xdy = tl.dot(x_k, dyT, input_precision=PREC)
                 decay = tl.exp(tl.where(keep, a_m[None, :] - a_k[:, None], float("-inf")))
                 dcbT = tl.where(keep, xdy * decay * dt_k[:, None], 0.0)
                 C_m = tl.load(
                     C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-                    mask=valid_m[:, None] & mask_n[None, :], other=0.0,
+                    mask=valid_m[:, None] & mask_n[None, :],
+                    other=0.0,
                 )
                 dB_h += tl.dot(dcbT.to(C_m.dtype), C_m, input_precision=PREC)
         dB_acc += dB_h

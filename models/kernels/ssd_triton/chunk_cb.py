@@ -11,12 +11,26 @@ import triton.language as tl
 
 @triton.jit
 def cb_fwd_kernel(
-    C_ptr, B_ptr, CB_ptr,
-    L, Q, NC, G, N,
-    s_c_b, s_c_l, s_c_g, s_c_n,
-    s_b_b, s_b_l, s_b_g, s_b_n,
+    C_ptr,
+    B_ptr,
+    CB_ptr,
+    L,
+    Q,
+    NC,
+    G,
+    N,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_b_n,
     PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -42,6 +56,7 @@ def cb_fwd_kernel(
         acc += tl.dot(c_tile, bT_tile, input_precision=PREC)
     CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
     tl.store(
-        CB_base + offs_m[:, None] * Q + offs_s[None, :], acc,
+        CB_base + offs_m[:, None] * Q + offs_s[None, :],
+        acc,
         mask=(offs_m < Q)[:, None] & (offs_s < Q)[None, :],
     )

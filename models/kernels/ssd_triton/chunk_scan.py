@@ -14,14 +14,42 @@ import triton.language as tl
 
 @triton.jit
 def chunk_scan_fwd_kernel(
-    CB_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, S_in_ptr, D_ptr, seq_ptr, y_ptr,
-    L, Q, NC, H, G, P, N,
-    s_x_b, s_x_l, s_x_h, s_x_p,
-    s_c_b, s_c_l, s_c_g, s_c_n,
-    s_y_b, s_y_l, s_y_h, s_y_p,
-    HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
+    CB_ptr,
+    x_ptr,
+    dt_ptr,
+    dA_ptr,
+    C_ptr,
+    S_in_ptr,
+    D_ptr,
+    seq_ptr,
+    y_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
+    HAS_SEQ: tl.constexpr,
+    HAS_D: tl.constexpr,
+    D_HAS_HDIM: tl.constexpr,
     PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_bch = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -75,13 +103,15 @@ def chunk_scan_fwd_kernel(
         w = tl.where(keep, cb * decay * dt_k[None, :], 0.0)
         x_tile = tl.load(
             x_base + (t0 + offs_k).to(tl.int64)[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-            mask=valid_k[:, None] & mask_p[None, :], other=0.0,
+            mask=valid_k[:, None] & mask_p[None, :],
+            other=0.0,
         )
         acc += tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
 
     if HAS_D:
         x_m = tl.load(
-            x_base + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p, mask=valid_m[:, None] & mask_p[None, :],
+            x_base + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+            mask=valid_m[:, None] & mask_p[None, :],
             other=0.0,
         )
         if D_HAS_HDIM:
@@ -91,6 +121,7 @@ def chunk_scan_fwd_kernel(
             acc += x_m.to(tl.float32) * tl.load(D_ptr + h)
     y_base = y_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
     tl.store(
-        y_base + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p, acc.to(y_ptr.dtype.element_ty),
+        y_base + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
+        acc.to(y_ptr.dtype.element_ty),
         mask=valid_m[:, None] & mask_p[None, :],
     )

@@ -17,16 +17,50 @@ import triton.language as tl
 
 @triton.jit
 def chunk_scan_bwd_dx_kernel(
-    CB_ptr, x_ptr, dt_ptr, dA_ptr, B_ptr, dy_ptr, dH_ptr, D_ptr, seq_ptr,
-    dx_ptr, ddt_ptr, q_ptr, dD_ptr,
-    L, Q, NC, H, G, P, N,
-    s_x_b, s_x_l, s_x_h, s_x_p,
-    s_b_b, s_b_l, s_b_g, s_b_n,
-    s_y_b, s_y_l, s_y_h, s_y_p,
-    s_dx_b, s_dx_l, s_dx_h, s_dx_p,
-    HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
+    CB_ptr,
+    x_ptr,
+    dt_ptr,
+    dA_ptr,
+    B_ptr,
+    dy_ptr,
+    dH_ptr,
+    D_ptr,
+    seq_ptr,
+    dx_ptr,
+    ddt_ptr,
+    q_ptr,
+    dD_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_b_n,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
+    s_dx_b,
+    s_dx_l,
+    s_dx_h,
+    s_dx_p,
+    HAS_SEQ: tl.constexpr,
+    HAS_D: tl.constexpr,
+    D_HAS_HDIM: tl.constexpr,
     PREC: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_bch = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -65,7 +99,8 @@ def chunk_scan_bwd_dx_kernel(
     mask_kp = valid_k[:, None] & mask_p[None, :]
     x_k = tl.load(
         x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-        mask=mask_kp, other=0.0,
+        mask=mask_kp,
+        other=0.0,
     ).to(tl.float32)
     head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
     tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
@@ -86,7 +121,8 @@ def chunk_scan_bwd_dx_kernel(
         wT = tl.where(keep, cbT * decay, 0.0)
         dy_m = tl.load(
             dy_base + (t0 + offs_m).to(tl.int64)[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-            mask=valid_m[:, None] & mask_p[None, :], other=0.0,
+            mask=valid_m[:, None] & mask_p[None, :],
+            other=0.0,
         )
         acc += tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
 
@@ -105,5 +141,6 @@ def chunk_scan_bwd_dx_kernel(
         tl.store(dD_base + offs_p, tl.sum(dy_k * x_k, axis=0), mask=mask_p)
     tl.store(
         dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,
-        dx.to(dx_ptr.dtype.element_ty), mask=mask_kp,
+        dx.to(dx_ptr.dtype.element_ty),
+        mask=mask_kp,
     )

@@ -15,13 +15,32 @@ import triton.language as tl
 
 @triton.jit
 def chunk_state_fwd_kernel(
-    x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, states_ptr,
-    L, Q, NC, H, G, P, N,
-    s_x_b, s_x_l, s_x_h, s_x_p,
-    s_b_b, s_b_l, s_b_g, s_b_n,
+    x_ptr,
+    B_ptr,
+    dt_ptr,
+    dA_ptr,
+    seq_ptr,
+    states_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_b_n,
     HAS_SEQ: tl.constexpr,
     PREC: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -54,29 +73,50 @@ def chunk_state_fwd_kernel(
         t_k = (t0 + offs_k).to(tl.int64)
         xT = tl.load(
             x_base + t_k[None, :] * s_x_l + offs_p[:, None] * s_x_p,
-            mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0,
+            mask=(offs_p < P)[:, None] & valid_k[None, :],
+            other=0.0,
         )
         b_tile = tl.load(
             B_base + t_k[:, None] * s_b_l + offs_n[None, :] * s_b_n,
-            mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0,
+            mask=valid_k[:, None] & (offs_n < N)[None, :],
+            other=0.0,
         )
         acc += tl.dot((xT * scale_k[None, :]).to(b_tile.dtype), b_tile, input_precision=PREC)
     out_base = states_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
     tl.store(
-        out_base + offs_p[:, None] * N + offs_n[None, :], acc,
+        out_base + offs_p[:, None] * N + offs_n[None, :],
+        acc,
         mask=(offs_p < P)[:, None] & (offs_n < N)[None, :],
     )
 
 
 @triton.jit
 def chunk_scan_bwd_dstates_kernel(
-    dy_ptr, C_ptr, dA_ptr, seq_ptr, dS_ptr,
-    L, Q, NC, H, G, P, N,
-    s_y_b, s_y_l, s_y_h, s_y_p,
-    s_c_b, s_c_l, s_c_g, s_c_n,
+    dy_ptr,
+    C_ptr,
+    dA_ptr,
+    seq_ptr,
+    dS_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
     HAS_SEQ: tl.constexpr,
     PREC: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -107,15 +147,18 @@ def chunk_scan_bwd_dstates_kernel(
         t_k = (t0 + offs_k).to(tl.int64)
         dyT = tl.load(
             dy_base + t_k[None, :] * s_y_l + offs_p[:, None] * s_y_p,
-            mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0,
+            mask=(offs_p < P)[:, None] & valid_k[None, :],
+            other=0.0,
         )
         c_tile = tl.load(
             C_base + t_k[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-            mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0,
+            mask=valid_k[:, None] & (offs_n < N)[None, :],
+            other=0.0,
         )
         acc += tl.dot((dyT * scale_k[None, :]).to(c_tile.dtype), c_tile, input_precision=PREC)
     out_base = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
     tl.store(
-        out_base + offs_p[:, None] * N + offs_n[None, :], acc,
+        out_base + offs_p[:, None] * N + offs_n[None, :],
+        acc,
         mask=(offs_p < P)[:, None] & (offs_n < N)[None, :],
     )

@@ -18,15 +18,46 @@ import triton.language as tl
 
 @triton.jit
 def chunk_scan_bwd_dcb_kernel(
-    dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dCstate_ptr, dCB_ptr, O_ptr, R_ptr,
-    L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH,
-    s_x_b, s_x_l, s_x_h, s_x_p,
-    s_c_b, s_c_l, s_c_g, s_c_n,
-    s_y_b, s_y_l, s_y_h, s_y_p,
+    dy_ptr,
+    x_ptr,
+    dt_ptr,
+    dA_ptr,
+    C_ptr,
+    CB_ptr,
+    S_in_ptr,
+    seq_ptr,
+    dCstate_ptr,
+    dCB_ptr,
+    O_ptr,
+    R_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    HEADS_PER_PROG,
+    BATCH,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
     HAS_SEQ: tl.constexpr,
     PREC: tl.constexpr,
     HEADS_POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -53,7 +84,8 @@ def chunk_scan_bwd_dcb_kernel(
     # State term of dC (summed over the heads) and O per head.
     C_m = tl.load(
         C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-        mask=valid_m[:, None] & mask_n[None, :], other=0.0,
+        mask=valid_m[:, None] & mask_n[None, :],
+        other=0.0,
     )
     dC_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(HEADS_PER_PROG):
@@ -62,11 +94,13 @@ def chunk_scan_bwd_dcb_kernel(
         a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
         dy_m = tl.load(
             dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-            mask=valid_m[:, None] & mask_p[None, :], other=0.0,
+            mask=valid_m[:, None] & mask_p[None, :],
+            other=0.0,
         )
         S = tl.load(
             S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
-            mask=mask_p[:, None] & mask_n[None, :], other=0.0,
+            mask=mask_p[:, None] & mask_n[None, :],
+            other=0.0,
         )
         dC_h = tl.dot(dy_m, S.to(dy_m.dtype), input_precision=PREC) * tl.where(keep_m, tl.exp(a_m), 0.0)[:, None]
         tl.store(O_ptr + head_q + offs_m, tl.sum(dC_h * C_m.to(tl.float32), axis=1), mask=offs_m < Q)
@@ -99,11 +133,13 @@ def chunk_scan_bwd_dcb_kernel(
             dt_k = tl.load(dt_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
             dy_m = tl.load(
                 dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-                mask=valid_m[:, None] & mask_p[None, :], other=0.0,
+                mask=valid_m[:, None] & mask_p[None, :],
+                other=0.0,
             )
             xT = tl.load(
                 x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[None, :] * s_x_l + offs_p[:, None] * s_x_p,
-                mask=mask_p[:, None] & valid_k[None, :], other=0.0,
+                mask=mask_p[:, None] & valid_k[None, :],
+                other=0.0,
             )
             dyx = tl.dot(dy_m, xT, input_precision=PREC)
             decay = tl.exp(tl.where(keep, a_m[:, None] - a_k[None, :], float("-inf")))

@@ -31,9 +31,20 @@ def _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ: tl.constexpr):
 
 @triton.jit
 def state_passing_fwd_kernel(
-    states_ptr, dA_ptr, seq_ptr, init_ptr, S_in_ptr, final_ptr,
-    L, Q, NC, H, PN,
-    HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK: tl.constexpr,
+    states_ptr,
+    dA_ptr,
+    seq_ptr,
+    init_ptr,
+    S_in_ptr,
+    final_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    PN,
+    HAS_SEQ: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -56,9 +67,23 @@ def state_passing_fwd_kernel(
 
 @triton.jit
 def state_passing_bwd_kernel(
-    dS_in_ptr, S_in_ptr, dA_ptr, seq_ptr, dfinal_ptr, dH_ptr, dinit_ptr, dtot_ptr,
-    L, Q, NC, H, PN, BATCH,
-    HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, BLOCK: tl.constexpr,
+    dS_in_ptr,
+    S_in_ptr,
+    dA_ptr,
+    seq_ptr,
+    dfinal_ptr,
+    dH_ptr,
+    dinit_ptr,
+    dtot_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    PN,
+    BATCH,
+    HAS_SEQ: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
