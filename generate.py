@@ -1,7 +1,8 @@
 """Sample from a trained model with recurrent decoding (one step per token after a parallel prefill).
 
     python generate.py --checkpoint outputs/debug/checkpoint/step-40 --prompt "The " --max_new_tokens 64 --temperature 0
-    python generate.py --checkpoint weights/130m --prompt "Mamba is" --prompt "Once" --temperature 0.8 --top_p 0.9 --seed 0
+    python generate.py --checkpoint weights/130m --prompt "Mamba is" --prompt "Once" --temperature 0.8 --top_p 0.9 \\
+        --seed 0
 
 --checkpoint: a training checkpoint step-N (its run_record.json names the model and the tokenizer), a weights-only
 export or an import with its model.toml; --config: the run's job TOML where the folder holds neither. Each prompt's

@@ -23,8 +23,8 @@ from checkpoint.integrity import ChecksumError
 from checkpoint.manager import CheckpointManager, complete_steps, resolve_checkpoint_folder
 from checkpoint.run_record import ResumeMismatch, build_run_record
 from components.cuda_graph import GraphedMicrobatch
-from components.garbage_collection import StepGarbageCollection
 from components.distributed import destroy_distributed, init_distributed, set_determinism
+from components.garbage_collection import StepGarbageCollection
 from components.log import setup_logging
 from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
 from components.moe_balance import MoEBalancer
@@ -38,13 +38,12 @@ from configs.checks import resolve_job
 from configs.parser import ConfigError, load_config_or_exit, to_dict
 from data.loader import build_loader
 from models import build_model_on_meta
-from parallelisms.sequence_sharding import shard_sequence
 from parallelisms.data_parallel import FlatGradients
 from parallelisms.grad_norm import clip_grad_norm_
 from parallelisms.mesh import coords, group
 from parallelisms.parallelize import build_model_parts
+from parallelisms.sequence_sharding import shard_sequence
 from parallelisms.tied_weights import sum_tied_embedding_grads
-
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
         if skipped:
             logger.warning(
                 f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
-                f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads={cfg.training.skip_nonfinite_grads})"
+                f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads="
+                f"{cfg.training.skip_nonfinite_grads})"
             )
         for opt in optimizers:
             if not skipped:

@@ -1,13 +1,15 @@
 """The multi-GPU efficiency table: each layout's tokens/s per GPU against one GPU running the same model.
 
     python3 benchmarks/efficiency_table.py OUT/efficiency \\
-        --row "FSDP2 1.3B=fsdp2_1.3b:1gpu_1.3b:0.90" --row "CP2 32k=cp2_32k:cp1_32k:0.75:0.55" [--skip 3] [--json t.json]
+        --row "FSDP2 1.3B=fsdp2_1.3b:1gpu_1.3b:0.90" --row "CP2 32k=cp2_32k:cp1_32k:0.75:0.55" \\
+        [--skip 3] [--json t.json]
 
 A row is LABEL=RUN:REF:TARGET[:MEMORY_TARGET], RUN and REF being run folders (with metrics.jsonl) under the first
-argument. Per GPU tokens/s is the median over the steps after --skip (warm-up, autotuning; and up to --until) of what train.py logs
-(tokens this rank's data-parallel replica processed / pp stages, per second). ratio = run / ref; memory ratio =
-run's peak memory per GPU / ref's. A row passes when ratio >= TARGET (and memory ratio <= MEMORY_TARGET when given).
-For pipeline rows give TARGET as 0.9 x (1 - textbook bubble). Exit status 1 when a row fails or a run is missing.
+argument. Per GPU tokens/s is the median over the steps after --skip (warm-up, autotuning; and up to --until) of
+what train.py logs (tokens this rank's data-parallel replica processed / pp stages, per second). ratio = run / ref;
+memory ratio = run's peak memory per GPU / ref's. A row passes when ratio >= TARGET (and memory ratio <=
+MEMORY_TARGET when given). For pipeline rows give TARGET as 0.9 x (1 - textbook bubble). Exit status 1 when a row
+fails or a run is missing.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     a = p.parse_args(argv)
     rows, failed = [], False
-    print(f"| layout | tok/s per GPU | 1 GPU | ratio | target | memory per GPU | vs 1 GPU | |")
+    print("| layout | tok/s per GPU | 1 GPU | ratio | target | memory per GPU | vs 1 GPU | |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for spec in a.row:
         row = parse_row(spec)

@@ -1,4 +1,5 @@
-"""All-reduce / all-gather / reduce-scatter time and bus bandwidth between the GPUs of one host (explains FSDP / CP scaling).
+"""All-reduce / all-gather / reduce-scatter time and bus bandwidth between the GPUs of one host (explains FSDP / CP
+scaling).
 
 torchrun --nproc_per_node 4 benchmarks/nccl_bandwidth.py
 """

@@ -2,7 +2,8 @@
 
     python -m checkpoint.convert from-mamba-ssm state-spaces/mamba2-130m  weights/130m  [--untie] [--dtype float32]
     python -m checkpoint.convert from-hf        hf_mamba2_folder          weights/hf    [--untie]
-    python -m checkpoint.convert to-hf          outputs/checkpoint/step-1000 hf_out  [--config job.toml] [--dtype bfloat16]
+    python -m checkpoint.convert to-hf          outputs/checkpoint/step-1000 hf_out  [--config job.toml] \\
+                                                                                  [--dtype bfloat16]
     python -m checkpoint.convert to-mamba-ssm   weights/130m              ssm_out       [--model.d_model 768 ...]
 
 An import writes a weights-only DCP folder (what checkpoint.initial_load_path loads, under any layout) and,
@@ -24,9 +25,9 @@ import shutil
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.export import (

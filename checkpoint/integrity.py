@@ -19,11 +19,11 @@ import json
 import logging
 import os
 import zlib
-from torch.futures import Future
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.futures import Future
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,9 @@ from checkpoint.export import (
     read_metadata,
     single_process_quiet,
 )
+from checkpoint.finite import any_rank_nonfinite, first_nonfinite_state
 from checkpoint.integrity import ChecksummingWriter, verify_checksums
+from checkpoint.lineage import abandon_newer_steps
 from checkpoint.run_record import check_resume, read_record, write_record
 from checkpoint.state_adapters import (  # noqa: F401 - the adapters' historical home; re-exported
     JSON_KEY,
@@ -61,8 +63,6 @@ from checkpoint.state_adapters import (  # noqa: F401 - the adapters' historical
     SchedulerState,
     TrainState,
 )
-from checkpoint.finite import any_rank_nonfinite, first_nonfinite_state
-from checkpoint.lineage import abandon_newer_steps
 from components.log import format_bytes, format_seconds
 
 logger = logging.getLogger(__name__)

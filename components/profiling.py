@@ -33,7 +33,6 @@ from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from configs.job_config import Profiling
 
-
 logger = logging.getLogger(__name__)  # components/log.py: shown on rank 0 and the LOG_RANK ranks
 
 

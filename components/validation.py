@@ -24,8 +24,8 @@ import torch.distributed as dist
 from data.loader import IGNORE_INDEX, build_loader
 from models.loss import cross_entropy_sum
 from parallelisms.batch_plan import BatchPlan
-from parallelisms.sequence_sharding import shard_sequence
 from parallelisms.mesh import coords, group
+from parallelisms.sequence_sharding import shard_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PipelineEval:
             self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)
         if not self.has_last:
             return torch.zeros((), dtype=torch.float64, device=labels.device)
-        return torch.stack([l.detach().double() for l in losses]).sum()
+        return torch.stack([loss.detach().double() for loss in losses]).sum()
 
 
 class Validator:

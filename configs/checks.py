@@ -20,10 +20,10 @@ from models import build_model_args
 from models.args import ModelArgs
 from parallelisms.batch_plan import BatchPlan
 from parallelisms.context_parallel import validate_cp_mamba
-from parallelisms.sequence_sharding import validate_cp_shapes
 from parallelisms.expert_parallel import validate_expert_parallel
 from parallelisms.mesh import ParallelDims
 from parallelisms.pipeline import validate_pipeline
+from parallelisms.sequence_sharding import validate_cp_shapes
 
 
 @dataclass

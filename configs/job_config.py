@@ -134,8 +134,9 @@ class Training:
     gc_freq: int = doc(
         50,
         "Python's garbage collector runs only between steps (generation 0 every step, generation 1 every "
-        "gc_freq steps), never inside one: an automatic collection mid-step stalls that rank's kernel launches, and under data / "
-        "pipeline parallel every other rank waits for it at the next collective. 0: Python's automatic collection.",
+        "gc_freq steps), never inside one: an automatic collection mid-step stalls that rank's kernel launches, "
+        "and under data / pipeline parallel every other rank waits for it at the next collective. 0: Python's "
+        "automatic collection.",
     )
 
 

@@ -220,7 +220,8 @@ def validate(cfg: JobConfig) -> None:
 
 
 def _data_errors(t) -> list[str]:
-    """training.datasets entries and weights, prefetch depth, shuffle buffer (the folders themselves are opened by the loader)."""
+    """training.datasets entries and weights, prefetch depth, shuffle buffer (the folders themselves are opened by
+    the loader)."""
     errs = []
     if t.prefetch_batches < 0:
         errs.append(f"training.prefetch_batches={t.prefetch_batches} must be >= 0 (0 = no prefetching)")

@@ -121,7 +121,7 @@ class JsonlByteRanges:
                     f"per line ({e}); fix the line or remove it"
                 ) from e
             texts.append(
-                _field(row, self.text_field, lambda: f"{self.path} line {self._line_number(start) + i}", _INPUT_KEY)
+                _field(row, self.text_field, lambda i=i: f"{self.path} line {self._line_number(start) + i}", _INPUT_KEY)
             )
         return texts
 

@@ -44,7 +44,7 @@ def generate(
     model,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: SamplingParams = SamplingParams(),
+    sampling: SamplingParams = SamplingParams(),  # noqa: B008 - frozen dataclass: a shared default is safe
     eos_id: int | None = None,
     seed: int | None = None,
     pad_id: int = 0,

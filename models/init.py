@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-
 # Wrappers that insert a level into parameter names without changing the model (activation checkpointing,
 # torch.compile, FSDP1-style flat wrappers); the canonical name, which seeds the generator, leaves them out.
 _WRAPPER_NAMES = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")

@@ -175,7 +175,7 @@ def apply_expert_parallel(model: nn.Module, pdims) -> list[GroupedExperts]:
     ep_mesh = pdims.ep_mesh["ep"]
     group = ep_mesh.get_group()
     converted = []
-    for name, module in model.named_modules():
+    for module in model.modules():
         experts = getattr(module, "experts", None)
         if not isinstance(module, MoE) or not isinstance(experts, GroupedExperts):
             continue

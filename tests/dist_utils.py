@@ -10,10 +10,9 @@ For whole-trainer parity runs use tests/parity.py (it launches train.py through 
 
 from __future__ import annotations
 
+import os
 import pickle
 import queue as queue_module
-
-import os
 import socket
 import traceback
 

@@ -224,7 +224,7 @@ def test_disk_full_names_folder_free_and_needed_space_and_keeps_older_steps(tmp_
     saved = snapshot(model, opt)
     step2_bytes = folder_bytes(mgr.step_dir(2))
     monkeypatch.setattr(fs.FileSystem, "create_stream", full_disk(step2_bytes // 2, error))
-    for step in (3, 4):
+    for _ in (3, 4):
         train_step(model, opt, sched, loader)
     with pytest.raises(CheckpointDiskFullError) as failed:
         mgr.save(4)

@@ -140,10 +140,10 @@ def test_run_train_sh_prints_a_config_error_once_before_any_worker(tmp_path):
 
 def test_cuda_graph_refuses_what_it_cannot_capture():
     """Every reason is named before compute; the same checks pass for a one-GPU Mamba job (CUDA aside)."""
+    from configs.checks import cuda_graph_errors
     from configs.parser import load_config
     from models import build_model_args
     from parallelisms.mesh import ParallelDims
-    from configs.checks import cuda_graph_errors
 
     def errors(argv, world):
         cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.cuda_graph", "true", *argv])

@@ -111,10 +111,10 @@ def _model_grads_vs_single(rank, world, layouts):
     from configs.job_config import Parallelism
     from models import build_model_on_meta
     from models.init import init_weights
+    from models.loss import cross_entropy_sum
     from parallelisms.expert_parallel import apply_expert_parallel
     from parallelisms.fsdp import apply_fsdp
     from parallelisms.grad_norm import clip_grad_norm_
-    from models.loss import cross_entropy_sum
 
     args = build_model_args("hybrid_moe_debug", TINY)
     B, S = 8, 32

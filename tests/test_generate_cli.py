@@ -89,8 +89,9 @@ def test_greedy_cli_equals_the_full_forward_loop_and_transformers(step_dir, tmp_
         assert o["tokens"] == want
         assert o["completion"] == tokenizer.decode([t for t in want if t != tokenizer.eos_id])
 
-    from checkpoint.convert import main as convert_main
     from transformers import Mamba2ForCausalLM
+
+    from checkpoint.convert import main as convert_main
 
     convert_main(["to-hf", str(step_dir), str(tmp_path / "hf")])  # the model from the step's run_record.json
     hf = Mamba2ForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()

@@ -2,10 +2,10 @@
 
 - A model trained a few steps by train.py gives our logits (1e-5 relative) after
   `Mamba2ForCausalLM.from_pretrained`, and HF's greedy `generate` (its recurrent decoding) emits the tokens of a
-  greedy loop over our full forward (tests/test_decode.py also checks generation.generate against it). Our own weights, not an HF
-  import: test_convert's round trips start from HF models whose config says rescale_prenorm_residual=false, so
-  transformers' init pass over the loaded model (which divides every out_proj by sqrt(n_layers) when it is true)
-  never showed. config.json / generation_config.json carry the byte tokenizer's ids.
+  greedy loop over our full forward (tests/test_decode.py also checks generation.generate against it). Our own
+  weights, not an HF import: test_convert's round trips start from HF models whose config says
+  rescale_prenorm_residual=false, so transformers' init pass over the loaded model (which divides every out_proj by
+  sqrt(n_layers) when it is true) never showed. config.json / generation_config.json carry the byte tokenizer's ids.
 - Non-default config fields (ngroups, chunk_size, eps, biases, untied, padded vocabulary) survive the export and
   the import back; a tokenizer.json run's tokenizer files come along and load with AutoTokenizer.
 """

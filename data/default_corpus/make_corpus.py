@@ -16,7 +16,6 @@ import io
 import json
 import sys
 from pathlib import Path
-
 from pydoc_data.topics import topics
 
 OUT_PATH = Path(__file__).resolve().parent / "python_docs.jsonl.gz"

@@ -18,7 +18,9 @@ import integrations.torchtitan  # noqa: F401  (registers "mamba2")
 
 
 def main() -> None:
-    from torchtitan.train import Trainer, main as torchtitan_main  # lazy: optional, heavy
+    # lazy: torchtitan is an optional extra, and heavy
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as torchtitan_main
 
     # torchtitan picks its device the same way and, finding none, fails deep inside with a CUDA AttributeError.
     if _get_available_device_type() is None:

@@ -5,7 +5,7 @@ Each is built as Cls(args: ModelArgs, layer_id: int, n_layers: int) and called a
 
 from models.hybrid.attention import Attention
 from models.hybrid.mlp import MLP
-from models.hybrid.moe import MoE, GroupedExperts
+from models.hybrid.moe import GroupedExperts, MoE
 
 # Layer-pattern letter -> mixer class (the lead's model adds "M" -> Mamba2).
 HYBRID_MIXERS = {"*": Attention, "-": MLP, "E": MoE}

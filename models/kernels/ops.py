@@ -18,7 +18,6 @@ import torch
 
 from models.kernels import cuda as _cuda
 from models.kernels import ssd_triton as _ssd_triton
-from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_composed
 from models.kernels.reference import (
     add_rmsnorm_ref,
     causal_conv1d_ref,
@@ -26,6 +25,7 @@ from models.kernels.reference import (
     rmsnorm_gated_ref,
     ssd_chunk_scan_ref,
 )
+from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_composed
 
 __all__ = [
     "BACKENDS",

@@ -12,9 +12,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 mamba_ssm = pytest.importorskip("mamba_ssm")
 
-from checkpoint.convert import import_checkpoint, main, read_dcp_weights
-from models import Mamba2LM
-from models.args import ModelArgs
+from checkpoint.convert import import_checkpoint, main, read_dcp_weights  # noqa: E402
+from models import Mamba2LM  # noqa: E402
+from models.args import ModelArgs  # noqa: E402
 
 
 def _their_model(ngroups: int, tie: bool):

@@ -312,7 +312,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     hpp = _heads_per_prog(R, cfg.heads_per_prog)
     n_hb = R // hpp
     dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    O = torch.empty_like(dt_p)
+    O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = triton.cdiv(Q, cfg.dc_m)
     R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     grouped = cfg.bc_mode == "grouped"
