@@ -23,8 +23,6 @@ builds the next batches in a background thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from data.datasets import ShuffleBufferSource, build_text_source
@@ -32,9 +30,7 @@ from data.mixture import MixtureRows, parse_mixture
 from data.packing import IGNORE_INDEX, DocumentPacker
 from data.prefetch import PrefetchLoader
 from data.shards import PackedRows, ShardDataset, check_tokenizer, is_shard_folder, shard_identity
-
-if TYPE_CHECKING:
-    from parallelisms.batch_plan import BatchPlan
+from parallelisms.batch_plan import BatchPlan
 
 __all__ = ["StepBatchLoader", "RowStepLoader", "build_loader", "data_identity", "IGNORE_INDEX"]
 
