@@ -8,6 +8,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture(scope="session")
+def parity_reference(tmp_path_factory):
+    """The one-process run of tests.parity.PARITY_ARGS (fp32, gloo): every layout test compares with it, so it runs
+    once per session."""
+    from tests.parity import PARITY_ARGS, run_training
+
+    return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("parity_reference"))
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
 

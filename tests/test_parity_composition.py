@@ -22,8 +22,8 @@ PP2_CP2_FSDP2 = [
 ]
 
 
-def test_mamba_pp2_cp2_fsdp2_on_8_processes(tmp_path):
-    ref = run_training(1, PARITY_ARGS, tmp_path / "ref")
+def test_mamba_pp2_cp2_fsdp2_on_8_processes(parity_reference, tmp_path):
+    ref = parity_reference
     assert_same_losses(ref, run_training(8, PARITY_ARGS + PP2_CP2_FSDP2, tmp_path / "pp2cp2fsdp2", timeout=900))
 
 

@@ -7,8 +7,8 @@ from tests.parity import PARITY_ARGS, assert_same_losses, run_training
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("ref"))
+def reference(parity_reference):
+    return parity_reference
 
 
 CP = "--parallelism.context_parallel_degree"

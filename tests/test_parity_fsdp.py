@@ -13,8 +13,8 @@ from tests.parity import PARITY_ARGS, REPO, assert_same_losses, losses_by_step, 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("ref"))
+def reference(parity_reference):
+    return parity_reference
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,10 @@ def test_fsdp2_with_gradient_accumulation(reference, tmp_path):
 @pytest.mark.parametrize(
     "layout",
     [
-        ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "3"],  # units 0-2, 3
+        pytest.param(  # units 0-2, 3; the grouping itself: test_data_parallel.py; unequal units under PP below
+            ["--parallelism.data_parallel_shard_degree", "4", "--parallelism.fsdp_blocks_per_unit", "3"],
+            marks=pytest.mark.slow,
+        ),
         [
             "--parallelism.pipeline_parallel_degree",
             "2",
@@ -68,7 +71,11 @@ def test_ddp2_with_gradient_accumulation(reference, tmp_path):
     assert_same_losses(reference, run_training(2, PARITY_ARGS + DDP2, tmp_path))
 
 
-@pytest.mark.parametrize("save, resume", [(2, 0), (0, 2)], ids=["ddp2-to-fsdp2", "fsdp2-to-ddp2"])
+@pytest.mark.parametrize(
+    "save, resume",
+    [pytest.param(2, 0, marks=pytest.mark.slow), (0, 2)],  # one direction by default: the same save / load code
+    ids=["ddp2-to-fsdp2", "fsdp2-to-ddp2"],
+)
 def test_checkpoint_between_ddp_and_fsdp(reference, tmp_path, save, resume):
     """DDP saves whole (replicated) tensors, FSDP shards: a step-2 checkpoint of one resumes under the other."""
     import shutil
@@ -110,7 +117,11 @@ def _kill_when_folder_appears(proc: subprocess.Popen, folder, timeout: float = 3
     proc.wait()
 
 
-@pytest.mark.parametrize("first_nproc, resume_nproc", [(1, 1), (4, 2)], ids=["same-layout", "fsdp4-to-fsdp2"])
+@pytest.mark.parametrize(
+    "first_nproc, resume_nproc",
+    [pytest.param(1, 1, marks=pytest.mark.slow), (4, 2)],  # the layout change covers the kill and the resume
+    ids=["same-layout", "fsdp4-to-fsdp2"],
+)
 def test_sigkill_then_resume_gives_uninterrupted_losses(tmp_path, first_nproc, resume_nproc):
     steps, interval = (8, 4) if first_nproc == 1 else (6, 3)
     args = PARITY_ARGS + [

@@ -80,7 +80,7 @@ def reference(tmp_path_factory):
     [
         (2, [SHARD, "2"]),
         (2, [EP, "2"]),
-        (4, [EP, "4"]),
+        pytest.param(4, [EP, "4"], marks=pytest.mark.slow),  # ep2 and pp2xep2 run by default
         (4, [PP, "2", EP, "2"]),  # the pattern's '|' splits "M*ME" | "M-ME": one MoE layer per stage
         (2, [CP, "2"]),  # attention and Mamba layers under all-to-all CP
     ],
@@ -131,6 +131,7 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(reference, tmp_path):
     _resume_in_other_layout(tmp_path, reference, (2, [EP, "2"]), (1, []))
 
 
+@pytest.mark.slow  # the other direction (ep2 -> ep1) runs by default
 def test_checkpoint_saved_at_ep1_resumes_at_ep2(reference, tmp_path):
     _resume_in_other_layout(tmp_path, reference, (1, []), (2, [EP, "2"]))
 

@@ -12,8 +12,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_training(1, PARITY_ARGS, tmp_path_factory.mktemp("ref"))
+def reference(parity_reference):
+    return parity_reference
 
 
 @pytest.mark.parametrize(
@@ -61,10 +61,9 @@ def test_weighted_split_microbatch_2_and_hsdp(reference, tmp_path):
     assert_same_losses(reference, run_training(4, PARITY_ARGS + layout, tmp_path))
 
 
-def _resume_in_other_layout(tmp_path, save_layout, resume_layout):
-    """Run 4 steps saving every 2 in one layout; resume from step 2 in the other; compare steps 3-4."""
+def _resume_in_other_layout(tmp_path, whole, save_layout, resume_layout):
+    """Run 4 steps saving every 2 in one layout; resume from step 2 in the other; compare steps 3-4 with `whole`."""
     args = PARITY_ARGS + ["--checkpoint.enable", "true", "--checkpoint.interval", "2"]
-    whole = run_training(1, PARITY_ARGS, tmp_path / "whole")
     first = tmp_path / "first"
     run_training(2 if save_layout else 1, args + save_layout, first)
     resumed_dir = tmp_path / "resumed"
@@ -74,14 +73,17 @@ def _resume_in_other_layout(tmp_path, save_layout, resume_layout):
     assert_same_losses(whole, resumed, steps=[3, 4])
 
 
-def test_pp2_checkpoint_resumes_without_pp(tmp_path):
-    _resume_in_other_layout(tmp_path, PP2, [])
+def test_pp2_checkpoint_resumes_without_pp(reference, tmp_path):
+    _resume_in_other_layout(tmp_path, reference, PP2, [])
 
 
-def test_checkpoint_without_pp_resumes_under_pp2(tmp_path):
-    _resume_in_other_layout(tmp_path, [], PP2 + ["--parallelism.pipeline_parallel_pack", "stack"])
+@pytest.mark.slow  # the other direction (test_pp2_checkpoint_resumes_without_pp) runs by default
+def test_checkpoint_without_pp_resumes_under_pp2(reference, tmp_path):
+    _resume_in_other_layout(tmp_path, reference, [], PP2 + ["--parallelism.pipeline_parallel_pack", "stack"])
 
 
 @pytest.mark.slow
-def test_interleaved_checkpoint_resumes_without_pp(tmp_path):
-    _resume_in_other_layout(tmp_path, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], [])
+def test_interleaved_checkpoint_resumes_without_pp(reference, tmp_path):
+    _resume_in_other_layout(
+        tmp_path, reference, PP2 + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], []
+    )
