@@ -67,6 +67,13 @@ TUNE_VARIANTS = {
     "grouped": dict(bc_mode="grouped"),
     "grouped_hpp8": dict(bc_mode="grouped", heads_per_prog=8),
     "grouped_hpp16_k64": dict(bc_mode="grouped", heads_per_prog=16, dc_k=64),
+    # The staged forward / state recurrence (mamba_ssm's structure) against the fused one (fused_scan.py).
+    "fused": dict(fused=True),
+    "fused_p64": dict(fused=True, fused_p=64, fusedb_p=64),
+    # Wider inner loops / deeper pipelines for every kernel with an inner loop over positions.
+    "k64": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64),
+    "k64_s4": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64, **{k: 4 for k in _STAGES}),
+    "m128_w8": dict(scan_m=128, dx_k=128, db_k=128, scan_warps=8, dx_warps=8, db_warps=8),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {
@@ -74,6 +81,18 @@ TUNE_GROUPS = {
     "state": (("chunk_state_fwd_kernel", "chunk_scan_bwd_dstates_kernel"), ("state_",)),
     "pass": (("state_passing_fwd_kernel", "state_passing_bwd_kernel"), ("pass_",)),
     "scan": (("chunk_scan_fwd_kernel",), ("scan_",)),
+    "fused": (
+        (
+            "fused_scan_fwd_kernel",
+            "fused_state_bwd_kernel",
+            "chunk_state_fwd_kernel",
+            "state_passing_fwd_kernel",
+            "chunk_scan_fwd_kernel",
+            "chunk_scan_bwd_dstates_kernel",
+            "state_passing_bwd_kernel",
+        ),
+        ("fused",),
+    ),
     "dx": (("chunk_scan_bwd_dx_kernel",), ("dx_",)),
     "dcdb": (
         (

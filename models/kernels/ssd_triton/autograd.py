@@ -6,12 +6,13 @@ Split of the work:
     which the model never passes);
   - the Function ``_SSDChunked`` takes the processed dt and dA as float32 [B, H, NC, Q] tensors (the
     last chunk padded with dt = 0, so padding neither decays nor adds), takes the within-chunk
-    cumulative sum a = cumsum(dA) itself, and runs the kernels: forward CB -> chunk states -> state
-    passing -> chunk scan; backward recomputes CB, the states and the states entering each chunk
-    (nothing [B, NC, H, P, N] is kept between forward and backward), then dS_in -> state passing
-    backward -> dx / ddt / dD -> dC's state term, the decay terms O and R, and dCB summed over the heads
-    of each group (dcb_bwd; config bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C as
-    two float32 products per group. (bc_mode "per_head", bc_bwd: each head's dCB is multiplied in-kernel.)
+    cumulative sum a = cumsum(dA) itself, and runs the kernels (forward.py): forward CB -> the fused scan
+    (or the staged chunk states -> state passing -> chunk scan); backward recomputes CB and the states entering
+    each chunk (nothing [B, NC, H, P, N] is kept between forward and backward), then the fused reverse
+    recurrence with dS_in (or dS_in -> state passing backward) -> dx / ddt / dD -> dC's state term, the
+    decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config bc_mode "grouped")
+    -> dB's state term -> dC, dB += dCB B, dCBᵀ C as two float32 products per group. (bc_mode "per_head",
+    bc_bwd: each head's dCB is multiplied in-kernel.)
 
 The gradient with respect to dA_t is, within its chunk, the sum of four parts, each a sum of
 same-signed-structure terms (no large sums subtracted from each other, which would cost bf16 runs
@@ -33,148 +34,15 @@ import triton
 from models.kernels._utils import no_autocast
 from models.kernels.ssd_reference import _check_inputs, process_dt
 from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
-from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
-from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
-from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel, chunk_state_fwd_kernel
+from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
-from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel, state_passing_fwd_kernel
+from models.kernels.ssd_triton.forward import cb_and_entering_states, dot_precision, dummy, ssd_forward
+from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
+from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
 
 __all__ = ["ssd_chunk_scan_triton"]
-
-
-def _dummy(device) -> torch.Tensor:
-    # Stand-in pointer for an absent optional tensor (its kernel branch is compiled out).
-    return torch.empty(1, device=device, dtype=torch.float32)
-
-
-def _dot_precision(x: torch.Tensor) -> str:
-    # float32 inputs: full-precision dots (tf32 keeps 10 mantissa bits; float32 runs are for checking, not speed);
-    # bf16 / fp16 operands are exact products on the tensor cores anyway.
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
-def _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q: int, cfg: BlockConfig):
-    """CB [b, NC, G, Q, Q] and chunk states (float32), states entering each chunk S_in (x's dtype), final (fp32)."""
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    NC = dt_p.shape[2]
-    dev = x.device
-    has_seq = seq is not None
-    seq_arg = seq if has_seq else _dummy(dev)
-
-    CB = torch.empty(b, NC, G, Q, Q, device=dev, dtype=torch.float32)
-    grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
-    cb_fwd_kernel[grid](
-        C,
-        B,
-        CB,
-        L,
-        Q,
-        NC,
-        G,
-        N,
-        *C.stride(),
-        *B.stride(),
-        BLOCK_M=cfg.cb_m,
-        BLOCK_S=cfg.cb_s,
-        BLOCK_N=cfg.cb_n,
-        PREC=_dot_precision(x),
-        num_warps=cfg.cb_warps,
-        num_stages=cfg.cb_stages,
-    )
-
-    states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
-    grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
-    chunk_state_fwd_kernel[grid](
-        x,
-        B,
-        dt_p,
-        dA_cs,
-        seq_arg,
-        states,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        *x.stride(),
-        *B.stride(),
-        HAS_SEQ=has_seq,
-        BLOCK_P=cfg.state_p,
-        BLOCK_N=cfg.state_n,
-        BLOCK_K=cfg.state_k,
-        PREC=_dot_precision(x),
-        num_warps=cfg.state_warps,
-        num_stages=cfg.state_stages,
-    )
-
-    S_in = torch.empty_like(states, dtype=x.dtype)
-    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
-    PN = P * N
-    grid = (b * H, triton.cdiv(PN, cfg.pass_block))
-    state_passing_fwd_kernel[grid](
-        states,
-        dA_cs,
-        seq_arg,
-        init if init is not None else _dummy(dev),
-        S_in,
-        final,
-        L,
-        Q,
-        NC,
-        H,
-        PN,
-        HAS_SEQ=has_seq,
-        HAS_INIT=init is not None,
-        BLOCK=cfg.pass_block,
-        num_warps=4,
-    )
-    return CB, states, S_in, final
-
-
-def _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    NC = dt_p.shape[2]
-    CB, _, S_in, final = _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q, cfg)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grid = (b * NC * H, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
-    chunk_scan_fwd_kernel[grid](
-        CB,
-        x,
-        dt_p,
-        dA_cs,
-        C,
-        S_in,
-        D if D is not None else _dummy(x.device),
-        seq if seq is not None else _dummy(x.device),
-        y,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        *x.stride(),
-        *C.stride(),
-        *y.stride(),
-        HAS_SEQ=seq is not None,
-        HAS_D=D is not None,
-        D_HAS_HDIM=D is not None and D.dim() == 2,
-        BLOCK_M=cfg.scan_m,
-        BLOCK_K=cfg.scan_k,
-        BLOCK_P=cfg.scan_p,
-        BLOCK_N=cfg.scan_n,
-        PREC=_dot_precision(x),
-        num_warps=cfg.scan_warps,
-        num_stages=cfg.scan_stages,
-    )
-    return y, final
 
 
 def _chunked(t_BLGN: torch.Tensor, NC: int, Q: int) -> torch.Tensor:
@@ -195,17 +63,15 @@ def _heads_per_prog(R: int, want: int) -> int:
     return max(d for d in range(1, min(R, want) + 1) if R % d == 0)
 
 
-def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    NC = dt_p.shape[2]
-    dev = x.device
+def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
+    """dS_in (y's state term) in one kernel, then the reverse recurrence in another."""
+    b, L, H, P = dy.shape
+    G, N = C.shape[2:]
+    NC, Q = dA_cs.shape[2:]
+    dev = dy.device
     has_seq = seq is not None
-    seq_arg = seq if has_seq else _dummy(dev)
-    CB, states, S_in, _ = _states_fwd(x, dt_p, dA_cs, B, C, seq, init, Q, cfg)
-
-    # Gradient reaching each chunk's entering state through y's state term.
-    dS_in = torch.empty_like(states, dtype=torch.float32)
+    seq_arg = seq if has_seq else dummy(dev)
+    dS_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
     grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
     chunk_scan_bwd_dstates_kernel[grid](
         dy,
@@ -226,15 +92,13 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,
-        PREC=_dot_precision(x),
+        PREC=dot_precision(dy),
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
     )
-
-    # Reverse recurrence: dH (gradient of each chunk's state), dinit, and the a_last terms.
     PN = P * N
     n_blocks = triton.cdiv(PN, cfg.pass_block)
-    dH = torch.empty_like(states, dtype=torch.float32)
+    dH = torch.empty_like(dS_in)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     dtot = torch.empty(n_blocks, b, H, NC, device=dev, dtype=torch.float32)
     state_passing_bwd_kernel[(b * H, n_blocks)](
@@ -242,7 +106,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         S_in,
         dA_cs,
         seq_arg,
-        dfinal if dfinal is not None else _dummy(dev),
+        dfinal if dfinal is not None else dummy(dev),
         dH,
         dinit,
         dtot,
@@ -257,7 +121,64 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         BLOCK=cfg.pass_block,
         num_warps=4,
     )
-    del dS_in, states
+    return dH, dinit, dtot
+
+
+def _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
+    """dS_in and the reverse recurrence in one kernel (fused_scan.fused_state_bwd_kernel)."""
+    b, L, H, P = dy.shape
+    G, N = C.shape[2:]
+    NC, Q = dA_cs.shape[2:]
+    dev = dy.device
+    n_p = triton.cdiv(P, cfg.fusedb_p)
+    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
+    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    dtot = torch.empty(n_p, b, H, NC, device=dev, dtype=torch.float32)
+    fused_state_bwd_kernel[(b * H, n_p)](
+        dy,
+        C,
+        dA_cs,
+        seq if seq is not None else dummy(dev),
+        S_in,
+        dfinal if dfinal is not None else dummy(dev),
+        dH,
+        dinit,
+        dtot,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        b,
+        *dy.stride(),
+        *C.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_DFINAL=dfinal is not None,
+        PREC=dot_precision(dy),
+        BLOCK_P=cfg.fusedb_p,
+        BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_K=cfg.fusedb_k,
+        num_warps=cfg.fusedb_warps,
+        num_stages=cfg.fusedb_stages,
+    )
+    return dH, dinit, dtot
+
+
+def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC = dt_p.shape[2]
+    dev = x.device
+    has_seq = seq is not None
+    seq_arg = seq if has_seq else dummy(dev)
+    CB, S_in = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
+    # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block).
+    if cfg.fused:
+        dH, dinit, dtot = _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg)
+    else:
+        dH, dinit, dtot = _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg)
 
     # dx, ddt, dD.
     BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
@@ -265,7 +186,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
-    dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else _dummy(dev)
+    dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     chunk_scan_bwd_dx_kernel[(b * NC * H, n_k)](
         CB,
         x,
@@ -274,7 +195,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         B,
         dy,
         dH,
-        D if D is not None else _dummy(dev),
+        D if D is not None else dummy(dev),
         seq_arg,
         dx,
         ddt,
@@ -298,7 +219,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         BLOCK_M=cfg.dx_m,
         BLOCK_P=BP,
         BLOCK_N=cfg.dx_n,
-        PREC=_dot_precision(x),
+        PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
         num_stages=cfg.dx_stages,
     )
@@ -344,7 +265,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             *C.stride(),
             *dy.stride(),
             HAS_SEQ=has_seq,
-            PREC=_dot_precision(x),
+            PREC=dot_precision(x),
             HEADS_POW2=triton.next_power_of_2(hpp),
             BLOCK_M=cfg.dc_m,
             BLOCK_K=cfg.dc_k,
@@ -385,7 +306,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             BLOCK_K=cfg.dc_k,
             BLOCK_P=BP,
             BLOCK_N=BN,
-            PREC=_dot_precision(x),
+            PREC=dot_precision(x),
             num_warps=cfg.dc_warps,
             num_stages=cfg.dc_stages,
         )
@@ -417,7 +338,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         BLOCK_M=cfg.db_m,
         BLOCK_P=BP,
         BLOCK_N=BN,
-        PREC=_dot_precision(x),
+        PREC=dot_precision(x),
         num_warps=cfg.db_warps,
         num_stages=cfg.db_stages,
     )
@@ -439,9 +360,9 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
 
 class _SSDChunked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt_p, dA_p, B, C, D, init, seq, Q, cfg):
+    def forward(ctx, x, dt_p, dA_p, B, C, D, init, seq, Q, cfg, y_dtype):
         dA_cs = torch.cumsum(dA_p, dim=-1)
-        y, final = _ssd_fwd(x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg)
+        y, final = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
         ctx.save_for_backward(x, dt_p, dA_cs, B, C, D, init, seq)
         ctx.Q, ctx.cfg = Q, cfg
         return y, final
@@ -460,6 +381,7 @@ class _SSDChunked(torch.autograd.Function):
             dC,
             dD,
             dinit if init is not None else None,
+            None,
             None,
             None,
             None,
@@ -523,6 +445,8 @@ def ssd_chunk_scan_triton(
             seq,
             Q,
             cfg,
+            # With z, y stays float32 until after the gate: one rounding to x's dtype, as in a fused gate.
+            torch.float32 if z is not None else dtype,
         )
         if z is not None:
             y = (y.float() * F.silu(z.float())).to(dtype)

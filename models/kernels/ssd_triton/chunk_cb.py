@@ -1,4 +1,5 @@
-"""C·Bᵀ per chunk and group: CB[b, c, g, l, s] = C_l · B_s for positions l, s of chunk c (float32).
+"""C·Bᵀ per chunk and group: CB[b, c, g, l, s] = C_l · B_s for positions l, s of chunk c (float32),
+and 0 where l and s belong to different documents (HAS_SEQ), so consumers may rely on CB alone for that mask.
 
 Computed once per group and shared by every head of the group (with ngroups 1, by all heads), so the
 chunk-scan kernels never recompute it. Tiles wholly above the diagonal (s > l everywhere) are skipped
@@ -14,6 +15,7 @@ def cb_fwd_kernel(
     C_ptr,
     B_ptr,
     CB_ptr,
+    seq_ptr,
     L,
     Q,
     NC,
@@ -27,6 +29,7 @@ def cb_fwd_kernel(
     s_b_l,
     s_b_g,
     s_b_n,
+    HAS_SEQ: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -54,6 +57,10 @@ def cb_fwd_kernel(
         c_tile = tl.load(C_base + offs_n[None, :] * s_c_n, mask=valid_m[:, None] & mask_n[None, :], other=0.0)
         bT_tile = tl.load(B_base + offs_n[:, None] * s_b_n, mask=mask_n[:, None] & valid_s[None, :], other=0.0)
         acc += tl.dot(c_tile, bT_tile, input_precision=PREC)
+    if HAS_SEQ:
+        seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-1)
+        seq_s = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_s, mask=valid_s, other=-2)
+        acc = tl.where(seq_m[:, None] == seq_s[None, :], acc, 0.0)
     CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
     tl.store(
         CB_base + offs_m[:, None] * Q + offs_s[None, :],

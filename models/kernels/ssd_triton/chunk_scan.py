@@ -5,7 +5,9 @@
         + D x_l
 One program per (batch, chunk, head, block of positions l, block of P); the intra-chunk loop stops at
 the diagonal. CB comes from chunk_cb (shared by the heads of a group), S_in from state_passing.
-The decay exponent is masked before exp, so no inf is ever multiplied.
+CB comes in already zeroed across documents (cb_fwd with seq_idx), so the intra-chunk loop masks only s <= l;
+the decay exponent is clamped at 0 before exp, so no inf is ever multiplied (tiles above the diagonal hold
+whatever memory held and are dropped by tl.where).
 """
 
 import triton
@@ -94,13 +96,11 @@ def chunk_scan_fwd_kernel(
         valid_k = (offs_k < Q) & (t0 + offs_k < L)
         a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
         dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
-        keep = (offs_k[None, :] <= offs_m[:, None]) & valid_m[:, None] & valid_k[None, :]
-        if HAS_SEQ:
-            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-2)
-            keep = keep & (seq_k[None, :] == seq_m[:, None])
-        cb = tl.load(CB_base + offs_k[None, :], mask=keep, other=0.0)
-        decay = tl.exp(tl.where(keep, a_m[:, None] - a_k[None, :], float("-inf")))
-        w = tl.where(keep, cb * decay * dt_k[None, :], 0.0)
+        # CB is already 0 across documents and past the end (cb_fwd), so only the causal mask is needed, and it is
+        # applied after the load: a rectangular load mask keeps the load vectorised (a triangular one would not).
+        cb = tl.load(CB_base + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
+        decay = tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0))
+        w = tl.where(offs_k[None, :] <= offs_m[:, None], cb * decay * dt_k[None, :], 0.0)
         x_tile = tl.load(
             x_base + (t0 + offs_k).to(tl.int64)[:, None] * s_x_l + offs_p[None, :] * s_x_p,
             mask=valid_k[:, None] & mask_p[None, :],

@@ -112,13 +112,10 @@ def chunk_scan_bwd_dx_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         valid_m = (offs_m < Q) & (t0 + offs_m < L)
         a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
-        keep = (offs_k[:, None] <= offs_m[None, :]) & valid_k[:, None] & valid_m[None, :]
-        if HAS_SEQ:
-            seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-2)
-            keep = keep & (seq_k[:, None] == seq_m[None, :])
-        cbT = tl.load(CB_base + offs_m[None, :] * Q, mask=keep, other=0.0)
-        decay = tl.exp(tl.where(keep, a_m[None, :] - a_k[:, None], float("-inf")))
-        wT = tl.where(keep, cbT * decay, 0.0)
+        # CB is 0 across documents and past the end (cb_fwd); causal mask after a rectangular (vectorised) load.
+        cbT = tl.load(CB_base + offs_m[None, :] * Q, mask=(offs_k < Q)[:, None] & (offs_m < Q)[None, :], other=0.0)
+        decay = tl.exp(tl.minimum(a_m[None, :] - a_k[:, None], 0.0))
+        wT = tl.where(offs_k[:, None] <= offs_m[None, :], cbT * decay, 0.0)
         dy_m = tl.load(
             dy_base + (t0 + offs_m).to(tl.int64)[:, None] * s_y_l + offs_p[None, :] * s_y_p,
             mask=valid_m[:, None] & mask_p[None, :],

@@ -56,6 +56,22 @@ class BlockConfig:
     # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
     # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
     bc_mode: str = "grouped"
+    # fused (fused_scan.py): one program per (batch, head, block of P) walks the chunks with the state in
+    # registers: forward outputs and the backward's S_in recompute (fused_p: block of P; fused_m: block of output
+    # positions; fused_k: inner block of s for the outputs; fused_ks: block of s for the chunk's own state), and
+    # the backward recurrence with dS_in (fusedb_*). False (default): the staged kernels (chunk_state,
+    # state_passing, chunk_scan, chunk_scan_bwd_dstates), mamba_ssm's structure, which measured faster (below).
+    fused: bool = False
+    fused_p: int = 64
+    fused_m: int = 64
+    fused_k: int = 32
+    fused_ks: int = 64
+    fused_warps: int = 4
+    fused_stages: int = 2
+    fusedb_p: int = 64
+    fusedb_k: int = 64
+    fusedb_warps: int = 4
+    fusedb_stages: int = 2
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -66,15 +82,17 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
     """Tiles for one (chunk, P, N) shape.
 
     Measured on an H100 at the 1.3B shape (chunk 256, P 64, N 128, bf16; benchmarks/bench_ssd.py --tune,
-    docs/performance.md): 64-row tiles with 32-wide inner loops, 4 warps and 3 pipeline stages beat 128-wide
-    tiles and 8 warps for every kernel; the chunk states prefer all of N (128) in one tile. The "grouped" dB / dC
-    backward with 8 heads per program: 3.905 ms for the whole forward + backward against 4.443 ms for the best
-    "per_head" one (4 heads per program). Smaller chunks shrink the tiles to fit.
+    docs/performance.md): 64-row tiles, 4 warps and 3 pipeline stages beat 128-wide tiles and 8 warps for every
+    kernel; the inner loops over positions are 64 wide in the backward (dx, dC / dCB, dB: 3.26 ms for the whole
+    forward + backward against 3.54 ms with 32) and 32 wide in the chunk scan (0.40 ms against 0.43); the chunk
+    states prefer all of N (128) in one tile. The "grouped" dB / dC backward with 8 heads per program beat the
+    best "per_head" one (3.905 against 4.443 ms). Smaller chunks shrink the tiles to fit.
     """
     q = min(64, _pow2_at_least_16(chunk_size))
     q_inner = min(32, q)
     p = min(64, _pow2_at_least_16(headdim))
     n = min(64, _pow2_at_least_16(dstate))
+    n_full = _pow2_at_least_16(dstate)
     return BlockConfig(
         cb_m=q,
         cb_s=q,
@@ -94,18 +112,33 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
         scan_warps=4,
         scan_stages=3,
         dx_k=q,
-        dx_m=q_inner,
+        dx_m=q,
         dx_n=n,
         dx_warps=4,
         dx_stages=3,
         dc_m=q,
-        dc_k=q_inner,
+        dc_k=q,
         dc_warps=4,
         dc_stages=3,
         db_k=q,
-        db_m=q_inner,
+        db_m=q,
         db_warps=4,
         db_stages=3,
         heads_per_prog=8,
         bc_mode="grouped",
+        # Not the default: at the 1.3B shape (H100, 2026-11-23) the fused kernels took 1.40 ms (fused_p 64, 8 warps;
+        # 2.85 ms with fused_p 32) for the forward and the S_in recompute against 1.04 ms for the staged chunk
+        # states + state passing + chunk scan, and 0.28 ms for the backward recurrence against 0.25 ms: 256
+        # programs walking 16 chunks in series leave the H100's 132 SMs waiting on latency.
+        fused=False,
+        fused_p=min(p, max(16, 8192 // n_full)),
+        fused_m=q,
+        fused_k=q_inner,
+        fused_ks=q,
+        fused_warps=8,
+        fused_stages=2,
+        fusedb_p=min(p, max(16, 8192 // n_full)),
+        fusedb_k=q,
+        fusedb_warps=8,
+        fusedb_stages=2,
     )

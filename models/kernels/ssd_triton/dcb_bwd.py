@@ -123,7 +123,8 @@ def chunk_scan_bwd_dcb_kernel(
         if HAS_SEQ:
             seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t_k, mask=valid_k, other=-2)
             keep = keep & (seq_k[None, :] == seq_m[:, None])
-        cb = tl.load(CB_base + offs_k[None, :], mask=keep, other=0.0)
+        cb = tl.load(CB_base + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
+        cb = tl.where(keep, cb, 0.0)  # masked after a rectangular load, which stays vectorised
         dcb_acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for i in range(HEADS_PER_PROG):
             h = h0 + i

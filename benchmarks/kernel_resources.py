@@ -1,0 +1,180 @@
+"""Compile our Triton SSD kernels for Hopper (sm_90) on any machine, GPU or not, and print what ptxas made of them.
+
+    python3 benchmarks/kernel_resources.py                 # the default tiles at the 1.3B shape (bf16)
+    python3 benchmarks/kernel_resources.py --set dx_m=32   # other tiles (BlockConfig fields)
+
+Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
+the widths of the plain global loads. Register pressure and spills are the first thing to read before spending
+GPU time on a tile change: the chunk scan went from 179 to 139 registers, and from 0.667 to 0.403 ms, when its
+triangular load mask on CB became a rectangular load plus tl.where (docs/performance.md). Triton ships ptxas, so
+nothing but triton is needed. The compile is specialised as the JIT would specialise a run at the benchmark
+shapes: innermost strides are the constant 1, every other integer and pointer divisible by 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from models.kernels.ssd_triton import chunk_scan, chunk_scan_bwd, chunk_state, dcb_bwd, fused_scan
+from models.kernels.ssd_triton.config import block_config
+
+BF16 = "*bf16"
+
+
+def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int) -> dict:
+    names = kernel.arg_names
+    unit_strides = {n for n in names if re.fullmatch(r"s_\w+_[pn]", n) and n not in consts}
+    sig, constexprs = {}, {}
+    for i, n in enumerate(names):
+        if n in consts or n in unit_strides:
+            sig[n] = "constexpr"
+            constexprs[(i,)] = consts.get(n, 1)
+        else:
+            sig[n] = ptr_types.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n != "BATCH"}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    ptx = compiled.asm["ptx"]
+    loads: dict[str, int] = {}
+    for m in re.finditer(r"ld\.global(?:\.\w+)*", ptx):
+        loads[m.group(0)[len("ld.global.") :]] = loads.get(m.group(0)[len("ld.global.") :], 0) + 1
+    reg, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    return dict(
+        registers=int(reg.group(1)) if reg else None,
+        spill_stack_bytes=int(stack.group(1)) if stack else None,
+        wgmma=ptx.count("wgmma.mma_async"),
+        mma_sync=ptx.count("mma.sync"),
+        shared_bytes=compiled.metadata.shared,
+        global_loads=loads,
+    )
+
+
+def kernels(cfg, N: int, has_seq: bool):
+    """(name, kernel, pointer dtypes, constexprs, warps, stages) of each kernel at these tiles."""
+    bn = max(16, triton.next_power_of_2(N))
+    seq = dict(HAS_SEQ=has_seq, PREC="tf32")
+    ptrs = dict(x_ptr=BF16, B_ptr=BF16, C_ptr=BF16, y_ptr=BF16, dy_ptr=BF16, dx_ptr=BF16, S_in_ptr=BF16, seq_ptr="*i32")
+    yield (
+        "chunk_state_fwd",
+        chunk_state.chunk_state_fwd_kernel,
+        ptrs,
+        dict(**seq, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k),
+        cfg.state_warps,
+        cfg.state_stages,
+    )
+    yield (
+        "chunk_scan_fwd",
+        chunk_scan.chunk_scan_fwd_kernel,
+        ptrs,
+        dict(
+            **seq,
+            HAS_D=True,
+            D_HAS_HDIM=False,
+            BLOCK_M=cfg.scan_m,
+            BLOCK_K=cfg.scan_k,
+            BLOCK_P=cfg.scan_p,
+            BLOCK_N=cfg.scan_n,
+        ),
+        cfg.scan_warps,
+        cfg.scan_stages,
+    )
+    yield (
+        "chunk_scan_bwd_dx",
+        chunk_scan_bwd.chunk_scan_bwd_dx_kernel,
+        ptrs,
+        dict(
+            **seq,
+            HAS_D=True,
+            D_HAS_HDIM=False,
+            BLOCK_K=cfg.dx_k,
+            BLOCK_M=cfg.dx_m,
+            BLOCK_P=max(16, cfg.scan_p),
+            BLOCK_N=cfg.dx_n,
+        ),
+        cfg.dx_warps,
+        cfg.dx_stages,
+    )
+    yield (
+        "chunk_scan_bwd_dcb",
+        dcb_bwd.chunk_scan_bwd_dcb_kernel,
+        ptrs,
+        dict(
+            **seq,
+            HEADS_POW2=triton.next_power_of_2(cfg.heads_per_prog),
+            BLOCK_M=cfg.dc_m,
+            BLOCK_K=cfg.dc_k,
+            BLOCK_P=max(16, cfg.scan_p),
+            BLOCK_N=bn,
+        ),
+        cfg.dc_warps,
+        cfg.dc_stages,
+    )
+    yield (
+        "fused_scan_fwd (fused=True)",
+        fused_scan.fused_scan_fwd_kernel,
+        ptrs,
+        dict(
+            **seq,
+            HAS_INIT=False,
+            HAS_D=True,
+            D_HAS_HDIM=False,
+            WITH_Y=True,
+            STORE_S_IN=False,
+            BLOCK_P=cfg.fused_p,
+            BLOCK_N=bn,
+            BLOCK_M=cfg.fused_m,
+            BLOCK_K=cfg.fused_k,
+            BLOCK_KS=cfg.fused_ks,
+        ),
+        cfg.fused_warps,
+        cfg.fused_stages,
+    )
+
+
+def _parse_value(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--headdim", type=int, default=64)
+    ap.add_argument("--dstate", type=int, default=128)
+    ap.add_argument("--no_seq", action="store_true", help="compile without seq_idx (documents)")
+    ap.add_argument("--set", nargs="*", default=[], help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8")
+    args = ap.parse_args()
+    cfg = block_config(args.chunk, args.headdim, args.dstate)
+    cfg = dataclasses.replace(cfg, **{k: _parse_value(v) for k, v in (s.split("=", 1) for s in args.set)})
+    for name, kernel, ptrs, consts, warps, stages in kernels(cfg, args.dstate, not args.no_seq):
+        info = compile_sm90(kernel, ptrs, consts, warps, stages)
+        print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Launchers of the forward kernels: C·Bᵀ, and the states entering each chunk with or without the outputs.
+
+Two paths compute the same function (config ``fused``):
+  - fused (default): cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks
+    with the state in registers (fused_scan.py);
+  - staged: cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with the
+    [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure).
+The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
+[B, NC, H, P, N] is kept between forward and backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
+from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
+from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
+from models.kernels.ssd_triton.config import BlockConfig
+from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
+from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
+
+
+def dummy(device) -> torch.Tensor:
+    """Stand-in pointer for an absent optional tensor (its kernel branch is compiled out)."""
+    return torch.empty(1, device=device, dtype=torch.float32)
+
+
+def dot_precision(x: torch.Tensor) -> str:
+    # float32 inputs: full-precision dots (tf32 keeps 10 mantissa bits; float32 runs are for checking, not speed);
+    # bf16 / fp16 operands are exact products on the tensor cores anyway.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig) -> torch.Tensor:
+    """CB [b, NC, G, Q, Q] float32: C_l · B_s within each chunk, 0 across documents (tiles above the diagonal
+    are left unwritten; every consumer masks s <= l)."""
+    b, L = x.shape[:2]
+    G, N = B.shape[2:]
+    CB = torch.empty(b, NC, G, Q, Q, device=x.device, dtype=torch.float32)
+    grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
+    cb_fwd_kernel[grid](
+        C,
+        B,
+        CB,
+        seq if seq is not None else dummy(x.device),
+        L,
+        Q,
+        NC,
+        G,
+        N,
+        *C.stride(),
+        *B.stride(),
+        HAS_SEQ=seq is not None,
+        BLOCK_M=cfg.cb_m,
+        BLOCK_S=cfg.cb_s,
+        BLOCK_N=cfg.cb_n,
+        PREC=dot_precision(x),
+        num_warps=cfg.cb_warps,
+        num_stages=cfg.cb_stages,
+    )
+    return CB
+
+
+def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y: bool, store_s_in: bool, y_dtype=None):
+    """y (with_y, in y_dtype or x's; else None), S_in [b, NC, H, P, N] in x's dtype (store_s_in; else None),
+    final [b, H, P, N] (float32)."""
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC, Q = dt_p.shape[2:]
+    dev = x.device
+    y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format) if with_y else None
+    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if store_s_in else None
+    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    y_arg = y if with_y else x  # never written without WITH_Y; its strides are just passed along
+    grid = (b * H, triton.cdiv(P, cfg.fused_p))
+    fused_scan_fwd_kernel[grid](
+        CB,
+        x,
+        dt_p,
+        dA_cs,
+        B,
+        C,
+        D if D is not None else dummy(dev),
+        seq if seq is not None else dummy(dev),
+        init if init is not None else dummy(dev),
+        y_arg,
+        S_in if store_s_in else dummy(dev),
+        final,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *x.stride(),
+        *B.stride(),
+        *C.stride(),
+        *y_arg.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_INIT=init is not None,
+        HAS_D=D is not None,
+        D_HAS_HDIM=D is not None and D.dim() == 2,
+        WITH_Y=with_y,
+        STORE_S_IN=store_s_in,
+        PREC=dot_precision(x),
+        BLOCK_P=cfg.fused_p,
+        BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_M=cfg.fused_m,
+        BLOCK_K=cfg.fused_k,
+        BLOCK_KS=cfg.fused_ks,
+        num_warps=cfg.fused_warps,
+        num_stages=cfg.fused_stages,
+    )
+    return y, S_in, final
+
+
+def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig):
+    """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each."""
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC, Q = dt_p.shape[2:]
+    dev = x.device
+    has_seq = seq is not None
+    seq_arg = seq if has_seq else dummy(dev)
+    states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
+    grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    chunk_state_fwd_kernel[grid](
+        x,
+        B,
+        dt_p,
+        dA_cs,
+        seq_arg,
+        states,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *x.stride(),
+        *B.stride(),
+        HAS_SEQ=has_seq,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=cfg.state_n,
+        BLOCK_K=cfg.state_k,
+        PREC=dot_precision(x),
+        num_warps=cfg.state_warps,
+        num_stages=cfg.state_stages,
+    )
+    S_in = torch.empty_like(states, dtype=x.dtype)
+    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    PN = P * N
+    state_passing_fwd_kernel[(b * H, triton.cdiv(PN, cfg.pass_block))](
+        states,
+        dA_cs,
+        seq_arg,
+        init if init is not None else dummy(dev),
+        S_in,
+        final,
+        L,
+        Q,
+        NC,
+        H,
+        PN,
+        HAS_SEQ=has_seq,
+        HAS_INIT=init is not None,
+        BLOCK=cfg.pass_block,
+        num_warps=4,
+    )
+    return S_in, final
+
+
+def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None) -> torch.Tensor:
+    b, L, H, P = x.shape
+    G, N = C.shape[2:]
+    NC, Q = dt_p.shape[2:]
+    y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
+    grid = (b * NC * H, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
+    chunk_scan_fwd_kernel[grid](
+        CB,
+        x,
+        dt_p,
+        dA_cs,
+        C,
+        S_in,
+        D if D is not None else dummy(x.device),
+        seq if seq is not None else dummy(x.device),
+        y,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *x.stride(),
+        *C.stride(),
+        *y.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_D=D is not None,
+        D_HAS_HDIM=D is not None and D.dim() == 2,
+        BLOCK_M=cfg.scan_m,
+        BLOCK_K=cfg.scan_k,
+        BLOCK_P=cfg.scan_p,
+        BLOCK_N=cfg.scan_n,
+        PREC=dot_precision(x),
+        num_warps=cfg.scan_warps,
+        num_stages=cfg.scan_stages,
+    )
+    return y
+
+
+def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None):
+    """y [b, L, H, P] (y_dtype, default x's) and final states [b, H, P, N] (float32)."""
+    NC, Q = dt_p.shape[2:]
+    CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
+    if cfg.fused:
+        y, _, final = _fused_scan(
+            x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, with_y=True, store_s_in=False, y_dtype=y_dtype
+        )
+        return y, final
+    S_in, final = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
+    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final
+
+
+def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
+    """The backward's recompute: CB [b, NC, G, Q, Q] (float32) and S_in [b, NC, H, P, N] (x's dtype)."""
+    NC, Q = dt_p.shape[2:]
+    CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
+    if cfg.fused:
+        _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
+    else:
+        S_in, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
+    return CB, S_in
