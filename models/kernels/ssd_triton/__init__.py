@@ -5,9 +5,11 @@ mamba_chunk_scan_combined). Triton is imported only when a kernel is first used,
 triton imports this package fine; ``triton_available()`` says whether the kernels can run.
 
 Files: chunk_cb (C·Bᵀ per group), chunk_state (chunk states; dS_in), state_passing (the recurrence
-between chunks, both directions), chunk_scan (outputs), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed
-over heads, dC's state term, decay terms; the default backward for B and C), bc_bwd (dB's state term; the
-per-head alternative for dB and dC), config (tile shapes per kernel), autograd (the Function and the entry point).
+between chunks, both directions), chunk_scan (outputs), fused_scan (the recurrence fused with its per-chunk work,
+config fused=True; measured slower), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over heads, dC's state
+term, decay terms; the default backward for B and C), bc_bwd (dB's state term; the per-head alternative for dB
+and dC), config (tile shapes per kernel), forward (the forward launchers), autograd (the backward, the Function
+and the entry point).
 """
 
 from __future__ import annotations
