@@ -59,6 +59,9 @@ def run_case_in_child(**case):
     if case.pop("split_path", False):
         print(json.dumps(check_split_path(**case)))
         return
+    if case.pop("fp16_gate", False):
+        print(json.dumps(check_fp16_gate_dD(**case)))
+        return
     inp = make_inputs(**case)
     errors = check_against_reference(ssd_chunk_scan_triton, inp, **call)
     print(json.dumps(errors))
@@ -173,6 +176,32 @@ def check_split_path(b, L, H, P, G, N, seed, chunk_size):
     return errors
 
 
+def check_fp16_gate_dD(b, L, H, P, G, N, seed, chunk_size):
+    """float16 inputs with z and D of [H, P]: dD must be the float32 sum of the gated dy times x, not of dy rounded
+    to float16 first (the kernels' operand dtype). Against the float64 reference given the same (float16-rounded)
+    output cotangent, so the only error left is float32 arithmetic (< 1e-5); rounding dy first gave 2.1e-4 here."""
+    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
+
+    inp = make_inputs(b, L, H, P, G, N, seed, D_shape="HP", with_z=True, with_init=False)
+    gy = torch.randn(b, L, H, P, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    gy16 = gy.to(torch.float16)
+    grads = {}
+    for name, fn, dtype in (("ours", ssd_chunk_scan_triton, torch.float16), ("ref", ssd_chunk_scan_ref, torch.float64)):
+        leaves = {}
+        for k, v in inp.items():
+            if v is not None and v.is_floating_point():
+                # D stays float32 (a float32 parameter in the model; a float16 leaf would round its own gradient).
+                v = v.detach().to(torch.float16).to(torch.float32 if k == "D" and name == "ours" else dtype)
+                v.requires_grad_()
+            leaves[k] = v
+        y = fn(**leaves, chunk_size=chunk_size, dt_softplus=True)
+        y.backward(gy16.to(y.dtype))
+        grads[name] = leaves["D"].grad.double()
+    err = ((grads["ours"] - grads["ref"]).norm() / grads["ref"].norm()).item()
+    assert err < 1e-5, f"dD relative error {err:.2e} (float32 sums of the float32 gated dy give ~1e-7)"
+    return {"dD": err}
+
+
 # Row 0: a boundary exactly at a chunk start (16), a one-token document (at 30), a short one; row 1: one cut.
 CUTS = [[5, 16, 30, 31], [21]]
 
@@ -236,6 +265,11 @@ def test_fused_scan_several_blocks_of_P_ragged_N():
 def test_fused_path_contract_under_triton_backend():
     """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, composed with our SSD."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True)
+
+
+def test_fp16_z_gate_dD_from_float32_dy():
+    """With z, dD comes from the float32 gated dy (the bf16 GPU case noseq_Dhdim_z's suspect; docs/performance.md)."""
+    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=3, chunk_size=16, fp16_gate=True)
 
 
 def test_bad_input_raises_before_compute():

@@ -370,9 +370,15 @@ class _SSDChunked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt_p, dA_cs, B, C, D, init, seq = ctx.saved_tensors
+        dy_given = dy
         dy = dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         dx, ddt, ddA, dB, dC, dD, dinit = _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg)
+        if D is not None and dy_given.dtype != x.dtype:
+            # A float32 dy (y kept in float32 for the z gate): dD = sum dy · x from it, not from its rounding to x's
+            # dtype that the kernels' operands need; D of [H, P] sums few terms per entry, so that rounding would show.
+            dD = torch.einsum("blhp,blhp->hp", dy_given.float(), x.float())
+            dD = dD if D.dim() == 2 else dD.sum(dim=-1)
         return (
             dx,
             ddt,
