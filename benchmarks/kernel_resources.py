@@ -70,9 +70,9 @@ def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stag
     )
 
 
-def kernels(cfg, N: int, has_seq: bool):
+def kernels(cfg, P: int, N: int, has_seq: bool):
     """(name, kernel, pointer dtypes, constexprs, warps, stages) of each kernel at these tiles."""
-    bn = max(16, triton.next_power_of_2(N))
+    bp, bn = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))  # as autograd.py pads them
     seq = dict(HAS_SEQ=has_seq, PREC="tf32")
     ptrs = dict(x_ptr=BF16, B_ptr=BF16, C_ptr=BF16, y_ptr=BF16, dy_ptr=BF16, dx_ptr=BF16, S_in_ptr=BF16, seq_ptr="*i32")
     yield (
@@ -109,7 +109,7 @@ def kernels(cfg, N: int, has_seq: bool):
             D_HAS_HDIM=False,
             BLOCK_K=cfg.dx_k,
             BLOCK_M=cfg.dx_m,
-            BLOCK_P=max(16, cfg.scan_p),
+            BLOCK_P=bp,
             BLOCK_N=cfg.dx_n,
         ),
         cfg.dx_warps,
@@ -124,7 +124,7 @@ def kernels(cfg, N: int, has_seq: bool):
             HEADS_POW2=triton.next_power_of_2(cfg.heads_per_prog),
             BLOCK_M=cfg.dc_m,
             BLOCK_K=cfg.dc_k,
-            BLOCK_P=max(16, cfg.scan_p),
+            BLOCK_P=bp,
             BLOCK_N=bn,
         ),
         cfg.dc_warps,
@@ -171,7 +171,7 @@ def main():
     args = ap.parse_args()
     cfg = block_config(args.chunk, args.headdim, args.dstate)
     cfg = dataclasses.replace(cfg, **{k: _parse_value(v) for k, v in (s.split("=", 1) for s in args.set)})
-    for name, kernel, ptrs, consts, warps, stages in kernels(cfg, args.dstate, not args.no_seq):
+    for name, kernel, ptrs, consts, warps, stages in kernels(cfg, args.headdim, args.dstate, not args.no_seq):
         info = compile_sm90(kernel, ptrs, consts, warps, stages)
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
 

@@ -166,7 +166,9 @@ def _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     return dH, dinit, dtot
 
 
-def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig):
+def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None):
+    """dy_exact: dy before its rounding to x's dtype (the kernels' operands), when it was more precise; dD is then
+    summed from it (D of [H, P] sums few terms per entry, so that rounding would show)."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC = dt_p.shape[2]
@@ -225,7 +227,10 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     )
     dD = None
     if D is not None:
-        dD = dD_part.view(b, NC, H, n_k, P).sum(dim=(0, 1, 3))
+        if dy_exact is not None:
+            dD = torch.einsum("blhp,blhp->hp", dy_exact.float(), x.float())
+        else:
+            dD = dD_part.view(b, NC, H, n_k, P).sum(dim=(0, 1, 3))
         dD = dD if D.dim() == 2 else dD.sum(dim=-1)
 
     # dC (and the per-head a_l gradient), then dB; summed over head blocks.
@@ -370,15 +375,13 @@ class _SSDChunked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dfinal):
         x, dt_p, dA_cs, B, C, D, init, seq = ctx.saved_tensors
-        dy_given = dy
+        # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
+        dy_exact = dy if dy.dtype != x.dtype else None
         dy = dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
-        dx, ddt, ddA, dB, dC, dD, dinit = _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg)
-        if D is not None and dy_given.dtype != x.dtype:
-            # A float32 dy (y kept in float32 for the z gate): dD = sum dy · x from it, not from its rounding to x's
-            # dtype that the kernels' operands need; D of [H, P] sums few terms per entry, so that rounding would show.
-            dD = torch.einsum("blhp,blhp->hp", dy_given.float(), x.float())
-            dD = dD if D.dim() == 2 else dD.sum(dim=-1)
+        dx, ddt, ddA, dB, dC, dD, dinit = _ssd_bwd(
+            dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg, dy_exact
+        )
         return (
             dx,
             ddt,

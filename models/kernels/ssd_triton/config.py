@@ -52,26 +52,26 @@ class BlockConfig:
     db_m: int
     db_warps: int
     db_stages: int
-    heads_per_prog: int  # dC / dB: heads one program sums before writing its partial
-    # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
-    # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
-    bc_mode: str = "grouped"
     # fused (fused_scan.py): one program per (batch, head, block of P) walks the chunks with the state in
     # registers: forward outputs and the backward's S_in recompute (fused_p: block of P; fused_m: block of output
     # positions; fused_k: inner block of s for the outputs; fused_ks: block of s for the chunk's own state), and
     # the backward recurrence with dS_in (fusedb_*). False (default): the staged kernels (chunk_state,
-    # state_passing, chunk_scan, chunk_scan_bwd_dstates), mamba_ssm's structure, which measured faster (below).
-    fused: bool = False
-    fused_p: int = 64
-    fused_m: int = 64
-    fused_k: int = 32
-    fused_ks: int = 64
-    fused_warps: int = 4
-    fused_stages: int = 2
-    fusedb_p: int = 64
-    fusedb_k: int = 64
-    fusedb_warps: int = 4
-    fusedb_stages: int = 2
+    # state_passing, chunk_scan, chunk_scan_bwd_dstates), mamba_ssm's structure, which measured faster (block_config).
+    fused: bool
+    fused_p: int
+    fused_m: int
+    fused_k: int
+    fused_ks: int
+    fused_warps: int
+    fused_stages: int
+    fusedb_p: int
+    fusedb_k: int
+    fusedb_warps: int
+    fusedb_stages: int
+    heads_per_prog: int  # dC / dB: heads one program sums before writing its partial
+    # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
+    # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
+    bc_mode: str = "grouped"
 
 
 def _pow2_at_least_16(n: int) -> int:
