@@ -170,7 +170,16 @@ def main():
     ap.add_argument("--set", nargs="*", default=[], help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8")
     args = ap.parse_args()
     cfg = block_config(args.chunk, args.headdim, args.dstate)
-    cfg = dataclasses.replace(cfg, **{k: _parse_value(v) for k, v in (s.split("=", 1) for s in args.set)})
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in cfg.__dataclass_fields__:
+            ap.error(
+                f"--set {item!r}: expected FIELD=VALUE with FIELD one of BlockConfig's: "
+                + ", ".join(cfg.__dataclass_fields__)
+            )
+        overrides[key] = _parse_value(value)
+    cfg = dataclasses.replace(cfg, **overrides)
     for name, kernel, ptrs, consts, warps, stages in kernels(cfg, args.headdim, args.dstate, not args.no_seq):
         info = compile_sm90(kernel, ptrs, consts, warps, stages)
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
