@@ -44,6 +44,7 @@ SHAPES = {
     "1.3b": dict(b=4, L=4096, H=64, P=64, N=128, G=1, Q=256),
     "370m": dict(b=8, L=2048, H=32, P=64, N=128, G=1, Q=256),
     "small": dict(b=2, L=1000, H=8, P=64, N=128, G=1, Q=256),  # numerics (float64 reference) and smoke
+    "small_even": dict(b=2, L=1024, H=8, P=64, N=128, G=1, Q=256),  # numerics of the whole-tile (EVEN) kernels
 }
 
 
@@ -74,6 +75,14 @@ TUNE_VARIANTS = {
     "k64": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64),
     "k64_s4": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64, **{k: 4 for k in _STAGES}),
     "m128_w8": dict(scan_m=128, dx_k=128, db_k=128, scan_warps=8, dx_warps=8, db_warps=8),
+    # After the mask-free inner loops (session 7): fewer registers leave room for wider tiles / more warps.
+    "scan_k64": dict(scan_k=64),
+    "scan_k64_w8": dict(scan_k=64, scan_warps=8),
+    "dx_w8": dict(dx_warps=8),
+    "dc_w8": dict(dc_warps=8),
+    "hpp4": dict(heads_per_prog=4),
+    "hpp16": dict(heads_per_prog=16),
+    "s2": {k: 2 for k in _STAGES},
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {
@@ -366,9 +375,9 @@ def main():
     record["triton"] = triton.__version__
     lines = []
     if not args.skip_numerics:
-        for with_seq, with_init in ((True, True), (False, False)):
-            key = f"numerics small seq={with_seq} init={with_init}"
-            record[key] = r = numerics(fns, SHAPES["small"], with_seq, with_init)
+        for shape, with_seq, with_init in (("small", True, True), ("small", False, False), ("small_even", True, True)):
+            key = f"numerics {shape} seq={with_seq} init={with_init}"
+            record[key] = r = numerics(fns, SHAPES[shape], with_seq, with_init)
             lines.append(f"{key}:")
             for k in r["ours"]:
                 lines.append(
@@ -393,7 +402,7 @@ def main():
             )
             print(lines[-1], flush=True)
             for kname in ("mamba_ssm", "ours"):
-                top = list(r[kname]["stages"].items())[:14]
+                top = list(r[kname]["stages"].items())[:20]
                 print(f"  stages {kname}: " + ", ".join(f"{k} {v:.3f}" for k, v in top), flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

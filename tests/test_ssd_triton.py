@@ -228,6 +228,11 @@ def test_one_group_D_per_channel_z_odd_chunk():
     )
 
 
+def test_whole_tiles_documents_initial_states():
+    """L a multiple of the chunk and P filling its block: the kernels' EVEN (mask-free) loads, with documents."""
+    interpret(b=2, L=64, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=32))
+
+
 def test_per_head_backward_mode_staged_forward():
     """The non-default paths: bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is
     'grouped'), 2 heads/program, and the staged forward / state recurrence (the default is fused_scan)."""

@@ -36,7 +36,7 @@ from models.kernels.ssd_reference import _check_inputs, process_dt
 from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
-from models.kernels.ssd_triton.config import BlockConfig, block_config
+from models.kernels.ssd_triton.config import BlockConfig, block_config, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.forward import cb_and_entering_states, dot_precision, dummy, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
@@ -175,7 +175,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     dev = x.device
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
-    CB, S_in = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
+    CB, CBT, S_in = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block).
     if cfg.fused:
         dH, dinit, dtot = _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg)
@@ -190,7 +190,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     n_k = triton.cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     chunk_scan_bwd_dx_kernel[(b * NC * H, n_k)](
-        CB,
+        CBT,
         x,
         dt_p,
         dA_cs,
@@ -217,6 +217,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         HAS_SEQ=has_seq,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
+        EVEN=whole_tiles(L, Q, P, BP, cfg.dx_k, cfg.dx_m),
         BLOCK_K=cfg.dx_k,
         BLOCK_M=cfg.dx_m,
         BLOCK_P=BP,
@@ -240,8 +241,12 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = triton.cdiv(Q, cfg.dc_m)
-    R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     grouped = cfg.bc_mode == "grouped"
+    if grouped:
+        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py).
+        R_part = torch.empty(n_m, *dt_p.shape, device=dev, dtype=torch.float32)
+    else:
+        R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
         dCB_part = torch.zeros(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # upper blocks stay 0
         chunk_scan_bwd_dcb_kernel[(b * NC * G * n_hb, n_m)](
@@ -270,10 +275,9 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             *C.stride(),
             *dy.stride(),
             HAS_SEQ=has_seq,
+            EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
             PREC=dot_precision(x),
-            HEADS_POW2=triton.next_power_of_2(hpp),
             BLOCK_M=cfg.dc_m,
-            BLOCK_K=cfg.dc_k,
             BLOCK_P=BP,
             BLOCK_N=BN,
             num_warps=cfg.dc_warps,
@@ -356,8 +360,11 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         dB = dB + _unchunk(dCB.transpose(-1, -2) @ _chunked(C, NC, Q), L)
 
     # Cumulative-decay gradient: later side (dC kernel), earlier side (-dt ddt), chunk ends (state passing).
-    g = torch.flip(torch.cumsum(torch.flip(O, [-1]), -1), [-1])
-    g += R_part.sum(0) if R_part.shape[0] > 1 else R_part[0]
+    R_sum = R_part.sum(0) if R_part.shape[0] > 1 else R_part[0]
+    if grouped:  # R as per-position row minus column sums: its reverse cumsum is the decay term (dcb_bwd.py)
+        g = torch.flip(torch.cumsum(torch.flip(O + R_sum, [-1]), -1), [-1])
+    else:  # R_t directly (bc_bwd.py)
+        g = torch.flip(torch.cumsum(torch.flip(O, [-1]), -1), [-1]) + R_sum
     g += torch.cumsum(q, -1) - q
     g += dtot.sum(0)[..., None]
     return dx, ddt, g, dB, dC, dD, dinit

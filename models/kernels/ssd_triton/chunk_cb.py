@@ -1,13 +1,17 @@
-"""C·Bᵀ per chunk and group: CB[b, c, g, l, s] = C_l · B_s for positions l, s of chunk c (float32),
+"""C·Bᵀ per chunk and group: CB[b, c, g, l, s] = C_l · B_s for positions s <= l of chunk c (float32),
 and 0 where l and s belong to different documents (HAS_SEQ), so consumers may rely on CB alone for that mask.
 
 Computed once per group and shared by every head of the group (with ngroups 1, by all heads), so the
-chunk-scan kernels never recompute it. Tiles wholly above the diagonal (s > l everywhere) are skipped
-and left unwritten: every consumer masks s <= l with ``tl.where`` before using a value.
+chunk-scan kernels never recompute it. CB is also 0 above the diagonal (s > l): tiles wholly above it are
+written as zeros without computing them. So a consumer forms its weights as CB * exp(min(a_l - a_s, 0)) with no
+per-element mask at all (the clamp keeps the factor finite where CB is 0): the masks cost the consumers' inner
+loops more instructions than the products themselves.
 """
 
 import triton
 import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the inner loops take exp(u) as exp2(u * LOG2E)
 
 
 @triton.jit
@@ -15,6 +19,7 @@ def cb_fwd_kernel(
     C_ptr,
     B_ptr,
     CB_ptr,
+    CBT_ptr,
     seq_ptr,
     L,
     Q,
@@ -30,6 +35,7 @@ def cb_fwd_kernel(
     s_b_g,
     s_b_n,
     HAS_SEQ: tl.constexpr,
+    WRITE_T: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -38,8 +44,6 @@ def cb_fwd_kernel(
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    if pid_s * BLOCK_S > pid_m * BLOCK_M + BLOCK_M - 1:
-        return  # the whole tile is above the diagonal
     g = pid_bcg % G
     c = (pid_bcg // G) % NC
     b = pid_bcg // (G * NC)
@@ -51,19 +55,23 @@ def cb_fwd_kernel(
     C_base = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + (t0 + offs_m).to(tl.int64)[:, None] * s_c_l
     B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + (t0 + offs_s).to(tl.int64)[None, :] * s_b_l
     acc = tl.zeros((BLOCK_M, BLOCK_S), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
+    # Tiles wholly above the diagonal skip the product (and store the zeros).
+    n_end = tl.where(pid_s * BLOCK_S > pid_m * BLOCK_M + BLOCK_M - 1, 0, N)
+    for n0 in range(0, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         c_tile = tl.load(C_base + offs_n[None, :] * s_c_n, mask=valid_m[:, None] & mask_n[None, :], other=0.0)
         bT_tile = tl.load(B_base + offs_n[:, None] * s_b_n, mask=mask_n[:, None] & valid_s[None, :], other=0.0)
         acc += tl.dot(c_tile, bT_tile, input_precision=PREC)
+    keep = offs_s[None, :] <= offs_m[:, None]
     if HAS_SEQ:
         seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-1)
         seq_s = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_s, mask=valid_s, other=-2)
-        acc = tl.where(seq_m[:, None] == seq_s[None, :], acc, 0.0)
-    CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
-    tl.store(
-        CB_base + offs_m[:, None] * Q + offs_s[None, :],
-        acc,
-        mask=(offs_m < Q)[:, None] & (offs_s < Q)[None, :],
-    )
+        keep = keep & (seq_m[:, None] == seq_s[None, :])
+    acc = tl.where(keep, acc, 0.0)
+    chunk_offset = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
+    in_chunk = (offs_m < Q)[:, None] & (offs_s < Q)[None, :]
+    tl.store(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_s[None, :], acc, mask=in_chunk)
+    if WRITE_T:
+        # CBᵀ for the dx kernel, whose operand is CBᵀ: read from CB, its rows would be strided (scalar loads).
+        tl.store(CBT_ptr + chunk_offset + offs_s[None, :] * Q + offs_m[:, None], acc, mask=in_chunk)

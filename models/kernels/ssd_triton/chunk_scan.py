@@ -5,13 +5,14 @@
         + D x_l
 One program per (batch, chunk, head, block of positions l, block of P); the intra-chunk loop stops at
 the diagonal. CB comes from chunk_cb (shared by the heads of a group), S_in from state_passing.
-CB comes in already zeroed across documents (cb_fwd with seq_idx), so the intra-chunk loop masks only s <= l;
-the decay exponent is clamped at 0 before exp, so no inf is ever multiplied (tiles above the diagonal hold
-whatever memory held and are dropped by tl.where).
+CB comes in already zeroed above the diagonal and across documents (cb_fwd), so the intra-chunk loop masks
+nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a zero of CB.
 """
 
 import triton
 import triton.language as tl
+
+from models.kernels.ssd_triton.chunk_cb import LOG2E
 
 
 @triton.jit
@@ -47,6 +48,7 @@ def chunk_scan_fwd_kernel(
     HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
+    EVEN: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -87,30 +89,33 @@ def chunk_scan_fwd_kernel(
         acc += tl.dot(c_tile, sT_tile.to(c_tile.dtype), input_precision=PREC)
     acc = acc * tl.where(keep_m, tl.exp(a_m), 0.0)[:, None]
 
-    # Intra-chunk term, s <= l.
-    x_base = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
-    CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
+    # Intra-chunk term, s <= l. CB is 0 above the diagonal, across documents and past the end (cb_fwd), so the
+    # weights need no mask, only the clamp that keeps the decay finite where CB is 0; offsets within the chunk are
+    # int32, and with EVEN (whole tiles) the loads carry no masks (kernel docstring of chunk_scan_bwd).
+    a2_m = a_m * LOG2E
+    x_chunk = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t0.to(tl.int64) * s_x_l
+    CB_rows = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
     hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
     for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid_k = (offs_k < Q) & (t0 + offs_k < L)
-        a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-        dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
-        # CB is already 0 across documents and past the end (cb_fwd), so only the causal mask is needed, and it is
-        # applied after the load: a rectangular load mask keeps the load vectorised (a triangular one would not).
-        cb = tl.load(CB_base + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
-        decay = tl.exp(tl.minimum(a_m[:, None] - a_k[None, :], 0.0))
-        w = tl.where(offs_k[None, :] <= offs_m[:, None], cb * decay * dt_k[None, :], 0.0)
-        x_tile = tl.load(
-            x_base + (t0 + offs_k).to(tl.int64)[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-            mask=valid_k[:, None] & mask_p[None, :],
-            other=0.0,
-        )
+        x_ptrs = x_chunk + offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
+        if EVEN:
+            a_k = tl.load(dA_base + offs_k)
+            dt_k = tl.load(dt_base + offs_k)
+            cb = tl.load(CB_rows + offs_k[None, :])
+            x_tile = tl.load(x_ptrs)
+        else:
+            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+            dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
+            cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
+            valid_k = (offs_k < Q) & (t0 + offs_k < L)
+            x_tile = tl.load(x_ptrs, mask=valid_k[:, None] & mask_p[None, :], other=0.0)
+        w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
         acc += tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
 
     if HAS_D:
         x_m = tl.load(
-            x_base + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+            x_chunk + offs_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
             mask=valid_m[:, None] & mask_p[None, :],
             other=0.0,
         )

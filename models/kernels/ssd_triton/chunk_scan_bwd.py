@@ -14,10 +14,12 @@ One program per (batch, chunk, head, block of s), holding all of P so ddt_s is c
 import triton
 import triton.language as tl
 
+from models.kernels.ssd_triton.chunk_cb import LOG2E
+
 
 @triton.jit
 def chunk_scan_bwd_dx_kernel(
-    CB_ptr,
+    CBT_ptr,
     x_ptr,
     dt_ptr,
     dA_ptr,
@@ -56,6 +58,7 @@ def chunk_scan_bwd_dx_kernel(
     HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
+    EVEN: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,11 +77,12 @@ def chunk_scan_bwd_dx_kernel(
     mask_p = offs_p < P
     valid_k = (offs_k < Q) & (t0 + offs_k < L)
     t_k = (t0 + offs_k).to(tl.int64)
-    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
-    dt_base = dt_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
+    dA_base = dA_ptr + head_q
     a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-    dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
+    dt_k = tl.load(dt_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
     a_last = tl.load(dA_base + Q - 1)
+    a2_k = a_k * LOG2E  # exp(u) = exp2(u log2 e): one MUFU.EX2 per element, without exp's range fix-ups
     keep_k = valid_k
     if HAS_SEQ:
         seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t_k, mask=valid_k, other=-1)
@@ -102,30 +106,34 @@ def chunk_scan_bwd_dx_kernel(
         mask=mask_kp,
         other=0.0,
     ).to(tl.float32)
-    head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
     tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
 
-    # Intra-chunk term, l >= s.
-    dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
-    CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_k[:, None]
+    # Intra-chunk term, l >= s. The loop's offsets are int32 within the chunk (bases hold the int64 parts), and with
+    # EVEN (whole tiles everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise
+    # outnumbers the product itself.
+    dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t0.to(tl.int64) * s_y_l
+    CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
     for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        valid_m = (offs_m < Q) & (t0 + offs_m < L)
-        a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
-        # CB is 0 across documents and past the end (cb_fwd); causal mask after a rectangular (vectorised) load.
-        cbT = tl.load(CB_base + offs_m[None, :] * Q, mask=(offs_k < Q)[:, None] & (offs_m < Q)[None, :], other=0.0)
-        decay = tl.exp(tl.minimum(a_m[None, :] - a_k[:, None], 0.0))
-        wT = tl.where(offs_k[:, None] <= offs_m[None, :], cbT * decay, 0.0)
-        dy_m = tl.load(
-            dy_base + (t0 + offs_m).to(tl.int64)[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-            mask=valid_m[:, None] & mask_p[None, :],
-            other=0.0,
-        )
+        cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
+        dy_ptrs = dy_chunk + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
+        # CB is 0 above the diagonal, across documents and past the end (cb_fwd): no mask here, and the clamp keeps
+        # the decay finite where CB is 0. CBᵀ's rows are contiguous, so its loads are vectorised.
+        if EVEN:
+            a_m = tl.load(dA_base + offs_m)
+            cbT = tl.load(cb_ptrs)
+            dy_m = tl.load(dy_ptrs)
+        else:
+            a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
+            cbT = tl.load(cb_ptrs, mask=(offs_k < Q)[:, None] & (offs_m < Q)[None, :], other=0.0)
+            dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
+        wT = cbT * tl.exp2(tl.minimum(a_m[None, :] * LOG2E - a2_k[:, None], 0.0))
         acc += tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
 
     ddt_k = tl.sum(acc * x_k, axis=1)
     tl.store(ddt_ptr + head_q + offs_k, ddt_k, mask=offs_k < Q)
     dx = acc * dt_k[:, None]
+    dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
     if HAS_D:
         dy_k = tl.load(dy_base + t_k[:, None] * s_y_l + offs_p[None, :] * s_y_p, mask=mask_kp, other=0.0)
         dy_k = dy_k.to(tl.float32)

@@ -74,6 +74,13 @@ class BlockConfig:
     bc_mode: str = "grouped"
 
 
+def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
+    """True when every tile lies wholly inside the data: whole chunks (L a multiple of Q), chunk-position blocks that
+    divide Q, and P filling its block. Kernels then load without masks (their EVEN constexpr): at 64 x 64 tiles the
+    per-element mask and address arithmetic otherwise outnumbers the products."""
+    return L % Q == 0 and P == block_p and all(Q % blk == 0 for blk in position_blocks)
+
+
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 

@@ -5,15 +5,24 @@ kernel: two N-wide products per head and tile pair. Here one program per (batch,
 heads, block of l) sums dCB^h over its heads tile by tile, so the intra-chunk parts become two per-group
 products on the host, dC += dCB B and dB += dCBᵀ C (C·Bᵀ's own backward, once per group):
     dCB_ls = sum_h [s <= l, seq_s == seq_l] exp(a^h_l - a^h_s) dt^h_s (dy^h_l · x^h_s)      (float32)
-The same pass gives, per head, the decay-gradient parts O (state term) and R (intra-chunk pairs spanning
-t), exactly as chunk_scan_bwd_dc_kernel does, and the state term of dC summed over its heads; the state
-term of dB comes from chunk_state_bwd_db_kernel with INTRA=False.
-Loop order: blocks of s outside, heads inside, so each dCB tile is summed in registers and written once;
-the running row sums R needs per head are kept as a [heads, BLOCK_M] array.
+The same pass gives, per head, the state term O of the decay gradient and the state term of dC summed over its
+heads (the state term of dB comes from chunk_state_bwd_db_kernel with INTRA=False), and the intra-chunk decay
+terms: with M_ls = dCB^h_ls CB_ls, the pairs whose decay spans t sum to
+    R_t = sum_{l >= t > s} M_ls = sum_{j >= t} (r_j - c_j),   r_j = sum_s M_js (row), c_j = sum_l M_lj (column),
+so each tile only adds its row and column sums of M, into R_part[slot, b, h, c, position]: a tile (rows of block
+m, columns of block k < m) writes +r at its rows in slot k and -c at its columns in slot m, the diagonal tile
+r - c at its positions in slot m, so every entry is written exactly once (no zero fill) and the host takes
+R = reverse cumsum over positions of the sum over slots (autograd.py). M is float32 and the diagonal M_jj enters
+r_j and c_j as the same float32 value, so the subtraction loses nothing at bf16's scale (the cumulative sums of a
+first version's bf16-rounded terms did; docs/performance.md).
+Tiles below the diagonal (k < m) need no causal mask, and with EVEN (whole tiles) no load masks: see
+chunk_scan_bwd.py on why the inner loops avoid per-element masks.
 """
 
 import triton
 import triton.language as tl
+
+from models.kernels.ssd_triton.chunk_cb import LOG2E
 
 
 @triton.jit
@@ -52,10 +61,9 @@ def chunk_scan_bwd_dcb_kernel(
     s_y_h,
     s_y_p,
     HAS_SEQ: tl.constexpr,
+    EVEN: tl.constexpr,
     PREC: tl.constexpr,
-    HEADS_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -108,49 +116,84 @@ def chunk_scan_bwd_dcb_kernel(
     out = dCstate_ptr + ((hb.to(tl.int64) * BATCH + b) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
     tl.store(out, dC_acc, mask=valid_m[:, None] & mask_n[None, :])
 
-    # Intra-chunk: dCB summed over the heads, tile by tile; R per head.
-    head_ids = tl.arange(0, HEADS_POW2)
-    carry = tl.zeros((HEADS_POW2, BLOCK_M), dtype=tl.float32)  # per head and row l: sum of M_ls over s done
-    CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
-    dCB_base = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
-    R_part = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # R partials: [num_m_blocks, B, H, NC, Q]
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
-    for k0 in range(0, hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid_k = (offs_k < Q) & (t0 + offs_k < L)
-        t_k = (t0 + offs_k).to(tl.int64)
-        keep = (offs_k[None, :] <= offs_m[:, None]) & valid_m[:, None] & valid_k[None, :]
+    # Intra-chunk: dCB summed over the heads, tile by tile (tiles below the diagonal, then the diagonal one).
+    m0 = pid_m * BLOCK_M
+    # fmt: off
+    for k0 in range(0, m0, BLOCK_M):
+        _dcb_tile(
+            dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
+            pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
+            HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+        )
+    _dcb_tile(
+        dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
+        pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
+        HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+    )
+    # fmt: on
+
+
+@triton.jit
+def _dcb_tile(
+    dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
+    pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
+    HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
+    row and column sums of M into R_part (module docstring)."""
+    offs_k = k0 + tl.arange(0, BLOCK)
+    offs_p = tl.arange(0, BLOCK_P)
+    in_k = offs_k < Q
+    in_tile = (offs_m < Q)[:, None] & in_k[None, :]
+    chunk_offset = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
+    if EVEN:
+        cb = tl.load(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_k[None, :])
+    else:
+        cb = tl.load(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_k[None, :], mask=in_tile, other=0.0)
+    MASKED: tl.constexpr = DIAG or HAS_SEQ
+    if MASKED:
+        keep = offs_k[None, :] <= offs_m[:, None]
         if HAS_SEQ:
-            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t_k, mask=valid_k, other=-2)
+            valid_k = in_k & (t0 + offs_k < L)
+            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-2)
+            seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-1)
             keep = keep & (seq_k[None, :] == seq_m[:, None])
-        cb = tl.load(CB_base + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
-        cb = tl.where(keep, cb, 0.0)  # masked after a rectangular load, which stays vectorised
-        dcb_acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for i in range(HEADS_PER_PROG):
-            h = h0 + i
-            head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
+    dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + t0.to(tl.int64) * s_y_l
+    x_chunk = x_ptr + b.to(tl.int64) * s_x_b + t0.to(tl.int64) * s_x_l
+    R_rows = R_ptr + (k0 // BLOCK).to(tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
+    R_cols = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # slot m: its column sums (and the diagonal's r - c)
+    dcb_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    for i in range(HEADS_PER_PROG):
+        h = h0 + i
+        head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
+        dy_ptrs = dy_chunk + h * s_y_h + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
+        x_ptrs = x_chunk + h * s_x_h + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
+        if EVEN:
+            a_m = tl.load(dA_ptr + head_q + offs_m)
+            a_k = tl.load(dA_ptr + head_q + offs_k)
+            dt_k = tl.load(dt_ptr + head_q + offs_k)
+            dy_m = tl.load(dy_ptrs)
+            xT = tl.load(x_ptrs)
+        else:
+            valid_k = in_k & (t0 + offs_k < L)
             a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
-            a_k = tl.load(dA_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
-            dt_k = tl.load(dt_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
-            dy_m = tl.load(
-                dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-                mask=valid_m[:, None] & mask_p[None, :],
-                other=0.0,
-            )
-            xT = tl.load(
-                x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[None, :] * s_x_l + offs_p[:, None] * s_x_p,
-                mask=mask_p[:, None] & valid_k[None, :],
-                other=0.0,
-            )
-            dyx = tl.dot(dy_m, xT, input_precision=PREC)
-            decay = tl.exp(tl.where(keep, a_m[:, None] - a_k[None, :], float("-inf")))
-            dcb = tl.where(keep, dyx * decay * dt_k[None, :], 0.0)
-            dcb_acc += dcb
-            M = dcb * cb
-            is_h = (head_ids == i)[:, None]
-            carry_h = tl.sum(tl.where(is_h, carry, 0.0), axis=0)
-            before_t = carry_h[:, None] + tl.cumsum(M, axis=1) - M  # [l, t]: sum_{s < t} M_ls
-            R_t = tl.sum(tl.where(offs_m[:, None] >= offs_k[None, :], before_t, 0.0), axis=0)
-            tl.store(R_part + head_q + offs_k, R_t, mask=offs_k < Q)
-            carry += tl.where(is_h, tl.sum(M, axis=1)[None, :], 0.0)
-        tl.store(dCB_base + offs_k[None, :], dcb_acc, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
+            a_k = tl.load(dA_ptr + head_q + offs_k, mask=in_k, other=0.0)
+            dt_k = tl.load(dt_ptr + head_q + offs_k, mask=in_k, other=0.0)
+            dy_m = tl.load(dy_ptrs, mask=valid_m[:, None] & (offs_p < P)[None, :], other=0.0)
+            xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
+        dyx = tl.dot(dy_m, xT, input_precision=PREC)
+        dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
+        if MASKED:
+            dcb = tl.where(keep, dcb, 0.0)
+        dcb_acc += dcb
+        M = dcb * cb
+        r = tl.sum(M, axis=1)  # at positions offs_m
+        col = tl.sum(M, axis=0)  # at positions offs_k
+        if DIAG:
+            tl.store(R_cols + head_q + offs_m, r - col, mask=offs_m < Q)
+        else:
+            tl.store(R_rows + head_q + offs_m, r, mask=offs_m < Q)
+            tl.store(R_cols + head_q + offs_k, -col, mask=in_k)
+    dCB_tile = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q
+    tl.store(dCB_tile + offs_m[:, None] * Q + offs_k[None, :], dcb_acc, mask=in_tile)

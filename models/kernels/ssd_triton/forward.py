@@ -1,10 +1,10 @@
 """Launchers of the forward kernels: C·Bᵀ, and the states entering each chunk with or without the outputs.
 
 Two paths compute the same function (config ``fused``):
-  - fused (default): cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks
-    with the state in registers (fused_scan.py);
-  - staged: cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with the
-    [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure).
+  - staged (default): cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with
+    the [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure);
+  - fused: cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks with the state
+    in registers (fused_scan.py; measured slower, config.py).
 The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
 [B, NC, H, P, N] is kept between forward and backward).
 """
@@ -17,7 +17,7 @@ import triton
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
-from models.kernels.ssd_triton.config import BlockConfig
+from models.kernels.ssd_triton.config import BlockConfig, whole_tiles
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
 
@@ -33,17 +33,19 @@ def dot_precision(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig) -> torch.Tensor:
-    """CB [b, NC, G, Q, Q] float32: C_l · B_s within each chunk, 0 across documents (tiles above the diagonal
-    are left unwritten; every consumer masks s <= l)."""
+def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool = False):
+    """CB [b, NC, G, Q, Q] float32: C_l · B_s within each chunk for s <= l, 0 above the diagonal and across
+    documents; with ``transposed``, (CB, CBᵀ) (the backward's dx kernel reads CBᵀ)."""
     b, L = x.shape[:2]
     G, N = B.shape[2:]
     CB = torch.empty(b, NC, G, Q, Q, device=x.device, dtype=torch.float32)
+    CBT = torch.empty_like(CB) if transposed else None
     grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
     cb_fwd_kernel[grid](
         C,
         B,
         CB,
+        CBT if transposed else dummy(x.device),
         seq if seq is not None else dummy(x.device),
         L,
         Q,
@@ -53,6 +55,7 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig) -> torch.Tensor:
         *C.stride(),
         *B.stride(),
         HAS_SEQ=seq is not None,
+        WRITE_T=transposed,
         BLOCK_M=cfg.cb_m,
         BLOCK_S=cfg.cb_s,
         BLOCK_N=cfg.cb_n,
@@ -60,7 +63,7 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig) -> torch.Tensor:
         num_warps=cfg.cb_warps,
         num_stages=cfg.cb_stages,
     )
-    return CB
+    return (CB, CBT) if transposed else CB
 
 
 def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y: bool, store_s_in: bool, y_dtype=None):
@@ -203,6 +206,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         HAS_SEQ=seq is not None,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
+        EVEN=whole_tiles(L, Q, P, cfg.scan_p, cfg.scan_m, cfg.scan_k),
         BLOCK_M=cfg.scan_m,
         BLOCK_K=cfg.scan_k,
         BLOCK_P=cfg.scan_p,
@@ -228,11 +232,11 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
-    """The backward's recompute: CB [b, NC, G, Q, Q] (float32) and S_in [b, NC, H, P, N] (x's dtype)."""
+    """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32) and S_in [b, NC, H, P, N] (x's dtype)."""
     NC, Q = dt_p.shape[2:]
-    CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
+    CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
     if cfg.fused:
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
     else:
         S_in, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
-    return CB, S_in
+    return CB, CBT, S_in
