@@ -211,7 +211,13 @@ def time_shape(name, shape, with_seq, fns, reps_ms):
         t_fb = do_bench(lambda: rotate(0), warmup=100, rep=reps_ms, return_mode="median")
         t_fb2 = do_bench(lambda: rotate(0), warmup=25, rep=reps_ms, return_mode="median")
         t_f = do_bench(lambda: rotate(1), warmup=25, rep=reps_ms, return_mode="median")
-        out[kname] = dict(fwd_bwd_ms=t_fb, fwd_bwd_ms_repeat=t_fb2, fwd_ms=t_f, stages=stage_times(steps[0][0]))
+        out[kname] = dict(
+            fwd_bwd_ms=t_fb,
+            fwd_bwd_ms_repeat=t_fb2,
+            fwd_ms=t_f,
+            stages=stage_times(steps[0][0]),
+            ops=op_times(steps[0][0]),
+        )
     out["ratio_fwd_bwd"] = out["ours"]["fwd_bwd_ms"] / out["mamba_ssm"]["fwd_bwd_ms"]
     out["ratio_fwd"] = out["ours"]["fwd_ms"] / out["mamba_ssm"]["fwd_ms"]
     return out
@@ -233,6 +239,25 @@ def stage_times(step, iters=5):
         if t > 0:
             times[e.key[:60]] += t / 1000.0 / iters
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def op_times(step, iters=5):
+    """Device time (ms per iteration) and launches per iteration of each PyTorch op that launches kernels itself
+    (aten::...: the glue around the Triton kernels), from a profile with CPU ops."""
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    ops = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = e.self_cuda_time_total
+        if t > 0 and e.key.startswith("aten::"):
+            ops[e.key] = (round(t / 1000.0 / iters, 4), e.count / iters)
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1][0]))
 
 
 def gpu_time(stages):
@@ -404,6 +429,8 @@ def main():
             for kname in ("mamba_ssm", "ours"):
                 top = list(r[kname]["stages"].items())[:20]
                 print(f"  stages {kname}: " + ", ".join(f"{k} {v:.3f}" for k, v in top), flush=True)
+                glue = list(r[kname]["ops"].items())[:16]
+                print(f"  aten ops {kname} (ms, launches): " + ", ".join(f"{k} {v[0]:.3f} x{v[1]:g}" for k, v in glue))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

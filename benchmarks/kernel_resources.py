@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.kernels.ssd_triton import chunk_scan, chunk_scan_bwd, chunk_state, dcb_bwd, fused_scan
+from models.kernels.ssd_triton import bc_bwd, chunk_scan, chunk_scan_bwd, chunk_state, dcb_bwd, fused_scan
 from models.kernels.ssd_triton.config import block_config
 
 BF16 = "*bf16"
@@ -74,7 +74,17 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     """(name, kernel, pointer dtypes, constexprs, warps, stages) of each kernel at these tiles."""
     bp, bn = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))  # as autograd.py pads them
     seq = dict(HAS_SEQ=has_seq, PREC="tf32")
-    ptrs = dict(x_ptr=BF16, B_ptr=BF16, C_ptr=BF16, y_ptr=BF16, dy_ptr=BF16, dx_ptr=BF16, S_in_ptr=BF16, seq_ptr="*i32")
+    ptrs = dict(
+        x_ptr=BF16,
+        B_ptr=BF16,
+        C_ptr=BF16,
+        y_ptr=BF16,
+        dy_ptr=BF16,
+        dx_ptr=BF16,
+        S_in_ptr=BF16,
+        dH_ptr=BF16,
+        seq_ptr="*i32",
+    )
     yield (
         "chunk_state_fwd",
         chunk_state.chunk_state_fwd_kernel,
@@ -130,6 +140,14 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         ),
         cfg.dc_warps,
         cfg.dc_stages,
+    )
+    yield (
+        "chunk_state_bwd_db",
+        bc_bwd.chunk_state_bwd_db_kernel,
+        ptrs,
+        dict(**seq, INTRA=False, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=bp, BLOCK_N=bn),
+        cfg.db_warps,
+        cfg.db_stages,
     )
     yield (
         "fused_scan_fwd (fused=True)",

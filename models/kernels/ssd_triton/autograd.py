@@ -1,26 +1,25 @@
 """The chunked SSD as one autograd Function over our Triton kernels, plus the public entry point.
 
 Split of the work:
-  - dt preprocessing (bias, softplus, clamp), dA = dt * A, and the z gate are a few small PyTorch ops
-    around the Function; autograd differentiates them (they touch [B, L, H] tensors, or y once for z,
-    which the model never passes);
-  - the Function ``_SSDChunked`` takes the processed dt and dA as float32 [B, H, NC, Q] tensors (the
-    last chunk padded with dt = 0, so padding neither decays nor adds), takes the within-chunk
-    cumulative sum a = cumsum(dA) itself, and runs the kernels (forward.py): forward CB -> the fused scan
-    (or the staged chunk states -> state passing -> chunk scan); backward recomputes CB and the states entering
-    each chunk (nothing [B, NC, H, P, N] is kept between forward and backward), then the fused reverse
-    recurrence with dS_in (or dS_in -> state passing backward) -> dx / ddt / dD -> dC's state term, the
-    decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config bc_mode "grouped")
-    -> dB's state term -> dC, dB += dCB B, dCBᵀ C as two float32 products per group. (bc_mode "per_head",
-    bc_bwd: each head's dCB is multiplied in-kernel.)
+  - the Function ``_SSDChunked`` takes dt as given ([B, L, H], any dtype) with A, dt_bias, softplus and the dt
+    limits: dt.py's kernel makes the float32 [B, H, NC, Q] dt_p and the within-chunk cumulative decay
+    a = cumsum(dt_p A) (the last chunk padded with dt = 0, so padding neither decays nor adds), and its backward
+    twin turns the kernels' gradients into those of dt, A and dt_bias in one pass. In between, the kernels
+    (forward.py): forward CB -> the staged chunk states -> state passing -> chunk scan (or the fused scan);
+    backward recomputes CB and the states entering each chunk (nothing [B, NC, H, P, N] is kept between forward
+    and backward), then dS_in -> state passing backward (or the fused reverse recurrence) -> dx / ddt / dD ->
+    dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config
+    bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C as two float32 products per group.
+    (bc_mode "per_head", bc_bwd: each head's dCB is multiplied in-kernel.) The z gate is a PyTorch op after it.
 
-The gradient with respect to dA_t is, within its chunk, the sum of four parts, each a sum of
-same-signed-structure terms (no large sums subtracted from each other, which would cost bf16 runs
-two digits, as the first version here did):
+The gradient with respect to dA_t (before the cumsum) is, within its chunk, the sum of four parts:
     sum_{l >= t} O_l            y's state term (O from the dCB / dC kernel)
-  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (same kernel)
+  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (same kernel; "grouped" gives it
+                                as row minus column sums of float32 terms, whose reverse cumsum is R: dcb_bwd.py)
   + sum_{s < t} q_s             chunk-state terms: exp(a_last - a_s) spans t for s < t (dx kernel)
   + dtot_c                      the decay between chunks, exp(a_last), spans every t (state passing).
+A first version formed these from bf16-rounded sums subtracted from each other and lost two digits; every term
+here is float32.
 """
 
 from __future__ import annotations
@@ -32,12 +31,13 @@ import torch.nn.functional as F
 import triton
 
 from models.kernels._utils import no_autocast
-from models.kernels.ssd_reference import _check_inputs, process_dt
+from models.kernels.ssd_reference import _check_inputs
 from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
+from models.kernels.ssd_triton.dt import dt_backward, dt_forward
 from models.kernels.ssd_triton.forward import cb_and_entering_states, dot_precision, dummy, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
@@ -98,7 +98,9 @@ def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     )
     PN = P * N
     n_blocks = triton.cdiv(PN, cfg.pass_block)
-    dH = torch.empty_like(dS_in)
+    # dH in dy's dtype: its consumers (dx, dB) round it to that dtype for their products anyway, so storing it
+    # rounded changes no result and halves its traffic (and spares them the conversion).
+    dH = torch.empty_like(dS_in, dtype=dy.dtype)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     dtot = torch.empty(n_blocks, b, H, NC, device=dev, dtype=torch.float32)
     state_passing_bwd_kernel[(b * H, n_blocks)](
@@ -131,7 +133,7 @@ def _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     NC, Q = dA_cs.shape[2:]
     dev = dy.device
     n_p = triton.cdiv(P, cfg.fusedb_p)
-    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
+    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)  # rounded as its consumers round it (above)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     dtot = torch.empty(n_p, b, H, NC, device=dev, dtype=torch.float32)
     fused_state_bwd_kernel[(b * H, n_p)](
@@ -248,7 +250,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     else:
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
-        dCB_part = torch.zeros(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # upper blocks stay 0
+        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # the kernel zeroes s > l
         chunk_scan_bwd_dcb_kernel[(b * NC * G * n_hb, n_m)](
             dy,
             x,
@@ -359,44 +361,48 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         dC = dC + _unchunk(dCB @ _chunked(B, NC, Q), L)
         dB = dB + _unchunk(dCB.transpose(-1, -2) @ _chunked(C, NC, Q), L)
 
-    # Cumulative-decay gradient: later side (dC kernel), earlier side (-dt ddt), chunk ends (state passing).
+    # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dC kernel:
+    # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
     R_sum = R_part.sum(0) if R_part.shape[0] > 1 else R_part[0]
     if grouped:  # R as per-position row minus column sums: its reverse cumsum is the decay term (dcb_bwd.py)
-        g = torch.flip(torch.cumsum(torch.flip(O + R_sum, [-1]), -1), [-1])
+        rev, add = O.add_(R_sum), None
     else:  # R_t directly (bc_bwd.py)
-        g = torch.flip(torch.cumsum(torch.flip(O, [-1]), -1), [-1]) + R_sum
-    g += torch.cumsum(q, -1) - q
-    g += dtot.sum(0)[..., None]
-    return dx, ddt, g, dB, dC, dD, dinit
+        rev, add = O, R_sum
+    return dx, ddt, (rev, add, q, dtot), dB, dC, dD, dinit
 
 
 class _SSDChunked(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt_p, dA_p, B, C, D, init, seq, Q, cfg, y_dtype):
-        dA_cs = torch.cumsum(dA_p, dim=-1)
+    def forward(ctx, x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
+        NC = math.ceil(x.shape[1] / Q)
+        dt_p, dA_cs = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit)
         y, final = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
-        ctx.save_for_backward(x, dt_p, dA_cs, B, C, D, init, seq)
-        ctx.Q, ctx.cfg = Q, cfg
+        ctx.save_for_backward(x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq)
+        ctx.Q, ctx.cfg, ctx.softplus, ctx.dt_limit = Q, cfg, softplus, dt_limit
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt_p, dA_cs, B, C, D, init, seq = ctx.saved_tensors
+        x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq = ctx.saved_tensors
         # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
         dy_exact = dy if dy.dtype != x.dtype else None
         dy = dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
-        dx, ddt, ddA, dB, dC, dD, dinit = _ssd_bwd(
+        dx, ddt_p, decay_parts, dB, dC, dD, dinit = _ssd_bwd(
             dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg, dy_exact
         )
+        ddt, dA, ddt_bias = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, ctx.softplus, ctx.dt_limit)
         return (
             dx,
             ddt,
-            ddA,
+            dA,
+            ddt_bias,
             dB,
             dC,
             dD,
             dinit if init is not None else None,
+            None,
+            None,
             None,
             None,
             None,
@@ -440,20 +446,16 @@ def ssd_chunk_scan_triton(
             # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.
             _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
     Q = chunk_size
-    NC = math.ceil(L / Q)
     cfg = block_config(Q, P, B_BLGN.shape[-1])
     with no_autocast(x_BLHP.device):
-        dt = process_dt(dt_BLH, dt_bias, dt_softplus, dt_limit, torch.float32)  # [b, L, H]
-        dt = F.pad(dt, (0, 0, 0, NC * Q - L))  # padded tokens: dt = 0
-        dt_p = dt.view(b, NC, Q, H).permute(0, 3, 1, 2).contiguous()  # [b, H, NC, Q]
-        dA_p = dt_p * A_H.float().view(1, H, 1, 1)
         dtype = x_BLHP.dtype
         seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
         init = None if initial_states is None else initial_states.float().contiguous()
         y, final = _SSDChunked.apply(
             x_BLHP,
-            dt_p,
-            dA_p,
+            dt_BLH,
+            A_H.float(),
+            dt_bias,
             B_BLGN.to(dtype),
             C_BLGN.to(dtype),
             None if D is None else D.float().contiguous(),
@@ -463,6 +465,8 @@ def ssd_chunk_scan_triton(
             cfg,
             # With z, y stays float32 until after the gate: one rounding to x's dtype, as in a fused gate.
             torch.float32 if z is not None else dtype,
+            dt_softplus,
+            (float(dt_limit[0]), float(dt_limit[1])),
         )
         if z is not None:
             y = (y.float() * F.silu(z.float())).to(dtype)

@@ -131,6 +131,13 @@ def chunk_scan_bwd_dcb_kernel(
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
     )
     # fmt: on
+    # Tiles above the diagonal: zeros (the host's dCB products read whole rows), stored here rather than by a
+    # separate fill of the whole buffer.
+    dCB_rows = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
+    for k0 in range(m0 + BLOCK_M, Q, BLOCK_M):
+        offs_k = k0 + tl.arange(0, BLOCK_M)
+        zeros = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        tl.store(dCB_rows + offs_k[None, :], zeros, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
 
 
 @triton.jit

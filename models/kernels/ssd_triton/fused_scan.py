@@ -268,7 +268,11 @@ def fused_state_bwd_kernel(
         t0 = c * Q
         dA_base = dA_ptr + (bh * NC + c) * Q
         base = ((b.to(tl.int64) * NC + c) * H + h) * P * N
-        tl.store(_stateT_ptr(dH_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N), dstate, boundary_check=(0, 1))
+        tl.store(
+            _stateT_ptr(dH_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N),
+            dstate.to(dH_ptr.dtype.element_ty),
+            boundary_check=(0, 1),
+        )
         s_in = tl.load(_stateT_ptr(S_in_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N), boundary_check=(0, 1))
         s_in = s_in.to(tl.float32)
         decay_c = tl.exp(tl.load(dA_base + Q - 1))

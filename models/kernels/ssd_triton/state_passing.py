@@ -100,7 +100,7 @@ def state_passing_bwd_kernel(
     for i in range(NC):
         c = NC - 1 - i
         base = ((b.to(tl.int64) * NC + c) * H + h) * PN
-        tl.store(dH_ptr + base + offs, dstate, mask=mask)
+        tl.store(dH_ptr + base + offs, dstate.to(dH_ptr.dtype.element_ty), mask=mask)
         s_in = tl.load(S_in_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
         decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         tl.store(dtot_base + c, decay * tl.sum(dstate * s_in, axis=0))

@@ -1,0 +1,222 @@
+"""dt's preprocessing and its gradient, one kernel each way (the glue that was a dozen small PyTorch ops).
+
+Forward, per (batch, chunk, block of heads):
+    u = dt + dt_bias;  v = softplus(u) (u > 20: u, as F.softplus);  dt_p = clamp(v, lo, hi);  0 past the end
+    dA_cs = cumsum over the chunk of dt_p * A                        ([b, H, NC, Q], float32, chunk-padded)
+Backward, from the chunked SSD's gradients (autograd.py): the gradient of dA_cs's pre-cumsum input
+    g_t = sum_{j >= t} REV_j + ADD_t + sum_{s < t} q_s + sum_blocks dtot_c
+(REV: the per-position terms whose reverse cumsum enters, ADD: terms that enter as they are; dcb_bwd.py and
+chunk_scan_bwd.py say which), then d(dt_p) = ddt + g A, dA_h = sum g dt_p, and back through the clamp (no gradient
+where it clamps, as torch.clamp) and softplus (sigmoid(u)) to d(dt) in dt's dtype and d(dt_bias). dA and
+d(dt_bias) come out as partial sums per (batch, chunk) program, [b * NC, H] each, summed on the host.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) accurate for small x (Goldberg): the rounding of 1 + x cancels in x / (w - 1).
+    w = 1.0 + x
+    return tl.where(w == 1.0, x, tl.log(w) * x / (w - 1.0))
+
+
+@triton.jit
+def _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt_h, HAS_BIAS, SOFTPLUS):
+    """u (dt + bias) and v (softplus(u) or u), float32 [BLOCK_Q, BLOCK_H]."""
+    u = tl.load(
+        dt_ptr + b.to(tl.int64) * s_dt_b + t.to(tl.int64)[:, None] * s_dt_l + offs_h[None, :] * s_dt_h,
+        mask=valid,
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
+    v = u
+    if SOFTPLUS:
+        v = tl.where(u > 20.0, u, tl.maximum(u, 0.0) + _log1p(tl.exp(-tl.abs(u))))
+    return u, v
+
+
+@triton.jit
+def dt_fwd_kernel(
+    dt_ptr,
+    bias_ptr,
+    A_ptr,
+    dt_p_ptr,
+    dA_cs_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    s_dt_b,
+    s_dt_l,
+    s_dt_h,
+    lo,
+    hi,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid_bc = tl.program_id(0)
+    c = pid_bc % NC
+    b = pid_bc // NC
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t = c * Q + offs_q
+    in_q = (offs_q < Q)[:, None] & (offs_h < H)[None, :]
+    valid = in_q & (t < L)[:, None]
+    _, v = _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt_h, HAS_BIAS, SOFTPLUS)
+    dt_p = tl.where(valid, tl.minimum(tl.maximum(v, lo), hi), 0.0)  # padded positions: dt = 0
+    A = tl.load(A_ptr + offs_h, mask=offs_h < H, other=0.0)
+    dA_cs = tl.cumsum(dt_p * A[None, :], axis=0)
+    out = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
+    tl.store(dt_p_ptr + out, dt_p, mask=in_q)
+    tl.store(dA_cs_ptr + out, dA_cs, mask=in_q)
+
+
+@triton.jit
+def dt_bwd_kernel(
+    dt_ptr,
+    bias_ptr,
+    A_ptr,
+    ddt_p_ptr,
+    rev_ptr,
+    add_ptr,
+    q_ptr,
+    dtot_ptr,
+    ddt_ptr,
+    dA_part_ptr,
+    dbias_part_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    BATCH,
+    n_dtot,
+    s_dt_b,
+    s_dt_l,
+    s_dt_h,
+    s_ddt_b,
+    s_ddt_l,
+    s_ddt_h,
+    lo,
+    hi,
+    HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    pid_bc = tl.program_id(0)
+    c = pid_bc % NC
+    b = pid_bc // NC
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    t = c * Q + offs_q
+    in_q = (offs_q < Q)[:, None] & mask_h[None, :]
+    valid = in_q & (t < L)[:, None]
+    at = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
+
+    # g: the gradient of dt_p * A at each position (module docstring).
+    g = tl.cumsum(tl.load(rev_ptr + at, mask=in_q, other=0.0), axis=0, reverse=True)
+    if HAS_ADD:
+        g += tl.load(add_ptr + at, mask=in_q, other=0.0)
+    q = tl.load(q_ptr + at, mask=in_q, other=0.0)
+    g += tl.cumsum(q, axis=0) - q
+    dtot = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for i in range(n_dtot):  # partial sums per state-passing block: [n_dtot, b, H, NC]
+        dtot += tl.load(dtot_ptr + ((i * BATCH + b.to(tl.int64)) * H + offs_h) * NC + c, mask=mask_h, other=0.0)
+    g += dtot[None, :]
+
+    u, v = _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt_h, HAS_BIAS, SOFTPLUS)
+    dt_p = tl.where(valid, tl.minimum(tl.maximum(v, lo), hi), 0.0)
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0)
+    d_dt_p = tl.load(ddt_p_ptr + at, mask=in_q, other=0.0) + g * A[None, :]
+    d_u = tl.where(valid & (v >= lo) & (v <= hi), d_dt_p, 0.0)
+    if SOFTPLUS:
+        d_u = tl.where(u > 20.0, d_u, d_u / (1.0 + tl.exp(-u)))
+    tl.store(
+        ddt_ptr + b.to(tl.int64) * s_ddt_b + t.to(tl.int64)[:, None] * s_ddt_l + offs_h[None, :] * s_ddt_h,
+        d_u.to(ddt_ptr.dtype.element_ty),
+        mask=valid,
+    )
+    part = pid_bc.to(tl.int64) * H + offs_h  # [b * NC, H]
+    tl.store(dA_part_ptr + part, tl.sum(tl.where(valid, g * dt_p, 0.0), axis=0), mask=mask_h)
+    if HAS_BIAS:
+        tl.store(dbias_part_ptr + part, tl.sum(d_u, axis=0), mask=mask_h)
+
+
+def _tiles(Q: int, H: int) -> tuple[int, int]:
+    block_q = triton.next_power_of_2(Q)
+    return block_q, min(triton.next_power_of_2(H), max(1, 4096 // block_q))  # ~4k elements per program
+
+
+def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tuple[float, float]):
+    """(dt_p, dA_cs), float32 [b, H, NC, Q] each (dt_p zero past the end)."""
+    b, L, H = dt_BLH.shape
+    dt_p = torch.empty(b, H, NC, Q, device=dt_BLH.device, dtype=torch.float32)
+    dA_cs = torch.empty_like(dt_p)
+    block_q, block_h = _tiles(Q, H)
+    dt_fwd_kernel[(b * NC, triton.cdiv(H, block_h))](
+        dt_BLH,
+        dt_bias if dt_bias is not None else dt_p,
+        A_H,
+        dt_p,
+        dA_cs,
+        L,
+        Q,
+        NC,
+        H,
+        *dt_BLH.stride(),
+        float(limit[0]),
+        float(limit[1]),
+        HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=softplus,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+    )
+    return dt_p, dA_cs
+
+
+def dt_backward(dt_BLH, dt_bias, A_H, ddt_p, rev, add, q, dtot, softplus: bool, limit: tuple[float, float]):
+    """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None) from the chunked SSD's ddt_p and
+    the parts of the decay gradient (module docstring)."""
+    b, L, H = dt_BLH.shape
+    NC, Q = ddt_p.shape[2:]
+    ddt = torch.empty(b, L, H, device=dt_BLH.device, dtype=dt_BLH.dtype)
+    parts = torch.empty(2, b * NC, H, device=dt_BLH.device, dtype=torch.float32)  # dA, d dt_bias
+    block_q, block_h = _tiles(Q, H)
+    dt_bwd_kernel[(b * NC, triton.cdiv(H, block_h))](
+        dt_BLH,
+        dt_bias if dt_bias is not None else ddt_p,
+        A_H,
+        ddt_p,
+        rev,
+        add if add is not None else rev,
+        q,
+        dtot,
+        ddt,
+        parts[0],
+        parts[1],
+        L,
+        Q,
+        NC,
+        H,
+        b,
+        dtot.shape[0],
+        *dt_BLH.stride(),
+        *ddt.stride(),
+        float(limit[0]),
+        float(limit[1]),
+        HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=softplus,
+        HAS_ADD=add is not None,
+        BLOCK_Q=block_q,
+        BLOCK_H=block_h,
+    )
+    sums = parts.sum(1) if dt_bias is not None else parts[:1].sum(1)
+    return ddt, sums[0], (sums[1] if dt_bias is not None else None)
