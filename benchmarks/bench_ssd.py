@@ -82,6 +82,7 @@ TUNE_VARIANTS = {
     "dc_w8": dict(dc_warps=8),
     "hpp4": dict(heads_per_prog=4),
     "hpp16": dict(heads_per_prog=16),
+    "hpp32": dict(heads_per_prog=32),
     "s2": {k: 2 for k in _STAGES},
 }
 # Kernel groups -> the config fields that only they use.
@@ -378,6 +379,11 @@ def main():
     ap.add_argument("--rep_ms", type=int, default=200, help="do_bench repetition time per measurement (ms)")
     ap.add_argument("--skip_numerics", action="store_true")
     ap.add_argument(
+        "--numerics",
+        default="small:seq:init,small:noseq:noinit,small_even:seq:init",
+        help="numerics cases, shape:seq|noseq:init|noinit (small_even: whole tiles, the kernels' mask-free loads)",
+    )
+    ap.add_argument(
         "--tune",
         default="",
         help="shapes (e.g. 1.3b) to tune our tiles on first (TUNE_VARIANTS); "
@@ -400,7 +406,9 @@ def main():
     record["triton"] = triton.__version__
     lines = []
     if not args.skip_numerics:
-        for shape, with_seq, with_init in (("small", True, True), ("small", False, False), ("small_even", True, True)):
+        for spec in args.numerics.split(","):
+            shape, seq_mode, init_mode = spec.split(":")
+            with_seq, with_init = seq_mode == "seq", init_mode == "init"
             key = f"numerics {shape} seq={with_seq} init={with_init}"
             record[key] = r = numerics(fns, SHAPES[shape], with_seq, with_init)
             lines.append(f"{key}:")
