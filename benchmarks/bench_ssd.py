@@ -83,6 +83,7 @@ TUNE_VARIANTS = {
     "hpp4": dict(heads_per_prog=4),
     "hpp16": dict(heads_per_prog=16),
     "hpp32": dict(heads_per_prog=32),
+    "hpp64": dict(heads_per_prog=64),
     "s2": {k: 2 for k in _STAGES},
 }
 # Kernel groups -> the config fields that only they use.

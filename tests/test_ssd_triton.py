@@ -229,8 +229,11 @@ def test_one_group_D_per_channel_z_odd_chunk():
 
 
 def test_whole_tiles_documents_initial_states():
-    """L a multiple of the chunk and P filling its block: the kernels' EVEN (mask-free) loads, with documents."""
-    interpret(b=2, L=64, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=32))
+    """L a multiple of the chunk and P filling its block: the kernels' EVEN (mask-free) loads, with documents; two
+    heads per dC / dB program, so their partial sums over head blocks are reduced (the default sums all 4 at once)."""
+    interpret(
+        b=2, L=64, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=32), config=dict(heads_per_prog=2)
+    )
 
 
 def test_per_head_backward_mode_staged_forward():
