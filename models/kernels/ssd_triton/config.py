@@ -93,9 +93,9 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
     kernel; the inner loops over positions are 64 wide in the backward (dx, dC / dCB, dB: 3.26 ms for the whole
     forward + backward against 3.54 ms with 32) and 32 wide in the chunk scan (0.40 ms against 0.43); the chunk
     states prefer all of N (128) in one tile. The "grouped" dB / dC backward with 8 heads per program beat the
-    best "per_head" one (3.905 against 4.443 ms); after the mask-free inner loops, 32 heads per program beat 16 and
-    8 (whole forward + backward 2.363 / 2.424 / 2.527 ms: fewer partial sums to reduce). Smaller chunks shrink the
-    tiles to fit.
+    best "per_head" one (3.905 against 4.443 ms); after the mask-free inner loops, more heads per program won each
+    time (whole forward + backward: 8 heads 2.527 ms, 16 2.424, 32 2.363-2.374, 64 2.332): fewer partial sums over
+    head blocks to reduce (with ngroups 1, 64 means none). Smaller chunks shrink the tiles to fit.
     """
     q = min(64, _pow2_at_least_16(chunk_size))
     q_inner = min(32, q)
@@ -133,7 +133,7 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
         db_m=q,
         db_warps=4,
         db_stages=3,
-        heads_per_prog=32,
+        heads_per_prog=64,
         bc_mode="grouped",
         # Not the default: at the 1.3B shape (H100, 2026-11-23) the fused kernels took 1.40 ms (fused_p 64, 8 warps;
         # 2.85 ms with fused_p 32) for the forward and the S_in recompute against 1.04 ms for the staged chunk
