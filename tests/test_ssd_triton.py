@@ -211,8 +211,16 @@ def test_documents_initial_states_two_groups_remainder():
     interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=0, seq_cuts=CUTS, call=dict(chunk_size=16))
 
 
+# 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
+# diagonal run (with the default tiles a chunk of 32 or less is one block, and only the diagonal one would).
+SMALL_TILES = dict(
+    cb_m=16, cb_s=16, state_k=16, scan_m=16, scan_k=16, dx_k=16, dx_m=16, dc_m=16, dc_k=16, db_k=16, db_m=16
+)
+
+
 def test_one_group_D_per_channel_z_odd_chunk():
-    """No documents, ngroups 1, D [H, P], z gating, dt limits, chunk 24 (not a power of two), remainder 2."""
+    """No documents, ngroups 1, D [H, P], z gating, dt limits, chunk 24 (not a power of two; two position blocks,
+    the second partial), remainder 2."""
     interpret(
         b=2,
         L=50,
@@ -225,14 +233,25 @@ def test_one_group_D_per_channel_z_odd_chunk():
         with_z=True,
         with_init=False,
         call=dict(chunk_size=24, dt_limit=(0.01, 1.5)),
+        config=SMALL_TILES,
     )
 
 
 def test_whole_tiles_documents_initial_states():
-    """L a multiple of the chunk and P filling its block: the kernels' EVEN (mask-free) loads, with documents; two
-    heads per dC / dB program, so their partial sums over head blocks are reduced (the default sums all 4 at once)."""
+    """L a multiple of the chunk and P filling its block: the kernels' EVEN (mask-free) loads, with documents and
+    two position blocks per chunk; two heads per dC / dB program, so their partial sums over head blocks are
+    reduced (the default sums all 4 at once)."""
     interpret(
-        b=2, L=64, H=4, P=16, G=1, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=32), config=dict(heads_per_prog=2)
+        b=2,
+        L=64,
+        H=4,
+        P=16,
+        G=1,
+        N=16,
+        seed=5,
+        seq_cuts=CUTS,
+        call=dict(chunk_size=32),
+        config=dict(SMALL_TILES, heads_per_prog=2),
     )
 
 

@@ -168,7 +168,7 @@ def _dcb_tile(
             keep = keep & (seq_k[None, :] == seq_m[:, None])
     dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + t0.to(tl.int64) * s_y_l
     x_chunk = x_ptr + b.to(tl.int64) * s_x_b + t0.to(tl.int64) * s_x_l
-    R_rows = R_ptr + (k0 // BLOCK).to(tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
+    R_rows = R_ptr + tl.cast(k0 // BLOCK, tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
     R_cols = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # slot m: its column sums (and the diagonal's r - c)
     dcb_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for i in range(HEADS_PER_PROG):
