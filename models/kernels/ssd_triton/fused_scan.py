@@ -208,7 +208,8 @@ def fused_scan_fwd_kernel(
                 mask=mask_n[:, None] & valid_k[None, :],
                 other=0.0,
             )
-            stateT = tl.dot(bT, (x_tile * scale_k[:, None]).to(bT.dtype), acc=stateT, input_precision=PREC)
+            # The scale goes on B before the rounding, not on x: see chunk_state_fwd_kernel.
+            stateT = tl.dot((bT * scale_k[None, :]).to(x_tile.dtype), x_tile, acc=stateT, input_precision=PREC)
     tl.store(_stateT_ptr(final_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N), stateT, boundary_check=(0, 1))
 
 
