@@ -89,6 +89,7 @@ def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
         *dy.stride(),
         *C.stride(),
         HAS_SEQ=has_seq,
+        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % cfg.state_n == 0,
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,

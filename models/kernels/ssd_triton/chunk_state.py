@@ -37,6 +37,7 @@ def chunk_state_fwd_kernel(
     s_b_g,
     s_b_n,
     HAS_SEQ: tl.constexpr,
+    EVEN: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -57,30 +58,34 @@ def chunk_state_fwd_kernel(
     a_last = tl.load(dA_base + Q - 1)
     if HAS_SEQ:
         seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
-    x_base = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
-    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g
+    # Offsets within the chunk are int32 (the bases hold the int64 parts); with EVEN (whole tiles) no load masks.
+    x_chunk = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t0.to(tl.int64) * s_x_l
+    B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Q, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid_k = (offs_k < Q) & (t0 + offs_k < L)
-        a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-        dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
-        keep = valid_k
-        if HAS_SEQ:
-            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
-            keep = keep & (seq_k == seq_last)
-        scale_k = tl.where(keep, tl.exp(a_last - a_k) * dt_k, 0.0)
-        t_k = (t0 + offs_k).to(tl.int64)
-        xT = tl.load(
-            x_base + t_k[None, :] * s_x_l + offs_p[:, None] * s_x_p,
-            mask=(offs_p < P)[:, None] & valid_k[None, :],
-            other=0.0,
-        )
-        b_tile = tl.load(
-            B_base + t_k[:, None] * s_b_l + offs_n[None, :] * s_b_n,
-            mask=valid_k[:, None] & (offs_n < N)[None, :],
-            other=0.0,
-        )
+        x_ptrs = x_chunk + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
+        b_ptrs = B_chunk + offs_k[:, None] * s_b_l + offs_n[None, :] * s_b_n
+        if EVEN:
+            a_k = tl.load(dA_base + offs_k)
+            dt_k = tl.load(dt_base + offs_k)
+            scale_k = tl.exp(a_last - a_k) * dt_k
+            if HAS_SEQ:
+                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k)
+                scale_k = tl.where(seq_k == seq_last, scale_k, 0.0)
+            xT = tl.load(x_ptrs)
+            b_tile = tl.load(b_ptrs)
+        else:
+            valid_k = (offs_k < Q) & (t0 + offs_k < L)
+            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+            dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
+            keep = valid_k
+            if HAS_SEQ:
+                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
+                keep = keep & (seq_k == seq_last)
+            scale_k = tl.where(keep, tl.exp(a_last - a_k) * dt_k, 0.0)
+            xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
+            b_tile = tl.load(b_ptrs, mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0)
         # The per-position scale multiplies B, and B is rounded to the operand dtype after it (as mamba_ssm does), not
         # x: rounding the scaled x instead left the states with an error that the decay gradient picks up coherently
         # (Triton interpreter, float16, whole chunks: dA error 9.7e-4 against mamba_ssm's 7.2e-4; 7.3e-4 this way).
@@ -116,6 +121,7 @@ def chunk_scan_bwd_dstates_kernel(
     s_c_g,
     s_c_n,
     HAS_SEQ: tl.constexpr,
+    EVEN: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -135,29 +141,30 @@ def chunk_scan_bwd_dstates_kernel(
     if HAS_SEQ:
         prev = tl.load(seq_ptr + b.to(tl.int64) * L + tl.maximum(t0 - 1, 0))
         seq_prev = tl.where(c > 0, prev, 0)
-    dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
-    C_base = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g
+    dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t0.to(tl.int64) * s_y_l
+    C_chunk = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t0.to(tl.int64) * s_c_l
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Q, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        valid_k = (offs_k < Q) & (t0 + offs_k < L)
-        a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-        keep = valid_k
-        if HAS_SEQ:
-            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
-            keep = keep & (seq_k == seq_prev)
-        scale_k = tl.where(keep, tl.exp(a_k), 0.0)
-        t_k = (t0 + offs_k).to(tl.int64)
-        dyT = tl.load(
-            dy_base + t_k[None, :] * s_y_l + offs_p[:, None] * s_y_p,
-            mask=(offs_p < P)[:, None] & valid_k[None, :],
-            other=0.0,
-        )
-        c_tile = tl.load(
-            C_base + t_k[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-            mask=valid_k[:, None] & (offs_n < N)[None, :],
-            other=0.0,
-        )
+        dy_ptrs = dy_chunk + offs_k[None, :] * s_y_l + offs_p[:, None] * s_y_p
+        c_ptrs = C_chunk + offs_k[:, None] * s_c_l + offs_n[None, :] * s_c_n
+        if EVEN:
+            scale_k = tl.exp(tl.load(dA_base + offs_k))
+            if HAS_SEQ:
+                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k)
+                scale_k = tl.where(seq_k == seq_prev, scale_k, 0.0)
+            dyT = tl.load(dy_ptrs)
+            c_tile = tl.load(c_ptrs)
+        else:
+            valid_k = (offs_k < Q) & (t0 + offs_k < L)
+            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+            keep = valid_k
+            if HAS_SEQ:
+                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
+                keep = keep & (seq_k == seq_prev)
+            scale_k = tl.where(keep, tl.exp(a_k), 0.0)
+            dyT = tl.load(dy_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
+            c_tile = tl.load(c_ptrs, mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0)
         acc += tl.dot((dyT * scale_k[None, :]).to(c_tile.dtype), c_tile, input_precision=PREC)
     out_base = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
     tl.store(

@@ -147,6 +147,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig):
         *x.stride(),
         *B.stride(),
         HAS_SEQ=has_seq,
+        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % cfg.state_n == 0,
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,
