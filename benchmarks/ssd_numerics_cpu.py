@@ -1,0 +1,208 @@
+"""Our SSD kernels and mamba_ssm's, side by side in Triton's interpreter on the CPU, against the float64 reference.
+
+    pip install --no-deps einops .gpu/wheels/mamba_ssm-2.3.2.post1-py3-none-any.whl   # the GPU wheelhouse's
+    python3 benchmarks/ssd_numerics_cpu.py --L 256 --chunk 64 --seq              # errors of every output / gradient
+    python3 benchmarks/ssd_numerics_cpu.py --L 256 --chunk 64 --seq --parts      # + where dA's error comes from
+
+mamba_ssm's Triton kernels are pure Python; its PyPI sdist does not build on a machine without CUDA, so take the
+wheel from the GPU wheelhouse (../shared/gpu, copied to .gpu/: built from that sdist with MAMBA_SKIP_CUDA_BUILD).
+
+No GPU needed: both kernel sets run in float16 under TRITON_INTERPRET=1 (numpy has no bfloat16) on the same inputs,
+with mamba_ssm's autotuner reduced to its smallest config and its CUDA-only calls stubbed. The ratios track the
+bf16 GPU comparison of `bench_ssd.py --numerics` closely enough to find a numerics gap offline: the dA excess at
+whole-chunk lengths (docs/performance.md, session 7) was found here. --parts splits the decay gradient g (the
+gradient of dt * A before the within-chunk cumsum) into the y state term O, the intra-chunk pairs R, the
+chunk-state term q and the chunk-end term dtot, for both kernel sets, each against our kernels run in float64,
+and reports each part's share of dA's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import math
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch
+import triton
+
+from models.kernels.ssd_reference import ssd_chunk_scan_ref
+from models.kernels.ssd_triton import autograd
+from tests.test_ssd_triton import _patch_interpreter_scalar_index
+
+
+def _import_mamba_for_the_interpreter():
+    """mamba_ssm's chunked SSD with its autotuner on one config and its CUDA-only calls stubbed."""
+    original = triton.autotune
+
+    def smallest_config(configs, key, **kw):  # the interpreter cannot benchmark configs
+        cfg = min(configs, key=lambda c: sum(v for v in c.kwargs.values() if isinstance(v, int)))
+        return original(configs=[cfg], key=key, **kw)
+
+    triton.autotune = smallest_config
+    torch.cuda.device = lambda index: contextlib.nullcontext()
+
+    class _Props:
+        multi_processor_count = 132
+
+    torch.cuda.get_device_properties = lambda device: _Props()
+    try:
+        import selective_scan_cuda  # noqa: F401  (mamba_ssm's Mamba-1 extension, imported by its __init__)
+    except ImportError:
+        import types
+
+        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+    from mamba_ssm.ops.triton import ssd_combined
+
+    return ssd_combined
+
+
+def make_inputs(b, L, H, P, N, seq: bool, seed: int):
+    """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to float16."""
+    gen = torch.Generator().manual_seed(seed)
+    dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    inp = dict(
+        x=torch.randn(b, L, H, P, generator=gen),
+        dt=torch.randn(b, L, H, generator=gen) * 0.5,
+        A=-torch.empty(H).uniform_(1, 16, generator=gen),
+        B=torch.randn(b, L, 1, N, generator=gen),
+        C=torch.randn(b, L, 1, N, generator=gen),
+        D=torch.randn(H, generator=gen),
+        dt_bias=dt0 + torch.log(-torch.expm1(-dt0)),
+    )
+    inp = {k: v.to(torch.float16) for k, v in inp.items()}
+    seq_idx = None
+    if seq:
+        seq_idx = torch.zeros(b, L, dtype=torch.int32)
+        for row, cuts in enumerate([[17, 64, 65, 150], [40, 90]]):
+            for cut in cuts:
+                if cut < L:
+                    seq_idx[row, cut:] += 1
+    gy = torch.randn(b, L, H, P, generator=gen, dtype=torch.float64)
+    return inp, seq_idx, gy
+
+
+def run(fn, inp, seq_idx, gy, chunk: int, dtype):
+    """Gradients of sum(y * gy); x, dt, B, C in ``dtype``, the parameters in float32 (float64 for the reference)."""
+    param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = {
+        k: v.detach().clone().to(dtype if k in ("x", "dt", "B", "C") else param_dtype).requires_grad_()
+        for k, v in inp.items()
+    }  # fresh leaves per run: .to() of a tensor already in dtype would hand back the shared input itself
+    y = fn(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
+        D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx,
+    )  # fmt: skip
+    (y.double() * gy).sum().backward()
+    missing = [k for k, v in leaves.items() if v.grad is None]
+    assert not missing, f"no gradient for {missing}"
+    return {k: v.grad.double() for k, v in leaves.items()}
+
+
+def _rev_cumsum(t):
+    return torch.flip(torch.cumsum(torch.flip(t, [-1]), -1), [-1])
+
+
+def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
+    """The parts of g from our kernels (float16 and float64) and mamba_ssm's (float16), in g's units."""
+    captured = {}
+    # Our backward hands O and R to dt_backward already summed; keep them apart for this measurement.
+    src = inspect.getsource(autograd._ssd_bwd).replace("rev, add = O.add_(R_sum), None", "rev, add = O, R_sum")
+    original_bwd, original_dt = autograd._ssd_bwd, autograd.dt_backward
+    exec(compile(src, autograd.__file__, "exec"), autograd.__dict__)
+
+    def spy(dt, dt_bias, A, ddt_p, O, R, q, dtot, *rest):  # noqa: E741
+        NC, Q = ddt_p.shape[2:]
+        dt_p, _ = autograd.dt_forward(dt, dt_bias, A, Q, NC, True, (0.0, float("inf")))
+        captured["parts"] = dict(
+            O=_rev_cumsum(O.double()),
+            R=_rev_cumsum(R.double()),
+            q=(torch.cumsum(q, -1) - q).double(),
+            dtot=dtot.double().sum(0)[..., None].expand_as(q).clone(),
+        )
+        captured["dt_p"] = dt_p.double()
+        return original_dt(dt, dt_bias, A, ddt_p, O + R, None, q, dtot, *rest)
+
+    autograd.dt_backward = spy
+    ours = {}
+    try:
+        for dtype in (torch.float16, torch.float64):
+            run(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dtype)
+            ours[dtype] = dict(captured)
+    finally:
+        autograd._ssd_bwd, autograd.dt_backward = original_bwd, original_dt
+
+    cap = {}
+
+    def wrap(name, index):
+        f = getattr(mamba, name)
+
+        def wrapped(*a, **k):
+            out = f(*a, **k)
+            cap[name] = (out if index is None else out[index]).detach().double().clone()
+            return out
+
+        setattr(mamba, name, wrapped)
+        return f
+
+    saved = {n: wrap(n, i) for n, i in (("_chunk_scan_bwd_dC", 1), ("_chunk_state_bwd_db", 1),
+                                        ("_chunk_scan_bwd_ddAcs_stable", None), ("_state_passing_bwd", 1))}  # fmt: skip
+    try:
+        run(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, torch.float16)
+    finally:
+        for n, f in saved.items():
+            setattr(mamba, n, f)
+    exact = ours[torch.float64]["parts"]
+    theirs = dict(
+        O=_rev_cumsum(cap["_chunk_scan_bwd_dC"]),
+        R=cap["_chunk_scan_bwd_ddAcs_stable"],
+        q=cap["_chunk_state_bwd_db"],
+        dtot=cap["_state_passing_bwd"][..., None].expand_as(exact["q"]),
+    )
+    return ours[torch.float16]["parts"], theirs, exact, ours[torch.float64]["dt_p"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--L", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--headdim", type=int, default=16)
+    ap.add_argument("--dstate", type=int, default=32)
+    ap.add_argument("--seq", action="store_true", help="documents (seq_idx)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parts", action="store_true", help="split dA's error by the parts of the decay gradient")
+    args = ap.parse_args()
+    _patch_interpreter_scalar_index()
+    mamba = _import_mamba_for_the_interpreter()
+    inp, seq_idx, gy = make_inputs(2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed)
+    ref = run(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64)
+    ours = run(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, torch.float16)
+    theirs = run(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, torch.float16)
+    tag = f"L {args.L} chunk {args.chunk} seq {args.seq} seed {args.seed}"
+    for k in ref:
+        e_o = ((ours[k] - ref[k]).norm() / ref[k].norm()).item()
+        e_m = ((theirs[k] - ref[k]).norm() / ref[k].norm()).item()
+        print(f"{tag}  d{k:8s} ours {e_o:.2e}  mamba_ssm {e_m:.2e}  ratio {e_o / e_m:.2f}")
+    if args.parts:
+        lo, m, exact, dt_p = decay_parts(inp, seq_idx, gy, args.chunk, mamba)
+        g = sum(exact.values())
+        dA = (g * dt_p).sum(dim=(0, 2, 3))
+        for k in exact:
+            row = []
+            for name, got in (("ours", lo[k]), ("mamba_ssm", m[k])):
+                g_err = ((got - exact[k]).norm() / g.norm()).item()
+                dA_err = (((got - exact[k]) * dt_p).sum(dim=(0, 2, 3)).norm() / dA.norm()).item()
+                row.append(f"{name} g {g_err:.2e} dA {dA_err:.2e}")
+            print(f"{tag}  part {k:4s} ({(exact[k].norm() / g.norm()).item():.2f} of g): " + " | ".join(row))
+
+
+if __name__ == "__main__":
+    main()
