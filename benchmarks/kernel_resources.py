@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.kernels.ssd_triton import bc_bwd, chunk_scan, chunk_scan_bwd, chunk_state, dcb_bwd, fused_scan
+from models.kernels.ssd_triton import bc_bwd, bc_finish, chunk_scan, chunk_scan_bwd, chunk_state, dcb_bwd, fused_scan
 from models.kernels.ssd_triton.config import block_config
 
 BF16 = "*bf16"
@@ -148,6 +148,14 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         dict(**seq, INTRA=False, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=bp, BLOCK_N=bn),
         cfg.db_warps,
         cfg.db_stages,
+    )
+    yield (
+        "bc_finish",
+        bc_finish.bc_finish_kernel,
+        ptrs,
+        dict(PREC="tf32", BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_m, BLOCK_N=bn),
+        8,
+        2,
     )
     yield (
         "fused_scan_fwd (fused=True)",

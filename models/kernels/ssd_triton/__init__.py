@@ -8,8 +8,9 @@ Files: chunk_cb (C·Bᵀ per group), chunk_state (chunk states; dS_in), state_pa
 between chunks, both directions), chunk_scan (outputs), fused_scan (the recurrence fused with its per-chunk work,
 config fused=True; measured slower), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over heads, dC's state
 term, decay terms; the default backward for B and C), bc_bwd (dB's state term; the per-head alternative for dB
-and dC), dt (dt's preprocessing and the gradient of dt, A and dt_bias, one kernel each way), config (tile shapes
-per kernel), forward (the forward launchers), autograd (the backward, the Function and the entry point).
+and dC), bc_finish (dB and dC's last step in "grouped" mode), dt (dt's preprocessing and the gradient of dt, A
+and dt_bias, one kernel each way), config (tile shapes per kernel), forward (the forward launchers), autograd (the
+backward, the Function and the entry point).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Split of the work:
     backward recomputes CB and the states entering each chunk (nothing [B, NC, H, P, N] is kept between forward
     and backward), then dS_in -> state passing backward (or the fused reverse recurrence) -> dx / ddt / dD ->
     dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config
-    bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C as two float32 products per group.
+    bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C in one kernel per group (bc_finish).
     (bc_mode "per_head", bc_bwd: each head's dCB is multiplied in-kernel.) The z gate is a PyTorch op after it.
 
 The gradient with respect to dA_t (before the cumsum) is, within its chunk, the sum of four parts:
@@ -33,6 +33,7 @@ import triton
 from models.kernels._utils import no_autocast
 from models.kernels.ssd_reference import _check_inputs
 from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
+from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, whole_tiles
@@ -43,19 +44,6 @@ from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
 
 __all__ = ["ssd_chunk_scan_triton"]
-
-
-def _chunked(t_BLGN: torch.Tensor, NC: int, Q: int) -> torch.Tensor:
-    """[b, L, G, N] -> float32 [b, NC, G, Q, N], zero-padded to NC * Q positions."""
-    b, L, G, N = t_BLGN.shape
-    padded = F.pad(t_BLGN.float(), (0, 0, 0, 0, 0, NC * Q - L))
-    return padded.view(b, NC, Q, G, N).permute(0, 1, 3, 2, 4)
-
-
-def _unchunk(t: torch.Tensor, L: int) -> torch.Tensor:
-    """[b, NC, G, Q, N] -> [b, L, G, N]."""
-    b, NC, G, Q, N = t.shape
-    return t.permute(0, 1, 3, 2, 4).reshape(b, NC * Q, G, N)[:, :L]
 
 
 def _heads_per_prog(R: int, want: int) -> int:
@@ -354,13 +342,37 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         num_warps=cfg.db_warps,
         num_stages=cfg.db_stages,
     )
-    dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
-    dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
     if grouped:
-        # Intra-chunk parts, once per group: dC += dCB B, dB += dCBᵀ C (float32).
-        dCB = dCB_part.sum(0) if n_hb > 1 else dCB_part[0]  # [b, NC, G, Q, Q]
-        dC = dC + _unchunk(dCB @ _chunked(B, NC, Q), L)
-        dB = dB + _unchunk(dCB.transpose(-1, -2) @ _chunked(C, NC, Q), L)
+        # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
+        dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
+        dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
+        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m))](
+            dCB_part,
+            dC_part,
+            dB_part,
+            B,
+            C,
+            dB,
+            dC,
+            L,
+            Q,
+            NC,
+            G,
+            N,
+            n_hb,
+            b,
+            *B.stride(),
+            *C.stride(),
+            PREC=dot_precision(x),
+            BLOCK_M=cfg.dc_m,
+            BLOCK_K=cfg.dc_m,
+            BLOCK_N=BN,
+            num_warps=8,
+            num_stages=2,
+        )
+    else:
+        dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
+        dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
 
     # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dC kernel:
     # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).

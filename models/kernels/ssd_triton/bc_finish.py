@@ -1,0 +1,108 @@
+"""The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel.
+
+For positions r of chunk c and group g (dCB summed over its head blocks, zero above the diagonal: dcb_bwd.py):
+    dC_r = sum_hb dC_state[hb, r] + sum_{s <= r} dCB_rs B_s
+    dB_r = sum_hb dB_state[hb, r] + sum_{l >= r} dCB_lr C_l
+written straight in B's / C's dtype. In PyTorch this was a reduction over head blocks per tensor, two padded
+float32 copies of B and C, two float32 batched products (SIMT on Hopper: no tensor cores for float32 without
+TF32), two un-chunking copies, two adds and the casts back. The products here run on the tensor cores in TF32 for
+bf16 / fp16 inputs (dCB keeps 10 mantissa bits, where mamba_ssm rounds it to bf16's 7) and in full float32 for
+float32 inputs (dot_precision).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bc_finish_kernel(
+    dCB_ptr,
+    dC_state_ptr,
+    dB_state_ptr,
+    B_ptr,
+    C_ptr,
+    dB_ptr,
+    dC_ptr,
+    L,
+    Q,
+    NC,
+    G,
+    N,
+    n_hb,
+    BATCH,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_b_n,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_bcg = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    g = pid_bcg % G
+    c = (pid_bcg // G) % NC
+    b = pid_bcg // (G * NC)
+    t0 = c * Q
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    valid_m = (offs_m < Q) & (t0 + offs_m < L)
+    mask_mn = valid_m[:, None] & (offs_n < N)[None, :]
+    t_m = (t0 + offs_m).to(tl.int64)
+
+    # State terms: the head blocks' partial sums, [n_hb, b, L, G, N] float32.
+    state_at = (b.to(tl.int64) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
+    hb_stride = tl.cast(BATCH, tl.int64) * L * G * N  # BATCH may arrive as a constexpr (the JIT specialises 1)
+    dC = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    dB = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for hb in range(n_hb):
+        dC += tl.load(dC_state_ptr + hb * hb_stride + state_at, mask=mask_mn, other=0.0)
+        dB += tl.load(dB_state_ptr + hb * hb_stride + state_at, mask=mask_mn, other=0.0)
+
+    # Intra-chunk products; dCB [n_hb, b, NC, G, Q, Q] float32, each head block's partial summed as it is loaded.
+    chunk = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
+    hb_chunk = tl.cast(BATCH, tl.int64) * NC * G * Q * Q
+    B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
+    C_chunk = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t0.to(tl.int64) * s_c_l
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
+    for k0 in range(0, hi, BLOCK_K):  # dC_r: columns s <= r
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        valid_k = (offs_k < Q) & (t0 + offs_k < L)
+        tile = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for hb in range(n_hb):
+            tile += tl.load(
+                dCB_ptr + hb * hb_chunk + chunk + offs_m[:, None] * Q + offs_k[None, :],
+                mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :],
+                other=0.0,
+            )
+        B_k = tl.load(
+            B_chunk + offs_k[:, None] * s_b_l + offs_n[None, :] * s_b_n,
+            mask=valid_k[:, None] & (offs_n < N)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        dC += tl.dot(tile, B_k, input_precision=PREC)
+    for l0 in range(pid_m * BLOCK_M // BLOCK_K * BLOCK_K, Q, BLOCK_K):  # dB_r: rows l >= r
+        offs_l = l0 + tl.arange(0, BLOCK_K)
+        valid_l = (offs_l < Q) & (t0 + offs_l < L)
+        tileT = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # [r, l] = dCB[l, r]
+        for hb in range(n_hb):
+            tileT += tl.load(
+                dCB_ptr + hb * hb_chunk + chunk + offs_l[None, :] * Q + offs_m[:, None],
+                mask=(offs_m < Q)[:, None] & (offs_l < Q)[None, :],
+                other=0.0,
+            )
+        C_l = tl.load(
+            C_chunk + offs_l[:, None] * s_c_l + offs_n[None, :] * s_c_n,
+            mask=valid_l[:, None] & (offs_n < N)[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        dB += tl.dot(tileT, C_l, input_precision=PREC)
+
+    out_at = b.to(tl.int64) * L * G * N + t_m[:, None] * G * N + g * N + offs_n[None, :]  # [b, L, G, N] contiguous
+    tl.store(dC_ptr + out_at, dC.to(dC_ptr.dtype.element_ty), mask=mask_mn)
+    tl.store(dB_ptr + out_at, dB.to(dB_ptr.dtype.element_ty), mask=mask_mn)
