@@ -8,7 +8,10 @@ For position s of chunk c, head h (dy: the gradient of y; dH: the gradient of th
     dD   += dy_s · x_s           (partial sums per program, reduced on the host)
 and q_s = dt_s (chunk-state part of acc_s) · x_s, whose exclusive prefix sum over s is the chunk-state
 term of the decay gradient (autograd.py).
-One program per (batch, chunk, head, block of s), holding all of P so ddt_s is complete.
+One program per (batch, chunk, head, block of s), holding all of P so ddt_s is complete. The intra-chunk loop reads
+CBᵀ (cb_fwd writes it for the backward, zero above the diagonal and across documents) and carries no per-element
+mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's instructions than the product
+(711 SASS instructions per iteration with them, 290 without; docs/performance.md).
 """
 
 import triton

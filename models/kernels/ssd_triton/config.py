@@ -42,7 +42,8 @@ class BlockConfig:
     dx_n: int
     dx_warps: int
     dx_stages: int
-    # dC (+ decay terms): block of l, inner blocks of s.
+    # dC (+ decay terms): block of l (in "grouped" mode also the inner block of s: its tiles are square, and
+    # bc_finish's), inner blocks of s in "per_head" mode (dc_k).
     dc_m: int
     dc_k: int
     dc_warps: int
