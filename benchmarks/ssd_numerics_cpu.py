@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import math
 import os
 import sys
 
@@ -35,7 +34,7 @@ import triton
 
 from models.kernels.ssd_reference import ssd_chunk_scan_ref
 from models.kernels.ssd_triton import autograd
-from tests.test_ssd_triton import _patch_interpreter_scalar_index
+from tests.test_ssd_triton import _patch_interpreter_scalar_index, fp16_model_inputs, gradients
 
 
 def _import_mamba_for_the_interpreter():
@@ -64,48 +63,6 @@ def _import_mamba_for_the_interpreter():
     return ssd_combined
 
 
-def make_inputs(b, L, H, P, N, seq: bool, seed: int):
-    """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to float16."""
-    gen = torch.Generator().manual_seed(seed)
-    dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-    inp = dict(
-        x=torch.randn(b, L, H, P, generator=gen),
-        dt=torch.randn(b, L, H, generator=gen) * 0.5,
-        A=-torch.empty(H).uniform_(1, 16, generator=gen),
-        B=torch.randn(b, L, 1, N, generator=gen),
-        C=torch.randn(b, L, 1, N, generator=gen),
-        D=torch.randn(H, generator=gen),
-        dt_bias=dt0 + torch.log(-torch.expm1(-dt0)),
-    )
-    inp = {k: v.to(torch.float16) for k, v in inp.items()}
-    seq_idx = None
-    if seq:
-        seq_idx = torch.zeros(b, L, dtype=torch.int32)
-        for row, cuts in enumerate([[17, 64, 65, 150], [40, 90]]):
-            for cut in cuts:
-                if cut < L:
-                    seq_idx[row, cut:] += 1
-    gy = torch.randn(b, L, H, P, generator=gen, dtype=torch.float64)
-    return inp, seq_idx, gy
-
-
-def run(fn, inp, seq_idx, gy, chunk: int, dtype):
-    """Gradients of sum(y * gy); x, dt, B, C in ``dtype``, the parameters in float32 (float64 for the reference)."""
-    param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    leaves = {
-        k: v.detach().clone().to(dtype if k in ("x", "dt", "B", "C") else param_dtype).requires_grad_()
-        for k, v in inp.items()
-    }  # fresh leaves per run: .to() of a tensor already in dtype would hand back the shared input itself
-    y = fn(
-        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
-        D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx,
-    )  # fmt: skip
-    (y.double() * gy).sum().backward()
-    missing = [k for k, v in leaves.items() if v.grad is None]
-    assert not missing, f"no gradient for {missing}"
-    return {k: v.grad.double() for k, v in leaves.items()}
-
-
 def _rev_cumsum(t):
     return torch.flip(torch.cumsum(torch.flip(t, [-1]), -1), [-1])
 
@@ -114,7 +71,10 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
     """The parts of g from our kernels (float16 and float64) and mamba_ssm's (float16), in g's units."""
     captured = {}
     # Our backward hands O and R to dt_backward already summed; keep them apart for this measurement.
-    src = inspect.getsource(autograd._ssd_bwd).replace("rev, add = O.add_(R_sum), None", "rev, add = O, R_sum")
+    summed = "rev, add = O.add_(R_sum), None"
+    src = inspect.getsource(autograd._ssd_bwd)
+    assert summed in src, f"autograd._ssd_bwd no longer has {summed!r}: update decay_parts"
+    src = src.replace(summed, "rev, add = O, R_sum")
     original_bwd, original_dt = autograd._ssd_bwd, autograd.dt_backward
     exec(compile(src, autograd.__file__, "exec"), autograd.__dict__)
 
@@ -134,7 +94,7 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
     ours = {}
     try:
         for dtype in (torch.float16, torch.float64):
-            run(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dtype)
+            gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dtype)
             ours[dtype] = dict(captured)
     finally:
         autograd._ssd_bwd, autograd.dt_backward = original_bwd, original_dt
@@ -155,7 +115,7 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
     saved = {n: wrap(n, i) for n, i in (("_chunk_scan_bwd_dC", 1), ("_chunk_state_bwd_db", 1),
                                         ("_chunk_scan_bwd_ddAcs_stable", None), ("_state_passing_bwd", 1))}  # fmt: skip
     try:
-        run(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, torch.float16)
+        gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, torch.float16)
     finally:
         for n, f in saved.items():
             setattr(mamba, n, f)
@@ -182,10 +142,10 @@ def main():
     args = ap.parse_args()
     _patch_interpreter_scalar_index()
     mamba = _import_mamba_for_the_interpreter()
-    inp, seq_idx, gy = make_inputs(2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed)
-    ref = run(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64)
-    ours = run(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, torch.float16)
-    theirs = run(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, torch.float16)
+    inp, seq_idx, gy = fp16_model_inputs(2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed)
+    ref = gradients(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64)
+    ours = gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, torch.float16)
+    theirs = gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, torch.float16)
     tag = f"L {args.L} chunk {args.chunk} seq {args.seq} seed {args.seed}"
     for k in ref:
         e_o = ((ours[k] - ref[k]).norm() / ref[k].norm()).item()

@@ -205,17 +205,12 @@ def check_fp16_gate_dD(b, L, H, P, G, N, seed, chunk_size):
     return {"dD": err}
 
 
-def check_fp16_decay_gradient(L, chunk_size, bound):
-    """float16, whole chunks, documents, dt / A as the model draws them: dA's error against float64 on the same
-    (float16-rounded) inputs. The chunk states must scale B, not x, before rounding the operand to float16: rounding
-    the scaled x left an error in the states that dA picks up coherently (9.7e-4 here; 7.3e-4 with B scaled, as
-    mamba_ssm does, whose kernels give 7.2e-4 on these inputs in the same interpreter)."""
+def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int):
+    """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to float16,
+    with documents (seq) and a float64 output cotangent gy. Also benchmarks/ssd_numerics_cpu.py's inputs."""
     import math
 
-    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
-
-    b, H, P, N = 2, 4, 16, 32
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
     inp = dict(
         x=torch.randn(b, L, H, P, generator=gen),
@@ -226,24 +221,46 @@ def check_fp16_decay_gradient(L, chunk_size, bound):
         D=torch.randn(H, generator=gen),
         dt_bias=dt0 + torch.log(-torch.expm1(-dt0)),
     )
-    seq_idx = torch.zeros(b, L, dtype=torch.int32)
-    for row, cuts in enumerate([[17, 64, 65, 150], [40, 90]]):
-        for cut in cuts:
-            seq_idx[row, cut:] += 1
+    inp = {k: v.to(torch.float16) for k, v in inp.items()}
+    seq_idx = None
+    if seq:
+        seq_idx = torch.zeros(b, L, dtype=torch.int32)
+        for row, cuts in enumerate([[17, 64, 65, 150], [40, 90]]):
+            for cut in cuts:
+                if cut < L:
+                    seq_idx[row, cut:] += 1
     gy = torch.randn(b, L, H, P, generator=gen, dtype=torch.float64)
-    dA = {}
-    for name, fn, dtype in (("ours", ssd_chunk_scan_triton, torch.float16), ("ref", ssd_chunk_scan_ref, torch.float64)):
-        leaves = {}
-        for k, v in inp.items():
-            low = dtype if k in ("x", "dt", "B", "C") else (torch.float64 if dtype == torch.float64 else torch.float32)
-            leaves[k] = v.to(torch.float16).to(low).requires_grad_()
-        y = fn(
-            leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size,
-            D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx,
-        )  # fmt: skip
-        (y.double() * gy).sum().backward()
-        dA[name] = leaves["A"].grad.double()
-    err = ((dA["ours"] - dA["ref"]).norm() / dA["ref"].norm()).item()
+    return inp, seq_idx, gy
+
+
+def gradients(fn, inp, seq_idx, gy, chunk: int, dtype):
+    """Gradients of sum(y * gy); x, dt, B, C in ``dtype``, the parameters in float32 (float64 for the reference)."""
+    param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = {
+        k: v.detach().clone().to(dtype if k in ("x", "dt", "B", "C") else param_dtype).requires_grad_()
+        for k, v in inp.items()
+    }  # fresh leaves per run: .to() of a tensor already in dtype would hand back the shared input itself
+    y = fn(
+        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
+        D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx,
+    )  # fmt: skip
+    (y.double() * gy).sum().backward()
+    missing = [k for k, v in leaves.items() if v.grad is None]
+    assert not missing, f"no gradient for {missing}"
+    return {k: v.grad.double() for k, v in leaves.items()}
+
+
+def check_fp16_decay_gradient(L, chunk_size, bound):
+    """float16, whole chunks, documents, dt / A as the model draws them: dA's error against float64 on the same
+    (float16-rounded) inputs. The chunk states must scale B, not x, before rounding the operand to float16: rounding
+    the scaled x left an error in the states that dA picks up coherently (9.7e-4 here; 7.3e-4 with B scaled, as
+    mamba_ssm does, whose kernels give 7.2e-4 on these inputs in the same interpreter)."""
+    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
+
+    inp, seq_idx, gy = fp16_model_inputs(2, L, 4, 16, 32, seq=True, seed=0)
+    ours = gradients(ssd_chunk_scan_triton, inp, seq_idx, gy, chunk_size, torch.float16)["A"]
+    ref = gradients(ssd_chunk_scan_ref, inp, seq_idx, gy, chunk_size, torch.float64)["A"]
+    err = ((ours - ref).norm() / ref.norm()).item()
     assert err < bound, f"dA relative error {err:.2e} >= {bound:.1e} (float16, whole chunks)"
     return {"dA": err}
 
