@@ -3,6 +3,8 @@
     pip install --no-deps einops .gpu/wheels/mamba_ssm-2.3.2.post1-py3-none-any.whl   # the GPU wheelhouse's
     python3 benchmarks/ssd_numerics_cpu.py --L 256 --chunk 64 --seq              # errors of every output / gradient
     python3 benchmarks/ssd_numerics_cpu.py --L 256 --chunk 64 --seq --parts      # + where dA's error comes from
+    bash .gpu/setup.sh && python3 benchmarks/ssd_numerics_cpu.py --cuda --dtype bfloat16 --L 1024 --chunk 256 \
+        --heads 8 --headdim 64 --dstate 128 --seq --parts                         # the same on a GPU, compiled
 
 mamba_ssm's Triton kernels are pure Python; its PyPI sdist does not build on a machine without CUDA, so take the
 wheel from the GPU wheelhouse (../shared/gpu, copied to .gpu/: built from that sdist with MAMBA_SKIP_CUDA_BUILD).
@@ -14,6 +16,10 @@ whole-chunk lengths (docs/performance.md, session 7) was found here. --parts spl
 gradient of dt * A before the within-chunk cumsum) into the y state term O, the intra-chunk pairs R, the
 chunk-state term q and the chunk-end term dtot, for both kernel sets, each against our kernels run in float64,
 and reports each part's share of dA's error.
+
+With --cuda the same runs compiled on a GPU (mamba_ssm as installed), in --dtype (bfloat16: what the GPU
+comparison of bench_ssd.py measures); the parts' exact values then come from our kernels in float32 with full-
+precision dots (errors near 1e-6, three digits below bfloat16's), the gradients' from the float64 reference.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import inspect
 import os
 import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+ON_GPU = "--cuda" in sys.argv
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -67,8 +75,8 @@ def _rev_cumsum(t):
     return torch.flip(torch.cumsum(torch.flip(t, [-1]), -1), [-1])
 
 
-def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
-    """The parts of g from our kernels (float16 and float64) and mamba_ssm's (float16), in g's units."""
+def decay_parts(inp, seq_idx, gy, chunk: int, mamba, dtype, exact_dtype, device):
+    """The parts of g from our kernels (dtype and exact_dtype) and mamba_ssm's (dtype), in g's units."""
     captured = {}
     # Our backward hands O and R to dt_backward already summed; keep them apart for this measurement.
     summed = "rev, add = O.add_(R_sum), None"
@@ -93,9 +101,11 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
     autograd.dt_backward = spy
     ours = {}
     try:
-        for dtype in (torch.float16, torch.float64):
-            gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dtype)
-            ours[dtype] = dict(captured)
+        for dt_ in (dtype, exact_dtype):
+            gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dt_, device)
+            ours[dt_] = {
+                k: v.cpu() if torch.is_tensor(v) else {n: t.cpu() for n, t in v.items()} for k, v in captured.items()
+            }
     finally:
         autograd._ssd_bwd, autograd.dt_backward = original_bwd, original_dt
 
@@ -106,7 +116,7 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
 
         def wrapped(*a, **k):
             out = f(*a, **k)
-            cap[name] = (out if index is None else out[index]).detach().double().clone()
+            cap[name] = (out if index is None else out[index]).detach().double().cpu()
             return out
 
         setattr(mamba, name, wrapped)
@@ -115,18 +125,18 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba):
     saved = {n: wrap(n, i) for n, i in (("_chunk_scan_bwd_dC", 1), ("_chunk_state_bwd_db", 1),
                                         ("_chunk_scan_bwd_ddAcs_stable", None), ("_state_passing_bwd", 1))}  # fmt: skip
     try:
-        gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, torch.float16)
+        gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, dtype, device)
     finally:
         for n, f in saved.items():
             setattr(mamba, n, f)
-    exact = ours[torch.float64]["parts"]
+    exact = ours[exact_dtype]["parts"]
     theirs = dict(
         O=_rev_cumsum(cap["_chunk_scan_bwd_dC"]),
         R=cap["_chunk_scan_bwd_ddAcs_stable"],
         q=cap["_chunk_state_bwd_db"],
         dtot=cap["_state_passing_bwd"][..., None].expand_as(exact["q"]),
     )
-    return ours[torch.float16]["parts"], theirs, exact, ours[torch.float64]["dt_p"]
+    return ours[dtype]["parts"], theirs, exact, ours[exact_dtype]["dt_p"]
 
 
 def main():
@@ -139,20 +149,31 @@ def main():
     ap.add_argument("--seq", action="store_true", help="documents (seq_idx)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", action="store_true", help="split dA's error by the parts of the decay gradient")
+    ap.add_argument("--cuda", action="store_true", help="compiled on the GPU instead of the CPU interpreter")
+    ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"), help="bfloat16 needs --cuda")
     args = ap.parse_args()
-    _patch_interpreter_scalar_index()
-    mamba = _import_mamba_for_the_interpreter()
-    inp, seq_idx, gy = fp16_model_inputs(2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed)
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not args.cuda:
+        raise SystemExit("--dtype bfloat16 needs --cuda: the interpreter runs numpy, which has no bfloat16")
+    if args.cuda:
+        from mamba_ssm.ops.triton import ssd_combined as mamba
+
+        device, exact_dtype = "cuda", torch.float32
+    else:
+        _patch_interpreter_scalar_index()
+        mamba = _import_mamba_for_the_interpreter()
+        device, exact_dtype = "cpu", torch.float64
+    inp, seq_idx, gy = fp16_model_inputs(2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed, dtype)
     ref = gradients(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64)
-    ours = gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, torch.float16)
-    theirs = gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, torch.float16)
-    tag = f"L {args.L} chunk {args.chunk} seq {args.seq} seed {args.seed}"
+    ours = gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, dtype, device)
+    theirs = gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, dtype, device)
+    tag = f"{args.dtype} L {args.L} chunk {args.chunk} seq {args.seq} seed {args.seed}"
     for k in ref:
         e_o = ((ours[k] - ref[k]).norm() / ref[k].norm()).item()
         e_m = ((theirs[k] - ref[k]).norm() / ref[k].norm()).item()
         print(f"{tag}  d{k:8s} ours {e_o:.2e}  mamba_ssm {e_m:.2e}  ratio {e_o / e_m:.2f}")
     if args.parts:
-        lo, m, exact, dt_p = decay_parts(inp, seq_idx, gy, args.chunk, mamba)
+        lo, m, exact, dt_p = decay_parts(inp, seq_idx, gy, args.chunk, mamba, dtype, exact_dtype, device)
         g = sum(exact.values())
         dA = (g * dt_p).sum(dim=(0, 2, 3))
         for k in exact:

@@ -139,9 +139,12 @@ def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0
     return errors
 
 
-def check_split_path(b, L, H, P, G, N, seed, chunk_size):
-    """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj; conv and norm run
-    their references on the CPU) against mamba_split_conv1d_scan_ref in float64, output and all gradients."""
+def check_split_path(b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False):
+    """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj in one Function that
+    recomputes the conv and the norm in its backward; conv and norm run their references on the CPU) against
+    mamba_split_conv1d_scan_ref in float64, output (and final states) and all gradients. Also what its backward keeps:
+    the bytes saved for backward must be those of zxbcdt and the SSD output plus [B, H, L]-sized extras, not the
+    conv output or out_proj's input (each as large as the SSD output)."""
     from models.kernels import ops
     from models.kernels.reference import mamba_split_conv1d_scan_ref
 
@@ -152,30 +155,61 @@ def check_split_path(b, L, H, P, G, N, seed, chunk_size):
         return torch.randn(*s, generator=g, dtype=torch.float64) * scale
 
     tensors = dict(
-        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H),
+        zxbcdt=r(b, L, 2 * d_nonssm + 2 * dim + 2 * G * N + H),
         conv1d_weight=r(conv_dim, 4, scale=0.3),
         conv1d_bias=r(conv_dim, scale=0.1),
         dt_bias=r(H, scale=0.3) - 1,
         A=-(torch.rand(H, generator=g) + 0.5).double(),
         D=r(H),
-        rmsnorm_weight=1 + r(dim, scale=0.1),
-        outproj_weight=r(24, dim, scale=dim**-0.5),
     )
+    if norm:
+        tensors["rmsnorm_weight"] = 1 + r(dim, scale=0.1)
+    if outproj:
+        tensors["outproj_weight"] = r(24, d_nonssm + dim, scale=dim**-0.5)
+        tensors["outproj_bias"] = r(24, scale=0.1)
+    if init_final:
+        tensors["initial_states"] = r(b, H, P, N, scale=0.5)
     seq = torch.zeros(b, L, dtype=torch.int32)
     seq[:, L // 3 :] = 1
-    cot = r(b, L, 24)
-    res = {}
+    cot = r(b, L, 24 if outproj else d_nonssm + dim)
+    cot_final = r(b, H, P, N)
+    res, saved_bytes = {}, {}
     for name, fn, dtype, kw in (
         ("ours", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton")),
         ("ref", mamba_split_conv1d_scan_ref, torch.float64, {}),
     ):
         leaves = {k: v.detach().clone().to(dtype).requires_grad_() for k, v in tensors.items()}
-        out = fn(**leaves, chunk_size=chunk_size, seq_idx=seq, headdim=P, ngroups=G, rmsnorm_eps=1e-5, **kw)
-        (out.double() * cot).sum().backward()
+        sizes = []
+
+        def pack(t):
+            sizes.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(
+                **leaves,
+                chunk_size=chunk_size,
+                seq_idx=seq,
+                headdim=P,
+                ngroups=G,
+                rmsnorm_eps=1e-5,
+                return_final_states=init_final,
+                **kw,
+            )
+        saved_bytes[name] = sum(dict(sizes).values()) // dtype.itemsize  # distinct storages, in elements
+        out, final = out if init_final else (out, None)
+        loss = (out.double() * cot).sum() + (0 if final is None else (final.double() * cot_final).sum())
+        loss.backward()
         res[name] = {"out": out.double(), **{"d" + k: v.grad.double() for k, v in leaves.items()}}
+        if final is not None:
+            res[name]["final"] = final.double()
     errors = {k: ((res["ours"][k] - v).norm() / v.norm()).item() for k, v in res["ref"].items()}
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"over {TOL}: {bad}; all: {errors}"
+    params = sum(v.numel() for k, v in tensors.items() if k != "zxbcdt")
+    allowed = tensors["zxbcdt"].numel() + b * L * dim * (1 if norm else 2) + params + 4 * b * H * L + b * L
+    assert saved_bytes["ours"] <= allowed, (saved_bytes, allowed)
+    errors["saved_elements"] = saved_bytes["ours"]
     return errors
 
 
@@ -205,8 +239,8 @@ def check_fp16_gate_dD(b, L, H, P, G, N, seed, chunk_size):
     return {"dD": err}
 
 
-def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int):
-    """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to float16,
+def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int, dtype=torch.float16):
+    """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to ``dtype``,
     with documents (seq) and a float64 output cotangent gy. Also benchmarks/ssd_numerics_cpu.py's inputs."""
     import math
 
@@ -221,7 +255,7 @@ def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int):
         D=torch.randn(H, generator=gen),
         dt_bias=dt0 + torch.log(-torch.expm1(-dt0)),
     )
-    inp = {k: v.to(torch.float16) for k, v in inp.items()}
+    inp = {k: v.to(dtype) for k, v in inp.items()}
     seq_idx = None
     if seq:
         seq_idx = torch.zeros(b, L, dtype=torch.int32)
@@ -233,13 +267,14 @@ def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int):
     return inp, seq_idx, gy
 
 
-def gradients(fn, inp, seq_idx, gy, chunk: int, dtype):
+def gradients(fn, inp, seq_idx, gy, chunk: int, dtype, device="cpu"):
     """Gradients of sum(y * gy); x, dt, B, C in ``dtype``, the parameters in float32 (float64 for the reference)."""
     param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     leaves = {
-        k: v.detach().clone().to(dtype if k in ("x", "dt", "B", "C") else param_dtype).requires_grad_()
+        k: v.detach().clone().to(device, dtype if k in ("x", "dt", "B", "C") else param_dtype).requires_grad_()
         for k, v in inp.items()
     }  # fresh leaves per run: .to() of a tensor already in dtype would hand back the shared input itself
+    seq_idx, gy = (None if seq_idx is None else seq_idx.to(device)), gy.to(device)
     y = fn(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
         D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx,
@@ -247,7 +282,7 @@ def gradients(fn, inp, seq_idx, gy, chunk: int, dtype):
     (y.double() * gy).sum().backward()
     missing = [k for k, v in leaves.items() if v.grad is None]
     assert not missing, f"no gradient for {missing}"
-    return {k: v.grad.double() for k, v in leaves.items()}
+    return {k: v.grad.double().cpu() for k, v in leaves.items()}
 
 
 def check_fp16_decay_gradient(L, chunk_size, bound):
@@ -353,8 +388,17 @@ def test_fused_scan_several_blocks_of_P_ragged_N():
 
 
 def test_fused_path_contract_under_triton_backend():
-    """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, composed with our SSD."""
+    """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, with our SSD."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True)
+
+
+def test_fused_path_contract_states_nonssm_no_norm():
+    """The same with initial / final states (the CP path), a non-SSM part (d_nonssm), the plain z gate instead of
+    the norm, no out_proj, two groups."""
+    interpret(
+        b=2, L=40, H=4, P=16, G=2, N=16, seed=5, chunk_size=16, split_path=True,
+        d_nonssm=8, norm=False, outproj=False, init_final=True,
+    )  # fmt: skip
 
 
 def test_fp16_z_gate_dD_from_float32_dy():

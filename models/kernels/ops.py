@@ -25,7 +25,7 @@ from models.kernels.reference import (
     rmsnorm_gated_ref,
     ssd_chunk_scan_ref,
 )
-from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_composed
+from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 
 __all__ = [
     "BACKENDS",
@@ -184,10 +184,11 @@ def mamba_split_conv1d_scan(
 ):
     """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
 
-    Under backend 'triton' the stages run as separate ops (split_conv1d_scan.py) with our SSD kernels.
+    Under backend 'triton': conv, our SSD kernels and the gated norm in one autograd Function that recomputes the
+    conv and the norm in its backward, as mamba_ssm's fused mixer does (split_conv1d_scan.py).
     """
     if use_triton_ssd(backend, zxbcdt):
-        return mamba_split_conv1d_scan_composed(
+        return mamba_split_conv1d_scan_triton(
             zxbcdt,
             conv1d_weight,
             conv1d_bias,
@@ -207,7 +208,6 @@ def mamba_split_conv1d_scan(
             norm_before_gate=norm_before_gate,
             initial_states=initial_states,
             return_final_states=return_final_states,
-            ssd_backend="triton",
         )
     fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
     return fn(

@@ -1,21 +1,179 @@
-"""The Mamba-2 mixer after in_proj (mamba_split_conv1d_scan_combined's contract) composed from separate ops.
+"""The Mamba-2 mixer after in_proj (mamba_split_conv1d_scan_combined's contract) with our Triton SSD.
 
-Used by the "triton" backend: causal_conv1d and the gated RMSNorm run the installed GPU kernels (as
-"auto" does), the SSD runs our Triton kernels. Same arguments, semantics and outputs as
-models.kernels.reference.mamba_split_conv1d_scan_ref, which documents them.
+Used by the "triton" backend. One autograd Function runs conv -> our SSD -> gated RMSNorm (-> out_proj) and keeps
+for its backward only what mamba_ssm's fused mixer keeps: zxbcdt (the input) and the SSD's output y (plus the
+float32 dt and within-chunk decay, [B, H, L] each). The conv output (x, B, C) and the normed, gated y that enters
+out_proj are recomputed in the backward: kept, they cost 265 MiB per layer at the 1.3B shape (16384 tokens x
+(4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/performance.md, session 8). The conv and the norm
+run as ops.causal_conv1d / ops.rmsnorm_gated with backend "auto" (the installed GPU kernels, else the references,
+as on the CPU under TRITON_INTERPRET=1) and their backward is autograd's, through a graph rebuilt in the backward.
+Same arguments, semantics and outputs as models.kernels.reference.mamba_split_conv1d_scan_ref, which documents them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from models.kernels._utils import no_autocast
 from models.kernels.reference import split_zxbcdt_sizes
 
-__all__ = ["mamba_split_conv1d_scan_composed"]
+__all__ = ["mamba_split_conv1d_scan_triton"]
 
 
-def mamba_split_conv1d_scan_composed(
+@dataclass(frozen=True)
+class _Sizes:
+    """Everything of the call that is not a tensor: the widths of zxbcdt's parts and the scalar options."""
+
+    d_nonssm: int
+    dim: int
+    ngroups: int
+    dstate: int
+    nheads: int
+    chunk_size: int
+    activation: str | None
+    rmsnorm_eps: float
+    norm_before_gate: bool
+    dt_limit: tuple[float, float]
+    other_backend: str
+
+    @property
+    def headdim(self) -> int:
+        return self.dim // self.nheads
+
+    def split(self, zxbcdt_BLF):
+        """zxbcdt [B, L, F] -> views (zx0 [B, L, 2 d_nonssm], z [B, L, dim], xBC [B, L, conv_dim], dt [B, L, H])."""
+        conv_dim = self.dim + 2 * self.ngroups * self.dstate
+        return torch.split(zxbcdt_BLF, [2 * self.d_nonssm, self.dim, conv_dim, self.nheads], dim=-1)
+
+    def ssd_operands(self, xBC_BLC):
+        """The conv output [B, L, conv_dim] -> views x [B, L, H, P], B [B, L, G, N], C [B, L, G, N]."""
+        b, L, _ = xBC_BLC.shape
+        GN = self.ngroups * self.dstate
+        x, B, C = torch.split(xBC_BLC, [self.dim, GN, GN], dim=-1)
+        shape = (b, L, self.ngroups, self.dstate)
+        return x.reshape(b, L, self.nheads, self.headdim), B.reshape(shape), C.reshape(shape)
+
+
+def _conv(xBC_BLC, weight, bias, seq, s: _Sizes):
+    """Depthwise causal conv + activation on the channel-last view; [B, L, conv_dim] -> [B, L, conv_dim]."""
+    from models.kernels import ops  # lazy: ops imports this module for its triton backend
+
+    out = ops.causal_conv1d(xBC_BLC.transpose(1, 2), weight, bias, seq, s.activation, backend=s.other_backend)
+    return out.transpose(1, 2)
+
+
+def _gate_norm(y_BLD, z_BLD, zx0, rmsnorm_weight, s: _Sizes):
+    """SSD output -> out_proj's input [B, L, 2 d_nonssm / 2 + dim]: gated RMSNorm (or y * silu(z) without a norm
+    weight, y float32 then), with silu(x0) * x1 of the non-SSM part in front when d_nonssm > 0."""
+    from models.kernels import ops
+
+    if rmsnorm_weight is not None:
+        h = ops.rmsnorm_gated(
+            y_BLD,
+            rmsnorm_weight,
+            z=z_BLD,
+            eps=s.rmsnorm_eps,
+            group_size=s.dim // s.ngroups,
+            norm_before_gate=s.norm_before_gate,
+            backend=s.other_backend,
+        )
+    else:  # the z gate the SSD applies when it is given z: float32 y, one rounding after the gate
+        h = (y_BLD.float() * F.silu(z_BLD.float())).to(z_BLD.dtype)
+    if s.d_nonssm > 0:
+        x0, x1 = zx0.to(torch.promote_types(zx0.dtype, torch.float32)).chunk(2, dim=-1)
+        h = torch.cat([(F.silu(x0) * x1).to(h.dtype), h], dim=-1)
+    return h
+
+
+def _leaf(t, needs_grad: bool):
+    return None if t is None else t.detach().requires_grad_(needs_grad)
+
+
+class _MixerFunction(torch.autograd.Function):
+    """zxbcdt [B, L, F] -> out [B, L, out_dim] (and final_states [B, H, P, N] float32); see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, zxbcdt, conv_w, conv_b, dt_bias, A, D, norm_w, out_w, out_b, initial_states, seq, s: _Sizes):
+        from models.kernels.ssd_triton.autograd import prepare_inputs, ssd_forward_pass
+
+        zx0, z, xBC_in, dt = s.split(zxbcdt)
+        seq = None if seq is None else seq.to(torch.int32).contiguous()
+        x, B, C = s.ssd_operands(_conv(xBC_in, conv_w, conv_b, seq, s))
+        A32, B, C, D32, init, seq, cfg = prepare_inputs(
+            x, dt, A, B, C, s.chunk_size, D, None, dt_bias, seq, initial_states
+        )
+        y_dtype = x.dtype if norm_w is not None else torch.float32  # the gate without a norm wants float32 y
+        y, final, saved = ssd_forward_pass(
+            x, dt, A32, dt_bias, B, C, D32, init, seq, s.chunk_size, cfg, y_dtype, True, s.dt_limit
+        )
+        y_BLD = y.reshape(*zxbcdt.shape[:2], s.dim)
+        h = _gate_norm(y_BLD, z, zx0, norm_w, s)
+        out = h if out_w is None else F.linear(h, out_w.to(h.dtype), None if out_b is None else out_b.to(h.dtype))
+        dt_p, dA_cs = saved[4], saved[5]
+        ctx.save_for_backward(
+            zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs
+        )
+        ctx.s, ctx.cfg = s, cfg
+        ctx.dtypes = (A.dtype, None if D is None else D.dtype, None if initial_states is None else initial_states.dtype)
+        return out, final
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        from models.kernels.ssd_triton.autograd import ssd_backward_pass
+
+        s, cfg = ctx.s, ctx.cfg
+        zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs = (
+            ctx.saved_tensors
+        )
+        A_dtype, D_dtype, init_dtype = ctx.dtypes
+        needs = ctx.needs_input_grad
+        zx0, z, xBC_in, dt = s.split(zxbcdt)
+        with torch.enable_grad(), no_autocast(zxbcdt.device):
+            zx0_, z_, xBC_in_, y_ = _leaf(zx0, True), _leaf(z, True), _leaf(xBC_in, True), _leaf(y_BLD, True)
+            conv_w_, conv_b_, norm_w_ = _leaf(conv_w, needs[1]), _leaf(conv_b, needs[2]), _leaf(norm_w, needs[6])
+            h = _gate_norm(y_, z_, zx0_, norm_w_, s)  # recomputed: out_proj's input
+        # out_proj's backward by hand, so that only its input is recomputed, not its product.
+        dout_w = dout_b = None
+        if out_w is None:
+            dh = dout
+        else:
+            dout_2d = dout.reshape(-1, dout.shape[-1]).to(h.dtype)
+            dh = (dout_2d @ out_w.to(h.dtype)).view(h.shape)
+            if needs[7]:
+                dout_w = (dout_2d.t() @ h.detach().reshape(-1, h.shape[-1])).to(out_w.dtype)
+            if out_b is not None and needs[8]:
+                dout_b = dout_2d.sum(0).to(out_b.dtype)
+        torch.autograd.backward(h, dh)  # -> y_.grad, z_.grad, zx0_.grad, norm_w_.grad
+        del h, dh
+        with torch.enable_grad(), no_autocast(zxbcdt.device):
+            x, B, C = s.ssd_operands(_conv(xBC_in_, conv_w_, conv_b_, seq, s))  # recomputed: the SSD's operands
+        saved = (x.detach(), dt, A32, dt_bias, dt_p, dA_cs, B.detach(), C.detach(), D32, init, seq)
+        dx, ddt, dA, ddt_bias, dB, dC, dD, dinit = ssd_backward_pass(
+            saved, y_.grad.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit
+        )
+        torch.autograd.backward([x, B, C], [dx, dB, dC])  # -> xBC_in_.grad, conv_w_.grad, conv_b_.grad
+        parts = (zx0_.grad if s.d_nonssm else None, z_.grad, xBC_in_.grad, ddt.to(zxbcdt.dtype))
+        dzxbcdt = torch.cat([g for g in parts if g is not None], dim=-1)
+        return (
+            dzxbcdt,
+            None if conv_w_ is None else conv_w_.grad,
+            None if conv_b_ is None else conv_b_.grad,
+            ddt_bias,
+            dA.to(A_dtype),
+            None if dD is None else dD.to(D_dtype),
+            None if norm_w_ is None else norm_w_.grad,
+            dout_w,
+            dout_b,
+            None if dinit is None else dinit.to(init_dtype),
+            None,
+            None,
+        )
+
+
+def mamba_split_conv1d_scan_triton(
     zxbcdt,
     conv1d_weight,
     conv1d_bias,
@@ -36,56 +194,39 @@ def mamba_split_conv1d_scan_composed(
     initial_states=None,
     return_final_states=False,
     *,
-    ssd_backend: str,
     other_backend: str = "auto",
 ):
-    from models.kernels import ops  # lazy: an import cycle (ops imports this module for its triton backend)
-
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be [batch, seqlen, features], got {tuple(zxbcdt.shape)}")
     d_nonssm, dim, dstate, nheads = split_zxbcdt_sizes(zxbcdt.shape[-1], conv1d_weight.shape[0], D, headdim, ngroups)
-    headdim = dim // nheads
     if outproj_weight is None and outproj_bias is not None:
         raise ValueError("outproj_bias given without outproj_weight")
-    b, L, _ = zxbcdt.shape
-    zx0, z, xBC, dt = torch.split(zxbcdt, [2 * d_nonssm, dim, dim + 2 * ngroups * dstate, nheads], dim=-1)
-    # causal_conv1d takes [b, c, L]; the transposed view is channel-last, which its seq_idx path needs.
-    xBC = ops.causal_conv1d(
-        xBC.transpose(1, 2), conv1d_weight, conv1d_bias, seq_idx, activation, backend=other_backend
-    ).transpose(1, 2)
-    x, B, C = torch.split(xBC, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
-    out = ops.ssd_chunk_scan(
-        x.reshape(b, L, nheads, headdim),
-        dt,
-        A,
-        B.reshape(b, L, ngroups, dstate),
-        C.reshape(b, L, ngroups, dstate),
-        chunk_size,
-        D=D,
-        z=z.reshape(b, L, nheads, headdim) if rmsnorm_weight is None else None,
-        dt_bias=dt_bias,
-        dt_softplus=True,
-        dt_limit=dt_limit,
-        seq_idx=seq_idx,
-        initial_states=initial_states,
-        return_final_states=return_final_states,
-        backend=ssd_backend,
+    s = _Sizes(
+        d_nonssm=d_nonssm,
+        dim=dim,
+        ngroups=ngroups,
+        dstate=dstate,
+        nheads=nheads,
+        chunk_size=chunk_size,
+        activation=activation,
+        rmsnorm_eps=rmsnorm_eps,
+        norm_before_gate=norm_before_gate,
+        dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
+        other_backend=other_backend,
     )
-    out, final_states = out if return_final_states else (out, None)
-    y = out.reshape(b, L, dim)
-    if rmsnorm_weight is not None:
-        y = ops.rmsnorm_gated(
-            y,
+    with no_autocast(zxbcdt.device):
+        out, final = _MixerFunction.apply(
+            zxbcdt,
+            conv1d_weight,
+            conv1d_bias,
+            dt_bias,
+            A,
+            D,
             rmsnorm_weight,
-            z=z,
-            eps=rmsnorm_eps,
-            group_size=dim // ngroups,
-            norm_before_gate=norm_before_gate,
-            backend=other_backend,
+            outproj_weight,
+            outproj_bias,
+            initial_states,
+            seq_idx,
+            s,
         )
-    if d_nonssm > 0:
-        x0, x1 = zx0.to(torch.promote_types(zx0.dtype, torch.float32)).chunk(2, dim=-1)
-        y = torch.cat([(F.silu(x0) * x1).to(y.dtype), y], dim=-1)
-    if outproj_weight is not None:
-        y = F.linear(y, outproj_weight, outproj_bias)
-    return (y, final_states) if return_final_states else y
+    return (out, final) if return_final_states else out

@@ -43,7 +43,7 @@ from models.kernels.ssd_triton.forward import cb_and_entering_states, dot_precis
 from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
 
-__all__ = ["ssd_chunk_scan_triton"]
+__all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs"]
 
 
 def _heads_per_prog(R: int, want: int) -> int:
@@ -384,43 +384,69 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     return dx, ddt, (rev, add, q, dtot), dB, dC, dD, dinit
 
 
+def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
+    """The forward outside autograd: (y, final_states, saved), where ``saved`` is what ssd_backward_pass needs
+    (inputs plus the float32 dt_p and within-chunk decay a, [B, H, NC, Q] each; nothing of size [B, NC, H, P, N])."""
+    NC = math.ceil(x.shape[1] / Q)
+    dt_p, dA_cs = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit)
+    y, final = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
+    return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq)
+
+
+def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit):
+    """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
+    dD is None without D, dinit is None without initial states."""
+    x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq = saved
+    # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
+    dy_exact = dy if dy.dtype != x.dtype else None
+    dy = dy.to(x.dtype).contiguous()
+    dfinal = None if dfinal is None else dfinal.float().contiguous()
+    dx, ddt_p, decay_parts, dB, dC, dD, dinit = _ssd_bwd(
+        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact
+    )
+    ddt, dA, ddt_bias = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit)
+    return dx, ddt, dA, ddt_bias, dB, dC, dD, dinit if init is not None else None
+
+
 class _SSDChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
-        NC = math.ceil(x.shape[1] / Q)
-        dt_p, dA_cs = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit)
-        y, final = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
-        ctx.save_for_backward(x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq)
+        y, final, saved = ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit)
+        ctx.save_for_backward(*saved)
         ctx.Q, ctx.cfg, ctx.softplus, ctx.dt_limit = Q, cfg, softplus, dt_limit
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq = ctx.saved_tensors
-        # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
-        dy_exact = dy if dy.dtype != x.dtype else None
-        dy = dy.to(x.dtype).contiguous()
-        dfinal = None if dfinal is None else dfinal.float().contiguous()
-        dx, ddt_p, decay_parts, dB, dC, dD, dinit = _ssd_bwd(
-            dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, ctx.Q, ctx.cfg, dy_exact
-        )
-        ddt, dA, ddt_bias = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, ctx.softplus, ctx.dt_limit)
-        return (
-            dx,
-            ddt,
-            dA,
-            ddt_bias,
-            dB,
-            dC,
-            dD,
-            dinit if init is not None else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grads = ssd_backward_pass(ctx.saved_tensors, dy, dfinal, ctx.Q, ctx.cfg, ctx.softplus, ctx.dt_limit)
+        return (*grads, None, None, None, None, None, None)
+
+
+def prepare_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states):
+    """Checks the inputs (before any kernel runs) and brings them to the kernels' dtypes and layouts:
+    (A, B, C, D, init, seq, cfg) with A / D / init in float32, B / C in x's dtype, seq int32."""
+    _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, None, initial_states)
+    b, L, H, P = x_BLHP.shape
+    if seq_idx is not None:
+        if seq_idx.shape != (b, L) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+            raise ValueError(
+                f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
+                f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
+            )
+        if not seq_idx.is_cuda:
+            # The non-decreasing check reads values; on CUDA that would synchronise the device on every call
+            # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.
+            _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
+    dtype = x_BLHP.dtype
+    return (
+        A_H.float(),
+        B_BLGN.to(dtype),
+        C_BLGN.to(dtype),
+        None if D is None else D.float().contiguous(),
+        None if initial_states is None else initial_states.float().contiguous(),
+        None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
+        block_config(chunk_size, P, B_BLGN.shape[-1]),
+    )
 
 
 def ssd_chunk_scan_triton(
@@ -446,35 +472,22 @@ def ssd_chunk_scan_triton(
     or CPU tensors under TRITON_INTERPRET=1 (the CPU tests). seq_idx must be non-decreasing along each
     row (checked on the CPU only: on CUDA the check would synchronise the device on every call).
     """
-    _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, None, initial_states)
-    b, L, H, P = x_BLHP.shape
-    if seq_idx is not None:
-        if seq_idx.shape != (b, L) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
-            raise ValueError(
-                f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
-                f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
-            )
-        if not seq_idx.is_cuda:
-            # The non-decreasing check reads values; on CUDA that would synchronise the device on every call
-            # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.
-            _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
-    Q = chunk_size
-    cfg = block_config(Q, P, B_BLGN.shape[-1])
     with no_autocast(x_BLHP.device):
+        A, B, C, D, init, seq, cfg = prepare_inputs(
+            x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states
+        )
         dtype = x_BLHP.dtype
-        seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-        init = None if initial_states is None else initial_states.float().contiguous()
         y, final = _SSDChunked.apply(
             x_BLHP,
             dt_BLH,
-            A_H.float(),
+            A,
             dt_bias,
-            B_BLGN.to(dtype),
-            C_BLGN.to(dtype),
-            None if D is None else D.float().contiguous(),
+            B,
+            C,
+            D,
             init,
             seq,
-            Q,
+            chunk_size,
             cfg,
             # With z, y stays float32 until after the gate: one rounding to x's dtype, as in a fused gate.
             torch.float32 if z is not None else dtype,
