@@ -75,7 +75,7 @@ def _rev_cumsum(t):
     return torch.flip(torch.cumsum(torch.flip(t, [-1]), -1), [-1])
 
 
-def decay_parts(inp, seq_idx, gy, chunk: int, mamba, dtype, exact_dtype, device):
+def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, device):
     """The parts of g from our kernels (dtype and exact_dtype) and mamba_ssm's (dtype), in g's units."""
     captured = {}
     # Our backward hands O and R to dt_backward already summed; keep them apart for this measurement.
@@ -102,7 +102,7 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba, dtype, exact_dtype, device)
     ours = {}
     try:
         for dt_ in (dtype, exact_dtype):
-            gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dt_, device)
+            gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, chunk, dt_, device, gf)
             ours[dt_] = {
                 k: v.cpu() if torch.is_tensor(v) else {n: t.cpu() for n, t in v.items()} for k, v in captured.items()
             }
@@ -125,7 +125,7 @@ def decay_parts(inp, seq_idx, gy, chunk: int, mamba, dtype, exact_dtype, device)
     saved = {n: wrap(n, i) for n, i in (("_chunk_scan_bwd_dC", 1), ("_chunk_state_bwd_db", 1),
                                         ("_chunk_scan_bwd_ddAcs_stable", None), ("_state_passing_bwd", 1))}  # fmt: skip
     try:
-        gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, dtype, device)
+        gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, chunk, dtype, device, gf)
     finally:
         for n, f in saved.items():
             setattr(mamba, n, f)
@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--headdim", type=int, default=16)
     ap.add_argument("--dstate", type=int, default=32)
     ap.add_argument("--seq", action="store_true", help="documents (seq_idx)")
+    ap.add_argument("--init", action="store_true", help="initial states")
+    ap.add_argument("--final", action="store_true", help="final states with a cotangent of their own")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", action="store_true", help="split dA's error by the parts of the decay gradient")
     ap.add_argument("--cuda", action="store_true", help="compiled on the GPU instead of the CPU interpreter")
@@ -163,17 +165,20 @@ def main():
         _patch_interpreter_scalar_index()
         mamba = _import_mamba_for_the_interpreter()
         device, exact_dtype = "cpu", torch.float64
-    inp, seq_idx, gy = fp16_model_inputs(2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed, dtype)
-    ref = gradients(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64)
-    ours = gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, dtype, device)
-    theirs = gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, dtype, device)
-    tag = f"{args.dtype} L {args.L} chunk {args.chunk} seq {args.seq} seed {args.seed}"
+    inp, seq_idx, gy = fp16_model_inputs(
+        2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed, dtype, args.init
+    )
+    gf = torch.randn(2, args.heads, args.headdim, args.dstate, dtype=torch.float64) if args.final else None
+    ref = gradients(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64, gf=gf)
+    ours = gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, dtype, device, gf)
+    theirs = gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, dtype, device, gf)
+    tag = f"{args.dtype} L {args.L} chunk {args.chunk} seq {args.seq} init {args.init} final {args.final}"
     for k in ref:
         e_o = ((ours[k] - ref[k]).norm() / ref[k].norm()).item()
         e_m = ((theirs[k] - ref[k]).norm() / ref[k].norm()).item()
         print(f"{tag}  d{k:8s} ours {e_o:.2e}  mamba_ssm {e_m:.2e}  ratio {e_o / e_m:.2f}")
     if args.parts:
-        lo, m, exact, dt_p = decay_parts(inp, seq_idx, gy, args.chunk, mamba, dtype, exact_dtype, device)
+        lo, m, exact, dt_p = decay_parts(inp, seq_idx, gy, gf, args.chunk, mamba, dtype, exact_dtype, device)
         g = sum(exact.values())
         dA = (g * dt_p).sum(dim=(0, 2, 3))
         for k in exact:

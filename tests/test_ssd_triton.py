@@ -239,7 +239,7 @@ def check_fp16_gate_dD(b, L, H, P, G, N, seed, chunk_size):
     return {"dD": err}
 
 
-def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int, dtype=torch.float16):
+def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int, dtype=torch.float16, init: bool = False):
     """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to ``dtype``,
     with documents (seq) and a float64 output cotangent gy. Also benchmarks/ssd_numerics_cpu.py's inputs."""
     import math
@@ -256,6 +256,8 @@ def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int, dtype=torch.float16):
         dt_bias=dt0 + torch.log(-torch.expm1(-dt0)),
     )
     inp = {k: v.to(dtype) for k, v in inp.items()}
+    if init:  # initial states (float32 in the model: CP's carried states), drawn after everything else
+        inp["initial_states"] = torch.randn(b, H, P, N, generator=gen)
     seq_idx = None
     if seq:
         seq_idx = torch.zeros(b, L, dtype=torch.int32)
@@ -267,8 +269,9 @@ def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int, dtype=torch.float16):
     return inp, seq_idx, gy
 
 
-def gradients(fn, inp, seq_idx, gy, chunk: int, dtype, device="cpu"):
-    """Gradients of sum(y * gy); x, dt, B, C in ``dtype``, the parameters in float32 (float64 for the reference)."""
+def gradients(fn, inp, seq_idx, gy, chunk: int, dtype, device="cpu", gf=None):
+    """Gradients of sum(y * gy) (+ sum(final_states * gf) when gf is given); x, dt, B, C in ``dtype``, the
+    parameters in float32 (float64 for the reference)."""
     param_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     leaves = {
         k: v.detach().clone().to(device, dtype if k in ("x", "dt", "B", "C") else param_dtype).requires_grad_()
@@ -278,8 +281,13 @@ def gradients(fn, inp, seq_idx, gy, chunk: int, dtype, device="cpu"):
     y = fn(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
         D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, seq_idx=seq_idx,
+        initial_states=leaves.get("initial_states"), return_final_states=gf is not None,
     )  # fmt: skip
-    (y.double() * gy).sum().backward()
+    y, final = y if gf is not None else (y, None)
+    loss = (y.double() * gy).sum()
+    if gf is not None:
+        loss = loss + (final.double() * gf.to(device)).sum()
+    loss.backward()
     missing = [k for k, v in leaves.items() if v.grad is None]
     assert not missing, f"no gradient for {missing}"
     return {k: v.grad.double().cpu() for k, v in leaves.items()}
