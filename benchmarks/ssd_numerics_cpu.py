@@ -139,6 +139,21 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
     return ours[dtype]["parts"], theirs, exact, ours[exact_dtype]["dt_p"]
 
 
+def bench_case_inputs(case: str, dtype):
+    """bench_ssd.py's numerics case ``shape:seq|noseq:init|noinit`` (its inputs, seed 7, and its cotangents)."""
+    from benchmarks.bench_ssd import SHAPES, make_inputs
+
+    shape, seq, init = case.split(":")
+    sh = SHAPES[shape]
+    raw = make_inputs(sh, seq == "seq", seed=7, dtype=dtype, with_init=init == "init")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, L, H, P, N = (sh[k] for k in "bLHPN")
+    gy = torch.randn(b, L, H, P, device="cuda", generator=g, dtype=torch.float64)
+    gf = torch.randn(b, H, P, N, device="cuda", generator=g, dtype=torch.float64)
+    inp = {k: raw[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states") if raw[k] is not None}
+    return inp, raw["seq_idx"], gy, gf, sh["Q"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--L", type=int, default=256)
@@ -149,6 +164,10 @@ def main():
     ap.add_argument("--seq", action="store_true", help="documents (seq_idx)")
     ap.add_argument("--init", action="store_true", help="initial states")
     ap.add_argument("--final", action="store_true", help="final states with a cotangent of their own")
+    ap.add_argument(
+        "--bench_case",
+        help="with --cuda: bench_ssd.py's numerics inputs and cotangents instead, e.g. small_even:seq:init",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--parts", action="store_true", help="split dA's error by the parts of the decay gradient")
     ap.add_argument("--cuda", action="store_true", help="compiled on the GPU instead of the CPU interpreter")
@@ -165,14 +184,18 @@ def main():
         _patch_interpreter_scalar_index()
         mamba = _import_mamba_for_the_interpreter()
         device, exact_dtype = "cpu", torch.float64
-    inp, seq_idx, gy = fp16_model_inputs(
-        2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed, dtype, args.init
-    )
-    gf = torch.randn(2, args.heads, args.headdim, args.dstate, dtype=torch.float64) if args.final else None
+    if args.bench_case:
+        inp, seq_idx, gy, gf, args.chunk = bench_case_inputs(args.bench_case, dtype)
+        tag = f"{args.dtype} bench case {args.bench_case}"
+    else:
+        inp, seq_idx, gy = fp16_model_inputs(
+            2, args.L, args.heads, args.headdim, args.dstate, args.seq, args.seed, dtype, args.init
+        )
+        gf = torch.randn(2, args.heads, args.headdim, args.dstate, dtype=torch.float64) if args.final else None
+        tag = f"{args.dtype} L {args.L} chunk {args.chunk} seq {args.seq} init {args.init} final {args.final}"
     ref = gradients(ssd_chunk_scan_ref, inp, seq_idx, gy, args.chunk, torch.float64, gf=gf)
     ours = gradients(autograd.ssd_chunk_scan_triton, inp, seq_idx, gy, args.chunk, dtype, device, gf)
     theirs = gradients(mamba.mamba_chunk_scan_combined, inp, seq_idx, gy, args.chunk, dtype, device, gf)
-    tag = f"{args.dtype} L {args.L} chunk {args.chunk} seq {args.seq} init {args.init} final {args.final}"
     for k in ref:
         e_o = ((ours[k] - ref[k]).norm() / ref[k].norm()).item()
         e_m = ((theirs[k] - ref[k]).norm() / ref[k].norm()).item()

@@ -49,12 +49,13 @@ class _Sizes:
         return torch.split(zxbcdt_BLF, [2 * self.d_nonssm, self.dim, conv_dim, self.nheads], dim=-1)
 
     def ssd_operands(self, xBC_BLC):
-        """The conv output [B, L, conv_dim] -> views x [B, L, H, P], B [B, L, G, N], C [B, L, G, N]."""
+        """The conv output [B, L, conv_dim] -> views x [B, L, H, P], B [B, L, G, N], C [B, L, G, N] (views, never
+        copies: the backward writes the SSD's gradients through them)."""
         b, L, _ = xBC_BLC.shape
         GN = self.ngroups * self.dstate
         x, B, C = torch.split(xBC_BLC, [self.dim, GN, GN], dim=-1)
         shape = (b, L, self.ngroups, self.dstate)
-        return x.reshape(b, L, self.nheads, self.headdim), B.reshape(shape), C.reshape(shape)
+        return x.view(b, L, self.nheads, self.headdim), B.view(shape), C.view(shape)
 
 
 def _conv(xBC_BLC, weight, bias, seq, s: _Sizes):
@@ -149,12 +150,15 @@ class _MixerFunction(torch.autograd.Function):
         torch.autograd.backward(h, dh)  # -> y_.grad, z_.grad, zx0_.grad, norm_w_.grad
         del h, dh
         with torch.enable_grad(), no_autocast(zxbcdt.device):
-            x, B, C = s.ssd_operands(_conv(xBC_in_, conv_w_, conv_b_, seq, s))  # recomputed: the SSD's operands
-        saved = (x.detach(), dt, A32, dt_bias, dt_p, dA_cs, B.detach(), C.detach(), D32, init, seq)
-        dx, ddt, dA, ddt_bias, dB, dC, dD, dinit = ssd_backward_pass(
-            saved, y_.grad.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit
+            xBC = _conv(xBC_in_, conv_w_, conv_b_, seq, s)  # recomputed: the SSD's operands
+        x, B, C = s.ssd_operands(xBC.detach())
+        # The SSD's gradients land in one [B, L, conv_dim] buffer, the conv's output gradient as it is.
+        dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)
+        saved = (x, dt, A32, dt_bias, dt_p, dA_cs, B, C, D32, init, seq)
+        _, ddt, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
+            saved, y_.grad.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC)
         )
-        torch.autograd.backward([x, B, C], [dx, dB, dC])  # -> xBC_in_.grad, conv_w_.grad, conv_b_.grad
+        torch.autograd.backward(xBC, dxBC)  # -> xBC_in_.grad, conv_w_.grad, conv_b_.grad
         parts = (zx0_.grad if s.d_nonssm else None, z_.grad, xBC_in_.grad, ddt.to(zxbcdt.dtype))
         dzxbcdt = torch.cat([g for g in parts if g is not None], dim=-1)
         return (

@@ -157,9 +157,10 @@ def _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     return dH, dinit, dtot
 
 
-def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None):
+def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None):
     """dy_exact: dy before its rounding to x's dtype (the kernels' operands), when it was more precise; dD is then
-    summed from it (D of [H, P] sums few terms per entry, so that rounding would show)."""
+    summed from it (D of [H, P] sums few terms per entry, so that rounding would show). out: (dx, dB, dC) to write
+    into (any strides; the mixer's views of one buffer), else they are allocated."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC = dt_p.shape[2]
@@ -175,7 +176,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
 
     # dx, ddt, dD.
     BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out[0]
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
@@ -344,8 +345,11 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     )
     if grouped:
         # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
-        dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
-        dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
+        if out is None:
+            dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
+            dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
+        else:
+            dB, dC = out[1], out[2]
         bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m))](
             dCB_part,
             dC_part,
@@ -363,6 +367,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             b,
             *B.stride(),
             *C.stride(),
+            *dB.stride(),
+            *dC.stride(),
             PREC=dot_precision(x),
             BLOCK_M=cfg.dc_m,
             BLOCK_K=cfg.dc_m,
@@ -373,6 +379,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     else:
         dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
         dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
+        if out is not None:
+            dB, dC = out[1].copy_(dB), out[2].copy_(dC)
 
     # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dC kernel:
     # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
@@ -393,16 +401,16 @@ def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, sof
     return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq)
 
 
-def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit):
+def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None):
     """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
-    dD is None without D, dinit is None without initial states."""
+    dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see _ssd_bwd)."""
     x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq = saved
     # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
     dy_exact = dy if dy.dtype != x.dtype else None
     dy = dy.to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     dx, ddt_p, decay_parts, dB, dC, dD, dinit = _ssd_bwd(
-        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact
+        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out
     )
     ddt, dA, ddt_bias = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit)
     return dx, ddt, dA, ddt_bias, dB, dC, dD, dinit if init is not None else None

@@ -38,6 +38,14 @@ def bc_finish_kernel(
     s_c_l,
     s_c_g,
     s_c_n,
+    s_db_b,
+    s_db_l,
+    s_db_g,
+    s_db_n,
+    s_dc_b,
+    s_dc_l,
+    s_dc_g,
+    s_dc_n,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -103,6 +111,8 @@ def bc_finish_kernel(
         ).to(tl.float32)
         dB += tl.dot(tileT, C_l, input_precision=PREC)
 
-    out_at = b.to(tl.int64) * L * G * N + t_m[:, None] * G * N + g * N + offs_n[None, :]  # [b, L, G, N] contiguous
-    tl.store(dC_ptr + out_at, dC.to(dC_ptr.dtype.element_ty), mask=mask_mn)
-    tl.store(dB_ptr + out_at, dB.to(dB_ptr.dtype.element_ty), mask=mask_mn)
+    # Each output by its own strides: the mixer hands views of one [b, L, conv_dim] buffer (the conv's gradient).
+    dC_at = b.to(tl.int64) * s_dc_b + t_m[:, None] * s_dc_l + g * s_dc_g + offs_n[None, :] * s_dc_n
+    dB_at = b.to(tl.int64) * s_db_b + t_m[:, None] * s_db_l + g * s_db_g + offs_n[None, :] * s_db_n
+    tl.store(dC_ptr + dC_at, dC.to(dC_ptr.dtype.element_ty), mask=mask_mn)
+    tl.store(dB_ptr + dB_at, dB.to(dB_ptr.dtype.element_ty), mask=mask_mn)
