@@ -13,6 +13,7 @@ other tests (mamba_ssm's kernels on a GPU machine).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def run_case_in_child(**case):
         return
     if case.pop("fp16_gate", False):
         print(json.dumps(check_fp16_gate_dD(**case)))
+        return
+    if case.pop("carried_decay", False):
+        print(json.dumps(check_decay_through_initial_states(**case)))
         return
     if case.pop("fp16_decay", False):
         print(json.dumps(check_fp16_decay_gradient(**case)))
@@ -308,6 +312,26 @@ def check_fp16_decay_gradient(L, chunk_size, bound):
     return {"dA": err}
 
 
+def check_decay_through_initial_states(bound):
+    """float16, the state carried across chunks dominating dA: large initial states, small x, slow decay, and only
+    a final-state cotangent. dA is then the chunk-end terms exp(a_last) * sum(dS * S_in), sums over P * N products
+    of both signs that keep their terms' relative error: S_in must be float32 there (the backward's recompute), not
+    rounded to the operand dtype (float16 rounding gave ~1e-4 here; bf16 on the GPU gave 30x mamba_ssm's dA error)."""
+    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
+
+    inp, _, gy = fp16_model_inputs(2, 64, 2, 16, 16, seq=False, seed=1, init=True)
+    inp["x"] = (inp["x"].float() * 0.01).half()
+    inp["A"] = -torch.ones(2)
+    inp["dt_bias"] = torch.full((2,), math.log(math.expm1(1e-3)))
+    gf = torch.randn(2, 2, 16, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    zero = torch.zeros_like(gy)
+    ours = gradients(ssd_chunk_scan_triton, inp, None, zero, 16, torch.float16, gf=gf)["A"]
+    ref = gradients(ssd_chunk_scan_ref, inp, None, zero, 16, torch.float64, gf=gf)["A"]
+    err = ((ours - ref).norm() / ref.norm()).item()
+    assert err < bound, f"dA relative error {err:.2e} >= {bound:.1e} (decay through the carried states)"
+    return {"dA": err}
+
+
 # Row 0: a boundary exactly at a chunk start (16), a one-token document (at 30), a short one; row 1: one cut.
 CUTS = [[5, 16, 30, 31], [21]]
 
@@ -416,6 +440,10 @@ def test_fp16_z_gate_dD_from_float32_dy():
 
 def test_fp16_decay_gradient_whole_chunks():
     interpret(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True)
+
+
+def test_decay_gradient_through_carried_states():
+    interpret(bound=1e-5, carried_decay=True)
 
 
 def test_bad_input_raises_before_compute():

@@ -67,14 +67,14 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool =
 
 
 def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y: bool, store_s_in: bool, y_dtype=None):
-    """y (with_y, in y_dtype or x's; else None), S_in [b, NC, H, P, N] in x's dtype (store_s_in; else None),
+    """y (with_y, in y_dtype or x's; else None), S_in [b, NC, H, P, N] in float32 (store_s_in; else None),
     final [b, H, P, N] (float32)."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format) if with_y else None
-    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if store_s_in else None
+    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32) if store_s_in else None
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     y_arg = y if with_y else x  # never written without WITH_Y; its strides are just passed along
     grid = (b * H, triton.cdiv(P, cfg.fused_p))
@@ -120,8 +120,8 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
     return y, S_in, final
 
 
-def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig):
-    """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each."""
+def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, s_in_dtype=None):
+    """Chunk states (float32) -> S_in (s_in_dtype, default x's) and final (float32), one kernel each."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -155,7 +155,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig):
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
     )
-    S_in = torch.empty_like(states, dtype=x.dtype)
+    S_in = torch.empty_like(states, dtype=s_in_dtype or x.dtype)
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     PN = P * N
     state_passing_fwd_kernel[(b * H, triton.cdiv(PN, cfg.pass_block))](
@@ -233,11 +233,17 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
-    """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32) and S_in [b, NC, H, P, N] (x's dtype)."""
+    """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32) and S_in [b, NC, H, P, N] (float32).
+
+    S_in stays float32 here (the forward's is in x's dtype) for the chunk-end decay terms dtot = exp(a_last) *
+    sum(dS * S_in) of the state passing backward: a sum over P * N products of both signs, which keeps the relative
+    error of its terms, so bf16-rounded states gave dA 30x mamba_ssm's error from that term wherever it weighs
+    (initial states, a final-state gradient; docs/performance.md, session 8). Its other readers round S_in to the
+    operand dtype for their products, as before."""
     NC, Q = dt_p.shape[2:]
     CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
     if cfg.fused:
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
     else:
-        S_in, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
+        S_in, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg, s_in_dtype=torch.float32)
     return CB, CBT, S_in
