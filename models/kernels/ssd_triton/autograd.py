@@ -167,12 +167,14 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     dev = x.device
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
-    CB, CBT, S_in = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
-    # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block).
+    CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
+    # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
+    # float32 S_in, state_passing.py says why).
     if cfg.fused:
-        dH, dinit, dtot = _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg)
+        dH, dinit, dtot = _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     else:
-        dH, dinit, dtot = _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg)
+        dH, dinit, dtot = _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
+    del S_in32
 
     # dx, ddt, dD.
     BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))

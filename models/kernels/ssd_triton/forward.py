@@ -120,8 +120,9 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
     return y, S_in, final
 
 
-def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, s_in_dtype=None):
-    """Chunk states (float32) -> S_in (s_in_dtype, default x's) and final (float32), one kernel each."""
+def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False):
+    """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each; with keep_s32 also S_in in
+    float32 (written over the chunk states; state_passing.py says why the backward wants it), else None."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -155,7 +156,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, s_in_dtype=No
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
     )
-    S_in = torch.empty_like(states, dtype=s_in_dtype or x.dtype)
+    S_in = torch.empty_like(states, dtype=x.dtype)
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     PN = P * N
     state_passing_fwd_kernel[(b * H, triton.cdiv(PN, cfg.pass_block))](
@@ -172,10 +173,11 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, s_in_dtype=No
         PN,
         HAS_SEQ=has_seq,
         HAS_INIT=init is not None,
+        KEEP_S32=keep_s32,
         BLOCK=cfg.pass_block,
         num_warps=4,
     )
-    return S_in, final
+    return S_in, final, (states if keep_s32 else None)
 
 
 def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None) -> torch.Tensor:
@@ -228,22 +230,18 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
             x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, with_y=True, store_s_in=False, y_dtype=y_dtype
         )
         return y, final
-    S_in, final = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
+    S_in, final, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
-    """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32) and S_in [b, NC, H, P, N] (float32).
-
-    S_in stays float32 here (the forward's is in x's dtype) for the chunk-end decay terms dtot = exp(a_last) *
-    sum(dS * S_in) of the state passing backward: a sum over P * N products of both signs, which keeps the relative
-    error of its terms, so bf16-rounded states gave dA 30x mamba_ssm's error from that term wherever it weighs
-    (initial states, a final-state gradient; docs/performance.md, session 8). Its other readers round S_in to the
-    operand dtype for their products, as before."""
+    """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32), S_in [b, NC, H, P, N] in x's dtype (for the
+    products that round it to the operand dtype anyway) and in float32 (for the state passing backward's dtot,
+    state_passing.py; the fused path stores only float32)."""
     NC, Q = dt_p.shape[2:]
     CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
     if cfg.fused:
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
-    else:
-        S_in, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg, s_in_dtype=torch.float32)
-    return CB, CBT, S_in
+        return CB, CBT, S_in, S_in
+    S_in, _, S_in32 = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True)
+    return CB, CBT, S_in, S_in32

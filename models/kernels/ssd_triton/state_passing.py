@@ -11,6 +11,11 @@ Backward, in reverse, given dS_in (the gradient reaching each S_in directly) and
     dtot_c = decay_c <dH_c, S_in[c]>      (through decay_c = exp(a_last_c) [...]; it reaches every dA_t of c)
     dinit = dS_in[0] + decay_0 * dH_0.
 The two inner products are reduced per block and written as partial sums (summed on the host).
+
+dtot needs S_in in float32: <dH_c, S_in[c]> sums P * N products of both signs and keeps their relative error, so
+bf16-rounded states gave dA 30x mamba_ssm's error wherever the carried state weighs (initial states, a final-state
+gradient; docs/performance.md, session 8). The backward's recompute therefore also keeps S_in in float32
+(KEEP_S32), written over the chunk states it has just read: no extra memory, one more write.
 """
 
 import triton
@@ -44,6 +49,7 @@ def state_passing_fwd_kernel(
     PN,
     HAS_SEQ: tl.constexpr,
     HAS_INIT: tl.constexpr,
+    KEEP_S32: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -60,6 +66,8 @@ def state_passing_fwd_kernel(
         base = ((b.to(tl.int64) * NC + c) * H + h) * PN
         tl.store(S_in_ptr + base + offs, state.to(S_in_ptr.dtype.element_ty), mask=mask)
         new = tl.load(states_ptr + base + offs, mask=mask, other=0.0)
+        if KEEP_S32:  # S_in[c] in float32, in place of the chunk state just read (only this program reads it)
+            tl.store(states_ptr + base + offs, state, mask=mask)
         decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         state = decay * state + new
     tl.store(final_ptr + (b.to(tl.int64) * H + h) * PN + offs, state, mask=mask)
