@@ -122,7 +122,7 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
 
 def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False):
     """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each; with keep_s32 also S_in in
-    float32 (written over the chunk states; state_passing.py says why the backward wants it), else None."""
+    float32 (state_passing.py says why the backward wants it), else None."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -157,6 +157,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         num_stages=cfg.state_stages,
     )
     S_in = torch.empty_like(states, dtype=x.dtype)
+    S_in32 = torch.empty_like(states) if keep_s32 else None
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     PN = P * N
     state_passing_fwd_kernel[(b * H, triton.cdiv(PN, cfg.pass_block))](
@@ -165,6 +166,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         seq_arg,
         init if init is not None else dummy(dev),
         S_in,
+        S_in32 if keep_s32 else dummy(dev),
         final,
         L,
         Q,
@@ -177,7 +179,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         BLOCK=cfg.pass_block,
         num_warps=4,
     )
-    return S_in, final, (states if keep_s32 else None)
+    return S_in, final, S_in32
 
 
 def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None) -> torch.Tensor:

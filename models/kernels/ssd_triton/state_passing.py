@@ -15,7 +15,8 @@ The two inner products are reduced per block and written as partial sums (summed
 dtot needs S_in in float32: <dH_c, S_in[c]> sums P * N products of both signs and keeps their relative error, so
 bf16-rounded states gave dA 30x mamba_ssm's error wherever the carried state weighs (initial states, a final-state
 gradient; docs/performance.md, session 8). The backward's recompute therefore also keeps S_in in float32
-(KEEP_S32), written over the chunk states it has just read: no extra memory, one more write.
+(KEEP_S32) in a buffer of its own. (Written over the chunk states it had just read, the kernel took 0.29 ms
+instead of ~0.1 at 1.3B: measured, session 8.)
 """
 
 import triton
@@ -41,6 +42,7 @@ def state_passing_fwd_kernel(
     seq_ptr,
     init_ptr,
     S_in_ptr,
+    S32_ptr,
     final_ptr,
     L,
     Q,
@@ -65,9 +67,9 @@ def state_passing_fwd_kernel(
     for c in range(NC):
         base = ((b.to(tl.int64) * NC + c) * H + h) * PN
         tl.store(S_in_ptr + base + offs, state.to(S_in_ptr.dtype.element_ty), mask=mask)
+        if KEEP_S32:
+            tl.store(S32_ptr + base + offs, state, mask=mask)
         new = tl.load(states_ptr + base + offs, mask=mask, other=0.0)
-        if KEEP_S32:  # S_in[c] in float32, in place of the chunk state just read (only this program reads it)
-            tl.store(states_ptr + base + offs, state, mask=mask)
         decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         state = decay * state + new
     tl.store(final_ptr + (b.to(tl.int64) * H + h) * PN + offs, state, mask=mask)
