@@ -79,8 +79,8 @@ def reference(tmp_path_factory):
     "nproc, layout",
     [
         (2, [SHARD, "2"]),
-        (2, [EP, "2"]),
-        pytest.param(4, [EP, "4"], marks=pytest.mark.slow),  # ep2 and pp2xep2 run by default
+        pytest.param(2, [EP, "2"], marks=pytest.mark.slow),  # EP runs by default as pp2xep2
+        pytest.param(4, [EP, "4"], marks=pytest.mark.slow),
         (4, [PP, "2", EP, "2"]),  # the pattern's '|' splits "M*ME" | "M-ME": one MoE layer per stage
         (2, [CP, "2"]),  # attention and Mamba layers under all-to-all CP
     ],

@@ -8,15 +8,20 @@ that are not powers of two. The interpreter runs the kernels in float32 numpy, s
 1e-7; the tolerance (2e-5) leaves room for long reductions and fails on any real indexing error.
 
 Triton reads TRITON_INTERPRET when it is first imported (its own helpers such as tl.zeros are
-defined then), so each case runs in a fresh Python process with the variable set; nothing leaks into
-other tests (mamba_ssm's kernels on a GPU machine).
+defined then), so the cases run in a separate Python process with the variable set (one worker that takes
+them one after another, restoring the tile shapes a case overrides); nothing leaks into other tests (mamba_ssm's
+kernels on a GPU machine).
 """
 
+import ast
+import atexit
 import json
 import math
 import os
+import select
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -33,6 +38,10 @@ def _patch_interpreter_scalar_index():
     """Triton 3.6's interpreter turns scalar kernel arguments into 1-element arrays and calls int() on them
     for Python ``range`` bounds; numpy >= 2.4 refuses int() of a 1-d array. Index the single element."""
     import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_scalar_index_patched", False):  # once per process (the worker runs many cases)
+        return
+    interp._scalar_index_patched = True
 
     original = interp._patch_lang_tensor
 
@@ -74,13 +83,71 @@ def run_case_in_child(**case):
     print(json.dumps(errors))
 
 
+class _InterpreterWorker:
+    """One long-lived Python process with TRITON_INTERPRET=1 that runs the cases one after another (serve()), so
+    that each case does not pay the ~4 s of importing torch and triton again. A case that kills the process fails
+    alone: the next case starts a fresh worker."""
+
+    def __init__(self):
+        self.proc = None
+        self.log = None
+
+    def _start(self):
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.log = tempfile.TemporaryFile(mode="w+")  # stderr (warnings) to a file: a full pipe would block it
+        code = "import tests.test_ssd_triton as t; t.serve()"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+        )  # fmt: skip
+        atexit.register(self.proc.kill)
+
+    def run(self, case: dict, timeout: float = 600) -> str:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.proc.stdin.write(repr(case) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:  # timed out or died: report its stderr, start afresh next time
+            self.proc.kill()
+            self.log.seek(0)
+            raise AssertionError(f"case {case}: the interpreter worker died or timed out:\n{self.log.read()[-6000:]}")
+        result = json.loads(line)
+        assert result["ok"], f"case {case} failed:\n{result['out'][-6000:]}"
+        return result["out"]
+
+
+_WORKER = _InterpreterWorker()
+
+
+def serve():
+    """The worker's loop: one case (a dict's repr) per stdin line -> one JSON line {ok, out} on stdout."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    import contextlib
+    import io
+    import traceback
+
+    from models.kernels.ssd_triton import autograd
+
+    default_config = autograd.block_config
+    for line in sys.stdin:
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                run_case_in_child(**ast.literal_eval(line))
+            ok, out = True, buf.getvalue()
+        except BaseException:  # a failed assertion, or any error: reported, and the worker goes on
+            ok, out = False, buf.getvalue() + traceback.format_exc()
+        finally:
+            autograd.block_config = default_config  # cases may override the tile shapes
+        sys.stdout.write(json.dumps({"ok": ok, "out": out}) + "\n")
+        sys.stdout.flush()
+
+
 def interpret(**case):
-    """Run one case in a fresh interpreter process; fail with its output if it fails."""
-    code = f"import tests.test_ssd_triton as t; t.run_case_in_child(**{case!r})"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"case {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc.stdout
+    """Run one case in the interpreter worker; fail with its output if it fails. Returns what the case printed."""
+    return _WORKER.run(case)
 
 
 def make_inputs(b, L, H, P, G, N, seed, D_shape="H", with_z=False, with_init=True, seq_cuts=None):
