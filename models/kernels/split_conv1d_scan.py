@@ -118,6 +118,7 @@ class _MixerFunction(torch.autograd.Function):
             zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs
         )
         ctx.s, ctx.cfg = s, cfg
+        ctx.set_materialize_grads(False)  # an unused final state then reaches backward as None, not a zero tensor
         ctx.dtypes = (A.dtype, None if D is None else D.dtype, None if initial_states is None else initial_states.dtype)
         return out, final
 
@@ -131,6 +132,9 @@ class _MixerFunction(torch.autograd.Function):
         )
         A_dtype, D_dtype, init_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
+        if dout is None:  # only the final state was used
+            dout = torch.zeros(*zxbcdt.shape[:2], out_w.shape[0] if out_w is not None else s.d_nonssm + s.dim,
+                               device=zxbcdt.device, dtype=zxbcdt.dtype)  # fmt: skip
         zx0, z, xBC_in, dt = s.split(zxbcdt)
         with torch.enable_grad(), no_autocast(zxbcdt.device):
             zx0_, z_, xBC_in_, y_ = _leaf(zx0, True), _leaf(z, True), _leaf(xBC_in, True), _leaf(y_BLD, True)
