@@ -524,6 +524,24 @@ def test_bad_input_raises_before_compute():
     inp["seq_idx"][0, 5:] = 0  # a document id that goes back down
     with pytest.raises(ValueError, match="non-decreasing"):
         ssd_chunk_scan_triton(**inp, chunk_size=16)
+    # The mixer (backend "triton") names a bad seq_idx or initial state before its conv runs.
+    from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
+
+    H, P, N = 4, 16, 16
+    args = dict(
+        zxbcdt=torch.randn(2, 8, 2 * H * P + 2 * N + H),
+        conv1d_weight=torch.randn(H * P + 2 * N, 4),
+        conv1d_bias=None,
+        dt_bias=torch.zeros(H),
+        A=-torch.ones(H),
+        D=torch.ones(H),
+        chunk_size=4,
+        headdim=P,
+    )
+    with pytest.raises(ValueError, match=r"seq_idx must be an integer \[batch, seqlen\] = \(2, 8\)"):
+        mamba_split_conv1d_scan_triton(**args, seq_idx=torch.zeros(2, 7, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"initial_states must be \[batch, nheads, headdim, dstate\]"):
+        mamba_split_conv1d_scan_triton(**args, initial_states=torch.zeros(2, H, P, N + 1))
 
 
 @pytest.mark.slow

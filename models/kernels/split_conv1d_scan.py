@@ -209,6 +209,19 @@ def mamba_split_conv1d_scan_triton(
     d_nonssm, dim, dstate, nheads = split_zxbcdt_sizes(zxbcdt.shape[-1], conv1d_weight.shape[0], D, headdim, ngroups)
     if outproj_weight is None and outproj_bias is not None:
         raise ValueError("outproj_bias given without outproj_weight")
+    # Checked here, before the conv runs (the SSD's own checks come after it).
+    b, L = zxbcdt.shape[:2]
+    if seq_idx is not None and (tuple(seq_idx.shape) != (b, L) or seq_idx.dtype.is_floating_point):
+        raise ValueError(
+            f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (zxbcdt's first two dims), got "
+            f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
+        )
+    state_shape = (b, nheads, dim // nheads, dstate)
+    if initial_states is not None and tuple(initial_states.shape) != state_shape:
+        raise ValueError(
+            f"initial_states must be [batch, nheads, headdim, dstate] = {state_shape}, "
+            f"got {tuple(initial_states.shape)}"
+        )
     s = _Sizes(
         d_nonssm=d_nonssm,
         dim=dim,
