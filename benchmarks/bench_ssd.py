@@ -80,6 +80,7 @@ TUNE_VARIANTS = {
     "scan_k64_w8": dict(scan_k=64, scan_warps=8),
     "dx_w8": dict(dx_warps=8),
     "dc_w8": dict(dc_warps=8),
+    "dc_s2": dict(dc_stages=2),  # kernel_resources: 4 warps, 3 stages spill 40 bytes in dCB; 2 stages do not
     "hpp4": dict(heads_per_prog=4),
     "hpp16": dict(heads_per_prog=16),
     "hpp32": dict(heads_per_prog=32),
