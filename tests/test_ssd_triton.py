@@ -313,8 +313,6 @@ def check_fp16_gate_dD(b, L, H, P, G, N, seed, chunk_size):
 def fp16_model_inputs(b, L, H, P, N, seq: bool, seed: int, dtype=torch.float16, init: bool = False):
     """Inputs as the model draws them (dt around softplus^-1 of [1e-3, 0.1], A in [-16, -1]), rounded to ``dtype``,
     with documents (seq) and a float64 output cotangent gy. Also benchmarks/ssd_numerics_cpu.py's inputs."""
-    import math
-
     gen = torch.Generator().manual_seed(seed)
     dt0 = torch.exp(torch.rand(H, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
     inp = dict(
@@ -493,10 +491,10 @@ def test_fused_path_contract_under_triton_backend():
 
 def test_fused_path_contract_states_nonssm_no_norm():
     """The same with initial / final states (the CP path), a non-SSM part (d_nonssm), the plain z gate instead of
-    the norm, no out_proj, two groups."""
+    the norm, no out_proj, two groups, and the per-head backward for dB / dC (copied into the mixer's buffer)."""
     interpret(
         b=2, L=40, H=4, P=16, G=2, N=16, seed=5, chunk_size=16, split_path=True,
-        d_nonssm=8, norm=False, outproj=False, init_final=True,
+        d_nonssm=8, norm=False, outproj=False, init_final=True, config=dict(bc_mode="per_head"),
     )  # fmt: skip
 
 
