@@ -81,6 +81,9 @@ TUNE_VARIANTS = {
     "dx_w8": dict(dx_warps=8),
     "dc_w8": dict(dc_warps=8),
     "dc_s2": dict(dc_stages=2),  # kernel_resources: 4 warps, 3 stages spill 40 bytes in dCB; 2 stages do not
+    # Session 9: dx holds only its accumulator through the inner loop (105 registers at 8 warps: 2 programs per SM).
+    "dx_w8_dc_w8": dict(dx_warps=8, dc_warps=8),
+    "dx_w8_s2": dict(dx_warps=8, dx_stages=2),
     "hpp4": dict(heads_per_prog=4),
     "hpp16": dict(heads_per_prog=16),
     "hpp32": dict(heads_per_prog=32),

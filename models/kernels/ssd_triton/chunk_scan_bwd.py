@@ -92,28 +92,11 @@ def chunk_scan_bwd_dx_kernel(
         seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
         keep_k = keep_k & (seq_k == seq_last)
 
-    # Chunk-state term: B_s · dHᵀ over N.
-    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l
-    dH_base = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[None, :] * N
+    # Intra-chunk term first: only its accumulator is live in this loop (x_k and the chunk-state term come after),
+    # which keeps the kernel at 105 registers with 8 warps (218 when x_k was held through it; kernel_resources.py).
+    # (l >= s). The loop's offsets are int32 within the chunk (bases hold the int64 parts), and with EVEN (whole tiles
+    # everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise outnumbers the product.
     acc = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        b_tile = tl.load(B_base + offs_n[None, :] * s_b_n, mask=valid_k[:, None] & mask_n[None, :], other=0.0)
-        dHT = tl.load(dH_base + offs_n[:, None], mask=mask_n[:, None] & mask_p[None, :], other=0.0)
-        acc += tl.dot(b_tile, dHT.to(b_tile.dtype), input_precision=PREC)
-    acc = acc * tl.where(keep_k, tl.exp(a_last - a_k), 0.0)[:, None]
-    mask_kp = valid_k[:, None] & mask_p[None, :]
-    x_k = tl.load(
-        x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-        mask=mask_kp,
-        other=0.0,
-    ).to(tl.float32)
-    tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
-
-    # Intra-chunk term, l >= s. The loop's offsets are int32 within the chunk (bases hold the int64 parts), and with
-    # EVEN (whole tiles everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise
-    # outnumbers the product itself.
     dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t0.to(tl.int64) * s_y_l
     CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
     for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
@@ -132,6 +115,26 @@ def chunk_scan_bwd_dx_kernel(
             dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
         wT = cbT * tl.exp2(tl.minimum(a_m[None, :] * LOG2E - a2_k[:, None], 0.0))
         acc += tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
+
+    # Chunk-state term: B_s · dHᵀ over N.
+    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l
+    dH_base = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[None, :] * N
+    acc_h = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        b_tile = tl.load(B_base + offs_n[None, :] * s_b_n, mask=valid_k[:, None] & mask_n[None, :], other=0.0)
+        dHT = tl.load(dH_base + offs_n[:, None], mask=mask_n[:, None] & mask_p[None, :], other=0.0)
+        acc_h += tl.dot(b_tile, dHT.to(b_tile.dtype), input_precision=PREC)
+    acc_h = acc_h * tl.where(keep_k, tl.exp(a_last - a_k), 0.0)[:, None]
+    mask_kp = valid_k[:, None] & mask_p[None, :]
+    x_k = tl.load(
+        x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+        mask=mask_kp,
+        other=0.0,
+    ).to(tl.float32)
+    tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc_h * x_k, axis=1), mask=offs_k < Q)
+    acc += acc_h
 
     ddt_k = tl.sum(acc * x_k, axis=1)
     tl.store(ddt_ptr + head_q + offs_k, ddt_k, mask=offs_k < Q)

@@ -190,9 +190,9 @@ def _dcb_tile(
             dy_m = tl.load(dy_ptrs, mask=valid_m[:, None] & (offs_p < P)[None, :], other=0.0)
             xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
         dyx = tl.dot(dy_m, xT, input_precision=PREC)
+        # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
+        # keeps dcb finite there; the sum over heads is masked once below, not per head.
         dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
-        if MASKED:
-            dcb = tl.where(keep, dcb, 0.0)
         dcb_acc += dcb
         M = dcb * cb
         r = tl.sum(M, axis=1)  # at positions offs_m
@@ -202,5 +202,7 @@ def _dcb_tile(
         else:
             tl.store(R_rows + head_q + offs_m, r, mask=offs_m < Q)
             tl.store(R_cols + head_q + offs_k, -col, mask=in_k)
+    if MASKED:
+        dcb_acc = tl.where(keep, dcb_acc, 0.0)
     dCB_tile = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q
     tl.store(dCB_tile + offs_m[:, None] * Q + offs_k[None, :], dcb_acc, mask=in_tile)
