@@ -45,11 +45,13 @@ class Model:
     )
     kernels: str = doc(
         "auto",
-        "auto: mamba_ssm / causal_conv1d kernels on CUDA, pure-PyTorch references on CPU; "
-        "reference: the references everywhere (slow, for debugging); "
-        "triton: our own Triton SSD kernels (models/kernels/ssd_triton) for the chunked scan on CUDA, every other "
-        "kernel as auto (correct, not yet faster than mamba_ssm: docs/performance.md).",
-        choices=("auto", "reference", "triton"),
+        "auto: on CUDA our own Triton SSD kernels and fused mixer (models/kernels/ssd_triton; ~0.9x mamba_ssm's "
+        "GPU time, docs/performance.md) with causal_conv1d / mamba_ssm for the conv and the norms; on CPU the "
+        "pure-PyTorch references; "
+        "triton: as auto, but an error where our kernels cannot run; "
+        "mamba_ssm: the mamba_ssm / causal_conv1d kernels for everything (auto before 2026-11-23), or an error; "
+        "reference: the references everywhere (slow, for debugging).",
+        choices=("auto", "triton", "mamba_ssm", "reference"),
     )
 
 

@@ -1,6 +1,7 @@
 """The pure-PyTorch kernel references against naive per-token loops (float64), forward and gradients."""
 
 import sys
+import types
 
 import pytest
 import torch
@@ -13,11 +14,14 @@ from models.kernels import (
     causal_conv1d_ref,
     mamba_split_conv1d_scan,
     mamba_split_conv1d_scan_ref,
+    ops,
     rmsnorm_gated,
     rmsnorm_gated_ref,
     ssd_chunk_scan,
     ssd_chunk_scan_ref,
+    ssd_triton,
 )
+from models.kernels import cuda as kcuda
 
 F64 = torch.float64
 INF = float("inf")
@@ -522,8 +526,9 @@ def test_dispatch_on_cpu():
         torch.testing.assert_close(
             ssd_call(ssd_chunk_scan, inp, 8, backend=backend), ssd_call(ssd_chunk_scan_ref, inp, 8)
         )
-    with pytest.raises(ValueError, match="CUDA tensors"):
-        ssd_call(ssd_chunk_scan, inp, 8, backend="cuda")
+    for strict in ("mamba_ssm", "cuda"):  # "cuda": the older name of "mamba_ssm"
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            ssd_call(ssd_chunk_scan, inp, 8, backend=strict)
     with pytest.raises(ValueError, match="CUDA tensors"):
         ssd_call(ssd_chunk_scan, inp, 8, backend="triton")  # ours, CUDA only (CPU: tests/test_ssd_triton.py)
     with pytest.raises(ValueError, match="unknown"):
@@ -538,6 +543,28 @@ def test_dispatch_on_cpu():
     assert callable(mamba_split_conv1d_scan)
     # Importing the kernel layer must never import mamba_ssm / causal_conv1d.
     assert "mamba_ssm" not in sys.modules and "causal_conv1d" not in sys.modules
+
+
+def test_auto_picks_our_triton_ssd_on_cuda(monkeypatch):
+    """Which SSD each backend picks for a CUDA tensor (a stand-in object: this runs without a GPU)."""
+    on_gpu = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    monkeypatch.setattr(ssd_triton, "triton_available", lambda: True)
+    monkeypatch.setattr(kcuda, "cuda_kernels_available", lambda: True)
+    assert ops.use_triton_ssd("auto", on_gpu) and ops.use_triton_ssd("triton", on_gpu)
+    assert not ops.use_triton_ssd("mamba_ssm", on_gpu) and not ops.use_triton_ssd("reference", on_gpu)
+    assert ops.use_cuda_kernels("auto", on_gpu) and ops.use_cuda_kernels("mamba_ssm", on_gpu)  # conv / norms
+    cpu = torch.zeros(1)
+    assert not ops.use_triton_ssd("auto", cpu) and not ops.use_cuda_kernels("auto", cpu)
+    # Without triton, "auto" falls back to mamba_ssm's SSD; "triton" says why it can't run.
+    monkeypatch.setattr(ssd_triton, "triton_available", lambda: False)
+    monkeypatch.setattr(ssd_triton, "triton_import_error", lambda: "ImportError: no triton")
+    assert not ops.use_triton_ssd("auto", on_gpu) and ops.use_cuda_kernels("auto", on_gpu)
+    with pytest.raises(RuntimeError, match="triton does not import.*mamba_ssm"):
+        ops.use_triton_ssd("triton", on_gpu)
+    monkeypatch.setattr(kcuda, "cuda_kernels_available", lambda: False)
+    monkeypatch.setattr(kcuda, "cuda_kernels_import_error", lambda: "ImportError: no mamba_ssm")
+    with pytest.raises(RuntimeError, match="mamba_ssm / causal_conv1d kernels are unavailable"):
+        ops.use_cuda_kernels("mamba_ssm", on_gpu)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -148,8 +148,17 @@ def flex_attention_core(q_BSHD, k_BSHD, v_BSHD, seq_idx_BS, scale: float) -> tor
     if seq_idx_BS is None:
         seq_idx_BS = torch.zeros(b, s, dtype=torch.int32, device=q_BSHD.device)
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BSHD, v_BSHD))
+    # FORCE_USE_FLEX_ATTENTION: below 128 query rows (a short prompt's prefill) inductor would pick its flex-decoding
+    # kernel, for which torch 2.11 finds no valid config on an H100 ("NoValidChoicesError", a 67-token prefill of
+    # the hybrid model, tests/gpu/test_decode_gpu.py); the main kernel serves every length.
     o = _compiled_flex(
-        q, k, v, block_mask=_flex_block_mask(seq_idx_BS), scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        q,
+        k,
+        v,
+        block_mask=_flex_block_mask(seq_idx_BS),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options={"FORCE_USE_FLEX_ATTENTION": True},
     )
     return o.transpose(1, 2)
 

@@ -1,9 +1,9 @@
 """The one-token ops of recurrent decoding: mamba_ssm / causal_conv1d step kernels on CUDA, references elsewhere.
 
 ``backend`` means what it means in models.kernels.ops: "auto" (the kernels for CUDA tensors when they import,
-else the reference), "reference", "cuda" (the kernels or a clear error), "triton" (our Triton kernels have no
-step kernel: as "auto"). The kernels are imported on first use, never at module import, by models/kernels/cuda.py's
-loader (with the training kernels: one import, one cached error).
+else the reference), "reference", "mamba_ssm" or its older name "cuda" (the kernels or a clear error), "triton"
+(our Triton kernels have no step kernel: as "auto"). The kernels are imported on first use, never at module
+import, by models/kernels/cuda.py's loader (with the training kernels: one import, one cached error).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from models.kernels.step_reference import causal_conv1d_update_ref, selective_st
 
 __all__ = ["selective_state_update", "causal_conv1d_update"]
 
-BACKENDS = ("auto", "reference", "cuda", "triton")
+BACKENDS = ("auto", "triton", "mamba_ssm", "reference", "cuda")
 
 
 def _use_kernels(backend: str, t: torch.Tensor) -> bool:
@@ -24,12 +24,12 @@ def _use_kernels(backend: str, t: torch.Tensor) -> bool:
         return False
     if backend in ("auto", "triton"):
         return t.is_cuda and cuda_kernels_available()
-    if backend == "cuda":
+    if backend in ("mamba_ssm", "cuda"):
         if not t.is_cuda:
-            raise ValueError(f"backend='cuda' needs CUDA tensors, got a tensor on {t.device}; use backend='auto'")
+            raise ValueError(f"backend={backend!r} needs CUDA tensors, got a tensor on {t.device}; use backend='auto'")
         if not cuda_kernels_available():
             raise RuntimeError(
-                f"backend='cuda' but the step kernels are unavailable ({cuda_kernels_import_error()}); install "
+                f"backend={backend!r} but the step kernels are unavailable ({cuda_kernels_import_error()}); install "
                 "mamba-ssm and causal-conv1d, or use backend='auto' / 'reference'"
             )
         return True

@@ -225,7 +225,8 @@ class Mamba2LM(nn.Module):
             )
 
     def set_kernel_backend(self, backend: str) -> None:
-        """'auto', 'triton' or 'reference' for the Mamba mixers and the norms (see model.kernels).
+        """'auto', 'triton', 'mamba_ssm' or 'reference' for the Mamba mixers and the norms (see model.kernels; the
+        ops also take 'cuda', the older name of 'mamba_ssm').
 
         Attention and experts have their own backends (sdpa / flex / flash, grouped_mm / loop) and keep "auto".
         """

@@ -3,8 +3,9 @@
 1. mamba_ssm's selective_state_update and causal_conv1d's causal_conv1d_update against the step references
    (models/kernels/step_reference.py) over several steps, fp32 and bf16: the reference runs in float64 on the
    same (already rounded) inputs, so the error measured is the kernel's own.
-2. The model's decode steps (step kernels, forced with backend "cuda") against its parallel forward (the fused
-   training kernels), for the Mamba and the hybrid debug models, and a left-padded batch against single prompts.
+2. The model's decode steps (step kernels) against its parallel forward (the fused training kernels: ours under
+   backend "auto", mamba_ssm's under "mamba_ssm"), for the Mamba and the hybrid debug models, and a left-padded
+   batch against single prompts.
 
 Errors are relative: ||got - want|| / ||want|| for the ops, max |got - want| / max |want| for logits.
 Skipped without CUDA or without the step kernels.
@@ -93,9 +94,11 @@ def test_causal_conv1d_update_kernel_matches_reference(dtype):
         assert torch.equal(state_k.double(), state_r), f"step {step}: the shifted state differs"
 
 
-def cuda_model(flavor: str, dtype: torch.dtype):
+def cuda_model(flavor: str, dtype: torch.dtype, backend: str = "auto"):
+    """backend "auto": our Triton SSD for the parallel forward and the prefill (final states), mamba_ssm's step
+    kernels; "mamba_ssm": mamba_ssm's kernels for both, or an error."""
     model = copy.deepcopy(perturbed_model(flavor)).to(device=DEV, dtype=dtype)
-    model.set_kernel_backend("cuda")  # the step kernels and the fused forward, or an error
+    model.set_kernel_backend(backend)
     return model
 
 
@@ -106,8 +109,9 @@ def max_rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("flavor", ["debug", "hybrid_moe_debug"])
 @pytest.mark.parametrize("k", [70, 2])  # crosses two chunk boundaries; shorter than d_conv - 1
-def test_decode_steps_match_the_parallel_forward_on_cuda(flavor, dtype, k):
-    model = cuda_model(flavor, dtype)
+@pytest.mark.parametrize("backend", ["auto", "mamba_ssm"])
+def test_decode_steps_match_the_parallel_forward_on_cuda(flavor, dtype, k, backend):
+    model = cuda_model(flavor, dtype, backend)
     ids_BS = tokens(2, k + 8, seed=k).to(DEV)
     with torch.no_grad():
         want_BSV = model(ids_BS)

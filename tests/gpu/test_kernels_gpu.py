@@ -331,5 +331,6 @@ def test_fused_equals_unfused_kernels():
 
 def test_auto_backend_uses_kernels_on_cuda():
     t = torch.zeros(1, device=DEV)
-    assert ops.use_cuda_kernels("auto", t) and ops.use_cuda_kernels("cuda", t)
+    assert ops.use_cuda_kernels("auto", t) and ops.use_cuda_kernels("cuda", t) and ops.use_cuda_kernels("mamba_ssm", t)
+    assert ops.use_triton_ssd("auto", t) and not ops.use_triton_ssd("mamba_ssm", t)  # auto: our SSD on CUDA
     assert not ops.use_cuda_kernels("auto", t.cpu()) and not ops.use_cuda_kernels("reference", t)

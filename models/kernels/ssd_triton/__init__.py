@@ -1,4 +1,5 @@
-"""Our Triton kernels for the chunked SSD (Mamba-2), forward and backward: model.kernels = "triton".
+"""Our Triton kernels for the chunked SSD (Mamba-2), forward and backward: model.kernels "auto" on CUDA
+(or "triton", which insists).
 
 Same signature and semantics as models.kernels.ssd_reference.ssd_chunk_scan_ref (and mamba_ssm's
 mamba_chunk_scan_combined). Triton is imported only when a kernel is first used, so a machine without
@@ -39,7 +40,9 @@ def ssd_chunk_scan_triton(*args, **kwargs):
     """See models.kernels.ssd_triton.autograd.ssd_chunk_scan_triton (imported here on first use)."""
     err = triton_import_error()
     if err is not None:
-        raise RuntimeError(f"the triton SSD kernels need triton ({err}); pip install triton, or use model.kernels=auto")
+        raise RuntimeError(
+            f"the triton SSD kernels need triton ({err}); pip install triton, or use model.kernels=mamba_ssm"
+        )
     from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton as fn  # lazy: imports triton
 
     return fn(*args, **kwargs)
