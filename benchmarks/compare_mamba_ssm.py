@@ -11,7 +11,9 @@ For every size, two subprocesses run one after the other (each starts with an em
           script re-run with --_worker theirs.
   ours    train.py with the size's config on the embedded corpus (packed documents, so the kernels also handle
           seq_idx), vocabulary from the flavor (50277 padded to 16 = 50288), checkpoints, validation and
-          TensorBoard off, metrics every step; anything after `--` is passed on (e.g. --compile.enable true).
+          TensorBoard off, metrics every step, model.kernels from the config (auto: our Triton SSD on CUDA; add
+          --variant='--model.kernels mamba_ssm' for mamba_ssm's kernels in our trainer); anything after `--` is
+          passed on (e.g. --compile.enable true).
 Both run N warm-up + M timed steps at the same batch: 370m 8 x 2048, 1.3b 4 x 4096 (seq_len overridden).
 Throughput is over the timed steps (total tokens / total time); memory is torch.cuda.max_memory_allocated.
 MFU is reported on two FLOP counts, for both sides alike: "6N" (6 x the matmul parameters a token uses, lm_head
