@@ -84,6 +84,11 @@ TUNE_VARIANTS = {
     # Session 9: dx holds only its accumulator through the inner loop (105 registers at 8 warps: 2 programs per SM).
     "dx_w8_dc_w8": dict(dx_warps=8, dc_warps=8),
     "dx_w8_s2": dict(dx_warps=8, dx_stages=2),
+    # dx with two heads per program: the group's CBᵀ and B tiles read once for both.
+    "dx_h1": dict(dx_heads=1),
+    "dx_h2": dict(dx_heads=2),
+    "dx_h2_w8": dict(dx_heads=2, dx_warps=8),
+    "dx_h2_s2": dict(dx_heads=2, dx_stages=2),
     "hpp4": dict(heads_per_prog=4),
     "hpp16": dict(heads_per_prog=16),
     "hpp32": dict(heads_per_prog=32),

@@ -406,6 +406,12 @@ def test_documents_initial_states_two_groups_remainder():
     interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=0, seq_cuts=CUTS, call=dict(chunk_size=16))
 
 
+def test_odd_heads_per_group_one_head_per_dx_program():
+    """3 heads per group (H 6, ngroups 2): dx cannot pair heads within a group and runs one head per program; every
+    other case here has an even count and pairs them (config dx_heads 2)."""
+    interpret(b=1, L=40, H=6, P=16, G=2, N=16, seed=6, seq_cuts=[[9, 30]], call=dict(chunk_size=16))
+
+
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
 # diagonal run (with the default tiles a chunk of 32 or less is one block, and only the diagonal one would).
 SMALL_TILES = dict(

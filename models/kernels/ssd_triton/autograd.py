@@ -183,7 +183,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
-    chunk_scan_bwd_dx_kernel[(b * NC * H, n_k)](
+    dx_heads = cfg.dx_heads if cfg.dx_heads in (1, 2) and (H // G) % cfg.dx_heads == 0 else 1
+    chunk_scan_bwd_dx_kernel[(b * NC * H // dx_heads, n_k)](
         CBT,
         x,
         dt_p,
@@ -212,6 +213,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
         EVEN=whole_tiles(L, Q, P, BP, cfg.dx_k, cfg.dx_m),
+        HEADS=dx_heads,
         BLOCK_K=cfg.dx_k,
         BLOCK_M=cfg.dx_m,
         BLOCK_P=BP,

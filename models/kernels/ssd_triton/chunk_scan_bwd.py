@@ -8,7 +8,9 @@ For position s of chunk c, head h (dy: the gradient of y; dH: the gradient of th
     dD   += dy_s · x_s           (partial sums per program, reduced on the host)
 and q_s = dt_s (chunk-state part of acc_s) · x_s, whose exclusive prefix sum over s is the chunk-state
 term of the decay gradient (autograd.py).
-One program per (batch, chunk, head, block of s), holding all of P so ddt_s is complete. The intra-chunk loop reads
+One program per (batch, chunk, block of s) and HEADS consecutive heads of one group (1 or 2), holding all of P so
+ddt_s is complete. With 2 heads the group's tiles (CBᵀ, B) are loaded once for both: CBᵀ in float32 is the largest
+stream this kernel reads (every head re-reads it), so pairs halve it. The intra-chunk loop reads
 CBᵀ (cb_fwd writes it for the backward, zero above the diagonal and across documents) and carries no per-element
 mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's instructions than the product
 (711 SASS instructions per iteration with them, 290 without; docs/performance.md).
@@ -63,6 +65,7 @@ def chunk_scan_bwd_dx_kernel(
     D_HAS_HDIM: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -70,63 +73,111 @@ def chunk_scan_bwd_dx_kernel(
 ):
     pid_bch = tl.program_id(0)
     pid_k = tl.program_id(1)
-    h = pid_bch % H
-    c = (pid_bch // H) % NC
-    b = pid_bch // (H * NC)
-    g = h // (H // G)
+    h0 = (pid_bch % (H // HEADS)) * HEADS
+    c = (pid_bch // (H // HEADS)) % NC
+    b = pid_bch // ((H // HEADS) * NC)
+    g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     t0 = c * Q
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     valid_k = (offs_k < Q) & (t0 + offs_k < L)
     t_k = (t0 + offs_k).to(tl.int64)
-    head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
-    dA_base = dA_ptr + head_q
-    a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-    dt_k = tl.load(dt_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
-    a_last = tl.load(dA_base + Q - 1)
-    a2_k = a_k * LOG2E  # exp(u) = exp2(u log2 e): one MUFU.EX2 per element, without exp's range fix-ups
     keep_k = valid_k
     if HAS_SEQ:
         seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t_k, mask=valid_k, other=-1)
         seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
         keep_k = keep_k & (seq_k == seq_last)
+    head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
+    head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
+    # exp(u) = exp2(u log2 e): one MUFU.EX2 per element, without exp's range fix-ups
+    a2_k0 = tl.load(dA_ptr + head_q0 + offs_k, mask=offs_k < Q, other=0.0) * LOG2E
+    dy_chunk0 = dy_ptr + b.to(tl.int64) * s_y_b + h0 * s_y_h + t0.to(tl.int64) * s_y_l
+    if HEADS == 2:
+        a2_k1 = tl.load(dA_ptr + head_q1 + offs_k, mask=offs_k < Q, other=0.0) * LOG2E
+        dy_chunk1 = dy_chunk0 + s_y_h
 
-    # Intra-chunk term first: only its accumulator is live in this loop (x_k and the chunk-state term come after),
-    # which keeps the kernel at 105 registers with 8 warps (218 when x_k was held through it; kernel_resources.py).
-    # (l >= s). The loop's offsets are int32 within the chunk (bases hold the int64 parts), and with EVEN (whole tiles
+    # Intra-chunk term first (l >= s): only its accumulators are live in this loop (x and the chunk-state term come
+    # after), which keeps one head at 105 registers with 8 warps (218 when x was held through it; kernel_resources.py).
+    # The loop's offsets are int32 within the chunk (bases hold the int64 parts), and with EVEN (whole tiles
     # everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise outnumbers the product.
-    acc = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
-    dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t0.to(tl.int64) * s_y_l
+    acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    if HEADS == 2:
+        acc1 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
     CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
     for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
-        dy_ptrs = dy_chunk + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
+        dy_offs = offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
         # CB is 0 above the diagonal, across documents and past the end (cb_fwd): no mask here, and the clamp keeps
         # the decay finite where CB is 0. CBᵀ's rows are contiguous, so its loads are vectorised.
         if EVEN:
-            a_m = tl.load(dA_base + offs_m)
             cbT = tl.load(cb_ptrs)
-            dy_m = tl.load(dy_ptrs)
         else:
-            a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
             cbT = tl.load(cb_ptrs, mask=(offs_k < Q)[:, None] & (offs_m < Q)[None, :], other=0.0)
-            dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
-        wT = cbT * tl.exp2(tl.minimum(a_m[None, :] * LOG2E - a2_k[:, None], 0.0))
-        acc += tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
+        acc0 = _intra_tile(
+            acc0, cbT, dA_ptr + head_q0, dy_chunk0 + dy_offs, a2_k0, offs_m, t0, L, Q, mask_p, EVEN, PREC
+        )
+        if HEADS == 2:
+            acc1 = _intra_tile(
+                acc1, cbT, dA_ptr + head_q1, dy_chunk1 + dy_offs, a2_k1, offs_m, t0, L, Q, mask_p, EVEN, PREC
+            )
 
-    # Chunk-state term: B_s · dHᵀ over N.
+    # Chunk-state term: B_s · dHᵀ over N (B is the group's: loaded once for both heads).
     B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l
-    dH_base = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[None, :] * N
-    acc_h = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    dH_base0 = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[None, :] * N
+    acc_h0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    if HEADS == 2:
+        acc_h1 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         b_tile = tl.load(B_base + offs_n[None, :] * s_b_n, mask=valid_k[:, None] & mask_n[None, :], other=0.0)
-        dHT = tl.load(dH_base + offs_n[:, None], mask=mask_n[:, None] & mask_p[None, :], other=0.0)
-        acc_h += tl.dot(b_tile, dHT.to(b_tile.dtype), input_precision=PREC)
-    acc_h = acc_h * tl.where(keep_k, tl.exp(a_last - a_k), 0.0)[:, None]
+        dH_mask = mask_n[:, None] & mask_p[None, :]
+        dHT0 = tl.load(dH_base0 + offs_n[:, None], mask=dH_mask, other=0.0)
+        acc_h0 += tl.dot(b_tile, dHT0.to(b_tile.dtype), input_precision=PREC)
+        if HEADS == 2:
+            dHT1 = tl.load(dH_base0 + P * N + offs_n[:, None], mask=dH_mask, other=0.0)
+            acc_h1 += tl.dot(b_tile, dHT1.to(b_tile.dtype), input_precision=PREC)
+
+    # fmt: off
+    _dx_epilogue(
+        acc0, acc_h0, x_ptr, dt_ptr, dA_ptr, dy_ptr, D_ptr, dx_ptr, ddt_ptr, q_ptr, dD_ptr, b, c, h0, pid_k, head_q0,
+        a2_k0, keep_k, valid_k, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_x_b, s_x_h, s_x_l, s_x_p, s_y_b, s_y_h,
+        s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
+    )
+    if HEADS == 2:
+        _dx_epilogue(
+            acc1, acc_h1, x_ptr, dt_ptr, dA_ptr, dy_ptr, D_ptr, dx_ptr, ddt_ptr, q_ptr, dD_ptr, b, c, h0 + 1, pid_k,
+            head_q1, a2_k1, keep_k, valid_k, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_x_b, s_x_h, s_x_l, s_x_p,
+            s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
+        )
+    # fmt: on
+
+
+@triton.jit
+def _intra_tile(acc, cbT, dA_head, dy_ptrs, a2_k, offs_m, t0, L, Q, mask_p, EVEN: tl.constexpr, PREC: tl.constexpr):
+    """acc += (CBᵀ ∘ exp(a_l - a_s)) · dy over one block of l, for one head."""
+    if EVEN:
+        a_m = tl.load(dA_head + offs_m)
+        dy_m = tl.load(dy_ptrs)
+    else:
+        a_m = tl.load(dA_head + offs_m, mask=offs_m < Q, other=0.0)
+        dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
+    wT = cbT * tl.exp2(tl.minimum(a_m[None, :] * LOG2E - a2_k[:, None], 0.0))
+    return acc + tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
+
+
+@triton.jit
+def _dx_epilogue(
+    acc, acc_h, x_ptr, dt_ptr, dA_ptr, dy_ptr, D_ptr, dx_ptr, ddt_ptr, q_ptr, dD_ptr, b, c, h, pid_k, head_q, a2_k,
+    keep_k, valid_k, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_x_b, s_x_h, s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p,
+    s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
+):  # fmt: skip
+    """One head's outputs: the chunk-state term scaled and added, then q, ddt, dx (+ D dy) and dD's partial sums."""
+    dt_k = tl.load(dt_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
+    a2_last = tl.load(dA_ptr + head_q + Q - 1) * LOG2E
+    acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
     mask_kp = valid_k[:, None] & mask_p[None, :]
     x_k = tl.load(
         x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
@@ -135,20 +186,20 @@ def chunk_scan_bwd_dx_kernel(
     ).to(tl.float32)
     tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc_h * x_k, axis=1), mask=offs_k < Q)
     acc += acc_h
-
-    ddt_k = tl.sum(acc * x_k, axis=1)
-    tl.store(ddt_ptr + head_q + offs_k, ddt_k, mask=offs_k < Q)
+    tl.store(ddt_ptr + head_q + offs_k, tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
     dx = acc * dt_k[:, None]
-    dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
     if HAS_D:
-        dy_k = tl.load(dy_base + t_k[:, None] * s_y_l + offs_p[None, :] * s_y_p, mask=mask_kp, other=0.0)
-        dy_k = dy_k.to(tl.float32)
+        dy_k = tl.load(
+            dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_k[:, None] * s_y_l + offs_p[None, :] * s_y_p,
+            mask=mask_kp,
+            other=0.0,
+        ).to(tl.float32)
         if D_HAS_HDIM:
             dx += dy_k * tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)[None, :]
         else:
             dx += dy_k * tl.load(D_ptr + h)
         # dD partial sums: [B * NC * H, num_k_blocks, P], reduced on the host.
-        dD_base = dD_ptr + (pid_bch.to(tl.int64) * tl.num_programs(1) + pid_k) * P
+        dD_base = dD_ptr + (((b.to(tl.int64) * NC + c) * H + h) * tl.num_programs(1) + pid_k) * P
         tl.store(dD_base + offs_p, tl.sum(dy_k * x_k, axis=0), mask=mask_p)
     tl.store(
         dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,

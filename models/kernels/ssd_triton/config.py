@@ -42,6 +42,7 @@ class BlockConfig:
     dx_n: int
     dx_warps: int
     dx_stages: int
+    # (dx_heads: heads per dx program, declared with the defaults at the end)
     # dC (+ decay terms): block of l (in "grouped" mode also the inner block of s: its tiles are square, and
     # bc_finish's), inner blocks of s in "per_head" mode (dc_k).
     dc_m: int
@@ -73,6 +74,9 @@ class BlockConfig:
     # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
     # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
     bc_mode: str = "grouped"
+    # Heads per dx program (1 or 2, consecutive heads of one group): with 2 the group's CBᵀ and B tiles are read once
+    # for both heads (chunk_scan_bwd.py). A value that does not divide the heads per group falls back to 1.
+    dx_heads: int = 2
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
