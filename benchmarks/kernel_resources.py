@@ -102,6 +102,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             HAS_D=True,
             D_HAS_HDIM=False,
             EVEN=True,
+            HEADS=cfg.scan_heads,
             BLOCK_M=cfg.scan_m,
             BLOCK_K=cfg.scan_k,
             BLOCK_P=cfg.scan_p,

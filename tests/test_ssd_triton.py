@@ -407,8 +407,9 @@ def test_documents_initial_states_two_groups_remainder():
 
 
 def test_odd_heads_per_group_one_head_per_dx_program():
-    """3 heads per group (H 6, ngroups 2): dx cannot pair heads within a group and runs one head per program; every
-    other case here has an even count and pairs them (config dx_heads 2)."""
+    """3 heads per group (H 6, ngroups 2): dx and the chunk scan cannot pair heads within a group and run one head
+    per program; every other case here has an even count and pairs them (config dx_heads, scan_heads 2). Pairing
+    across groups here fails this test (checked by forcing it)."""
     interpret(b=1, L=40, H=6, P=16, G=2, N=16, seed=6, seq_cuts=[[9, 30]], call=dict(chunk_size=16))
 
 

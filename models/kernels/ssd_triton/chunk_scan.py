@@ -3,8 +3,9 @@
     y_l = [seq_l == seq_prev] exp(a_l) C_l S_inᵀ                          (state term, S_in: [P, N])
         + sum_{s <= l, seq_s == seq_l} CB_ls exp(a_l - a_s) dt_s x_s        (intra-chunk term)
         + D x_l
-One program per (batch, chunk, head, block of positions l, block of P); the intra-chunk loop stops at
-the diagonal. CB comes from chunk_cb (shared by the heads of a group), S_in from state_passing.
+One program per (batch, chunk, block of positions l, block of P) and HEADS consecutive heads of one group (1 or 2);
+the intra-chunk loop stops at the diagonal. CB comes from chunk_cb (shared by the heads of a group), S_in from
+state_passing. With 2 heads the group's CB (float32) and C tiles are loaded once for both.
 CB comes in already zeroed above the diagonal and across documents (cb_fwd), so the intra-chunk loop masks
 nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a zero of CB.
 """
@@ -50,6 +51,7 @@ def chunk_scan_fwd_kernel(
     D_HAS_HDIM: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -58,64 +60,99 @@ def chunk_scan_fwd_kernel(
     pid_bch = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_p = tl.program_id(2)
-    h = pid_bch % H
-    c = (pid_bch // H) % NC
-    b = pid_bch // (H * NC)
-    g = h // (H // G)
+    h0 = (pid_bch % (H // HEADS)) * HEADS
+    c = (pid_bch // (H // HEADS)) % NC
+    b = pid_bch // ((H // HEADS) * NC)
+    g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     t0 = c * Q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     valid_m = (offs_m < Q) & (t0 + offs_m < L)
     t_m = (t0 + offs_m).to(tl.int64)
-    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
-    dt_base = dt_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
-    a_m = tl.load(dA_base + offs_m, mask=offs_m < Q, other=0.0)
+    head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
+    head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
+    a2_m0 = tl.load(dA_ptr + head_q0 + offs_m, mask=offs_m < Q, other=0.0) * LOG2E
+    if HEADS == 2:
+        a2_m1 = tl.load(dA_ptr + head_q1 + offs_m, mask=offs_m < Q, other=0.0) * LOG2E
 
-    # State term: C_l · S_in (all N), scaled per position.
+    # State term: C_l · S_in (all N), scaled per position (C is the group's: loaded once for both heads).
     keep_m = valid_m
     if HAS_SEQ:
         seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t_m, mask=valid_m, other=-1)
         prev = tl.load(seq_ptr + b.to(tl.int64) * L + tl.maximum(t0 - 1, 0))
         keep_m = keep_m & (seq_m == tl.where(c > 0, prev, 0))
     C_base = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l
-    S_base = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[None, :] * N
-    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    S_base0 = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[None, :] * N
+    acc0 = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    if HEADS == 2:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         c_tile = tl.load(C_base + offs_n[None, :] * s_c_n, mask=valid_m[:, None] & mask_n[None, :], other=0.0)
-        sT_tile = tl.load(S_base + offs_n[:, None], mask=mask_n[:, None] & mask_p[None, :], other=0.0)
-        acc += tl.dot(c_tile, sT_tile.to(c_tile.dtype), input_precision=PREC)
-    acc = acc * tl.where(keep_m, tl.exp(a_m), 0.0)[:, None]
+        s_mask = mask_n[:, None] & mask_p[None, :]
+        sT0 = tl.load(S_base0 + offs_n[:, None], mask=s_mask, other=0.0)
+        acc0 += tl.dot(c_tile, sT0.to(c_tile.dtype), input_precision=PREC)
+        if HEADS == 2:
+            sT1 = tl.load(S_base0 + P * N + offs_n[:, None], mask=s_mask, other=0.0)
+            acc1 += tl.dot(c_tile, sT1.to(c_tile.dtype), input_precision=PREC)
+    acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_m0), 0.0)[:, None]
+    if HEADS == 2:
+        acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_m1), 0.0)[:, None]
 
     # Intra-chunk term, s <= l. CB is 0 above the diagonal, across documents and past the end (cb_fwd), so the
     # weights need no mask, only the clamp that keeps the decay finite where CB is 0; offsets within the chunk are
     # int32, and with EVEN (whole tiles) the loads carry no masks (kernel docstring of chunk_scan_bwd).
-    a2_m = a_m * LOG2E
-    x_chunk = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t0.to(tl.int64) * s_x_l
+    x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     CB_rows = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
     hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
     for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_chunk + offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
+        x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
         if EVEN:
-            a_k = tl.load(dA_base + offs_k)
-            dt_k = tl.load(dt_base + offs_k)
             cb = tl.load(CB_rows + offs_k[None, :])
-            x_tile = tl.load(x_ptrs)
         else:
-            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-            dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
             cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
-            valid_k = (offs_k < Q) & (t0 + offs_k < L)
-            x_tile = tl.load(x_ptrs, mask=valid_k[:, None] & mask_p[None, :], other=0.0)
-        w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
-        acc += tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
+        acc0 = _scan_tile(acc0, cb, dA_ptr + head_q0, dt_ptr + head_q0, x_chunk0 + x_offs, a2_m0, offs_k, t0, L, Q,
+                          mask_p, EVEN, PREC)  # fmt: skip
+        if HEADS == 2:
+            acc1 = _scan_tile(acc1, cb, dA_ptr + head_q1, dt_ptr + head_q1, x_chunk0 + s_x_h + x_offs, a2_m1, offs_k,
+                              t0, L, Q, mask_p, EVEN, PREC)  # fmt: skip
 
+    # fmt: off
+    _scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
+                s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+    if HEADS == 2:
+        _scan_store(acc1, x_ptr, D_ptr, y_ptr, b, h0 + 1, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                    s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+    # fmt: on
+
+
+@triton.jit
+def _scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p, EVEN: tl.constexpr,
+               PREC: tl.constexpr):  # fmt: skip
+    """acc += (CB ∘ exp(a_l - a_s) dt_s) · x over one block of s, for one head."""
+    if EVEN:
+        a_k = tl.load(dA_head + offs_k)
+        dt_k = tl.load(dt_head + offs_k)
+        x_tile = tl.load(x_ptrs)
+    else:
+        a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
+        dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
+        valid_k = (offs_k < Q) & (t0 + offs_k < L)
+        x_tile = tl.load(x_ptrs, mask=valid_k[:, None] & mask_p[None, :], other=0.0)
+    w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
+    return acc + tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
+
+
+@triton.jit
+def _scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
+                s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr):  # fmt: skip
+    """One head's output: + D x, stored in y's dtype."""
     if HAS_D:
         x_m = tl.load(
-            x_chunk + offs_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+            x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
             mask=valid_m[:, None] & mask_p[None, :],
             other=0.0,
         )
@@ -124,9 +161,8 @@ def chunk_scan_fwd_kernel(
             acc += x_m.to(tl.float32) * d[None, :]
         else:
             acc += x_m.to(tl.float32) * tl.load(D_ptr + h)
-    y_base = y_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
     tl.store(
-        y_base + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
+        y_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
         acc.to(y_ptr.dtype.element_ty),
         mask=valid_m[:, None] & mask_p[None, :],
     )

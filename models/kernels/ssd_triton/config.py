@@ -77,6 +77,8 @@ class BlockConfig:
     # Heads per dx program (1 or 2, consecutive heads of one group): with 2 the group's CBᵀ and B tiles are read once
     # for both heads (chunk_scan_bwd.py). A value that does not divide the heads per group falls back to 1.
     dx_heads: int = 2
+    # The same for the chunk scan forward (chunk_scan.py): the group's CB and C tiles read once per pair of heads.
+    scan_heads: int = 2
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:

@@ -187,7 +187,8 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     G, N = C.shape[2:]
     NC, Q = dt_p.shape[2:]
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
-    grid = (b * NC * H, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
+    heads = cfg.scan_heads if cfg.scan_heads in (1, 2) and (H // G) % cfg.scan_heads == 0 else 1
+    grid = (b * NC * H // heads, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
     chunk_scan_fwd_kernel[grid](
         CB,
         x,
@@ -212,6 +213,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
         EVEN=whole_tiles(L, Q, P, cfg.scan_p, cfg.scan_m, cfg.scan_k),
+        HEADS=heads,
         BLOCK_M=cfg.scan_m,
         BLOCK_K=cfg.scan_k,
         BLOCK_P=cfg.scan_p,
