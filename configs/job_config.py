@@ -46,8 +46,8 @@ class Model:
     kernels: str = doc(
         "auto",
         "auto: on CUDA our own Triton SSD kernels and fused mixer (models/kernels/ssd_triton; 0.84-0.87x "
-        "mamba_ssm's GPU time, docs/performance.md) with causal_conv1d / mamba_ssm for the conv and the norms; on CPU the "
-        "pure-PyTorch references; "
+        "mamba_ssm's GPU time, docs/performance.md) with causal_conv1d / mamba_ssm for the conv and the norms; "
+        "on CPU the pure-PyTorch references; "
         "triton: as auto, but an error where our kernels cannot run; "
         "mamba_ssm: the mamba_ssm / causal_conv1d kernels for everything (auto before 2026-11-23), or an error; "
         "reference: the references everywhere (slow, for debugging).",
