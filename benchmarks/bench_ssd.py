@@ -90,6 +90,8 @@ TUNE_VARIANTS = {
     "dx_h2_w8": dict(dx_heads=2, dx_warps=8),
     "dx_h2_s2": dict(dx_heads=2, dx_stages=2),
     "scan_h1": dict(scan_heads=1),
+    "state_h2": dict(state_heads=2),
+    "state_h2_w8": dict(state_heads=2, state_warps=8),
     "scan_h2_w8": dict(scan_heads=2, scan_warps=8),
     "scan_h2_k64": dict(scan_heads=2, scan_k=64),
     "hpp4": dict(heads_per_prog=4),

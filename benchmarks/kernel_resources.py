@@ -89,7 +89,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         "chunk_state_fwd",
         chunk_state.chunk_state_fwd_kernel,
         ptrs,
-        dict(**seq, EVEN=True, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k),
+        dict(**seq, EVEN=True, HEADS=cfg.state_heads, BLOCK_P=cfg.state_p, BLOCK_N=cfg.state_n, BLOCK_K=cfg.state_k),
         cfg.state_warps,
         cfg.state_stages,
     )

@@ -407,10 +407,32 @@ def test_documents_initial_states_two_groups_remainder():
 
 
 def test_odd_heads_per_group_one_head_per_dx_program():
-    """3 heads per group (H 6, ngroups 2): dx and the chunk scan cannot pair heads within a group and run one head
-    per program; every other case here has an even count and pairs them (config dx_heads, scan_heads 2). Pairing
-    across groups here fails this test (checked by forcing it)."""
-    interpret(b=1, L=40, H=6, P=16, G=2, N=16, seed=6, seq_cuts=[[9, 30]], call=dict(chunk_size=16))
+    """3 heads per group (H 6, ngroups 2): dx, the chunk scan and the chunk states (asked for pairs here) cannot pair
+    heads within a group and run one head per program; every other case here has an even count and pairs them
+    (config dx_heads, scan_heads 2). Pairing across groups here fails this test (checked by forcing it)."""
+    interpret(
+        b=1,
+        L=40,
+        H=6,
+        P=16,
+        G=2,
+        N=16,
+        seed=6,
+        seq_cuts=[[9, 30]],
+        call=dict(chunk_size=16),
+        config=dict(state_heads=2),
+    )
+
+
+def test_chunk_states_two_heads_per_program():
+    """The chunk states with two heads per program (config state_heads 2, not yet the default): documents, initial
+    and final states, two groups, several position blocks per chunk, a remainder; and whole tiles without documents
+    (the kernel's EVEN path)."""
+    interpret(
+        b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+        config=dict(state_heads=2, state_k=8),
+    )  # fmt: skip
+    interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=dict(state_heads=2))
 
 
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the

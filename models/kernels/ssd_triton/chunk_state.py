@@ -4,7 +4,8 @@ chunk_state_fwd_kernel: the state each chunk builds from its own tokens, at its 
     states[b, c, h] = sum_s [seq_s == seq_last] exp(a_last - a_s) dt_s x_s B_sᵀ      ([P, N], float32)
 chunk_scan_bwd_dstates_kernel: the gradient of the state entering each chunk (through y's state term),
     dS_in[b, c, h] = sum_l [seq_l == seq_prev] exp(a_l) dy_l C_lᵀ                      ([P, N], float32)
-Both are one [P, chunk] x [chunk, N] product per (batch, chunk, head) with a per-position scale;
+Both are one [P, chunk] x [chunk, N] product per (batch, chunk, head) with a per-position scale (the chunk states
+optionally for two heads of a group per program, HEADS 2: the group's B is then read once for both);
 a_* is the within-chunk cumulative sum of dt * A (float32), seq_prev the document of the state
 entering the chunk (0 for the first chunk: the initial state belongs to document 0).
 """
@@ -39,6 +40,7 @@ def chunk_state_fwd_kernel(
     HAS_SEQ: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -46,56 +48,75 @@ def chunk_state_fwd_kernel(
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_n = tl.program_id(2)
-    h = pid_bch % H
-    c = (pid_bch // H) % NC
-    b = pid_bch // (H * NC)
-    g = h // (H // G)
+    h0 = (pid_bch % (H // HEADS)) * HEADS
+    c = (pid_bch // (H // HEADS)) % NC
+    b = pid_bch // ((H // HEADS) * NC)
+    g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     t0 = c * Q
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
-    dt_base = dt_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
-    a_last = tl.load(dA_base + Q - 1)
+    head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
+    head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
     if HAS_SEQ:
         seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
+    else:
+        seq_last = 0
     # Offsets within the chunk are int32 (the bases hold the int64 parts); with EVEN (whole tiles) no load masks.
-    x_chunk = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t0.to(tl.int64) * s_x_l
+    x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    a_last0 = tl.load(dA_ptr + head_q0 + Q - 1)
+    acc0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    if HEADS == 2:
+        a_last1 = tl.load(dA_ptr + head_q1 + Q - 1)
+        acc1 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Q, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_ptrs = x_chunk + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
+        x_offs = offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
         b_ptrs = B_chunk + offs_k[:, None] * s_b_l + offs_n[None, :] * s_b_n
-        if EVEN:
-            a_k = tl.load(dA_base + offs_k)
-            dt_k = tl.load(dt_base + offs_k)
-            scale_k = tl.exp(a_last - a_k) * dt_k
-            if HAS_SEQ:
+        valid_k = (offs_k < Q) & (t0 + offs_k < L)
+        keep = valid_k
+        if HAS_SEQ:
+            if EVEN:
                 seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k)
-                scale_k = tl.where(seq_k == seq_last, scale_k, 0.0)
-            xT = tl.load(x_ptrs)
+            else:
+                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
+            keep = keep & (seq_k == seq_last)
+        if EVEN:
             b_tile = tl.load(b_ptrs)
         else:
-            valid_k = (offs_k < Q) & (t0 + offs_k < L)
-            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-            dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
-            keep = valid_k
-            if HAS_SEQ:
-                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
-                keep = keep & (seq_k == seq_last)
-            scale_k = tl.where(keep, tl.exp(a_last - a_k) * dt_k, 0.0)
-            xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
             b_tile = tl.load(b_ptrs, mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0)
-        # The per-position scale multiplies B, and B is rounded to the operand dtype after it (as mamba_ssm does), not
-        # x: rounding the scaled x instead left the states with an error that the decay gradient picks up coherently
-        # (Triton interpreter, float16, whole chunks: dA error 9.7e-4 against mamba_ssm's 7.2e-4; 7.3e-4 this way).
-        acc += tl.dot(xT, (b_tile * scale_k[:, None]).to(xT.dtype), input_precision=PREC)
-    out_base = states_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
-    tl.store(
-        out_base + offs_p[:, None] * N + offs_n[None, :],
-        acc,
-        mask=(offs_p < P)[:, None] & (offs_n < N)[None, :],
-    )
+        acc0 = _state_tile(acc0, b_tile, x_chunk0 + x_offs, dA_ptr + head_q0, dt_ptr + head_q0, a_last0, offs_k,
+                           offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC)  # fmt: skip
+        if HEADS == 2:
+            acc1 = _state_tile(acc1, b_tile, x_chunk0 + s_x_h + x_offs, dA_ptr + head_q1, dt_ptr + head_q1, a_last1,
+                               offs_k, offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC)  # fmt: skip
+    out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    out_base0 = states_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(out_base0, acc0, mask=out_mask)
+    if HEADS == 2:
+        tl.store(out_base0 + P * N, acc1, mask=out_mask)
+
+
+@triton.jit
+def _state_tile(acc, b_tile, x_ptrs, dA_head, dt_head, a_last, offs_k, offs_p, valid_k, keep, P, Q,
+                HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """acc += xᵀ · (B ∘ scale) over one block of positions, for one head: scale_s = [kept] exp(a_last - a_s) dt_s."""
+    if EVEN:
+        a_k = tl.load(dA_head + offs_k)
+        dt_k = tl.load(dt_head + offs_k)
+        xT = tl.load(x_ptrs)
+    else:
+        a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
+        dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
+        xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
+    if EVEN and not HAS_SEQ:
+        scale_k = tl.exp(a_last - a_k) * dt_k
+    else:
+        scale_k = tl.where(keep, tl.exp(a_last - a_k) * dt_k, 0.0)
+    # The per-position scale multiplies B, and B is rounded to the operand dtype after it (as mamba_ssm does), not
+    # x: rounding the scaled x instead left the states with an error that the decay gradient picks up coherently
+    # (Triton interpreter, float16, whole chunks: dA error 9.7e-4 against mamba_ssm's 7.2e-4; 7.3e-4 this way).
+    return acc + tl.dot(xT, (b_tile * scale_k[:, None]).to(xT.dtype), input_precision=PREC)
 
 
 @triton.jit
