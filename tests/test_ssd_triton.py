@@ -425,9 +425,9 @@ def test_odd_heads_per_group_one_head_per_dx_program():
 
 
 def test_chunk_states_two_heads_per_program():
-    """The chunk states with two heads per program (config state_heads 2, not yet the default): documents, initial
-    and final states, two groups, several position blocks per chunk, a remainder; and whole tiles without documents
-    (the kernel's EVEN path)."""
+    """The chunk states and dS_in with two heads per program (config state_heads 2, not yet the default): documents,
+    initial and final states, two groups, several position blocks per chunk, a remainder; and whole tiles without
+    documents (the kernels' EVEN path)."""
     interpret(
         b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
         config=dict(state_heads=2, state_k=8),

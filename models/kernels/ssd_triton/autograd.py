@@ -60,7 +60,8 @@ def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
     dS_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
-    grid = (b * NC * H, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    heads = cfg.state_heads if cfg.state_heads in (1, 2) and (H // G) % cfg.state_heads == 0 else 1
+    grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
     chunk_scan_bwd_dstates_kernel[grid](
         dy,
         C,
@@ -78,6 +79,7 @@ def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
         *C.stride(),
         HAS_SEQ=has_seq,
         EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % cfg.state_n == 0,
+        HEADS=heads,
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,

@@ -4,8 +4,8 @@ chunk_state_fwd_kernel: the state each chunk builds from its own tokens, at its 
     states[b, c, h] = sum_s [seq_s == seq_last] exp(a_last - a_s) dt_s x_s B_sᵀ      ([P, N], float32)
 chunk_scan_bwd_dstates_kernel: the gradient of the state entering each chunk (through y's state term),
     dS_in[b, c, h] = sum_l [seq_l == seq_prev] exp(a_l) dy_l C_lᵀ                      ([P, N], float32)
-Both are one [P, chunk] x [chunk, N] product per (batch, chunk, head) with a per-position scale (the chunk states
-optionally for two heads of a group per program, HEADS 2: the group's B is then read once for both);
+Both are one [P, chunk] x [chunk, N] product per (batch, chunk, head) with a per-position scale (optionally for two
+heads of a group per program, HEADS 2: the group's B or C is then read once for both);
 a_* is the within-chunk cumulative sum of dt * A (float32), seq_prev the document of the state
 entering the chunk (0 for the first chunk: the initial state belongs to document 0).
 """
@@ -144,6 +144,7 @@ def chunk_scan_bwd_dstates_kernel(
     HAS_SEQ: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
+    HEADS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -151,45 +152,65 @@ def chunk_scan_bwd_dstates_kernel(
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_n = tl.program_id(2)
-    h = pid_bch % H
-    c = (pid_bch // H) % NC
-    b = pid_bch // (H * NC)
-    g = h // (H // G)
+    h0 = (pid_bch % (H // HEADS)) * HEADS
+    c = (pid_bch // (H // HEADS)) % NC
+    b = pid_bch // ((H // HEADS) * NC)
+    g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     t0 = c * Q
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
+    head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
+    head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
     if HAS_SEQ:
         prev = tl.load(seq_ptr + b.to(tl.int64) * L + tl.maximum(t0 - 1, 0))
         seq_prev = tl.where(c > 0, prev, 0)
-    dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t0.to(tl.int64) * s_y_l
+    else:
+        seq_prev = 0
+    dy_chunk0 = dy_ptr + b.to(tl.int64) * s_y_b + h0 * s_y_h + t0.to(tl.int64) * s_y_l
     C_chunk = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t0.to(tl.int64) * s_c_l
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    if HEADS == 2:
+        acc1 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Q, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        dy_ptrs = dy_chunk + offs_k[None, :] * s_y_l + offs_p[:, None] * s_y_p
+        dy_offs = offs_k[None, :] * s_y_l + offs_p[:, None] * s_y_p
         c_ptrs = C_chunk + offs_k[:, None] * s_c_l + offs_n[None, :] * s_c_n
-        if EVEN:
-            scale_k = tl.exp(tl.load(dA_base + offs_k))
-            if HAS_SEQ:
+        valid_k = (offs_k < Q) & (t0 + offs_k < L)
+        keep = valid_k
+        if HAS_SEQ:
+            if EVEN:
                 seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k)
-                scale_k = tl.where(seq_k == seq_prev, scale_k, 0.0)
-            dyT = tl.load(dy_ptrs)
+            else:
+                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
+            keep = keep & (seq_k == seq_prev)
+        if EVEN:
             c_tile = tl.load(c_ptrs)
         else:
-            valid_k = (offs_k < Q) & (t0 + offs_k < L)
-            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-            keep = valid_k
-            if HAS_SEQ:
-                seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-1)
-                keep = keep & (seq_k == seq_prev)
-            scale_k = tl.where(keep, tl.exp(a_k), 0.0)
-            dyT = tl.load(dy_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
             c_tile = tl.load(c_ptrs, mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0)
-        acc += tl.dot((dyT * scale_k[None, :]).to(c_tile.dtype), c_tile, input_precision=PREC)
-    out_base = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
-    tl.store(
-        out_base + offs_p[:, None] * N + offs_n[None, :],
-        acc,
-        mask=(offs_p < P)[:, None] & (offs_n < N)[None, :],
-    )
+        acc0 = _dstates_tile(acc0, c_tile, dy_chunk0 + dy_offs, dA_ptr + head_q0, offs_k, offs_p, valid_k, keep, P, Q,
+                             HAS_SEQ, EVEN, PREC)  # fmt: skip
+        if HEADS == 2:
+            acc1 = _dstates_tile(acc1, c_tile, dy_chunk0 + s_y_h + dy_offs, dA_ptr + head_q1, offs_k, offs_p, valid_k,
+                                 keep, P, Q, HAS_SEQ, EVEN, PREC)  # fmt: skip
+    out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    out_base0 = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(out_base0, acc0, mask=out_mask)
+    if HEADS == 2:
+        tl.store(out_base0 + P * N, acc1, mask=out_mask)
+
+
+@triton.jit
+def _dstates_tile(acc, c_tile, dy_ptrs, dA_head, offs_k, offs_p, valid_k, keep, P, Q, HAS_SEQ: tl.constexpr,
+                  EVEN: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """acc += (dy ∘ scale)ᵀ · C over one block of positions, for one head: scale_l = [kept] exp(a_l)."""
+    if EVEN:
+        a_k = tl.load(dA_head + offs_k)
+        dyT = tl.load(dy_ptrs)
+    else:
+        a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
+        dyT = tl.load(dy_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
+    if EVEN and not HAS_SEQ:
+        scale_k = tl.exp(a_k)
+    else:
+        scale_k = tl.where(keep, tl.exp(a_k), 0.0)
+    return acc + tl.dot((dyT * scale_k[None, :]).to(c_tile.dtype), c_tile, input_precision=PREC)

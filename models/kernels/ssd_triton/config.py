@@ -79,8 +79,8 @@ class BlockConfig:
     dx_heads: int = 2
     # The same for the chunk scan forward (chunk_scan.py): the group's CB and C tiles read once per pair of heads.
     scan_heads: int = 2
-    # The same for the chunk states (chunk_state.py: the group's B read once per pair). Not the default yet: not
-    # timed on a GPU (two heads take 242 registers at 4 warps against 168, so 2 programs per SM instead of 3).
+    # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Not the default
+    # yet: not timed on a GPU (two heads take 242 registers at 4 warps against 168: 2 programs per SM, not 3).
     state_heads: int = 1
 
 
