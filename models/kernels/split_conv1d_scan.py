@@ -1,12 +1,13 @@
 """The Mamba-2 mixer after in_proj (mamba_split_conv1d_scan_combined's contract) with our Triton SSD.
 
-Used by the "triton" backend. One autograd Function runs conv -> our SSD -> gated RMSNorm (-> out_proj) and keeps
-for its backward only what mamba_ssm's fused mixer keeps: zxbcdt (the input) and the SSD's output y (plus the
-float32 dt and within-chunk decay, [B, H, L] each). The conv output (x, B, C) and the normed, gated y that enters
-out_proj are recomputed in the backward: kept, they cost 265 MiB per layer at the 1.3B shape (16384 tokens x
-(4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/performance.md, session 8). The conv and the norm
-run as ops.causal_conv1d / ops.rmsnorm_gated with backend "auto" (the installed GPU kernels, else the references,
-as on the CPU under TRITON_INTERPRET=1) and their backward is autograd's, through a graph rebuilt in the backward.
+Used on CUDA by the "auto" and "triton" backends. One autograd Function runs conv -> our SSD -> gated RMSNorm
+(-> out_proj) and keeps for its backward only what mamba_ssm's fused mixer keeps: zxbcdt (the input) and the SSD's
+output y (plus the float32 dt and within-chunk decay, [B, H, L] each). The conv output (x, B, C) and the normed,
+gated y that enters out_proj are recomputed in the backward: kept, they cost 265 MiB per layer at the 1.3B shape
+(16384 tokens x (4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/performance.md, session 8). The
+conv and the norm run as ops.causal_conv1d / ops.rmsnorm_gated with backend "auto" (the installed GPU kernels, else
+the references, as on the CPU under TRITON_INTERPRET=1) and their backward is autograd's, through a graph rebuilt
+in the backward.
 Same arguments, semantics and outputs as models.kernels.reference.mamba_split_conv1d_scan_ref, which documents them.
 """
 
@@ -210,12 +211,11 @@ def mamba_split_conv1d_scan_triton(
     if outproj_weight is None and outproj_bias is not None:
         raise ValueError("outproj_bias given without outproj_weight")
     # Checked here, before the conv runs (the SSD's own checks come after it).
+    from models.kernels.ssd_triton.autograd import check_seq_idx_shape  # lazy: imports triton
+
     b, L = zxbcdt.shape[:2]
-    if seq_idx is not None and (tuple(seq_idx.shape) != (b, L) or seq_idx.dtype.is_floating_point):
-        raise ValueError(
-            f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (zxbcdt's first two dims), got "
-            f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
-        )
+    if seq_idx is not None:
+        check_seq_idx_shape(seq_idx, b, L)
     state_shape = (b, nheads, dim // nheads, dstate)
     if initial_states is not None and tuple(initial_states.shape) != state_shape:
         raise ValueError(

@@ -36,19 +36,14 @@ from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_sta
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
-from models.kernels.ssd_triton.config import BlockConfig, block_config, whole_tiles
+from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
 from models.kernels.ssd_triton.forward import cb_and_entering_states, dot_precision, dummy, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
 
-__all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs"]
-
-
-def _heads_per_prog(R: int, want: int) -> int:
-    # The largest divisor of the heads per group that is <= want: each program sums whole head blocks.
-    return max(d for d in range(1, min(R, want) + 1) if R % d == 0)
+__all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
 
 
 def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
@@ -60,7 +55,7 @@ def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
     dS_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
-    heads = cfg.state_heads if cfg.state_heads in (1, 2) and (H // G) % cfg.state_heads == 0 else 1
+    heads = heads_per_program(H // G, min(cfg.state_heads, 2))
     grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
     chunk_scan_bwd_dstates_kernel[grid](
         dy,
@@ -185,7 +180,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
-    dx_heads = cfg.dx_heads if cfg.dx_heads in (1, 2) and (H // G) % cfg.dx_heads == 0 else 1
+    dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[(b * NC * H // dx_heads, n_k)](
         CBT,
         x,
@@ -234,7 +229,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
 
     # dC (and the per-head a_l gradient), then dB; summed over head blocks.
     R = H // G
-    hpp = _heads_per_prog(R, cfg.heads_per_prog)
+    hpp = heads_per_program(R, cfg.heads_per_prog)
     n_hb = R // hpp
     dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
@@ -436,17 +431,22 @@ class _SSDChunked(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
+def check_seq_idx_shape(seq_idx, b: int, L: int) -> None:
+    """seq_idx must be an integer [b, L] tensor (its values are checked where that costs no device sync)."""
+    if tuple(seq_idx.shape) != (b, L) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
+        raise ValueError(
+            f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
+            f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
+        )
+
+
 def prepare_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states):
     """Checks the inputs (before any kernel runs) and brings them to the kernels' dtypes and layouts:
     (A, B, C, D, init, seq, cfg) with A / D / init in float32, B / C in x's dtype, seq int32."""
     _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, None, initial_states)
     b, L, H, P = x_BLHP.shape
     if seq_idx is not None:
-        if seq_idx.shape != (b, L) or seq_idx.dtype.is_floating_point or seq_idx.dtype == torch.bool:
-            raise ValueError(
-                f"seq_idx must be an integer [batch, seqlen] = {(b, L)} tensor (int32), got "
-                f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
-            )
+        check_seq_idx_shape(seq_idx, b, L)
         if not seq_idx.is_cuda:
             # The non-decreasing check reads values; on CUDA that would synchronise the device on every call
             # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.

@@ -91,6 +91,12 @@ def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> 
     return L % Q == 0 and P == block_p and all(Q % blk == 0 for blk in position_blocks)
 
 
+def heads_per_program(heads_per_group: int, want: int) -> int:
+    """The largest divisor of the heads per group that is <= want (at least 1): a program takes heads of one group
+    only (dCB's head blocks; the pairs of dx, the chunk scan and the chunk states, whose kernels take 1 or 2)."""
+    return max(d for d in range(1, max(1, min(heads_per_group, want)) + 1) if heads_per_group % d == 0)
+
+
 def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 

@@ -17,7 +17,7 @@ import triton
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
-from models.kernels.ssd_triton.config import BlockConfig, whole_tiles
+from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
 
@@ -130,7 +130,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
     states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
-    heads = cfg.state_heads if cfg.state_heads in (1, 2) and (H // G) % cfg.state_heads == 0 else 1
+    heads = heads_per_program(H // G, min(cfg.state_heads, 2))
     grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
     chunk_state_fwd_kernel[grid](
         x,
@@ -189,7 +189,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     G, N = C.shape[2:]
     NC, Q = dt_p.shape[2:]
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
-    heads = cfg.scan_heads if cfg.scan_heads in (1, 2) and (H // G) % cfg.scan_heads == 0 else 1
+    heads = heads_per_program(H // G, min(cfg.scan_heads, 2))
     grid = (b * NC * H // heads, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
     chunk_scan_fwd_kernel[grid](
         CB,
