@@ -15,6 +15,7 @@ kernels on a GPU machine).
 
 import ast
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -67,7 +68,8 @@ def run_case_in_child(**case):
         autograd.block_config = lambda q, p, n: dataclasses.replace(default(q, p, n), **overrides)
     call = case.pop("call", {})
     if case.pop("split_path", False):
-        print(json.dumps(check_split_path(**case)))
+        with kernel_halves_from_references() if case.pop("halves", False) else contextlib.nullcontext():
+            print(json.dumps(check_split_path(**case)))
         return
     if case.pop("fp16_gate", False):
         print(json.dumps(check_fp16_gate_dD(**case)))
@@ -210,6 +212,56 @@ def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0
     return errors
 
 
+@contextlib.contextmanager
+def kernel_halves_from_references():
+    """The fused mixer's kernel-halves path (split_conv1d_scan._backward_with_kernel_halves, CUDA only) on the CPU:
+    the conv's and the gated norm's GPU halves are replaced by the references (forward) and autograd through them
+    (backward), with the halves' contracts (dx / dz written into the given buffers, the normed output recomputed on
+    request), so the interpreter checks how the path wires them against the float64 reference."""
+    from models.kernels import cuda
+    from models.kernels import split_conv1d_scan as scs
+    from models.kernels.reference import causal_conv1d_ref, rmsnorm_gated_ref
+
+    def conv_forward(x, w, bias, seq, silu):
+        return causal_conv1d_ref(x, w, bias, seq, "silu" if silu else None)
+
+    def conv_backward(x, w, bias, dout, seq, silu, dx):
+        x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+        b_ = None if bias is None else bias.detach().requires_grad_()
+        with torch.enable_grad():  # called inside a backward
+            out = conv_forward(x_, w_, b_, seq, silu)
+        grads = torch.autograd.grad(out, [t for t in (x_, w_, b_) if t is not None], dout)
+        dx.copy_(grads[0])
+        return grads[1], None if bias is None else grads[2]
+
+    def norm_forward(y, w, z, eps, group_size, norm_before_gate):
+        rstd = torch.empty(y.shape[0] * y.shape[1] // group_size)  # the kernel's [groups * M]; unused here
+        return rmsnorm_gated_ref(y, w, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate), rstd
+
+    def norm_backward(dout, y, w, z, rstd, eps, group_size, norm_before_gate, dz, recompute):
+        y_, w_, z_ = (t.detach().requires_grad_() for t in (y, w, z))
+        with torch.enable_grad():
+            out, _ = norm_forward(y_, w_, z_, eps, group_size, norm_before_gate)
+        dy, dw, gz = torch.autograd.grad(out, (y_, w_, z_), dout)
+        dz.copy_(gz)
+        return dy, dw, out.detach() if recompute else None
+
+    stand_ins = dict(
+        conv_forward=conv_forward, conv_backward=conv_backward,
+        gated_rmsnorm_forward=norm_forward, gated_rmsnorm_backward=norm_backward,
+    )  # fmt: skip
+    saved = {k: getattr(cuda, k) for k in stand_ins} | {"on": scs._kernel_halves_on}
+    try:
+        for k, f in stand_ins.items():
+            setattr(cuda, k, f)
+        scs._kernel_halves_on = lambda zxbcdt, s: True
+        yield
+    finally:
+        scs._kernel_halves_on = saved.pop("on")
+        for k, f in saved.items():
+            setattr(cuda, k, f)
+
+
 def check_split_path(b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False):
     """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj in one Function that
     recomputes the conv and the norm in its backward; conv and norm run their references on the CPU) against
@@ -278,7 +330,8 @@ def check_split_path(b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, 
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"over {TOL}: {bad}; all: {errors}"
     params = sum(v.numel() for k, v in tensors.items() if k != "zxbcdt")
-    allowed = tensors["zxbcdt"].numel() + b * L * dim * (1 if norm else 2) + params + 4 * b * H * L + b * L
+    # + the norm's 1 / rms per row and group when the kernel halves run (G * b * L float32)
+    allowed = tensors["zxbcdt"].numel() + b * L * dim * (1 if norm else 2) + params + 4 * b * H * L + b * L + G * b * L
     assert saved_bytes["ours"] <= allowed, (saved_bytes, allowed)
     errors["saved_elements"] = saved_bytes["ours"]
     return errors
@@ -424,15 +477,16 @@ def test_odd_heads_per_group_one_head_per_dx_program():
     )
 
 
-def test_chunk_states_two_heads_per_program():
-    """The chunk states and dS_in with two heads per program (config state_heads 2, not yet the default): documents,
-    initial and final states, two groups, several position blocks per chunk, a remainder; and whole tiles without
-    documents (the kernels' EVEN path)."""
-    interpret(
-        b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
-        config=dict(state_heads=2, state_k=8),
-    )  # fmt: skip
-    interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=dict(state_heads=2))
+def test_chunk_states_one_and_two_heads_per_program():
+    """The chunk states and dS_in with one head per program (config state_heads 1; the default is 2, and 1 is also
+    the fallback for odd heads per group) and two: documents, initial and final states, two groups, several position
+    blocks per chunk, a remainder; and whole tiles without documents (the kernels' EVEN path)."""
+    for heads in (1, 2):
+        interpret(
+            b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+            config=dict(state_heads=heads, state_k=8),
+        )  # fmt: skip
+        interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=dict(state_heads=heads))
 
 
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
@@ -516,6 +570,14 @@ def test_fused_scan_several_blocks_of_P_ragged_N():
 def test_fused_path_contract_under_triton_backend():
     """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, with our SSD."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True)
+
+
+def test_fused_path_kernel_halves_wiring():
+    """The GPU path that calls the conv's and the norm's forward / backward halves directly (no autograd inside the
+    mixer's backward; dz and dxBC written into dzxbcdt in place), with reference stand-ins for the halves: documents,
+    initial / final states, two groups, against the float64 reference."""
+    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=6, chunk_size=16, split_path=True, halves=True)
+    interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True)
 
 
 def test_fused_path_contract_states_nonssm_no_norm():

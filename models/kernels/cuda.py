@@ -19,6 +19,11 @@ __all__ = [
     "add_rmsnorm_cuda",
     "mamba_split_conv1d_scan_cuda",
     "kernels",
+    "kernel_halves",
+    "conv_forward",
+    "conv_backward",
+    "gated_rmsnorm_forward",
+    "gated_rmsnorm_backward",
 ]
 
 _KERNELS: dict | None = None
@@ -123,7 +128,9 @@ def _channel_last_ok(x_BDL: torch.Tensor) -> bool:
     return x_BDL.stride(1) == 1 and x_BDL.stride(2) % 8 == 0 and x_BDL.stride(0) % 8 == 0
 
 
-def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activation=None):
+def _conv_operands(x_BDL, weight_DW, bias_D, seq_idx_BL):
+    """What the causal_conv1d kernels accept: x in a layout they handle, contiguous weight, bias in weight's dtype,
+    int32 seq_idx."""
     b, d, L = x_BDL.shape
     # The kernel picks its channel-last variant whenever stride(1) == 1; the seq_idx path exists only there.
     wants_channel_last = seq_idx_BL is not None or (x_BDL.stride(1) == 1 and L > 1 and x_BDL.stride(2) > 1)
@@ -139,9 +146,81 @@ def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activatio
         x_BDL = x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
     if bias_D is not None and bias_D.dtype != weight_DW.dtype:
         bias_D = bias_D.to(weight_DW.dtype)  # the kernel requires bias and weight of one dtype
-    return kernels()["causal_conv1d_fn"](
-        x_BDL, weight_DW.contiguous(), bias_D, seq_idx=_seq_idx_i32(seq_idx_BL), activation=activation
+    return x_BDL, weight_DW.contiguous(), bias_D, _seq_idx_i32(seq_idx_BL)
+
+
+def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activation=None):
+    x_BDL, weight_DW, bias_D, seq_idx_BL = _conv_operands(x_BDL, weight_DW, bias_D, seq_idx_BL)
+    return kernels()["causal_conv1d_fn"](x_BDL, weight_DW, bias_D, seq_idx=seq_idx_BL, activation=activation)
+
+
+# ---- forward / backward halves without autograd, for our fused mixer (split_conv1d_scan.py) ----------------------
+# The same functions mamba_ssm's own fused mixer calls (mamba_ssm/ops/triton/ssd_combined.py): the conv's forward and
+# backward, the gated RMSNorm's forward and its backward that also recomputes the normed output. Called directly,
+# they skip what a step pays per layer for autograd Functions, causal_conv1d's custom-op dispatch and a graph rebuilt
+# inside the backward (docs/performance.md, issue 14: the 370M step is host-bound).
+_HALVES: dict | None = None
+
+
+def kernel_halves() -> dict | None:
+    """{conv_fwd, conv_bwd, norm_fwd, norm_bwd}, or None when the kernels (or these functions) do not import."""
+    global _HALVES
+    if _HALVES is None:
+        _HALVES = {}
+        if _load() is not None:
+            try:
+                from causal_conv1d.cpp_functions import causal_conv1d_bwd_function, causal_conv1d_fwd_function
+                from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_bwd, _layer_norm_fwd
+            except Exception:  # an older / newer layout of either package: the autograd path still works
+                pass
+            else:
+                _HALVES = dict(
+                    conv_fwd=causal_conv1d_fwd_function,
+                    conv_bwd=causal_conv1d_bwd_function,
+                    norm_fwd=_layer_norm_fwd,
+                    norm_bwd=_layer_norm_bwd,
+                )
+    return _HALVES or None
+
+
+def conv_forward(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> torch.Tensor:
+    """causal conv (+ silu): [B, D, L] -> [B, D, L], no autograd."""
+    x_BDL, weight_DW, bias_D, seq_idx_BL = _conv_operands(x_BDL, weight_DW, bias_D, seq_idx_BL)
+    return kernel_halves()["conv_fwd"](x_BDL, weight_DW, bias_D, seq_idx_BL, None, None, silu)
+
+
+def conv_backward(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: bool, dx_BDL: torch.Tensor):
+    """The conv's gradients: writes dx into dx_BDL ([B, D, L], any layout) and returns (dweight in weight's dtype,
+    dbias in bias's dtype or None)."""
+    w_dtype, b_dtype = weight_DW.dtype, None if bias_D is None else bias_D.dtype
+    x_BDL, weight_DW, bias_D, seq_idx_BL = _conv_operands(x_BDL, weight_DW, bias_D, seq_idx_BL)
+    if dout_BDL.stride(1) != 1 or not _channel_last_ok(dout_BDL):
+        dout_BDL = dout_BDL.transpose(1, 2).contiguous().transpose(1, 2)  # the layout of x (channel-last)
+    same = dx_BDL.stride() == x_BDL.stride()
+    dx, dw, db, _ = kernel_halves()["conv_bwd"](
+        x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, None, None, dx_BDL if same else None, False, silu
     )
+    if not same:
+        dx_BDL.copy_(dx)
+    return dw.to(w_dtype), None if db is None else db.to(b_dtype)
+
+
+def gated_rmsnorm_forward(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_before_gate: bool):
+    """Gated, grouped RMSNorm of rows [M, D] (last dim contiguous): (out [M, D], rstd [groups * M] float32)."""
+    out, _, rstd = kernel_halves()["norm_fwd"](
+        y_MD, weight_D, None, eps, z=z_MD, group_size=group_size, norm_before_gate=norm_before_gate, is_rms_norm=True
+    )
+    return out, rstd
+
+
+def gated_rmsnorm_backward(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute):
+    """Gradients of gated_rmsnorm_forward: (dy [M, D], dweight, the normed output recomputed or None); dz is written
+    into dz_MD."""
+    dy, dw, _, _, *out = kernel_halves()["norm_bwd"](
+        dout_MD, y_MD, weight_D, None, eps, None, rstd, z_MD, group_size=group_size,
+        norm_before_gate=norm_before_gate, is_rms_norm=True, recompute_output=recompute, dz=dz_MD,
+    )  # fmt: skip
+    return dy, dw, out[0] if recompute else None
 
 
 def rmsnorm_gated_cuda(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gate=False):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.kernels import cuda as _cuda
 from models.kernels._utils import no_autocast
 from models.kernels.reference import split_zxbcdt_sizes
 
@@ -43,6 +44,10 @@ class _Sizes:
     @property
     def headdim(self) -> int:
         return self.dim // self.nheads
+
+    @property
+    def silu(self) -> bool:
+        return self.activation in ("silu", "swish")
 
     def split(self, zxbcdt_BLF):
         """zxbcdt [B, L, F] -> views (zx0 [B, L, 2 d_nonssm], z [B, L, dim], xBC [B, L, conv_dim], dt [B, L, H])."""
@@ -90,6 +95,28 @@ def _gate_norm(y_BLD, z_BLD, zx0, rmsnorm_weight, s: _Sizes):
     return h
 
 
+def _runs_kernel_halves(zxbcdt, norm_w, s: _Sizes) -> bool:
+    """Whether the conv and the gated norm run as the GPU kernels' forward / backward halves called directly
+    (cuda.kernel_halves: no autograd Function, no custom-op dispatch, no graph rebuilt in the backward, the norm's
+    output recomputed inside its backward kernel, dzxbcdt written in place): on CUDA with those kernels installed,
+    for the mixer our model builds (a norm weight, no non-SSM part, silu or no activation). Otherwise both run
+    through ops.causal_conv1d / ops.rmsnorm_gated and autograd (the references on the CPU): the same function."""
+    if norm_w is None or s.d_nonssm or s.activation not in (None, "silu", "swish"):
+        return False
+    return _kernel_halves_on(zxbcdt, s)
+
+
+def _kernel_halves_on(zxbcdt, s: _Sizes) -> bool:
+    """CUDA tensors, a GPU backend and the kernels installed (the CPU tests stand references in for the halves)."""
+    return zxbcdt.is_cuda and s.other_backend != "reference" and _cuda.kernel_halves() is not None
+
+
+def _rows(t_BLD):
+    """[B, L, D] (last dim contiguous, rows evenly strided) -> the [B * L, D] view the norm kernels take (a view, never
+    a copy: the backward writes dz through it)."""
+    return t_BLD.view(-1, t_BLD.shape[-1])
+
+
 def _leaf(t, needs_grad: bool):
     return None if t is None else t.detach().requires_grad_(needs_grad)
 
@@ -103,7 +130,12 @@ class _MixerFunction(torch.autograd.Function):
 
         zx0, z, xBC_in, dt = s.split(zxbcdt)
         seq = None if seq is None else seq.to(torch.int32).contiguous()
-        x, B, C = s.ssd_operands(_conv(xBC_in, conv_w, conv_b, seq, s))
+        halves = _runs_kernel_halves(zxbcdt, norm_w, s)
+        if halves:
+            xBC = _cuda.conv_forward(xBC_in.transpose(1, 2), conv_w, conv_b, seq, s.silu).transpose(1, 2)
+        else:
+            xBC = _conv(xBC_in, conv_w, conv_b, seq, s)
+        x, B, C = s.ssd_operands(xBC)
         A32, B, C, D32, init, seq, cfg = prepare_inputs(
             x, dt, A, B, C, s.chunk_size, D, None, dt_bias, seq, initial_states
         )
@@ -112,13 +144,20 @@ class _MixerFunction(torch.autograd.Function):
             x, dt, A32, dt_bias, B, C, D32, init, seq, s.chunk_size, cfg, y_dtype, True, s.dt_limit
         )
         y_BLD = y.reshape(*zxbcdt.shape[:2], s.dim)
-        h = _gate_norm(y_BLD, z, zx0, norm_w, s)
+        rstd = None
+        if halves:  # the norm's 1 / rms per row and group, kept for its backward
+            h, rstd = _cuda.gated_rmsnorm_forward(
+                _rows(y_BLD), norm_w, _rows(z), s.rmsnorm_eps, s.dim // s.ngroups, s.norm_before_gate
+            )
+            h = h.view(y_BLD.shape)
+        else:
+            h = _gate_norm(y_BLD, z, zx0, norm_w, s)
         out = h if out_w is None else F.linear(h, out_w.to(h.dtype), None if out_b is None else out_b.to(h.dtype))
         dt_p, dA_cs = saved[4], saved[5]
         ctx.save_for_backward(
-            zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs
+            zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd
         )
-        ctx.s, ctx.cfg = s, cfg
+        ctx.s, ctx.cfg, ctx.halves = s, cfg, halves
         ctx.set_materialize_grads(False)  # an unused final state then reaches backward as None, not a zero tensor
         ctx.dtypes = (A.dtype, None if D is None else D.dtype, None if initial_states is None else initial_states.dtype)
         return out, final
@@ -128,7 +167,7 @@ class _MixerFunction(torch.autograd.Function):
         from models.kernels.ssd_triton.autograd import ssd_backward_pass
 
         s, cfg = ctx.s, ctx.cfg
-        zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs = (
+        zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd = (
             ctx.saved_tensors
         )
         A_dtype, D_dtype, init_dtype = ctx.dtypes
@@ -136,6 +175,8 @@ class _MixerFunction(torch.autograd.Function):
         if dout is None:  # only the final state was used
             dout = torch.zeros(*zxbcdt.shape[:2], out_w.shape[0] if out_w is not None else s.d_nonssm + s.dim,
                                device=zxbcdt.device, dtype=zxbcdt.dtype)  # fmt: skip
+        if ctx.halves:
+            return _backward_with_kernel_halves(ctx, dout, dfinal, rstd)
         zx0, z, xBC_in, dt = s.split(zxbcdt)
         with torch.enable_grad(), no_autocast(zxbcdt.device):
             zx0_, z_, xBC_in_, y_ = _leaf(zx0, True), _leaf(z, True), _leaf(xBC_in, True), _leaf(y_BLD, True)
@@ -180,6 +221,66 @@ class _MixerFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _backward_with_kernel_halves(ctx, dout, dfinal, rstd):
+    """_MixerFunction's backward when the conv and the norm run as kernel halves (mamba_ssm's fused mixer's order):
+    out_proj's input gradient, the norm's backward (recomputing out_proj's input for its weight gradient, dz written
+    into dzxbcdt), the conv recomputed, the SSD's backward, the conv's backward writing dxBC into dzxbcdt."""
+    from models.kernels.ssd_triton.autograd import ssd_backward_pass
+
+    s, cfg, needs = ctx.s, ctx.cfg, ctx.needs_input_grad
+    zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, _ = (
+        ctx.saved_tensors
+    )
+    A_dtype, D_dtype, init_dtype = ctx.dtypes
+    dzxbcdt = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
+    _, z, xBC_in, dt = s.split(zxbcdt)
+    _, dz, dxBC_in, ddt_out = s.split(dzxbcdt)
+    dout_w = dout_b = None
+    if dout is None:  # only the final state was used
+        dh = torch.zeros_like(y_BLD)
+    elif out_w is None:
+        dh = dout.to(y_BLD.dtype).contiguous()
+    else:
+        dout_2d = dout.reshape(-1, dout.shape[-1]).to(y_BLD.dtype)
+        dh = (dout_2d @ out_w.to(y_BLD.dtype)).view(y_BLD.shape)
+        if out_b is not None and needs[8]:
+            dout_b = dout_2d.sum(0).to(out_b.dtype)
+    recompute = dout is not None and out_w is not None and needs[7]
+    dy, dnorm_w, h = _cuda.gated_rmsnorm_backward(
+        _rows(dh), _rows(y_BLD), norm_w, _rows(z), rstd, s.rmsnorm_eps, s.dim // s.ngroups, s.norm_before_gate,
+        _rows(dz), recompute,
+    )  # fmt: skip
+    if recompute:
+        dout_w = (dout_2d.t() @ h).to(out_w.dtype)
+    del dh, h
+    xBC = _cuda.conv_forward(xBC_in.transpose(1, 2), conv_w, conv_b, seq, s.silu).transpose(1, 2)  # recomputed
+    x, B, C = s.ssd_operands(xBC)
+    dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)  # the SSD's gradients = the conv's output's
+    saved = (x, dt, A32, dt_bias, dt_p, dA_cs, B, C, D32, init, seq)
+    _, ddt, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
+        saved, dy.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC)
+    )
+    del xBC, x, B, C
+    ddt_out.copy_(ddt)
+    dconv_w, dconv_b = _cuda.conv_backward(
+        xBC_in.transpose(1, 2), conv_w, conv_b, dxBC.transpose(1, 2), seq, s.silu, dxBC_in.transpose(1, 2)
+    )
+    return (
+        dzxbcdt,
+        dconv_w if needs[1] else None,
+        dconv_b if needs[2] else None,
+        ddt_bias,
+        dA.to(A_dtype),
+        None if dD is None else dD.to(D_dtype),
+        dnorm_w if needs[6] else None,
+        dout_w,
+        dout_b,
+        None if dinit is None else dinit.to(init_dtype),
+        None,
+        None,
+    )
 
 
 def mamba_split_conv1d_scan_triton(

@@ -148,3 +148,48 @@ def test_split_conv1d_scan_triton_backend_matches_reference():
     ref = go(mamba_split_conv1d_scan_ref, dtype=torch.float64)
     errs = {k: rel_err(ours[k], ref[k]) for k in ref}
     assert all(e < 6e-2 for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_path_kernel_halves_equal_autograd_path(dtype, monkeypatch):
+    """The fused mixer with the conv's and the norm's kernel halves called directly (the CUDA default) against the
+    same Function with both run through autograd (ops.causal_conv1d / ops.rmsnorm_gated): the same kernels, so
+    outputs and every gradient agree to rounding (float32 1e-5; bf16 2e-2: the norm's output recomputed inside its
+    backward kernel rounds once more before out_proj's weight gradient)."""
+    from models.kernels import split_conv1d_scan as scs
+
+    gen = torch.Generator().manual_seed(5)
+    b, L, H, P, N, G, d_model = 2, 300, 8, 64, 64, 2, 256
+    dim = H * P
+    conv_dim = dim + 2 * G * N
+
+    def r(*s, dt=dtype, scale=1.0):
+        return (torch.randn(*s, generator=gen) * scale).to(DEV, dt)
+
+    tensors = dict(
+        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H),
+        conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1),
+        dt_bias=r(H, dt=torch.float32, scale=0.3) - 2,
+        A=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV),
+        D=r(H, dt=torch.float32),
+        rmsnorm_weight=1 + r(dim, scale=0.1),
+        outproj_weight=r(d_model, dim, scale=dim**-0.5),
+        initial_states=r(b, H, P, N, dt=torch.float32, scale=0.5),
+    )
+    seq = seq_idx_for(b, L)
+    cot = r(b, L, d_model, dt=torch.float32)
+
+    def go():
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+        out = ops.mamba_split_conv1d_scan(**leaves, chunk_size=64, seq_idx=seq, headdim=P, ngroups=G, backend="auto")
+        (out.float() * cot).sum().backward()
+        return {"out": out, **{"d" + n: t.grad for n, t in leaves.items()}}
+
+    assert scs._cuda.kernel_halves() is not None, "mamba_ssm / causal_conv1d's kernel halves did not import"
+    halves = go()
+    monkeypatch.setattr(scs, "_kernel_halves_on", lambda zxbcdt, s: False)
+    autograd_path = go()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    errs = {k: rel_err(halves[k], autograd_path[k]) for k in halves}
+    assert all(e < tol for e in errs.values()), errs

@@ -79,9 +79,10 @@ class BlockConfig:
     dx_heads: int = 2
     # The same for the chunk scan forward (chunk_scan.py): the group's CB and C tiles read once per pair of heads.
     scan_heads: int = 2
-    # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Not the default
-    # yet: not timed on a GPU (two heads take 242 registers at 4 warps against 168: 2 programs per SM, not 3).
-    state_heads: int = 1
+    # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Two heads take
+    # 242 registers at 4 warps against 168 (2 programs per SM, not 3) and still pay: 1.3B chunk states 0.305 -> 0.251
+    # ms, dS_in 0.117 -> 0.111 (H100, docs/performance.md, session 10).
+    state_heads: int = 2
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
