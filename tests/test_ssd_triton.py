@@ -71,6 +71,9 @@ def run_case_in_child(**case):
         with kernel_halves_from_references() if case.pop("halves", False) else contextlib.nullcontext():
             print(json.dumps(check_split_path(**case)))
         return
+    if case.pop("add_rmsnorm", False):
+        print(json.dumps(check_add_rmsnorm(**case)))
+        return
     if case.pop("fp16_gate", False):
         print(json.dumps(check_fp16_gate_dD(**case)))
         return
@@ -207,6 +210,46 @@ def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0
         if isinstance(v, torch.Tensor) and v.requires_grad:
             assert lk[k].grad is not None, f"no gradient for {k}"
             errors["d" + k] = rel(lk[k].grad, v.grad)
+    bad = {k: e for k, e in errors.items() if not e <= tol}
+    assert not bad, f"over {tol}: {bad}; all: {errors}"
+    return errors
+
+
+def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
+    """add_rmsnorm_triton against add_rmsnorm_ref in float64: normed output, new residual (and its dtype), and the
+    gradients of x, residual and weight with both outputs used downstream (the new residual's own gradient flows
+    back through the add). residual: None, "float32" or "x" (x's dtype)."""
+    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
+    from models.kernels.norm_reference import add_rmsnorm_ref
+
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, x_dtype)
+    x = torch.randn(b, L, D, generator=g).to(dt)
+    res = (
+        None
+        if residual is None
+        else (torch.randn(b, L, D, generator=g) * 2).to(torch.float32 if residual == "float32" else dt)
+    )
+    w = 1 + 0.2 * torch.randn(D, generator=g)
+    c_y, c_s = (
+        torch.randn(b, L, D, generator=g, dtype=torch.float64),
+        torch.randn(b, L, D, generator=g, dtype=torch.float64),
+    )
+    out = {}
+    for name, fn, up in (("ours", add_rmsnorm_triton, False), ("ref", add_rmsnorm_ref, True)):
+        leaves = [None if t is None else (t.double() if up else t.clone()).requires_grad_() for t in (x, res, w)]
+        y, s = fn(leaves[0], leaves[1], leaves[2], eps=1e-5, residual_in_fp32=residual_in_fp32)
+        ((y.double() * c_y).sum() + (s.double() * c_s).sum()).backward()
+        out[name] = dict(
+            y=y, s=s, dx=leaves[0].grad, dw=leaves[2].grad, **({} if res is None else {"dres": leaves[1].grad})
+        )
+    want_s = res.dtype if res is not None else (torch.float32 if residual_in_fp32 else dt)
+    assert out["ours"]["s"].dtype == want_s and out["ours"]["y"].dtype == dt, (out["ours"]["s"].dtype, want_s)
+    assert out["ours"]["dx"].dtype == dt
+    tol = 1e-5 if dt == torch.float32 else 2e-3  # float16 outputs carry its rounding (2^-11)
+    errors = {
+        k: ((out["ours"][k].double() - v.double()).norm() / v.double().norm()).item() for k, v in out["ref"].items()
+    }
     bad = {k: e for k, e in errors.items() if not e <= tol}
     assert not bad, f"over {tol}: {bad}; all: {errors}"
     return errors
@@ -578,6 +621,15 @@ def test_fused_path_kernel_halves_wiring():
     initial / final states, two groups, against the float64 reference."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=6, chunk_size=16, split_path=True, halves=True)
     interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True)
+
+
+def test_add_rmsnorm_kernels():
+    """Our fused residual add + RMSNorm (the blocks' pre-norm): the first block (no residual, new residual in float32),
+    a float32 residual with float16 x (the bf16 model's case), a residual in x's dtype; a width that is not a power
+    of two (masked tails) and more rows than backward programs (each sums several rows' weight gradient)."""
+    interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=1, x_dtype="float32", residual=None, residual_in_fp32=True)
+    interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=2, x_dtype="float16", residual="float32")
+    interpret(add_rmsnorm=True, b=1, L=20, D=64, seed=3, x_dtype="float32", residual="x")
 
 
 def test_fused_path_contract_states_nonssm_no_norm():

@@ -1,9 +1,10 @@
 """The kernel API the model calls: GPU kernels on CUDA when installed, PyTorch references otherwise.
 
 Every op has its reference's signature plus a keyword ``backend``:
-  "auto"      on CUDA tensors: our Triton kernels for the chunked SSD and the fused mixer (models/kernels/ssd_triton,
-              split_conv1d_scan.py; mamba_ssm's when triton does not import), the causal_conv1d / mamba_ssm kernels
-              for the conv and the norms when they import; on the CPU the references;
+  "auto"      on CUDA tensors: our Triton kernels for the chunked SSD, the fused mixer and the residual add + RMSNorm
+              (models/kernels/ssd_triton, split_conv1d_scan.py, add_rmsnorm_triton.py; mamba_ssm's when triton does
+              not import), the causal_conv1d / mamba_ssm kernels for the conv and the gated norm when they import;
+              on the CPU the references;
   "triton"    as "auto", but our SSD kernels or a clear error (on CUDA tensors, or on the CPU under
               TRITON_INTERPRET=1, for tests);
   "mamba_ssm" the mamba_ssm / causal_conv1d kernels for every op, or a clear error naming what is missing
@@ -161,7 +162,12 @@ def add_rmsnorm(
     *,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused residual add + RMSNorm (layer_norm_fn prenorm=True): returns (normed, new_residual)."""
+    """Fused residual add + RMSNorm (layer_norm_fn prenorm=True): returns (normed, new_residual). Our Triton kernels
+    where the SSD's are ours (add_rmsnorm_triton.py), mamba_ssm's under "mamba_ssm", else the reference."""
+    if use_triton_ssd(backend, x):
+        from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton  # lazy: imports triton
+
+        return add_rmsnorm_triton(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
     fn = _cuda.add_rmsnorm_cuda if use_cuda_kernels(backend, x) else add_rmsnorm_ref
     return fn(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
 

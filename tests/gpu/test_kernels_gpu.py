@@ -205,10 +205,15 @@ def test_rmsnorm_gated(dtype, group_size, norm_before_gate):
     )
 
 
+@pytest.mark.parametrize("impl", ["mamba_ssm", "triton"])  # mamba_ssm's kernel, ours (add_rmsnorm_triton.py)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual_kind", ["none", "fp32", "same"])
 @pytest.mark.parametrize("residual_in_fp32", [False, True])
-def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32):
+def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32, impl):
+    if impl == "triton":
+        from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton as kernel
+    else:
+        kernel = kcuda.add_rmsnorm_cuda
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 100, 256, generator=gen).to(DEV, dtype)
     res = {
@@ -217,12 +222,12 @@ def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32):
         "same": torch.randn(2, 100, 256, generator=gen).to(DEV, dtype),
     }[residual_kind]
     tensors = dict(x=x, residual=res, weight=(1 + 0.1 * torch.randn(256, generator=gen)).to(DEV, dtype))
-    normed_k, res_k = kcuda.add_rmsnorm_cuda(x, res, tensors["weight"], eps=1e-5, residual_in_fp32=residual_in_fp32)
+    normed_k, res_k = kernel(x, res, tensors["weight"], eps=1e-5, residual_in_fp32=residual_in_fp32)
     normed_r, res_r = add_rmsnorm_ref(x, res, tensors["weight"], eps=1e-5, residual_in_fp32=residual_in_fp32)
     assert normed_k.dtype == normed_r.dtype and res_k.dtype == res_r.dtype, "dtype semantics differ"
     static = dict(eps=1e-5, residual_in_fp32=residual_in_fp32)
     compare(
-        lambda **t: kcuda.add_rmsnorm_cuda(**t, **static),
+        lambda **t: kernel(**t, **static),
         lambda **t: add_rmsnorm_ref(**t, **static),
         tensors,
         params={"weight"},

@@ -186,7 +186,10 @@ def test_split_path_kernel_halves_equal_autograd_path(dtype, monkeypatch):
         (out.float() * cot).sum().backward()
         return {"out": out, **{"d" + n: t.grad for n, t in leaves.items()}}
 
-    assert scs._cuda.kernel_halves() is not None, "mamba_ssm / causal_conv1d's kernel halves did not import"
+    halves_found = scs._cuda.kernel_halves()
+    assert halves_found is not None, "mamba_ssm / causal_conv1d's kernel halves did not import"
+    # causal_conv1d 1.7 (the wheelhouse's): its C++ entry points are called directly, not through its custom ops
+    assert halves_found["conv_entry"] == "causal_conv1d_cuda", halves_found["conv_entry"]
     halves = go()
     monkeypatch.setattr(scs, "_kernel_halves_on", lambda zxbcdt, s: False)
     autograd_path = go()

@@ -8,6 +8,7 @@ only speed, never results beyond float rounding (the tests run several).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import triton
@@ -102,6 +103,7 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
+@functools.cache  # a pure function of three ints, asked for by every layer's forward
 def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
     """Tiles for one (chunk, P, N) shape.
 

@@ -21,10 +21,21 @@ from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, who
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
 from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
 
+_DUMMIES: dict[torch.device, torch.Tensor] = {}
+
 
 def dummy(device) -> torch.Tensor:
-    """Stand-in pointer for an absent optional tensor (its kernel branch is compiled out)."""
-    return torch.empty(1, device=device, dtype=torch.float32)
+    """Stand-in pointer for an absent optional tensor (its kernel branch is compiled out, so it is never read or
+    written): one per device, kept, since a layer's launches ask for ~12 of them and each allocation costs host time
+    (the 370M step is host-bound, docs/performance.md). Not kept when first asked for inside a CUDA graph capture
+    (it would live in the graph's memory pool)."""
+    t = _DUMMIES.get(device)
+    if t is None:
+        t = torch.empty(1, device=device, dtype=torch.float32)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _DUMMIES[t.device] = t
+            _DUMMIES[device] = t
+    return t
 
 
 def dot_precision(x: torch.Tensor) -> str:

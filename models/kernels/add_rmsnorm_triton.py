@@ -1,0 +1,133 @@
+"""Fused residual add + RMSNorm in Triton, forward and backward: model.kernels "auto" / "triton" on CUDA.
+
+add_rmsnorm_ref's contract (mamba_ssm's layer_norm_fn with prenorm=True, is_rms_norm=True, no bias):
+new_residual = x + residual, formed in float32 and stored in the residual's dtype (float32 with residual_in_fp32
+when there is none yet, else x's); normed = new_residual * rstd * weight in x's dtype, taken of the unrounded sum.
+
+Why our own: the block's pre-norm runs once per layer each way, and mamba_ssm's kernel pair cost ~0.87 ms of host
+time per layer and step (autograd Function, autotuner, ~25 launch arguments; H100, docs/performance.md) where the
+370M step is host-bound. These kernels take a handful of arguments, no autotuner: one program per row forward, and
+a fixed number of programs over the rows backward, each summing its rows' weight gradient in float32.
+Imports triton at import time: import this module lazily (ops.add_rmsnorm does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from models.kernels._utils import no_autocast
+
+__all__ = ["add_rmsnorm_triton"]
+
+
+@triton.jit
+def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D, eps,
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        s += tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(RES_OUT + row * D + cols, s.to(RES_OUT.dtype.element_ty), mask=mask)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / D + eps)
+    tl.store(RSTD + row, rstd)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * D + cols, (s * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D,
+                            rows_per_program, HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr,
+                            BLOCK: tl.constexpr):  # fmt: skip
+    """Rows [pid * rows_per_program, ...): dx = rstd (w dy - s_hat mean(s_hat w dy)) (+ the new residual's own
+    gradient), written to DX (x's dtype) and DRES (the residual's); this program's sum of dy * s_hat to DW_PART."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    start = pid * rows_per_program
+    for i in range(0, rows_per_program):
+        row = (start + i).to(tl.int64)
+        if row < M:
+            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            s_hat = tl.load(S + row * D + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(RSTD + row)
+            wdy = w * dy
+            dx = (wdy - s_hat * (tl.sum(s_hat * wdy, axis=0) / D)) * tl.load(RSTD + row)
+            if HAS_DRES_OUT:
+                dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            if HAS_RES:
+                tl.store(DRES + row * D + cols, dx.to(DRES.dtype.element_ty), mask=mask)
+            dw += dy * s_hat
+    tl.store(DW_PART + pid * D + cols, dw, mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [M, D] with a contiguous last dim (a view where possible)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _backward_programs(M: int, device: torch.device) -> int:
+    """Programs of the backward: a few per SM (each sums its rows' weight gradient), never more than rows."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    return max(1, min(M, 4 * sms))
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, residual_in_fp32):
+        shape, D = x.shape, x.shape[-1]
+        x2 = _rows(x)
+        res2 = None if residual is None else _rows(residual)
+        res_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
+        M = x2.shape[0]
+        y = torch.empty(M, D, device=x.device, dtype=x.dtype)
+        s = torch.empty(M, D, device=x.device, dtype=res_dtype)
+        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+        block = triton.next_power_of_2(D)
+        _add_rmsnorm_fwd_kernel[(M,)](
+            x2, res2 if res2 is not None else x2, weight, y, s, rstd,
+            x2.stride(0), res2.stride(0) if res2 is not None else 0, D, eps,
+            HAS_RES=res2 is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8),
+        )  # fmt: skip
+        ctx.save_for_backward(s, weight, rstd)
+        ctx.has_res, ctx.x_dtype, ctx.shape = residual is not None, x.dtype, shape
+        return y.view(shape), s.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy, dres_out):
+        s, weight, rstd = ctx.saved_tensors
+        M, D = s.shape
+        dy2 = _rows(dy) if dy is not None else torch.zeros(M, D, device=s.device, dtype=ctx.x_dtype)
+        dres2 = None if dres_out is None else _rows(dres_out)
+        dx = torch.empty(M, D, device=s.device, dtype=ctx.x_dtype)
+        dres = torch.empty(M, D, device=s.device, dtype=s.dtype) if ctx.has_res else None
+        programs = _backward_programs(M, s.device)
+        dw_part = torch.empty(programs, D, device=s.device, dtype=torch.float32)
+        block = triton.next_power_of_2(D)
+        _add_rmsnorm_bwd_kernel[(programs,)](
+            dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
+            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, triton.cdiv(M, programs),
+            HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+        )  # fmt: skip
+        dw = dw_part.sum(0).to(weight.dtype)
+        return dx.view(ctx.shape), None if dres is None else dres.view(ctx.shape), dw, None, None
+
+
+def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
+    """(normed, new_residual): see the module docstring and models.kernels.norm_reference.add_rmsnorm_ref."""
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"weight must be [{D}] (x's last dim), got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if triton.next_power_of_2(D) > 65536 // x.element_size():
+        raise ValueError(f"add_rmsnorm_triton: a row of {D} elements does not fit one program; use backend='mamba_ssm'")
+    with no_autocast(x.device):
+        return _AddRMSNorm.apply(x, residual, weight.contiguous(), float(eps), residual_in_fp32)
