@@ -363,3 +363,17 @@ def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
     assert main([str(tmp_path), "--row", "C=good:ref:0.90:0.40"]) == 1  # memory over its target
     assert main([str(tmp_path), "--row", "D=absent:ref:0.90"]) == 1
     assert "missing" in capsys.readouterr().out
+
+
+def test_host_cost_phases_add_up_and_profile_prints(capsys):
+    """benchmarks/host_cost.py on the CPU (debug model, references): the per-phase host times are positive and add up
+    to the step's, the real-batch step is timed, and --profile prints cProfile's table."""
+    from benchmarks import host_cost
+
+    r = host_cost.main(["--flavor", "debug", "--kernels", "reference", "--steps", "2", "--rows", "2", "--seq", "32",
+                        "--profile", "3"])  # fmt: skip
+    phases = (r["host_forward_ms"], r["host_backward_ms"], r["host_optimizer_ms"])
+    assert all(t > 0 for t in phases) and math.isclose(sum(phases), r["host_step_ms"])
+    assert r["layers"] == 4 and r["real_step_ms"] > 0
+    out = capsys.readouterr().out
+    assert "host" in out and "ms per layer" in out and "Ordered by: internal time" in out
