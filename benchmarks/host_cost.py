@@ -44,7 +44,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    a = parse_args(argv)
+    gc_was_enabled = gc.isenabled()
+    try:
+        return _measure(parse_args(argv))
+    finally:  # callable from tests: leave Python's collector as it was
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _measure(a: argparse.Namespace) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     args = build_model_args(a.flavor)

@@ -5,6 +5,7 @@ on our side with the debug config (train.py really runs)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sys
@@ -377,3 +378,4 @@ def test_host_cost_phases_add_up_and_profile_prints(capsys):
     assert r["layers"] == 4 and r["real_step_ms"] > 0
     out = capsys.readouterr().out
     assert "host" in out and "ms per layer" in out and "Ordered by: internal time" in out
+    assert gc.isenabled(), "host_cost.main left Python's garbage collector off"
