@@ -8,8 +8,10 @@ A row is LABEL=RUN:REF:TARGET[:MEMORY_TARGET], RUN and REF being run folders (wi
 argument. Per GPU tokens/s is the median over the steps after --skip (warm-up, autotuning; and up to --until) of
 what train.py logs (tokens this rank's data-parallel replica processed / pp stages, per second). ratio = run / ref;
 memory ratio = run's peak memory per GPU / ref's. A row passes when ratio >= TARGET (and memory ratio <=
-MEMORY_TARGET when given). For pipeline rows give TARGET as 0.9 x (1 - textbook bubble). Exit status 1 when a row
-fails or a run is missing.
+MEMORY_TARGET when given). For pipeline rows give TARGET as 0.9 x (1 - textbook bubble), and --bubble RUN=TEXTBOOK
+(e.g. pp2_1f1b=0.111, (p-1)/(v*m+p-1)): the row then also needs its measured bubble, 1 - ratio (the share of one
+GPU's throughput the pipeline loses), within --bubble_points (0.05) of the textbook. Exit status 1 when a row fails
+or a run is missing.
 """
 
 from __future__ import annotations
@@ -59,8 +61,12 @@ def main(argv=None) -> int:
     p.add_argument("--row", action="append", default=[], help="LABEL=RUN:REF:TARGET[:MEMORY_TARGET]")
     p.add_argument("--skip", type=int, default=3)
     p.add_argument("--until", type=int, default=0, help="last step to count (0: all; leaves profiled steps out)")
+    p.add_argument("--bubble", action="append", default=[], help="RUN=TEXTBOOK bubble of a pipeline row's run")
+    p.add_argument("--bubble_points", type=float, default=0.05, help="allowed |measured - textbook| bubble")
     p.add_argument("--json")
     a = p.parse_args(argv)
+    textbook = {run: float(b) for run, _, b in (spec.partition("=") for spec in a.bubble)}
+    bubble_lines = []
     rows, failed = [], False
     print("| layout | tok/s per GPU | 1 GPU | ratio | target | memory per GPU | vs 1 GPU | |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -78,6 +84,16 @@ def main(argv=None) -> int:
         ratio = run["tokens_per_sec"] / ref["tokens_per_sec"]
         mem_ratio = run["memory_gib"] / ref["memory_gib"]
         ok = ratio >= row["target"] and (row["memory_target"] is None or mem_ratio <= row["memory_target"])
+        bubble = None
+        if row["run"] in textbook:  # pipeline: the measured bubble against the schedule's textbook one
+            bubble = {"measured": 1 - ratio, "textbook": textbook[row["run"]]}
+            bubble["ok"] = abs(bubble["measured"] - bubble["textbook"]) <= a.bubble_points
+            ok &= bubble["ok"]
+            verdict = "within" if bubble["ok"] else "NOT within"
+            bubble_lines.append(
+                f"{row['label']}: bubble {bubble['measured']:.1%} (1 - ratio) against the textbook "
+                f"{bubble['textbook']:.1%}: {verdict} {a.bubble_points * 100:.0f} points"
+            )
         failed |= not ok
         mem_target = f" (<= {row['memory_target']:.2f})" if row["memory_target"] is not None else ""
         print(
@@ -87,7 +103,10 @@ def main(argv=None) -> int:
         )
         rows.append(
             {**row, "ratio": ratio, "memory_ratio": mem_ratio, "ok": ok, "run_figures": run, "ref_figures": ref}
+            | ({"bubble": bubble} if bubble else {})
         )
+    for line in bubble_lines:
+        print(line)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 1 if failed else 0

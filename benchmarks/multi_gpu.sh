@@ -103,7 +103,8 @@ for PHASE in "$@"; do
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
-    python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" --until $UNTIL --json "$OUT/efficiency.json"
+    B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)'))
+    python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
     if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
       for t in "$OUT"/efficiency/*/profile_trace/iteration_14/rank[01]_trace.json; do
         [ -e "$t" ] && echo "== $t" && python3 benchmarks/trace_summary.py --top 6 "$t"; done

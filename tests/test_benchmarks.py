@@ -364,6 +364,14 @@ def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
     assert main([str(tmp_path), "--row", "C=good:ref:0.90:0.40"]) == 1  # memory over its target
     assert main([str(tmp_path), "--row", "D=absent:ref:0.90"]) == 1
     assert "missing" in capsys.readouterr().out
+    # pipeline rows: the measured bubble (1 - ratio) must also lie within 5 points of the textbook one
+    write("pp", 860.0, 30.0)  # bubble 14%
+    assert main([str(tmp_path), "--row", "P=pp:ref:0.80", "--bubble", "pp=0.111"]) == 0
+    interleaved = ["--row", "P=pp:ref:0.80", "--bubble", "pp=0.059", "--json", str(tmp_path / "b.json")]
+    assert main([str(tmp_path), *interleaved]) == 1
+    bubble = json.loads((tmp_path / "b.json").read_text())[0]["bubble"]
+    assert math.isclose(bubble["measured"], 0.14) and not bubble["ok"]
+    assert "NOT within" in capsys.readouterr().out
 
 
 def test_host_cost_phases_add_up_and_profile_prints(capsys):
