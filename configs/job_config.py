@@ -209,6 +209,11 @@ class Parallelism:
     pipeline_parallel_first_last_stage_weight: float = doc(
         1.0, "The embedding / head stages count as this many layers fewer when splitting evenly (0 = plain count)."
     )
+    pipeline_parallel_head_weight: float = doc(
+        0.0,
+        "The last stage's LM head + loss count as this many layers more when splitting evenly; -1 = estimated from "
+        "the FLOPs (6 x d_model x vocab against a layer's: ~3.7 at 1.3B with a 50k vocabulary). 0 until measured.",
+    )
     pipeline_parallel_pack: str = doc(
         "sum",
         "How hidden + residual travel between stages: stack (2 x [b,s,d]) or sum ([b,s,d], half the bytes).",

@@ -12,7 +12,8 @@ Splits (`stage_layer_ranges`), in order of precedence:
     parallelism.pipeline_parallel_split_points = [6, 12, 18]   explicit: first layer of every stage but the first
     model.layer_pattern = "MM*-|MME-|..."                    explicit: '|' marks the stage boundaries
     otherwise an even split of the cost, where the embedding and the head each count as
-    parallelism.pipeline_parallel_first_last_stage_weight layers (so those stages get fewer layers).
+    parallelism.pipeline_parallel_first_last_stage_weight layers (so those stages get fewer layers), and the last
+    stage's LM head + loss as parallelism.pipeline_parallel_head_weight layers more (-1: estimated from the FLOPs).
 Stages per rank: 1 for single-stage schedules (GPipe, 1F1B); 2 for the multi-stage ones (Interleaved1F1B,
 LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble) unless pipeline_parallel_layers_per_stage, split points or the
 pattern say otherwise. Loop schedules give rank r the stages r, r+pp, r+2pp, ...; V schedules (ZBVZeroBubble,
@@ -55,9 +56,12 @@ def canonical_schedule(name: str) -> str:
     raise ValueError(f"parallelism.pipeline_parallel_schedule={name!r} is unknown; choose one of {list(SCHEDULES)}")
 
 
-def split_layers(n_layers: int, num_stages: int, first_last_weight: float = 0.0) -> list[range]:
+def split_layers(
+    n_layers: int, num_stages: int, first_last_weight: float = 0.0, head_weight: float = 0.0
+) -> list[range]:
     """Contiguous layer ranges, one per stage, balancing cost = layers (+ first_last_weight on the first stage for
-    the embedding and on the last for the head). Every stage gets at least one layer.
+    the embedding and on the last for the head, + head_weight more on the last: the LM head's matmuls and the loss
+    cost several layers' worth at a 50k vocabulary). Every stage gets at least one layer.
 
     Boundary s (layers in stages 0..s) is the one whose cumulative cost is nearest (s+1)/S of the total, so with
     weight 0 this is the plain even split. Ties go to the later stages: under 1F1B an earlier stage holds more
@@ -72,8 +76,12 @@ def split_layers(n_layers: int, num_stages: int, first_last_weight: float = 0.0)
         )
     if first_last_weight < 0:
         raise ValueError(f"parallelism.pipeline_parallel_first_last_stage_weight={first_last_weight} must be >= 0")
+    if head_weight < 0:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_head_weight={head_weight} must be >= 0 (or -1 for the estimate)"
+        )
     w = first_last_weight if num_stages > 1 else 0.0
-    total = n_layers + 2 * w
+    total = n_layers + 2 * w + (head_weight if num_stages > 1 else 0.0)
     bounds, prev = [], 0
     for s in range(num_stages - 1):
         ideal = (s + 1) * total / num_stages - w  # layers before the cut whose cost is (s+1)/S of the total
@@ -121,6 +129,7 @@ def stage_layer_ranges(
     layers_per_stage: int = -1,
     split_points: list[int] | None = None,
     first_last_weight: float = 0.0,
+    head_weight: float = 0.0,
 ) -> list[range]:
     """The layers of every pipeline stage (all ranks, stage order), or ValueError naming the key to fix."""
     schedule = canonical_schedule(schedule)
@@ -160,7 +169,26 @@ def stage_layer_ranges(
             f"{per_rank} but the model has only {n_layers} layers; every stage needs a layer "
             f"(lower pipeline_parallel_degree / stages per rank or add layers)"
         )
-    return explicit if explicit is not None else split_layers(n_layers, num_stages, first_last_weight)
+    return explicit if explicit is not None else split_layers(n_layers, num_stages, first_last_weight, head_weight)
+
+
+def _head_weight(cfg, model_args) -> float:
+    """The job's pipeline_parallel_head_weight in layers (0 where the settings have none: torchtitan's trainer)."""
+    setting = getattr(cfg.parallelism, "pipeline_parallel_head_weight", 0.0)
+    return head_weight_in_layers(model_args, cfg.training.seq_len, setting) if setting == -1 else setting
+
+
+def head_weight_in_layers(model_args, seq_len: int, setting: float) -> float:
+    """parallelism.pipeline_parallel_head_weight as layers: the setting itself when >= 0; -1 estimates it as the LM
+    head's training FLOPs per token (6 x d_model x vocab) over a layer's average (the model's FLOPs without the head,
+    over its layers; components/metrics.py counts them): ~3.7 at the 1.3B, 4096 tokens."""
+    if setting != -1:
+        return setting
+    from components.metrics import model_flops_per_token  # lazy: metrics imports the model package
+
+    total, _ = model_flops_per_token(model_args, seq_len)
+    head = 6.0 * model_args.d_model * model_args.padded_vocab_size
+    return head / ((total - head) / model_args.n_layers)
 
 
 def stage_ids_for_rank(pp_rank: int, pp: int, num_stages: int, schedule: str) -> list[int]:
@@ -199,6 +227,7 @@ def validate_pipeline(cfg, pdims, model_args, n_microbatches: int) -> list[str]:
                 p.pipeline_parallel_layers_per_stage,
                 p.pipeline_parallel_split_points,
                 p.pipeline_parallel_first_last_stage_weight,
+                _head_weight(cfg, model_args),
             )
         )
     except ValueError as e:
@@ -366,6 +395,7 @@ def pipeline_model(
         p.pipeline_parallel_layers_per_stage,
         p.pipeline_parallel_split_points,
         p.pipeline_parallel_first_last_stage_weight,
+        _head_weight(cfg, model.args),
     )
     num_stages = len(ranges)
     pp_mesh = world_mesh["pp"]

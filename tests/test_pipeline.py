@@ -71,6 +71,44 @@ def test_weighted_split_gives_end_stages_fewer_layers():
         assert worst([r.start for r in rs[1:]], n, s, w) <= best + 1, (n, s, w, sizes(rs))
 
 
+def test_head_weight_gives_the_last_stage_fewer_layers():
+    """pipeline_parallel_head_weight: the last stage's LM head + loss count as that many layers more."""
+    # cost 48 + 2*1 + 4 = 54: two stages of 27 = 26 + 1 (embedding) and 22 + 1 + 4 (head)
+    assert sizes(split_layers(48, 2, first_last_weight=1.0, head_weight=4)) == [26, 22]
+    assert sizes(split_layers(48, 4, first_last_weight=1.0, head_weight=4)) == [12, 14, 13, 9]
+    assert sizes(split_layers(48, 2, first_last_weight=1.0, head_weight=0)) == [24, 24]  # the default: as before
+    assert sizes(split_layers(7, 1, head_weight=5)) == [7]
+    with pytest.raises(ValueError, match="pipeline_parallel_head_weight"):
+        split_layers(8, 2, head_weight=-2)
+
+    def worst(cuts, n, s, w, hw):  # the largest stage cost of a split (brute force below)
+        e = [0, *cuts, n]
+        return max(
+            (b - a) + (w if i in (0, s - 1) else 0) + (hw if i == s - 1 else 0)
+            for i, (a, b) in enumerate(itertools.pairwise(e))
+        )
+
+    for n, s, w, hw in [(12, 3, 1.0, 2.5), (24, 2, 1.0, 3.7), (20, 4, 0.0, 6.7), (9, 2, 1.0, 8.0)]:
+        best = min(worst(c, n, s, w, hw) for c in itertools.combinations(range(1, n), s - 1))
+        rs = split_layers(n, s, w, hw)
+        assert worst([r.start for r in rs[1:]], n, s, w, hw) <= best + 1, (n, s, w, hw, sizes(rs))
+
+
+def test_head_weight_estimate():
+    """-1 estimates the head's cost in layers from the FLOPs: larger for a smaller model at the same vocabulary."""
+    from models.args import build_model_args
+    from parallelisms.pipeline import head_weight_in_layers
+
+    w13, w370 = (head_weight_in_layers(build_model_args(f), 4096, -1) for f in ("1.3B", "370M"))
+    assert 3.0 < w13 < 4.5 and w370 > w13
+    assert head_weight_in_layers(build_model_args("1.3B"), 4096, 2.5) == 2.5  # a given value is used as it is
+    pd = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=2)
+    ok = ModelArgs(n_layers=4, tie_embeddings=False)
+    assert _pipeline_errors(_cfg(pipeline_parallel_head_weight=-1.0), pd, ok) == []
+    errs = _pipeline_errors(_cfg(pipeline_parallel_head_weight=-3.0), pd, ok)
+    assert len(errs) == 1 and "pipeline_parallel_head_weight=-3.0" in errs[0]
+
+
 def test_explicit_splits():
     assert sizes(stage_layer_ranges(24, "", 4, "1F1B", split_points=[4, 12, 20])) == [4, 8, 8, 4]
     assert stage_layer_ranges(9, "MM*|-ME|M|MM", 2, "Interleaved1F1B") == [
