@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import math
 from collections.abc import Callable
 
@@ -37,6 +38,8 @@ from torch import nn
 from torch.torch_version import TorchVersion
 
 from parallelisms.tied_weights import build_tied_embedding_group, mark_tied_copy
+
+logger = logging.getLogger(__name__)
 
 # Names as torch.distributed.pipelining.schedules.get_schedule_class spells them.
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -398,6 +401,10 @@ def pipeline_model(
         _head_weight(cfg, model.args),
     )
     num_stages = len(ranges)
+    logger.info(
+        f"pipeline: {schedule_name}, {num_stages} stages over pp {pdims.pp}, layers per stage "
+        f"{[len(r) for r in ranges]}"
+    )
     pp_mesh = world_mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     stage_ids = stage_ids_for_rank(pp_rank, pdims.pp, num_stages, schedule_name)
