@@ -71,6 +71,9 @@ def run_case_in_child(**case):
         with kernel_halves_from_references() if case.pop("halves", False) else contextlib.nullcontext():
             print(json.dumps(check_split_path(**case)))
         return
+    if case.pop("final_only_halves", False):
+        print(json.dumps(check_final_state_only_halves(**case)))
+        return
     if case.pop("add_rmsnorm", False):
         print(json.dumps(check_add_rmsnorm(**case)))
         return
@@ -252,6 +255,47 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
     }
     bad = {k: e for k, e in errors.items() if not e <= tol}
     assert not bad, f"over {tol}: {bad}; all: {errors}"
+    return errors
+
+
+def check_final_state_only_halves(b, L, H, P, G, N, seed, chunk_size):
+    """The mixer's kernel-halves backward when only the final state is used (out's gradient None, as in a chunked
+    prefill's carried state): every gradient equals the autograd path's (the same function, float32)."""
+    from models.kernels import ops
+
+    g = torch.Generator().manual_seed(seed)
+    dim, conv_dim = H * P, H * P + 2 * G * N
+    tensors = dict(
+        zxbcdt=torch.randn(b, L, 2 * dim + 2 * G * N + H, generator=g),
+        conv1d_weight=torch.randn(conv_dim, 4, generator=g) * 0.3,
+        conv1d_bias=torch.randn(conv_dim, generator=g) * 0.1,
+        dt_bias=torch.randn(H, generator=g) * 0.3 - 1,
+        A=-(torch.rand(H, generator=g) + 0.5),
+        D=torch.randn(H, generator=g),
+        rmsnorm_weight=1 + 0.1 * torch.randn(dim, generator=g),
+        outproj_weight=torch.randn(24, dim, generator=g) * dim**-0.5,
+        initial_states=torch.randn(b, H, P, N, generator=g) * 0.5,
+    )
+    cot = torch.randn(b, H, P, N, generator=g)
+    grads = {}
+    for name, ctx in (("halves", kernel_halves_from_references()), ("autograd", contextlib.nullcontext())):
+        leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+        with ctx:
+            _, final = ops.mamba_split_conv1d_scan(
+                **leaves, chunk_size=chunk_size, headdim=P, ngroups=G, rmsnorm_eps=1e-5, return_final_states=True,
+                backend="triton",
+            )  # fmt: skip
+            (final * cot).sum().backward()
+        grads[name] = {k: v.grad for k, v in leaves.items()}
+    errors = {}
+    for k, ref in grads["autograd"].items():
+        got = grads["halves"][k]
+        if ref is None or got is None:  # no path from the final state (out_proj) on both sides, or a zero one
+            assert (got is None or not got.any()) and (ref is None or not ref.any()), k
+            continue
+        errors[k] = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    bad = {k: e for k, e in errors.items() if not e <= 1e-5}
+    assert not bad, f"over 1e-5: {bad}; all: {errors}"
     return errors
 
 
@@ -630,6 +674,11 @@ def test_add_rmsnorm_kernels():
     interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=1, x_dtype="float32", residual=None, residual_in_fp32=True)
     interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=2, x_dtype="float16", residual="float32")
     interpret(add_rmsnorm=True, b=1, L=20, D=64, seed=3, x_dtype="float32", residual="x")
+
+
+def test_fused_path_kernel_halves_final_state_only():
+    """The kernel-halves backward with no gradient for the output, only for the final state."""
+    interpret(final_only_halves=True, b=2, L=40, H=4, P=16, G=1, N=16, seed=8, chunk_size=16)
 
 
 def test_fused_path_contract_states_nonssm_no_norm():

@@ -128,6 +128,8 @@ def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if triton.next_power_of_2(D) > 65536 // x.element_size():
-        raise ValueError(f"add_rmsnorm_triton: a row of {D} elements does not fit one program; use backend='mamba_ssm'")
+        raise ValueError(
+            f"add_rmsnorm_triton: a row of {D} elements does not fit one program (64 KB); use model.kernels=reference"
+        )
     with no_autocast(x.device):
         return _AddRMSNorm.apply(x, residual, weight.contiguous(), float(eps), residual_in_fp32)

@@ -166,8 +166,10 @@ class _MixerFunction(torch.autograd.Function):
     def backward(ctx, dout, dfinal):
         from models.kernels.ssd_triton.autograd import ssd_backward_pass
 
+        if ctx.halves:
+            return _backward_with_kernel_halves(ctx, dout, dfinal)
         s, cfg = ctx.s, ctx.cfg
-        zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd = (
+        zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, _ = (
             ctx.saved_tensors
         )
         A_dtype, D_dtype, init_dtype = ctx.dtypes
@@ -175,8 +177,6 @@ class _MixerFunction(torch.autograd.Function):
         if dout is None:  # only the final state was used
             dout = torch.zeros(*zxbcdt.shape[:2], out_w.shape[0] if out_w is not None else s.d_nonssm + s.dim,
                                device=zxbcdt.device, dtype=zxbcdt.dtype)  # fmt: skip
-        if ctx.halves:
-            return _backward_with_kernel_halves(ctx, dout, dfinal, rstd)
         zx0, z, xBC_in, dt = s.split(zxbcdt)
         with torch.enable_grad(), no_autocast(zxbcdt.device):
             zx0_, z_, xBC_in_, y_ = _leaf(zx0, True), _leaf(z, True), _leaf(xBC_in, True), _leaf(y_BLD, True)
@@ -223,14 +223,14 @@ class _MixerFunction(torch.autograd.Function):
         )
 
 
-def _backward_with_kernel_halves(ctx, dout, dfinal, rstd):
+def _backward_with_kernel_halves(ctx, dout, dfinal):
     """_MixerFunction's backward when the conv and the norm run as kernel halves (mamba_ssm's fused mixer's order):
     out_proj's input gradient, the norm's backward (recomputing out_proj's input for its weight gradient, dz written
     into dzxbcdt), the conv recomputed, the SSD's backward, the conv's backward writing dxBC into dzxbcdt."""
     from models.kernels.ssd_triton.autograd import ssd_backward_pass
 
     s, cfg, needs = ctx.s, ctx.cfg, ctx.needs_input_grad
-    zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, _ = (
+    zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd = (
         ctx.saved_tensors
     )
     A_dtype, D_dtype, init_dtype = ctx.dtypes
@@ -238,7 +238,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal, rstd):
     _, z, xBC_in, dt = s.split(zxbcdt)
     _, dz, dxBC_in, ddt_out = s.split(dzxbcdt)
     dout_w = dout_b = None
-    if dout is None:  # only the final state was used
+    if dout is None:  # only the final state was used: no out_proj product of zeros
         dh = torch.zeros_like(y_BLD)
     elif out_w is None:
         dh = dout.to(y_BLD.dtype).contiguous()

@@ -115,17 +115,16 @@ def test_ssd_triton_matches_reference(dtype, ngroups, chunk_size, variant):
     assert not bad, f"{dtype}: {bad} over tolerance; all: {errs}{theirs_note}"
 
 
-def test_split_conv1d_scan_triton_backend_matches_reference():
-    """The fused-path contract under backend 'triton' (conv + our SSD + gated norm + out_proj), bf16."""
-    gen = torch.Generator().manual_seed(3)
-    b, L, H, P, N, G, d_model = 2, 300, 8, 64, 64, 1, 256
+def split_path_inputs(seed, b, L, P, G, dtype, with_init=False, H=8, N=64, d_model=256):
+    """The fused mixer's tensors (zxbcdt, conv, dt, A, D, norm, out_proj; initial states last when asked), on the GPU,
+    and the draw function r(*shape, dt=dtype, scale=1.0) for more from the same generator."""
+    gen = torch.Generator().manual_seed(seed)
     dim = H * P
     conv_dim = dim + 2 * G * N
 
-    def r(*s, dt=torch.bfloat16, scale=1.0):
+    def r(*s, dt=dtype, scale=1.0):
         return (torch.randn(*s, generator=gen) * scale).to(DEV, dt)
 
-    # Weights in the activation dtype, as the model's bf16 parameters under FSDP (test_kernels_gpu does the same).
     tensors = dict(
         zxbcdt=r(b, L, 2 * dim + 2 * G * N + H),
         conv1d_weight=r(conv_dim, 4, scale=0.3),
@@ -136,6 +135,16 @@ def test_split_conv1d_scan_triton_backend_matches_reference():
         rmsnorm_weight=1 + r(dim, scale=0.1),
         outproj_weight=r(d_model, dim, scale=dim**-0.5),
     )
+    if with_init:
+        tensors["initial_states"] = r(b, H, P, N, dt=torch.float32, scale=0.5)
+    return tensors, r
+
+
+def test_split_conv1d_scan_triton_backend_matches_reference():
+    """The fused-path contract under backend 'triton' (conv + our SSD + gated norm + out_proj), bf16."""
+    b, L, P, G = 2, 300, 64, 1
+    # Weights in the activation dtype, as the model's bf16 parameters under FSDP (test_kernels_gpu does the same).
+    tensors, _ = split_path_inputs(3, b, L, P, G, torch.bfloat16)
     seq = seq_idx_for(b, L)
 
     def go(fn, dtype=None, **kw):
@@ -158,27 +167,10 @@ def test_split_path_kernel_halves_equal_autograd_path(dtype, monkeypatch):
     backward kernel rounds once more before out_proj's weight gradient)."""
     from models.kernels import split_conv1d_scan as scs
 
-    gen = torch.Generator().manual_seed(5)
-    b, L, H, P, N, G, d_model = 2, 300, 8, 64, 64, 2, 256
-    dim = H * P
-    conv_dim = dim + 2 * G * N
-
-    def r(*s, dt=dtype, scale=1.0):
-        return (torch.randn(*s, generator=gen) * scale).to(DEV, dt)
-
-    tensors = dict(
-        zxbcdt=r(b, L, 2 * dim + 2 * G * N + H),
-        conv1d_weight=r(conv_dim, 4, scale=0.3),
-        conv1d_bias=r(conv_dim, scale=0.1),
-        dt_bias=r(H, dt=torch.float32, scale=0.3) - 2,
-        A=-torch.empty(H).uniform_(1, 16, generator=gen).to(DEV),
-        D=r(H, dt=torch.float32),
-        rmsnorm_weight=1 + r(dim, scale=0.1),
-        outproj_weight=r(d_model, dim, scale=dim**-0.5),
-        initial_states=r(b, H, P, N, dt=torch.float32, scale=0.5),
-    )
+    b, L, P, G = 2, 300, 64, 2
+    tensors, r = split_path_inputs(5, b, L, P, G, dtype, with_init=True)
     seq = seq_idx_for(b, L)
-    cot = r(b, L, d_model, dt=torch.float32)
+    cot = r(b, L, 256, dt=torch.float32)
 
     def go():
         leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
