@@ -99,6 +99,9 @@ TUNE_VARIANTS = {
     "hpp32": dict(heads_per_prog=32),
     "hpp64": dict(heads_per_prog=64),
     "s2": {k: 2 for k in _STAGES},
+    # Session 11: dCB's grid, one program per tile (default) or per block of rows.
+    "dcb_rows": dict(dcb_tiles=False),
+    "dcb_tiles": dict(dcb_tiles=True),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {
@@ -128,7 +131,7 @@ TUNE_GROUPS = {
             "*xmma",
             "*cutlass",
         ),
-        ("dc_", "db_", "heads_per_prog", "bc_mode"),
+        ("dc_", "db_", "heads_per_prog", "bc_mode", "dcb_"),
     ),
 }
 

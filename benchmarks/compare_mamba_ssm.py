@@ -19,6 +19,13 @@ Throughput is over the timed steps (total tokens / total time); memory is torch.
 MFU is reported on two FLOP counts, for both sides alike: "6N" (6 x the matmul parameters a token uses, lm_head
 included) and "SSD" (that plus the conv and chunked-SSD terms, components.metrics.model_flops_per_token), against
 --peak_tflops (H100 / H200 dense bf16: 989.4). Prints a table and writes every record to --out (JSON).
+
+--profile_step K (a warm-up step, K <= --warmup, so that the timed steps are not traced) also takes a torch.profiler
+trace of step K on both sides (ours: profiling.profile_steps [K]; theirs: the same tracer around their loop, one
+warm-up step of the tracer first, as ours) and prints where each side's step goes, kernel family by family
+(benchmarks/trace_summary.py --groups), side by side:
+
+    python3 benchmarks/compare_mamba_ssm.py --sizes 1.3b --warmup 5 --steps 5 --profile_step 4
 """
 
 from __future__ import annotations
@@ -90,11 +97,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="more runs of ours, each with these train.py overrides added to those after `--`, "
         "next to the same run of theirs; repeatable; write it as --variant='--training.x y'",
     )
+    ap.add_argument(
+        "--profile_step",
+        type=int,
+        default=0,
+        help="trace this warm-up step on both sides and compare their kernel families (0: no traces)",
+    )
     ap.add_argument("--skip_theirs", action="store_true")
     ap.add_argument("--skip_ours", action="store_true")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--_worker", choices=("theirs",), help=argparse.SUPPRESS)
     ap.add_argument("--_size", help=argparse.SUPPRESS)
+    ap.add_argument("--_trace", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.overrides = overrides
     a.variant_overrides = [overrides] + [overrides + v.split() for v in a.variant]  # the base run first
@@ -104,6 +118,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
     if a.warmup < 1 or a.steps < 1:
         ap.error("--warmup and --steps must be >= 1 (the first step compiles / autotunes kernels)")
+    if a.profile_step and not 2 <= a.profile_step <= a.warmup:
+        ap.error(
+            f"--profile_step {a.profile_step} must be a warm-up step after the first (2..{a.warmup}): the tracer's "
+            "own warm-up step runs before it, and traced steps are slower, so they must not be timed"
+        )
     return a
 
 
@@ -308,8 +327,14 @@ def run_ours(size: Size, a: argparse.Namespace, overrides: list[str] | None = No
     dump = os.path.join(a.work_dir, f"{size.name}-ours" + (f"-{index}" if index else ""))
     if os.path.isdir(dump):
         shutil.rmtree(dump)  # ours alone: a stale metrics.jsonl would mix into this run's records
-    cmd = ours_command(size, a.warmup, a.steps, dump, a.overrides if overrides is None else overrides, a.python)
-    return _run(cmd, a, lambda _: summarize_ours(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup))
+    overrides = list(a.overrides if overrides is None else overrides)
+    if a.profile_step:
+        overrides += ["--profiling.enable_profiling", "true", "--profiling.profile_steps", f"[{a.profile_step}]"]
+    cmd = ours_command(size, a.warmup, a.steps, dump, overrides, a.python)
+    rec = _run(cmd, a, lambda _: summarize_ours(read_jsonl(os.path.join(dump, "metrics.jsonl")), a.warmup))
+    if a.profile_step and "error" not in rec:
+        rec["trace"] = os.path.join(dump, "profile_trace", f"iteration_{a.profile_step}", "rank0_trace.json")
+    return rec
 
 
 def run_theirs(size: Size, a: argparse.Namespace) -> dict:
@@ -325,12 +350,22 @@ def run_theirs(size: Size, a: argparse.Namespace) -> dict:
         "--steps",
         str(a.steps),
     ]
-    return _run(cmd, a, last_result_line)
+    trace = None
+    if a.profile_step:
+        trace = os.path.join(os.path.abspath(a.work_dir), f"{size.name}-theirs", "rank0_trace.json")
+        cmd += ["--profile_step", str(a.profile_step), "--_trace", trace]
+    rec = _run(cmd, a, last_result_line)
+    if trace and "error" not in rec and os.path.exists(trace):
+        rec["trace"] = trace
+    return rec
 
 
-def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda") -> dict:
+def theirs_worker(
+    size: Size, warmup: int, steps: int, device_type: str = "cuda", profile_step: int = 0, trace: str | None = None
+) -> dict:
     """mamba-ssm's MambaLMHeadModel in a plain loop (runs in its own process; device_type cpu only for tests,
-    with a stand-in mamba_ssm)."""
+    with a stand-in mamba_ssm). With profile_step, step profile_step (1-based) is traced into `trace` (a chrome
+    trace with a ProfilerStep#<k> annotation, as ours), the tracer started one step earlier."""
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the mamba_ssm side needs CUDA (use --skip_theirs elsewhere)")
     import mamba_ssm  # lazy: optional, needs its CUDA build (tests put a stand-in in sys.modules)
@@ -351,7 +386,19 @@ def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     gen = torch.Generator(device=device).manual_seed(0)
     seconds, losses = [], []
-    for _ in range(warmup + steps):
+    tracer = None
+    for step in range(1, warmup + steps + 1):
+        if profile_step and step == profile_step - 1:
+            os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
+            activities = [torch.profiler.ProfilerActivity.CPU] + (
+                [torch.profiler.ProfilerActivity.CUDA] if on_gpu else []
+            )
+            tracer = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=0, warmup=1, active=1, repeat=1),
+                on_trace_ready=lambda p: p.export_chrome_trace(trace),
+            )
+            tracer.start()
         tokens = torch.randint(0, THEIR_VOCAB, (size.batch, size.seq_len + 1), device=device, generator=gen)
         sync()
         t0 = time.perf_counter()
@@ -366,6 +413,11 @@ def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda"
         losses.append(loss.item())  # our trainer also reads the loss every step
         sync()
         seconds.append(time.perf_counter() - t0)
+        if tracer is not None:
+            tracer.step()  # the schedule's step k+1 is the traced one: its ProfilerStep#k annotation spans it
+            if step == profile_step:
+                tracer.stop()
+                tracer = None
     out = summarize_times(seconds, warmup, size.batch * size.seq_len)
     out.update(
         memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else float("nan"),
@@ -381,6 +433,28 @@ def theirs_worker(size: Size, warmup: int, steps: int, device_type: str = "cuda"
     return out
 
 
+def profile_table(records: list[dict]) -> str:
+    """Every traced run's kernel families side by side (trace_summary.groups_table), theirs once per size."""
+    from benchmarks.trace_summary import groups_table, summarize
+
+    traces, labels = [], []
+    for rec in records:
+        for side in ("theirs", "ours"):
+            path = (rec.get(side) or {}).get("trace")
+            if path and path not in traces and os.path.exists(path):
+                traces.append(path)
+                extra = " ".join(rec["overrides"]) if side == "ours" and rec["overrides"] else ""
+                labels.append(f"{rec['size']} {side}" + (f" {extra}" if extra else ""))
+    if not traces:
+        return "(no traces were written)"
+    try:
+        summaries = [summarize(p) for p in traces]
+    except SystemExit as e:  # a CPU run's trace has no kernels
+        return f"(no kernel families: {e})"
+    legend = "\n".join(f"  {label}: {path}" for label, path in zip(labels, traces))
+    return groups_table(summaries, labels) + "\n" + legend
+
+
 def write_json(path: str, records: list[dict], a: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     meta = {"warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops, "overrides": a.overrides}
@@ -391,7 +465,8 @@ def write_json(path: str, records: list[dict], a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     if a._worker == "theirs":
-        print("RESULT " + json.dumps(theirs_worker(SIZES[a._size], a.warmup, a.steps)), flush=True)
+        result = theirs_worker(SIZES[a._size], a.warmup, a.steps, profile_step=a.profile_step, trace=a._trace)
+        print("RESULT " + json.dumps(result), flush=True)
         return []
     records = []
     for name in a.size_list:
@@ -413,6 +488,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             add_mfu(rec, size, a.peak_tflops)
             write_json(a.out, records, a)  # after every run: a later timeout keeps what finished
     print(format_table(records), flush=True)
+    if a.profile_step:
+        print(profile_table(records), flush=True)
     print(f"results: {a.out}", flush=True)
     return records
 

@@ -15,6 +15,52 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+
+# Kernel families of a Mamba / hybrid training step, first match wins; a key matches anywhere in the lower-cased
+# kernel name, or at its start when written "^key". "ssd (ours)" are models/kernels/ssd_triton's kernels (Triton
+# names them after their functions); "ssd (mamba_ssm)" mamba_ssm's _chunk_* / _state_passing_* / _bmm_*.
+KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nccl", ("nccl",)),
+    (
+        "ssd (ours)",
+        (
+            "^chunk_scan_fwd_kernel",
+            "^chunk_state_fwd_kernel",
+            "^state_passing_fwd_kernel",
+            "^state_passing_bwd_kernel",
+            "^cb_fwd_kernel",
+            "^bc_finish_kernel",
+            "^dt_fwd_kernel",
+            "^dt_bwd_kernel",
+            "^chunk_scan_bwd_",
+            "^chunk_state_bwd_",
+            "^fused_state_bwd_kernel",
+            "^fused_scan_fwd_kernel",
+        ),
+    ),
+    ("ssd (mamba_ssm)", ("_chunk_scan", "_chunk_state", "_chunk_cumsum", "_state_passing", "_bmm_chunk")),
+    ("conv1d", ("causal_conv1d", "conv1d")),
+    ("norms", ("rmsnorm", "layer_norm", "_norm_")),
+    ("attention", ("flash", "attention", "fmha", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitkreduce", "sm90_", "sm80_")),
+    ("loss", ("cross_entropy", "log_softmax", "softmax", "nll_loss")),
+    ("optimizer", ("multi_tensor", "adam", "fused_sgd")),
+    ("memcpy / memset", ("memcpy", "memset")),
+    (
+        "elementwise / reductions",
+        ("elementwise", "reduce_kernel", "reduce", "fill", "copy", "cat", "index", "scatter", "gather"),
+    ),
+)
+
+
+def kernel_group(name: str) -> str:
+    """The family of a kernel name (KERNEL_GROUPS), "other" when none matches."""
+    low = name.lower()
+    for group, keys in KERNEL_GROUPS:
+        if any(low.startswith(k[1:]) if k.startswith("^") else k in low for k in keys):
+            return group
+    return "other"
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -110,7 +156,10 @@ def summarize(path: str, top: int = 15) -> dict:
     wall = window[1] - window[0]
     busy = union_length(comm + compute)
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
+    per_group = collections.defaultdict(lambda: [0, 0.0])
     for e in inside:
+        per_group[kernel_group(e["name"])][0] += 1
+        per_group[kernel_group(e["name"])][1] += clip(e)[1] - clip(e)[0]
         name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
         per_kernel[name][0] += 1
         per_kernel[name][1] += clip(e)[1] - clip(e)[0]
@@ -136,6 +185,7 @@ def summarize(path: str, top: int = 15) -> dict:
         "kernels": len(inside),
         "launch_calls": len(launches),
         "launch_cpu_ms": sum(e["dur"] for e in launches) / 1e3,
+        "groups": sorted(((g, c, t / 1e3) for g, (c, t) in per_group.items()), key=lambda r: -r[2]),
         "top": sorted(((n, c, t / 1e3) for n, (c, t) in per_kernel.items()), key=lambda r: -r[2])[:top],
         "fsdp_hooks": hook_times(events, window),
     }
@@ -145,10 +195,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument(
+        "--groups",
+        action="store_true",
+        help="also print one markdown table of the kernel families (KERNEL_GROUPS) per trace, side by side: GPU ms "
+        "per step and share of the step, to compare two loops (e.g. ours and mamba-ssm's) or two layouts",
+    )
     ap.add_argument("--json", help="append one JSON line per trace (without the kernel table) to this file")
     args = ap.parse_args()
+    summaries = []
     for path in args.traces:
         s = summarize(path, args.top)
+        summaries.append(s)
         w = s["wall_ms"]
         print(
             f"== {path}\nstep {w:.1f} ms: compute {s['compute_ms']:.1f} ({s['compute_ms'] / w:.0%}), "
@@ -172,6 +230,32 @@ def main():
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps({k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks")}) + "\n")
+    if args.groups:
+        print(groups_table(summaries))
+
+
+def groups_table(summaries: list[dict], labels: list[str] | None = None) -> str:
+    """Markdown: one row per kernel family, one column per trace (ms of GPU time in the step, % of its wall time),
+    then the GPU idle time and the step. Families overlap only where kernels run concurrently (NCCL). Columns are
+    headed by `labels`, else by each trace's folder name."""
+    names = [g for g, _ in KERNEL_GROUPS] + ["other"]
+    labels = labels or [os.path.basename(os.path.dirname(s["trace"])) or s["trace"] for s in summaries]
+    head = "| kernels | " + " | ".join(labels)
+    lines = [head + " |", "| --- |" + " --- |" * len(summaries)]
+    for name in names:
+        cells = []
+        for s in summaries:
+            ms = next((t for g, _, t in s["groups"] if g == name), 0.0)
+            cells.append(f"{ms:.1f} ms ({ms / s['wall_ms']:.0%})" if ms else "-")
+        if any(c != "-" for c in cells):
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| GPU idle | "
+        + " | ".join(f"{s['idle_ms']:.1f} ms ({s['idle_ms'] / s['wall_ms']:.0%})" for s in summaries)
+        + " |"
+    )
+    lines.append("| step | " + " | ".join(f"{s['wall_ms']:.1f} ms" for s in summaries) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import sys
 import types
 from collections import namedtuple
@@ -222,6 +223,30 @@ def test_theirs_worker_loop_on_cpu(monkeypatch):
     json.dumps(out)  # the RESULT line must serialise
 
 
+def test_profile_step_traces_that_step_on_both_sides(monkeypatch, tmp_path, capsys):
+    """--profile_step K: their loop writes a trace whose ProfilerStep annotation is step K's, ours asks train.py
+    for the same step; K must be a warm-up step after the first."""
+    _stand_in_mamba_ssm(monkeypatch, {})
+    trace = tmp_path / "not_yet" / "theirs.json"  # the worker makes its folder
+    out = cmp.theirs_worker(cmp.SIZES["debug"], warmup=3, steps=1, device_type="cpu", profile_step=3, trace=str(trace))
+    assert len(out["step_seconds"]) == 4
+    names = [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]]
+    assert [n for n in names if n.startswith("ProfilerStep#")] == ["ProfilerStep#1"]  # one traced step only
+    assert any(n == "aten::mm" or n == "aten::addmm" for n in names)
+    for bad in ("1", "4"):
+        with pytest.raises(SystemExit):
+            cmp.parse_args(["--warmup", "3", "--profile_step", bad])
+    recs = cmp.main(
+        [
+            *("--sizes", "debug", "--skip_theirs", "--warmup", "2", "--steps", "1", "--profile_step", "2"),
+            *("--out", str(tmp_path / "r.json"), "--work_dir", str(tmp_path / "w")),
+        ]
+    )
+    path = recs[0]["ours"]["trace"]
+    assert path == str(tmp_path / "w" / "debug-ours" / "profile_trace" / "iteration_2" / "rank0_trace.json")
+    assert os.path.exists(path) and "(no kernel families" in capsys.readouterr().out  # CPU: no GPU kernels
+
+
 def test_script_ours_side_on_cpu(tmp_path, capsys):
     recs = cmp.main(
         [
@@ -307,6 +332,45 @@ def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
     assert (s["wall_ms"], s["compute_ms"], s["nccl_ms"]) == (0.1, 0.06, 0.03)
     assert abs(s["nccl_exposed_ms"] - 0.01) < 1e-12 and abs(s["idle_ms"] - 0.03) < 1e-12
     assert s["kernels"] == 3 and s["top"][0][:2] == ("gemm", 1)
+
+
+def test_trace_summary_kernel_groups(tmp_path):
+    """Kernel names fall into their families (ours before mamba_ssm's, NCCL first), and the side-by-side table
+    puts each family's GPU time in its trace's column."""
+    from benchmarks.trace_summary import groups_table, kernel_group, summarize
+
+    cases = {
+        "chunk_scan_bwd_dx_kernel": "ssd (ours)",
+        "_chunk_scan_bwd_dx_kernel": "ssd (mamba_ssm)",
+        "_state_passing_fwd_kernel": "ssd (mamba_ssm)",
+        "causal_conv1d_fwd_kernel<128, 4>": "conv1d",
+        "_add_rmsnorm_fwd_kernel": "norms",
+        "nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
+        "ncclDevKernel_ReduceScatter_Sum_f32": "nccl",
+        "void at::native::vectorized_elementwise_kernel<4>": "elementwise / reductions",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward": "loss",
+        "multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "Memcpy HtoD (Pinned -> Device)": "memcpy / memset",
+        "some_new_kernel": "other",
+    }
+    assert {n: kernel_group(n) for n in cases} == cases
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    paths = []
+    for i, ssd in enumerate(("chunk_scan_fwd_kernel", "_chunk_scan_fwd_kernel")):
+        events = [
+            {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 1000},
+            kernel("nvjet_gemm", 0, 400),
+            kernel(ssd, 400, 300 + 100 * i),
+        ]
+        (tmp_path / f"run{i}").mkdir()
+        paths.append(tmp_path / f"run{i}" / "trace.json")
+        paths[-1].write_text(json.dumps({"traceEvents": events}))
+    table = groups_table([summarize(str(p)) for p in paths]).splitlines()
+    assert table[0] == "| kernels | run0 | run1 |"
+    assert "| ssd (ours) | 0.3 ms (30%) | - |" in table and "| ssd (mamba_ssm) | - | 0.4 ms (40%) |" in table
+    assert "| matmul | 0.4 ms (40%) | 0.4 ms (40%) |" in table
+    assert table[-2:] == ["| GPU idle | 0.3 ms (30%) | 0.2 ms (20%) |", "| step | 1.0 ms | 1.0 ms |"]
 
 
 def test_trace_summary_host_self_times():

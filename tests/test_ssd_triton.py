@@ -620,6 +620,25 @@ def test_whole_tiles_documents_initial_states():
     )
 
 
+def test_dcb_grid_per_tile_and_per_row_block():
+    """dCB's two grids (config dcb_tiles): one program per tile of [l, s] (the default) and one per block of rows
+    walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose
+    from (a wrong column block fails: checked by mutation), documents and whole tiles."""
+    for dcb_tiles in (True, False):
+        interpret(
+            b=1,
+            L=128,
+            H=2,
+            P=16,
+            G=1,
+            N=16,
+            seed=9,
+            seq_cuts=[[40, 100]],
+            call=dict(chunk_size=64),
+            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles),
+        )
+
+
 def test_per_head_backward_mode_staged_forward():
     """The non-default paths: bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is
     'grouped'), 2 heads/program, and the staged forward / state recurrence (the default is fused_scan)."""

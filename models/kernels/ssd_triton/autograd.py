@@ -242,7 +242,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
         dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # the kernel zeroes s > l
-        chunk_scan_bwd_dcb_kernel[(b * NC * G * n_hb, n_m)](
+        dcb_grid = (b * NC * G * n_hb, n_m, n_m) if cfg.dcb_tiles else (b * NC * G * n_hb, n_m)
+        chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
             dt_p,
@@ -269,6 +270,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             *dy.stride(),
             HAS_SEQ=has_seq,
             EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
+            TILE_GRID=cfg.dcb_tiles,
             PREC=dot_precision(x),
             BLOCK_M=cfg.dc_m,
             BLOCK_P=BP,

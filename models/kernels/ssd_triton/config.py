@@ -84,6 +84,10 @@ class BlockConfig:
     # 242 registers at 4 warps against 168 (2 programs per SM, not 3) and still pay: 1.3B chunk states 0.305 -> 0.251
     # ms, dS_in 0.117 -> 0.111 (H100, docs/performance.md, session 10).
     state_heads: int = 2
+    # dCB's grid (dcb_bwd.py, "grouped" mode): one program per tile of [l, s] (True) or per block of rows l walking
+    # its tiles in series (False: the last block does Q / dc_m tiles while the first does one, so the grid's time is
+    # that of its longest program).
+    dcb_tiles: bool = True
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:

@@ -62,6 +62,7 @@ def chunk_scan_bwd_dcb_kernel(
     s_y_p,
     HAS_SEQ: tl.constexpr,
     EVEN: tl.constexpr,
+    TILE_GRID: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -69,6 +70,13 @@ def chunk_scan_bwd_dcb_kernel(
 ):
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if TILE_GRID:
+        # One program per tile (rows pid_m, columns pid_k): above the diagonal it only stores zeros, on it it also
+        # does the state term of dC; below it, one tile. Every program then loops over the heads once.
+        pid_k = tl.program_id(2)
+    else:
+        # One program per block of rows walks its tiles in series: the last block does n_m tiles, the first one.
+        pid_k = pid_m
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb
     g = (pid0 // n_hb) % G
@@ -76,10 +84,6 @@ def chunk_scan_bwd_dcb_kernel(
     b = pid0 // (n_hb * G * NC)
     t0 = c * Q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
     valid_m = (offs_m < Q) & (t0 + offs_m < L)
     t_m = (t0 + offs_m).to(tl.int64)
     keep_m = valid_m
@@ -88,6 +92,46 @@ def chunk_scan_bwd_dcb_kernel(
         prev = tl.load(seq_ptr + b.to(tl.int64) * L + tl.maximum(t0 - 1, 0))
         keep_m = keep_m & (seq_m == tl.where(c > 0, prev, 0))
     h0 = g * (H // G) + hb * HEADS_PER_PROG
+    m0 = pid_m * BLOCK_M
+    if pid_k > pid_m:
+        # Above the diagonal (TILE_GRID only): zeros (the host's dCB products read whole rows), stored here rather
+        # than by a separate fill of the whole buffer.
+        dCB_rows = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
+        offs_k = pid_k * BLOCK_M + tl.arange(0, BLOCK_M)
+        zeros = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+        tl.store(dCB_rows + offs_k[None, :], zeros, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
+    elif pid_k < pid_m:  # TILE_GRID only: one tile below the diagonal
+        # fmt: off
+        _dcb_tile(
+            dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
+            pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
+            HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+        )
+        # fmt: on
+    else:
+        _dcb_rows(
+            dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dCstate_ptr, dCB_ptr, O_ptr, R_ptr,
+            L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
+            s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
+            HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
+            BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+
+
+@triton.jit
+def _dcb_rows(
+    dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dCstate_ptr, dCB_ptr, O_ptr, R_ptr,
+    L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
+    s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
+    HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The diagonal block's program: the state term of dC and O, then (without TILE_GRID) the tiles of its rows
+    below the diagonal and the zeros above it, then the diagonal tile."""
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
 
     # State term of dC (summed over the heads) and O per head.
     C_m = tl.load(
@@ -117,27 +161,28 @@ def chunk_scan_bwd_dcb_kernel(
     tl.store(out, dC_acc, mask=valid_m[:, None] & mask_n[None, :])
 
     # Intra-chunk: dCB summed over the heads, tile by tile (tiles below the diagonal, then the diagonal one).
-    m0 = pid_m * BLOCK_M
     # fmt: off
-    for k0 in range(0, m0, BLOCK_M):
-        _dcb_tile(
-            dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
-            pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
-            HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-        )
+    if not TILE_GRID:
+        for k0 in range(0, m0, BLOCK_M):
+            _dcb_tile(
+                dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g,
+                hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
+                HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+            )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
     )
     # fmt: on
-    # Tiles above the diagonal: zeros (the host's dCB products read whole rows), stored here rather than by a
-    # separate fill of the whole buffer.
-    dCB_rows = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
-    for k0 in range(m0 + BLOCK_M, Q, BLOCK_M):
-        offs_k = k0 + tl.arange(0, BLOCK_M)
-        zeros = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-        tl.store(dCB_rows + offs_k[None, :], zeros, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
+    if not TILE_GRID:
+        # Tiles above the diagonal: zeros (the host's dCB products read whole rows), stored here rather than by a
+        # separate fill of the whole buffer.
+        dCB_rows = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
+        for k0 in range(m0 + BLOCK_M, Q, BLOCK_M):
+            offs_k = k0 + tl.arange(0, BLOCK_M)
+            zeros = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
+            tl.store(dCB_rows + offs_k[None, :], zeros, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
 
 
 @triton.jit
