@@ -77,6 +77,9 @@ def run_case_in_child(**case):
     if case.pop("add_rmsnorm", False):
         print(json.dumps(check_add_rmsnorm(**case)))
         return
+    if case.pop("conv", False):
+        print(json.dumps(check_conv(**case)))
+        return
     if case.pop("fp16_gate", False):
         print(json.dumps(check_fp16_gate_dD(**case)))
         return
@@ -258,6 +261,48 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
     return errors
 
 
+def check_conv(b, L, D, W, seed, seq_cuts, silu, bias, token_stride, range_l=None, x_dtype="float32"):
+    """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
+    channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
+    row), range_l positions per backward program (several programs' weight-gradient partial sums)."""
+    from models.kernels import conv_triton
+    from models.kernels.conv_reference import causal_conv1d_ref
+
+    if range_l is not None:
+        conv_triton._BWD_RANGE_L = range_l
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, x_dtype)
+    buf = torch.randn(b, L, token_stride, generator=g).to(dt)
+    x = buf[:, :, 1 : D + 1].transpose(1, 2)  # [B, D, L], channels contiguous, token stride token_stride
+    w = 0.5 * torch.randn(D, W, generator=g)
+    bvec = 0.1 * torch.randn(D, generator=g) if bias else None
+    seq = None
+    if seq_cuts is not None:
+        seq = torch.zeros(b, L, dtype=torch.int32)
+        for row, cuts in enumerate(seq_cuts):
+            for c in cuts:
+                seq[row, c:] += 1
+    dout = torch.randn(b, D, L, generator=g, dtype=torch.float64)
+    act = "silu" if silu else None
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, w, bvec)]
+    ref = causal_conv1d_ref(leaves[0], leaves[1], leaves[2], seq, act)
+    (ref * dout).sum().backward()
+    out = conv_triton.conv_forward_triton(x, w, bvec, seq, silu)
+    assert out.shape == x.shape and out.dtype == dt and out.stride(1) == 1
+    dx, dw, db = conv_triton.conv_backward_triton(x, w, bvec, dout.to(dt), seq, silu)
+    got = dict(out=out, dx=dx, dw=dw, **({"db": db} if bias else {}))
+    want = dict(out=ref, dx=leaves[0].grad, dw=leaves[1].grad, **({"db": leaves[2].grad} if bias else {}))
+    errors = {k: ((got[k].double() - v).norm() / v.norm()).item() for k, v in want.items()}
+    tol = 1e-5 if dt == torch.float32 else 4e-3
+    bad = {k: e for k, e in errors.items() if not e <= tol}
+    assert not bad, f"over {tol}: {bad}; all: {errors}"
+    # dx written into a given channel-last buffer (the mixer's view of dzxbcdt), the same values.
+    dbuf = torch.zeros(b, L, token_stride, dtype=dt)
+    conv_triton.conv_backward_triton(x, w, bvec, dout.to(dt), seq, silu, dbuf[:, :, 1 : D + 1].transpose(1, 2))
+    assert torch.equal(dbuf[:, :, 1 : D + 1].transpose(1, 2), dx) and not dbuf[:, :, 0].any()
+    return errors
+
+
 def check_final_state_only_halves(b, L, H, P, G, N, seed, chunk_size):
     """The mixer's kernel-halves backward when only the final state is used (out's gradient None, as in a chunked
     prefill's carried state): every gradient equals the autograd path's (the same function, float32)."""
@@ -302,24 +347,13 @@ def check_final_state_only_halves(b, L, H, P, G, N, seed, chunk_size):
 @contextlib.contextmanager
 def kernel_halves_from_references():
     """The fused mixer's kernel-halves path (split_conv1d_scan._backward_with_kernel_halves, CUDA only) on the CPU:
-    the conv's and the gated norm's GPU halves are replaced by the references (forward) and autograd through them
-    (backward), with the halves' contracts (dx / dz written into the given buffers, the normed output recomputed on
-    request), so the interpreter checks how the path wires them against the float64 reference."""
+    the gated norm's GPU halves (mamba_ssm's) are replaced by the reference (forward) and autograd through it
+    (backward), with the halves' contracts (dz written into the given buffer, the normed output recomputed on
+    request); the conv's halves are our Triton kernels (conv_triton.py, interpreted here), writing dx into dzxbcdt.
+    The interpreter so checks how the path wires them against the float64 reference."""
     from models.kernels import cuda
     from models.kernels import split_conv1d_scan as scs
-    from models.kernels.reference import causal_conv1d_ref, rmsnorm_gated_ref
-
-    def conv_forward(x, w, bias, seq, silu):
-        return causal_conv1d_ref(x, w, bias, seq, "silu" if silu else None)
-
-    def conv_backward(x, w, bias, dout, seq, silu, dx):
-        x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
-        b_ = None if bias is None else bias.detach().requires_grad_()
-        with torch.enable_grad():  # called inside a backward
-            out = conv_forward(x_, w_, b_, seq, silu)
-        grads = torch.autograd.grad(out, [t for t in (x_, w_, b_) if t is not None], dout)
-        dx.copy_(grads[0])
-        return grads[1], None if bias is None else grads[2]
+    from models.kernels.reference import rmsnorm_gated_ref
 
     def norm_forward(y, w, z, eps, group_size, norm_before_gate):
         rstd = torch.empty(y.shape[0] * y.shape[1] // group_size)  # the kernel's [groups * M]; unused here
@@ -333,10 +367,7 @@ def kernel_halves_from_references():
         dz.copy_(gz)
         return dy, dw, out.detach() if recompute else None
 
-    stand_ins = dict(
-        conv_forward=conv_forward, conv_backward=conv_backward,
-        gated_rmsnorm_forward=norm_forward, gated_rmsnorm_backward=norm_backward,
-    )  # fmt: skip
+    stand_ins = dict(gated_rmsnorm_forward=norm_forward, gated_rmsnorm_backward=norm_backward)
     saved = {k: getattr(cuda, k) for k in stand_ins} | {"on": scs._kernel_halves_on}
     try:
         for k, f in stand_ins.items():
@@ -693,6 +724,26 @@ def test_add_rmsnorm_kernels():
     interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=1, x_dtype="float32", residual=None, residual_in_fp32=True)
     interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=2, x_dtype="float16", residual="float32")
     interpret(add_rmsnorm=True, b=1, L=20, D=64, seed=3, x_dtype="float32", residual="x")
+
+
+def test_conv_kernels_documents_strided_channel_last():
+    """Our causal conv (conv_triton.py) against the float64 reference: silu, bias, documents (one starting at 0,
+    one-token documents, cuts inside a tile and at a tile edge), x a strided channel-last view, channels not a
+    multiple of the block, and several backward programs along L (partial weight gradients summed)."""
+    cuts = [[1, 2, 30, 64, 65], [33]]
+    interpret(
+        conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48, range_l=64
+    )
+
+
+def test_conv_kernels_widths_without_documents():
+    """Widths 2 and 3, no documents, no bias, no activation; and float16 x with width 4."""
+    interpret(conv=True, b=1, L=70, D=16, W=2, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17)
+    interpret(conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32)
+    interpret(
+        conv=True, b=1, L=40, D=8, W=4, seed=4, seq_cuts=[[10]], silu=True, bias=True, token_stride=16,
+        x_dtype="float16",
+    )  # fmt: skip
 
 
 def test_fused_path_kernel_halves_final_state_only():

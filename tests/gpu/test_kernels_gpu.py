@@ -182,6 +182,46 @@ def test_causal_conv1d(dtype, width, layout):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["channel_first_seq", "channel_last_seq", "strided_noseq"])
+def test_causal_conv1d_triton(dtype, width, layout):
+    """Our Triton conv (conv_triton.py, ops.causal_conv1d under "auto") against the float64 reference, and no less
+    exact than causal_conv1d's kernel on the same inputs (bf16, where both round the same outputs)."""
+    from models.kernels.conv_triton import causal_conv1d_triton
+
+    gen = torch.Generator().manual_seed(10 + width)
+    b, D, L = 2, 200, 1100
+    x = torch.randn(b, D, L, generator=gen).to(DEV, dtype)
+    if layout == "channel_last_seq":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    elif layout == "strided_noseq":  # the mixer's view of zxbcdt: channels contiguous, a wider token stride
+        x = torch.randn(b, L, D + 24, generator=gen).to(DEV, dtype)[:, :, 8 : 8 + D].transpose(1, 2)
+    tensors = dict(
+        x_BDL=x,
+        weight_DW=torch.randn(D, width, generator=gen).to(DEV, torch.float32),
+        bias_D=torch.randn(D, generator=gen).to(DEV, torch.float32),
+        seq_idx_BL=None if layout.endswith("noseq") else seq_idx_for(b, L),
+    )
+    ours = compare(
+        lambda **t: causal_conv1d_triton(**t, activation="silu"),
+        lambda **t: causal_conv1d_ref(**t, activation="silu"),
+        tensors,
+        params={"weight_DW", "bias_D"},
+        dtype=dtype,
+    )
+    if dtype == torch.bfloat16 and kcuda.cuda_kernels_available():
+        theirs = compare(
+            lambda **t: kcuda.causal_conv1d_cuda(**t, activation="silu"),
+            lambda **t: causal_conv1d_ref(**t, activation="silu"),
+            tensors,
+            params={"weight_DW", "bias_D"},
+            dtype=dtype,
+        )
+        worse = {k: (ours[k], theirs[k]) for k in ours if ours[k] > 1.25 * theirs[k] + 1e-6}
+        assert not worse, f"ours worse than causal_conv1d's: {worse}"
+
+
 # ----------------------------------------------------------------------------- norms
 
 
