@@ -88,13 +88,55 @@ def run(shape_name: str, with_seq: bool) -> dict:
 
 
 # --tune: our kernels' block sizes (conv_triton's module constants) tried one set at a time.
-TUNE = [
-    dict(_BLOCK_D=128, _FWD_BLOCK_L=64, _BWD_BLOCK_L=32, _BWD_RANGE_L=512),
-    dict(_BLOCK_D=64, _FWD_BLOCK_L=64, _BWD_BLOCK_L=32, _BWD_RANGE_L=512),
-    dict(_BLOCK_D=256, _FWD_BLOCK_L=32, _BWD_BLOCK_L=16, _BWD_RANGE_L=512),
-    dict(_BLOCK_D=128, _FWD_BLOCK_L=128, _BWD_BLOCK_L=64, _BWD_RANGE_L=1024),
-    dict(_BLOCK_D=128, _FWD_BLOCK_L=32, _BWD_BLOCK_L=16, _BWD_RANGE_L=256),
-    dict(_BLOCK_D=64, _FWD_BLOCK_L=128, _BWD_BLOCK_L=64, _BWD_RANGE_L=256),
+TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps, RANGE_L)
+    dict(
+        _FWD_BLOCK_D=64, _FWD_BLOCK_L=64, _FWD_WARPS=4, _BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=4, _BWD_RANGE_L=512
+    ),
+    dict(
+        _FWD_BLOCK_D=128,
+        _FWD_BLOCK_L=32,
+        _FWD_WARPS=4,
+        _BWD_BLOCK_D=64,
+        _BWD_BLOCK_L=32,
+        _BWD_WARPS=8,
+        _BWD_RANGE_L=512,
+    ),
+    dict(
+        _FWD_BLOCK_D=256,
+        _FWD_BLOCK_L=32,
+        _FWD_WARPS=8,
+        _BWD_BLOCK_D=128,
+        _BWD_BLOCK_L=16,
+        _BWD_WARPS=4,
+        _BWD_RANGE_L=512,
+    ),
+    dict(
+        _FWD_BLOCK_D=64,
+        _FWD_BLOCK_L=128,
+        _FWD_WARPS=8,
+        _BWD_BLOCK_D=64,
+        _BWD_BLOCK_L=16,
+        _BWD_WARPS=4,
+        _BWD_RANGE_L=256,
+    ),
+    dict(
+        _FWD_BLOCK_D=64,
+        _FWD_BLOCK_L=32,
+        _FWD_WARPS=2,
+        _BWD_BLOCK_D=64,
+        _BWD_BLOCK_L=16,
+        _BWD_WARPS=4,
+        _BWD_RANGE_L=1024,
+    ),
+    dict(
+        _FWD_BLOCK_D=128,
+        _FWD_BLOCK_L=64,
+        _FWD_WARPS=8,
+        _BWD_BLOCK_D=32,
+        _BWD_BLOCK_L=32,
+        _BWD_WARPS=4,
+        _BWD_RANGE_L=512,
+    ),
 ]
 
 
@@ -106,7 +148,8 @@ def tune(shape_name: str) -> None:
         for k, v in setting.items():
             setattr(conv_triton, k, v)
         r = run(shape_name, True)
-        print(f"tune {shape_name} {setting}: fwd {r['ours_fwd_ms']:.3f} ms, bwd {r['ours_bwd_ms']:.3f} ms", flush=True)
+        short = " ".join(f"{k.strip('_').lower()}={v}" for k, v in setting.items())
+        print(f"tune {shape_name} {short}: fwd {r['ours_fwd_ms']:.3f} ms, bwd {r['ours_bwd_ms']:.3f} ms", flush=True)
     for k, v in default.items():
         setattr(conv_triton, k, v)
 

@@ -347,13 +347,24 @@ def check_final_state_only_halves(b, L, H, P, G, N, seed, chunk_size):
 @contextlib.contextmanager
 def kernel_halves_from_references():
     """The fused mixer's kernel-halves path (split_conv1d_scan._backward_with_kernel_halves, CUDA only) on the CPU:
-    the gated norm's GPU halves (mamba_ssm's) are replaced by the reference (forward) and autograd through it
-    (backward), with the halves' contracts (dz written into the given buffer, the normed output recomputed on
-    request); the conv's halves are our Triton kernels (conv_triton.py, interpreted here), writing dx into dzxbcdt.
-    The interpreter so checks how the path wires them against the float64 reference."""
+    the conv's and the gated norm's GPU halves are replaced by the references (forward) and autograd through them
+    (backward), with the halves' contracts (dx / dz written into the given buffers, the normed output recomputed on
+    request), so the interpreter checks how the path wires them against the float64 reference."""
     from models.kernels import cuda
     from models.kernels import split_conv1d_scan as scs
-    from models.kernels.reference import rmsnorm_gated_ref
+    from models.kernels.reference import causal_conv1d_ref, rmsnorm_gated_ref
+
+    def conv_forward(x, w, bias, seq, silu):
+        return causal_conv1d_ref(x, w, bias, seq, "silu" if silu else None)
+
+    def conv_backward(x, w, bias, dout, seq, silu, dx):
+        x_, w_ = x.detach().requires_grad_(), w.detach().requires_grad_()
+        b_ = None if bias is None else bias.detach().requires_grad_()
+        with torch.enable_grad():  # called inside a backward
+            out = conv_forward(x_, w_, b_, seq, silu)
+        grads = torch.autograd.grad(out, [t for t in (x_, w_, b_) if t is not None], dout)
+        dx.copy_(grads[0])
+        return grads[1], None if bias is None else grads[2]
 
     def norm_forward(y, w, z, eps, group_size, norm_before_gate):
         rstd = torch.empty(y.shape[0] * y.shape[1] // group_size)  # the kernel's [groups * M]; unused here
@@ -367,7 +378,10 @@ def kernel_halves_from_references():
         dz.copy_(gz)
         return dy, dw, out.detach() if recompute else None
 
-    stand_ins = dict(gated_rmsnorm_forward=norm_forward, gated_rmsnorm_backward=norm_backward)
+    stand_ins = dict(
+        conv_forward=conv_forward, conv_backward=conv_backward,
+        gated_rmsnorm_forward=norm_forward, gated_rmsnorm_backward=norm_backward,
+    )  # fmt: skip
     saved = {k: getattr(cuda, k) for k in stand_ins} | {"on": scs._kernel_halves_on}
     try:
         for k, f in stand_ins.items():

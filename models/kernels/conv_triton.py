@@ -30,25 +30,50 @@ import triton.language as tl
 
 __all__ = ["causal_conv1d_triton", "conv_forward_triton", "conv_backward_triton", "MAX_WIDTH"]
 
-MAX_WIDTH = 4  # causal_conv1d's widths are 2 to 4; the backward's weight gradient is held as [4, BLOCK_D]
+MAX_WIDTH = 4  # causal_conv1d's widths are 2 to 4; the kernels run a narrower conv as width 4 with leading 0 taps
 
 
 @triton.jit
-def _pre_activation(x_b, w_ptr, bias, seq_b, offs_t, offs_d, mask_d, L, s_x_l, s_w_d, s_w_k,
-                    HAS_SEQ: tl.constexpr, W: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """bias + sum_k w[k] x[t - (W-1) + k] (taps before the row or in another document count 0), float32
-    [BLOCK_L, BLOCK_D], for positions offs_t (those >= L give finite values; callers mask them)."""
-    pre = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32) + bias[None, :]
+def _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, k: tl.constexpr, W: tl.constexpr):
+    """Tap k of 4 (offset k - 3 from the output position) as float32 [BLOCK_D]: weight[:, k - (4 - W)], 0 for k < 4 - W
+    (a width below 4 is a width-4 conv whose first taps are 0)."""
+    if k < 4 - W:
+        return tl.zeros(offs_d.shape, dtype=tl.float32)
+    return tl.load(w_ptr + offs_d * s_w_d + (k - (4 - W)) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows(base, offs_t, offs_d, mask_d, L, s_l):
+    """Rows offs_t (0 outside [0, L)) of a channel-last [L, D] tensor as float32 [BLOCK_L, BLOCK_D]."""
+    ok = (offs_t >= 0) & (offs_t < L)
+    return tl.load(base + offs_t[:, None] * s_l + offs_d[None, :], mask=ok[:, None] & mask_d[None, :], other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _ids(seq_b, offs_t, L, HAS_SEQ: tl.constexpr):
+    """Document ids of positions offs_t (-2 outside [0, L), where the data are 0 anyway); 0 without documents."""
     if HAS_SEQ:
-        seq_t = tl.load(seq_b + offs_t, mask=offs_t < L, other=-1)
-    for k in tl.static_range(W):
-        u = offs_t - (W - 1) + k
-        ok = (u >= 0) & (u < L)
-        if HAS_SEQ:
-            ok = ok & (tl.load(seq_b + u, mask=ok, other=-2) == seq_t)
-        xu = tl.load(x_b + u[:, None] * s_x_l + offs_d[None, :], mask=ok[:, None] & mask_d[None, :], other=0.0)
-        wk = tl.load(w_ptr + offs_d * s_w_d + k * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
-        pre += xu.to(tl.float32) * wk[None, :]
+        return tl.load(seq_b + offs_t, mask=(offs_t >= 0) & (offs_t < L), other=-2)
+    return tl.zeros(offs_t.shape, dtype=tl.int32)
+
+
+@triton.jit
+def _same(x, s_src, s_dst, HAS_SEQ: tl.constexpr):
+    """x where the tap's document is the output's, else 0."""
+    if HAS_SEQ:
+        return tl.where((s_src == s_dst)[:, None], x, 0.0)
+    return x
+
+
+@triton.jit
+def _pre(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, HAS_SEQ: tl.constexpr):
+    """bias + w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t] over the taps in t's document (sd: t's ids)."""
+    pre = bias[None, :] + w3[None, :] * xd
+    pre += w2[None, :] * _same(xc, sc, sd, HAS_SEQ)
+    pre += w1[None, :] * _same(xb, sb, sd, HAS_SEQ)
+    pre += w0[None, :] * _same(xa, sa, sd, HAS_SEQ)
     return pre
 
 
@@ -59,32 +84,36 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
     pid_l = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    offs_t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
+    t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    pre = _pre_activation(x_ptr + b * s_x_b, w_ptr, bias, seq_ptr + b * L, offs_t, offs_d, mask_d, L, s_x_l, s_w_d,
-                          s_w_k, HAS_SEQ, W, BLOCK_L, BLOCK_D)  # fmt: skip
+        bias += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w0 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 0, W)
+    w1 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 1, W)
+    w2 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 2, W)
+    w3 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 3, W)
+    x_b = x_ptr + b * s_x_b
+    seq_b = seq_ptr + b * L
+    pre = _pre(
+        bias, w0, w1, w2, w3,
+        _rows(x_b, t - 3, offs_d, mask_d, L, s_x_l), _rows(x_b, t - 2, offs_d, mask_d, L, s_x_l),
+        _rows(x_b, t - 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t, offs_d, mask_d, L, s_x_l),
+        _ids(seq_b, t - 3, L, HAS_SEQ), _ids(seq_b, t - 2, L, HAS_SEQ), _ids(seq_b, t - 1, L, HAS_SEQ),
+        _ids(seq_b, t, L, HAS_SEQ), HAS_SEQ,
+    )  # fmt: skip
     if SILU:
         pre = pre * tl.sigmoid(pre)
-    out = out_ptr + b * s_o_b + offs_t[:, None] * s_o_l + offs_d[None, :]
-    tl.store(out, pre.to(out_ptr.dtype.element_ty), mask=(offs_t < L)[:, None] & mask_d[None, :])
+    out = out_ptr + b * s_o_b + t[:, None] * s_o_l + offs_d[None, :]
+    tl.store(out, pre.to(out_ptr.dtype.element_ty), mask=(t < L)[:, None] & mask_d[None, :])
 
 
 @triton.jit
-def _grad_pre(x_b, w_ptr, bias, seq_b, dout_b, offs_t, offs_d, mask_d, L, s_x_l, s_y_l, s_w_d, s_w_k,
-              HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr, BLOCK_L: tl.constexpr,
-              BLOCK_D: tl.constexpr):  # fmt: skip
-    """g_t = dout_t act'(pre_t) in float32, 0 for positions t >= L."""
-    g = tl.load(
-        dout_b + offs_t[:, None] * s_y_l + offs_d[None, :], mask=(offs_t < L)[:, None] & mask_d[None, :], other=0.0
-    ).to(tl.float32)
+def _grad(dout_b, t, offs_d, mask_d, L, s_y_l, pre, SILU: tl.constexpr):
+    """g = dout act'(pre), float32; 0 for positions t >= L."""
+    g = _rows(dout_b, t, offs_d, mask_d, L, s_y_l)
     if SILU:
-        pre = _pre_activation(x_b, w_ptr, bias, seq_b, offs_t, offs_d, mask_d, L, s_x_l, s_w_d, s_w_k, HAS_SEQ, W,
-                              BLOCK_L, BLOCK_D)  # fmt: skip
         sig = tl.sigmoid(pre)
         g = g * sig * (1.0 + pre * (1.0 - sig))
     return g
@@ -100,48 +129,68 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     b = tl.program_id(2).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    else:
-        bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        bias += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w0 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 0, W)
+    w1 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 1, W)
+    w2 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 2, W)
+    w3 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 3, W)
     x_b = x_ptr + b * s_x_b
     seq_b = seq_ptr + b * L
     dout_b = dout_ptr + b * s_y_b
-    offs_k = tl.arange(0, 4)
-    dw = tl.zeros((4, BLOCK_D), dtype=tl.float32)  # [k, d]: row k is dweight[:, k]
-    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    # Element-wise partial sums over the program's positions, reduced over rows once at the end.
+    dw0 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    dw1 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    dw2 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    dw3 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    db = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
     for l0 in range(pid_r * RANGE_L, tl.minimum(pid_r * RANGE_L + RANGE_L, L), BLOCK_L):
-        offs_t = l0 + tl.arange(0, BLOCK_L)
-        in_t = offs_t < L
-        g0 = _grad_pre(x_b, w_ptr, bias, seq_b, dout_b, offs_t, offs_d, mask_d, L, s_x_l, s_y_l, s_w_d, s_w_k,
-                       HAS_SEQ, SILU, W, BLOCK_L, BLOCK_D)  # fmt: skip
-        db += tl.sum(g0, axis=0)
-        if HAS_SEQ:
-            seq_t = tl.load(seq_b + offs_t, mask=in_t, other=-1)
-        # dweight: g_t times the taps the forward used (same masks).
-        for k in tl.static_range(W):
-            u = offs_t - (W - 1) + k
-            ok = (u >= 0) & in_t
-            if HAS_SEQ:
-                ok = ok & (tl.load(seq_b + u, mask=ok, other=-2) == seq_t)
-            xu = tl.load(x_b + u[:, None] * s_x_l + offs_d[None, :], mask=ok[:, None] & mask_d[None, :], other=0.0)
-            dw += tl.where(offs_k[:, None] == k, tl.sum(g0 * xu.to(tl.float32), axis=0)[None, :], 0.0)
-        # dx[s] = sum_j w[W-1-j] g[s+j] over the later positions of s's document.
-        w_last = tl.load(w_ptr + offs_d * s_w_d + (W - 1) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
-        dx = g0 * w_last[None, :]
-        for j in tl.static_range(1, W):
-            gj = _grad_pre(x_b, w_ptr, bias, seq_b, dout_b, offs_t + j, offs_d, mask_d, L, s_x_l, s_y_l, s_w_d,
-                           s_w_k, HAS_SEQ, SILU, W, BLOCK_L, BLOCK_D)  # fmt: skip
-            if HAS_SEQ:
-                same = tl.load(seq_b + offs_t + j, mask=offs_t + j < L, other=-2) == seq_t
-                gj = tl.where(same[:, None], gj, 0.0)
-            wj = tl.load(w_ptr + offs_d * s_w_d + (W - 1 - j) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
-            dx += gj * wj[None, :]
-        dx_out = dx_ptr + b * s_dx_b + offs_t[:, None] * s_dx_l + offs_d[None, :]
-        tl.store(dx_out, dx.to(dx_ptr.dtype.element_ty), mask=in_t[:, None] & mask_d[None, :])
-    part = b * N_RANGES + pid_r  # partial sums of this program: [B * N_RANGES, 4, D] and [B * N_RANGES, D]
-    tl.store(dw_part_ptr + (part * 4 + offs_k[:, None]) * D + offs_d[None, :], dw, mask=mask_d[None, :])
-    tl.store(db_part_ptr + part * D + offs_d, db, mask=mask_d)
+        t = l0 + tl.arange(0, BLOCK_L)
+        # The seven rows t - 3 ... t + 3 that the pre-activations of t ... t + 3 read, each loaded once.
+        xm3 = _rows(x_b, t - 3, offs_d, mask_d, L, s_x_l)
+        xm2 = _rows(x_b, t - 2, offs_d, mask_d, L, s_x_l)
+        xm1 = _rows(x_b, t - 1, offs_d, mask_d, L, s_x_l)
+        x0 = _rows(x_b, t, offs_d, mask_d, L, s_x_l)
+        xp1 = _rows(x_b, t + 1, offs_d, mask_d, L, s_x_l)
+        xp2 = _rows(x_b, t + 2, offs_d, mask_d, L, s_x_l)
+        xp3 = _rows(x_b, t + 3, offs_d, mask_d, L, s_x_l)
+        sm3 = _ids(seq_b, t - 3, L, HAS_SEQ)
+        sm2 = _ids(seq_b, t - 2, L, HAS_SEQ)
+        sm1 = _ids(seq_b, t - 1, L, HAS_SEQ)
+        s0 = _ids(seq_b, t, L, HAS_SEQ)
+        sp1 = _ids(seq_b, t + 1, L, HAS_SEQ)
+        sp2 = _ids(seq_b, t + 2, L, HAS_SEQ)
+        sp3 = _ids(seq_b, t + 3, L, HAS_SEQ)
+        # g at t: the weight and bias gradients, and dx's own tap.
+        g = _grad(dout_b, t, offs_d, mask_d, L, s_y_l,
+                  _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ), SILU)  # fmt: skip
+        db += g
+        dw0 += g * _same(xm3, sm3, s0, HAS_SEQ)
+        dw1 += g * _same(xm2, sm2, s0, HAS_SEQ)
+        dw2 += g * _same(xm1, sm1, s0, HAS_SEQ)
+        dw3 += g * x0
+        dx = g * w3[None, :]
+        # g at t + 1 ... t + 3, each where it is in t's document, times the tap that reached it from t.
+        g = _grad(dout_b, t + 1, offs_d, mask_d, L, s_y_l,
+                  _pre(bias, w0, w1, w2, w3, xm2, xm1, x0, xp1, sm2, sm1, s0, sp1, HAS_SEQ), SILU)  # fmt: skip
+        dx += _same(g, sp1, s0, HAS_SEQ) * w2[None, :]
+        g = _grad(dout_b, t + 2, offs_d, mask_d, L, s_y_l,
+                  _pre(bias, w0, w1, w2, w3, xm1, x0, xp1, xp2, sm1, s0, sp1, sp2, HAS_SEQ), SILU)  # fmt: skip
+        dx += _same(g, sp2, s0, HAS_SEQ) * w1[None, :]
+        g = _grad(dout_b, t + 3, offs_d, mask_d, L, s_y_l,
+                  _pre(bias, w0, w1, w2, w3, x0, xp1, xp2, xp3, s0, sp1, sp2, sp3, HAS_SEQ), SILU)  # fmt: skip
+        dx += _same(g, sp3, s0, HAS_SEQ) * w0[None, :]
+        dx_out = dx_ptr + b * s_dx_b + t[:, None] * s_dx_l + offs_d[None, :]
+        tl.store(dx_out, dx.to(dx_ptr.dtype.element_ty), mask=(t < L)[:, None] & mask_d[None, :])
+    # This program's partial sums: [B * N_RANGES, 4, D] (tap k of 4, as _weight numbers them) and [B * N_RANGES, D].
+    part = b * N_RANGES + pid_r
+    dw_base = dw_part_ptr + part * 4 * D + offs_d
+    tl.store(dw_base, tl.sum(dw0, axis=0), mask=mask_d)
+    tl.store(dw_base + D, tl.sum(dw1, axis=0), mask=mask_d)
+    tl.store(dw_base + 2 * D, tl.sum(dw2, axis=0), mask=mask_d)
+    tl.store(dw_base + 3 * D, tl.sum(dw3, axis=0), mask=mask_d)
+    tl.store(db_part_ptr + part * D + offs_d, tl.sum(db, axis=0), mask=mask_d)
 
 
 def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
@@ -156,10 +205,14 @@ def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
         raise ValueError(f"seq_idx must be int32 [{b}, {L}], got {seq_idx_BL.dtype} {tuple(seq_idx_BL.shape)}")
 
 
-_BLOCK_D = 128
+# Tiles (positions x channels) and warps; benchmarks/bench_conv.py --tune times the alternatives.
+_FWD_BLOCK_D = 64
 _FWD_BLOCK_L = 64
-_BWD_BLOCK_L = 32
-_BWD_RANGE_L = 512
+_FWD_WARPS = 4
+_BWD_BLOCK_D = 64
+_BWD_BLOCK_L = 16
+_BWD_WARPS = 4
+_BWD_RANGE_L = 512  # positions per backward program (its weight-gradient partial sums)
 
 
 def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> torch.Tensor:
@@ -167,12 +220,12 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
     _check(x_BDL, weight_DW, seq_idx_BL)
     b, d, L = x_BDL.shape
     out_BLD = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype)
-    conv_fwd_kernel[(triton.cdiv(L, _FWD_BLOCK_L), triton.cdiv(d, _BLOCK_D), b)](
+    conv_fwd_kernel[(triton.cdiv(L, _FWD_BLOCK_L), triton.cdiv(d, _FWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
         out_BLD, L, d, x_BDL.stride(0), x_BDL.stride(2), out_BLD.stride(0), out_BLD.stride(1),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_BLOCK_D, num_warps=4,
+        BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, num_warps=_FWD_WARPS,
     )  # fmt: skip
     return out_BLD.transpose(1, 2)
 
@@ -191,16 +244,16 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
     n_ranges = triton.cdiv(L, _BWD_RANGE_L)
     dw_part = torch.empty(b * n_ranges, 4, d, device=x_BDL.device, dtype=torch.float32)
     db_part = torch.empty(b * n_ranges, d, device=x_BDL.device, dtype=torch.float32)
-    conv_bwd_kernel[(n_ranges, triton.cdiv(d, _BLOCK_D), b)](
+    conv_bwd_kernel[(n_ranges, triton.cdiv(d, _BWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
         dout_BDL, dx_BDL, dw_part, db_part, L, d, n_ranges, x_BDL.stride(0), x_BDL.stride(2),
         dout_BDL.stride(0), dout_BDL.stride(2), dx_BDL.stride(0), dx_BDL.stride(2),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        RANGE_L=_BWD_RANGE_L, BLOCK_L=_BWD_BLOCK_L, BLOCK_D=_BLOCK_D, num_warps=4,
+        RANGE_L=_BWD_RANGE_L, BLOCK_L=_BWD_BLOCK_L, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
-    dw = dw_part.sum(0)[:W].t()
+    dw = dw_part.sum(0)[4 - W :].t()  # taps 4 - W ... 3 are the weight's columns
     db = db_part.sum(0) if bias_D is not None else None
     return dx_BDL, dw, db
 

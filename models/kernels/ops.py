@@ -133,14 +133,17 @@ def causal_conv1d(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Depthwise causal conv1d (causal_conv1d_fn): [B, D, L] -> [B, D, L]; resets at document starts. Our Triton
-    kernels (conv_triton.py) where the SSD's are ours and the width is <= 4, causal_conv1d's under "mamba_ssm"."""
-    if use_triton_ssd(backend, x_BDL) and weight_DW.shape[-1] <= 4:
+    """Depthwise causal conv1d (causal_conv1d_fn): [B, D, L] -> [B, D, L]; resets at document starts.
+    causal_conv1d's CUDA kernels where installed; without them, under "auto" / "triton" on CUDA, our Triton kernels
+    (conv_triton.py: widths <= 4; correct, but 1.2-1.4x slower forward and 3-5x slower backward than causal_conv1d's
+    on an H100, docs/performance.md), else the PyTorch reference."""
+    if use_cuda_kernels(backend, x_BDL):
+        return _cuda.causal_conv1d_cuda(x_BDL, weight_DW, bias_D, seq_idx_BL, activation)
+    if weight_DW.shape[-1] <= 4 and use_triton_ssd(backend, x_BDL):
         from models.kernels.conv_triton import causal_conv1d_triton  # lazy: imports triton
 
         return causal_conv1d_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, activation)
-    fn = _cuda.causal_conv1d_cuda if use_cuda_kernels(backend, x_BDL) else causal_conv1d_ref
-    return fn(x_BDL, weight_DW, bias_D, seq_idx_BL, activation)
+    return causal_conv1d_ref(x_BDL, weight_DW, bias_D, seq_idx_BL, activation)
 
 
 def rmsnorm_gated(

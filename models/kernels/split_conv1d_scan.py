@@ -111,25 +111,6 @@ def _kernel_halves_on(zxbcdt, s: _Sizes) -> bool:
     return zxbcdt.is_cuda and s.other_backend != "reference" and _cuda.kernel_halves() is not None
 
 
-def _conv_forward(x_BDL, weight_DW, bias_D, seq, silu: bool):
-    """The conv's forward half: our Triton kernel (conv_triton.py) for widths <= 4, else causal_conv1d's."""
-    if weight_DW.shape[-1] > 4:
-        return _cuda.conv_forward(x_BDL, weight_DW, bias_D, seq, silu)
-    from models.kernels.conv_triton import conv_forward_triton  # lazy: imports triton
-
-    return conv_forward_triton(x_BDL, weight_DW, bias_D, seq, silu)
-
-
-def _conv_backward(x_BDL, weight_DW, bias_D, dout_BDL, seq, silu: bool, dx_BDL):
-    """The conv's backward half (dx written into dx_BDL): (dweight, dbias) in the parameters' dtypes."""
-    if weight_DW.shape[-1] > 4:
-        return _cuda.conv_backward(x_BDL, weight_DW, bias_D, dout_BDL, seq, silu, dx_BDL)
-    from models.kernels.conv_triton import conv_backward_triton
-
-    _, dw, db = conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq, silu, dx_BDL)
-    return dw.to(weight_DW.dtype), None if db is None else db.to(bias_D.dtype)
-
-
 def _rows(t_BLD):
     """[B, L, D] (last dim contiguous, rows evenly strided) -> the [B * L, D] view the norm kernels take (a view, never
     a copy: the backward writes dz through it)."""
@@ -151,7 +132,7 @@ class _MixerFunction(torch.autograd.Function):
         seq = None if seq is None else seq.to(torch.int32).contiguous()
         halves = _runs_kernel_halves(zxbcdt, norm_w, s)
         if halves:
-            xBC = _conv_forward(xBC_in.transpose(1, 2), conv_w, conv_b, seq, s.silu).transpose(1, 2)
+            xBC = _cuda.conv_forward(xBC_in.transpose(1, 2), conv_w, conv_b, seq, s.silu).transpose(1, 2)
         else:
             xBC = _conv(xBC_in, conv_w, conv_b, seq, s)
         x, B, C = s.ssd_operands(xBC)
@@ -274,7 +255,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     if recompute:
         dout_w = (dout_2d.t() @ h).to(out_w.dtype)
     del dh, h
-    xBC = _conv_forward(xBC_in.transpose(1, 2), conv_w, conv_b, seq, s.silu).transpose(1, 2)  # recomputed
+    xBC = _cuda.conv_forward(xBC_in.transpose(1, 2), conv_w, conv_b, seq, s.silu).transpose(1, 2)  # recomputed
     x, B, C = s.ssd_operands(xBC)
     dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)  # the SSD's gradients = the conv's output's
     saved = (x, dt, A32, dt_bias, dt_p, dA_cs, B, C, D32, init, seq)
@@ -283,7 +264,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     )
     del xBC, x, B, C
     ddt_out.copy_(ddt)
-    dconv_w, dconv_b = _conv_backward(
+    dconv_w, dconv_b = _cuda.conv_backward(
         xBC_in.transpose(1, 2), conv_w, conv_b, dxBC.transpose(1, 2), seq, s.silu, dxBC_in.transpose(1, 2)
     )
     return (
