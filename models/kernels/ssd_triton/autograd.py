@@ -231,7 +231,9 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     R = H // G
     hpp = heads_per_program(R, cfg.heads_per_prog)
     n_hb = R // hpp
-    dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
+    state_split = heads_per_program(hpp, cfg.dcb_state_split) if cfg.bc_mode == "grouped" and cfg.dcb_tiles else 1
+    dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = triton.cdiv(Q, cfg.dc_m)
     grouped = cfg.bc_mode == "grouped"
@@ -242,7 +244,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
         dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # the kernel zeroes s > l
-        dcb_grid = (b * NC * G * n_hb, n_m, n_m) if cfg.dcb_tiles else (b * NC * G * n_hb, n_m)
+        dcb_grid = (b * NC * G * n_hb, n_m, n_m + state_split) if cfg.dcb_tiles else (b * NC * G * n_hb, n_m)
         chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
@@ -265,6 +267,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             N,
             hpp,
             b,
+            state_split,
             *x.stride(),
             *C.stride(),
             *dy.stride(),
@@ -366,6 +369,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             NC,
             G,
             N,
+            n_hb * state_split,
             n_hb,
             b,
             *B.stride(),

@@ -88,6 +88,10 @@ class BlockConfig:
     # its tiles in series (False: the last block does Q / dc_m tiles while the first does one, so the grid's time is
     # that of its longest program).
     dcb_tiles: bool = True
+    # Under dCB's tile grid, the state term of dC (and O) runs in programs of its own, each for 1 / dcb_state_split of
+    # a head block's heads (partial sums added in bc_finish). In the diagonal tile's program it made that program
+    # twice as long as the others (session 11, H100: dCB 0.528 ms, of which ~0.27 ms the state term).
+    dcb_state_split: int = 4
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:

@@ -48,6 +48,7 @@ def chunk_scan_bwd_dcb_kernel(
     N,
     HEADS_PER_PROG,
     BATCH,
+    STATE_SPLIT,
     s_x_b,
     s_x_l,
     s_x_h,
@@ -71,8 +72,10 @@ def chunk_scan_bwd_dcb_kernel(
     pid0 = tl.program_id(0)
     pid_m = tl.program_id(1)
     if TILE_GRID:
-        # One program per tile (rows pid_m, columns pid_k): above the diagonal it only stores zeros, on it it also
-        # does the state term of dC; below it, one tile. Every program then loops over the heads once.
+        # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it only stores zeros, on or
+        # below it one tile; programs pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT
+        # slices of the heads. Every program then loops over its heads once, and the state term, which is as long
+        # as a tile, no longer runs after the diagonal tile in series (session 11: 0.58 -> ... ms at 1.3B).
         pid_k = tl.program_id(2)
     else:
         # One program per block of rows walks its tiles in series: the last block does n_m tiles, the first one.
@@ -93,7 +96,16 @@ def chunk_scan_bwd_dcb_kernel(
         keep_m = keep_m & (seq_m == tl.where(c > 0, prev, 0))
     h0 = g * (H // G) + hb * HEADS_PER_PROG
     m0 = pid_m * BLOCK_M
-    if pid_k > pid_m:
+    n_m = tl.cdiv(Q, BLOCK_M)
+    if pid_k >= n_m:  # TILE_GRID only: a slice of the heads' state term
+        per_slice = HEADS_PER_PROG // STATE_SPLIT
+        j = pid_k - n_m
+        _dcb_state(
+            dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g,
+            s_c_n, s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h0 + j * per_slice, per_slice, hb * STATE_SPLIT + j, offs_m,
+            valid_m, t_m, keep_m, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+    elif pid_k > pid_m:
         # Above the diagonal (TILE_GRID only): zeros (the host's dCB products read whole rows), stored here rather
         # than by a separate fill of the whole buffer.
         dCB_rows = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
@@ -126,39 +138,14 @@ def _dcb_rows(
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The diagonal block's program: the state term of dC and O, then (without TILE_GRID) the tiles of its rows
-    below the diagonal and the zeros above it, then the diagonal tile."""
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < P
-    mask_n = offs_n < N
-
-    # State term of dC (summed over the heads) and O per head.
-    C_m = tl.load(
-        C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-        mask=valid_m[:, None] & mask_n[None, :],
-        other=0.0,
-    )
-    dC_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(HEADS_PER_PROG):
-        h = h0 + i
-        head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
-        a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
-        dy_m = tl.load(
-            dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-            mask=valid_m[:, None] & mask_p[None, :],
-            other=0.0,
-        )
-        S = tl.load(
-            S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
-            mask=mask_p[:, None] & mask_n[None, :],
-            other=0.0,
-        )
-        dC_h = tl.dot(dy_m, S.to(dy_m.dtype), input_precision=PREC) * tl.where(keep_m, tl.exp(a_m), 0.0)[:, None]
-        tl.store(O_ptr + head_q + offs_m, tl.sum(dC_h * C_m.to(tl.float32), axis=1), mask=offs_m < Q)
-        dC_acc += dC_h
-    out = dCstate_ptr + ((hb.to(tl.int64) * BATCH + b) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
-    tl.store(out, dC_acc, mask=valid_m[:, None] & mask_n[None, :])
+    """The diagonal block's program: without TILE_GRID, the state term of dC and O, the tiles of its rows below the
+    diagonal and the zeros above it; then (always) the diagonal tile."""
+    if not TILE_GRID:
+        _dcb_state(
+            dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g,
+            s_c_n, s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h0, HEADS_PER_PROG, hb, offs_m, valid_m, t_m, keep_m,
+            PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
 
     # Intra-chunk: dCB summed over the heads, tile by tile (tiles below the diagonal, then the diagonal one).
     # fmt: off
@@ -183,6 +170,46 @@ def _dcb_rows(
             offs_k = k0 + tl.arange(0, BLOCK_M)
             zeros = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
             tl.store(dCB_rows + offs_k[None, :], zeros, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
+
+
+@triton.jit
+def _dcb_state(
+    dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g, s_c_n,
+    s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h_first, n_heads, slot, offs_m, valid_m, t_m, keep_m,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """State term of dC summed over heads h_first ... h_first + n_heads - 1 (into dC_state's slot `slot`), and O
+    per head, at positions offs_m."""
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    h0 = h_first
+    C_m = tl.load(
+        C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t_m[:, None] * s_c_l + offs_n[None, :] * s_c_n,
+        mask=valid_m[:, None] & mask_n[None, :],
+        other=0.0,
+    )
+    dC_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(n_heads):
+        h = h0 + i
+        head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
+        a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
+        dy_m = tl.load(
+            dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
+            mask=valid_m[:, None] & mask_p[None, :],
+            other=0.0,
+        )
+        S = tl.load(
+            S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
+            mask=mask_p[:, None] & mask_n[None, :],
+            other=0.0,
+        )
+        dC_h = tl.dot(dy_m, S.to(dy_m.dtype), input_precision=PREC) * tl.where(keep_m, tl.exp(a_m), 0.0)[:, None]
+        tl.store(O_ptr + head_q + offs_m, tl.sum(dC_h * C_m.to(tl.float32), axis=1), mask=offs_m < Q)
+        dC_acc += dC_h
+    out = dCstate_ptr + ((slot.to(tl.int64) * BATCH + b) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
+    tl.store(out, dC_acc, mask=valid_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
