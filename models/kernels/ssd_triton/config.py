@@ -90,8 +90,9 @@ class BlockConfig:
     dcb_tiles: bool = True
     # Under dCB's tile grid, the state term of dC (and O) runs in programs of its own, each for 1 / dcb_state_split of
     # a head block's heads (partial sums added in bc_finish). In the diagonal tile's program it made that program
-    # twice as long as the others (session 11, H100: dCB 0.528 ms, of which ~0.27 ms the state term).
-    dcb_state_split: int = 4
+    # twice as long as the others (session 11, H100, 1.3B: dCB 0.528 ms, ~0.27 of it the state term; split into
+    # programs of their own, dCB + bc_finish: 1 slice 0.517 ms, 2 slices 0.494, 4 0.514, 8 0.535, 16 0.582).
+    dcb_state_split: int = 2
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
