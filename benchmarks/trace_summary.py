@@ -40,7 +40,7 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("ssd (mamba_ssm)", ("_chunk_scan", "_chunk_state", "_chunk_cumsum", "_state_passing", "_bmm_chunk")),
-    ("conv1d", ("causal_conv1d", "conv1d")),
+    ("conv1d", ("causal_conv1d", "conv1d", "^conv_fwd_kernel", "^conv_bwd_kernel")),
     ("norms", ("rmsnorm", "layer_norm", "_norm_")),
     ("attention", ("flash", "attention", "fmha", "sdpa")),
     ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitkreduce", "sm90_", "sm80_")),

@@ -344,6 +344,7 @@ def test_trace_summary_kernel_groups(tmp_path):
         "_chunk_scan_bwd_dx_kernel": "ssd (mamba_ssm)",
         "_state_passing_fwd_kernel": "ssd (mamba_ssm)",
         "causal_conv1d_fwd_kernel<128, 4>": "conv1d",
+        "conv_bwd_kernel": "conv1d",
         "_add_rmsnorm_fwd_kernel": "norms",
         "nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32": "matmul",
