@@ -136,6 +136,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         dict(
             **seq,
             EVEN=True,
+            TILE_GRID=cfg.dcb_tiles,
             BLOCK_M=cfg.dc_m,
             BLOCK_P=bp,
             BLOCK_N=bn,
