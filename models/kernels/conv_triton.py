@@ -43,6 +43,20 @@ def _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, k: tl.constexpr, W: tl.constexp
 
 
 @triton.jit
+def _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS: tl.constexpr, W: tl.constexpr,
+                    BLOCK_D: tl.constexpr):  # fmt: skip
+    """(bias, w0, w1, w2, w3) of the program's channels, float32 [BLOCK_D] each (bias 0 without one)."""
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w0 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 0, W)
+    w1 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 1, W)
+    w2 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 2, W)
+    w3 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 3, W)
+    return bias, w0, w1, w2, w3
+
+
+@triton.jit
 def _rows(base, offs_t, offs_d, mask_d, L, s_l):
     """Rows offs_t (0 outside [0, L)) of a channel-last [L, D] tensor as float32 [BLOCK_L, BLOCK_D]."""
     ok = (offs_t >= 0) & (offs_t < L)
@@ -87,13 +101,7 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
     t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    w0 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 0, W)
-    w1 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 1, W)
-    w2 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 2, W)
-    w3 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 3, W)
+    bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
     x_b = x_ptr + b * s_x_b
     seq_b = seq_ptr + b * L
     pre = _pre(
@@ -129,13 +137,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     b = tl.program_id(2).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias += tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    w0 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 0, W)
-    w1 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 1, W)
-    w2 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 2, W)
-    w3 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 3, W)
+    bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
     x_b = x_ptr + b * s_x_b
     seq_b = seq_ptr + b * L
     dout_b = dout_ptr + b * s_y_b
