@@ -5,20 +5,22 @@ causal_conv1d_ref's contract (conv_reference.py), for widths W <= 4:
 x is [B, D, L] with its channels contiguous (stride(1) == 1: the mixer's view of zxbcdt, any token stride); the
 output is [B, D, L] over a dense [B, L, D] buffer, the same layout.
 
-Why our own (docs/performance.md, session 11): in the 1.3B step causal_conv1d's channel-last kernels with seq_idx
-took 0.154 ms per forward and 0.367 ms per backward and layer on an H100, against 0.108 / 0.228 ms without
-documents in mamba-ssm's own loop: 32 ms of a 411 ms step, where reading x and writing out once takes ~0.1 ms.
-These kernels read each input once from memory (the W - 1 rows of halo a tile shares with its neighbour come from
-cache), cost the same with documents, and take a handful of launch arguments.
+What it is for (docs/performance.md, session 11): the CUDA conv where causal_conv1d is not installed
+(ops.causal_conv1d prefers causal_conv1d's kernels). It was written to remove what documents cost causal_conv1d's
+channel-last kernels in the 1.3B step (0.154 / 0.367 ms forward / backward per layer with seq_idx, 0.108 / 0.228
+without); on an H100 its forward with documents is faster (1.3B 0.142 vs 0.157 ms), without them slower (0.161 vs
+0.114), and its backward 1.6-2.1x slower (0.50-0.60 ms): Triton has no register shifts, so each of the four g a
+position's dx needs is recomputed from x, where causal_conv1d's threads own consecutive positions and pass the halo
+through shared memory.
 
 Backward, for g_t = dout_t act'(pre_t) (pre: the conv before the activation, recomputed here):
     dx[s] = sum_j weight[W-1-j] g[s+j] [seq[s] == seq[s+j]]
     dweight[d, k] = sum_t g_t x[t - (W-1) + k] [seq[t - (W-1) + k] == seq[t]],    dbias[d] = sum_t g_t
-Each program walks RANGE_L positions of one block of channels and sums its dweight / dbias in float32 registers;
-the host adds the programs' partial sums (deterministic: no atomics). The g at s + j (j > 0) are recomputed from x
-rather than exchanged between programs: a few more multiply-adds per element, no second pass over memory.
-Entry points: causal_conv1d_triton (autograd; ops.causal_conv1d under model.kernels "auto" / "triton" on CUDA) and
-the bare halves conv_forward_triton / conv_backward_triton (the fused mixer, split_conv1d_scan.py).
+Each program walks RANGE_L positions of one block of channels, loads the seven rows t - 3 ... t + 3 of a tile once,
+and sums its dweight / dbias element-wise in float32, reduced over rows once at the end; the host adds the programs'
+partial sums (deterministic: no atomics). Entry points: causal_conv1d_triton (autograd; ops.causal_conv1d on CUDA
+without causal_conv1d, under model.kernels "auto" / "triton") and the bare halves conv_forward_triton /
+conv_backward_triton (timed by benchmarks/bench_conv.py).
 Imports triton at import time: import this module lazily.
 """
 
