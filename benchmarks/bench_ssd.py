@@ -102,7 +102,7 @@ TUNE_VARIANTS = {
     # Session 11: dCB's grid, one program per tile (default) or per block of rows.
     "dcb_rows": dict(dcb_tiles=False),
     "dcb_tiles": dict(dcb_tiles=True),
-    # ... and the state term of dC in programs of its own, for 1 / split of the heads each (default 4).
+    # ... and the state term of dC in programs of its own, for 1 / split of the heads each (default 2).
     "dcb_split1": dict(dcb_state_split=1),
     "dcb_split2": dict(dcb_state_split=2),
     "dcb_split8": dict(dcb_state_split=8),

@@ -158,11 +158,11 @@ def summarize(path: str, top: int = 15) -> dict:
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     per_group = collections.defaultdict(lambda: [0, 0.0])
     for e in inside:
-        per_group[kernel_group(e["name"])][0] += 1
-        per_group[kernel_group(e["name"])][1] += clip(e)[1] - clip(e)[0]
+        start, end = clip(e)
         name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
-        per_kernel[name][0] += 1
-        per_kernel[name][1] += clip(e)[1] - clip(e)[0]
+        for table, key in ((per_kernel, name), (per_group, kernel_group(e["name"]))):
+            table[key][0] += 1
+            table[key][1] += end - start
     launches = [
         e
         for e in events

@@ -374,6 +374,22 @@ def test_trace_summary_kernel_groups(tmp_path):
     assert table[-2:] == ["| GPU idle | 0.3 ms (30%) | 0.2 ms (20%) |", "| step | 1.0 ms | 1.0 ms |"]
 
 
+def test_bench_conv_documents_and_cpu_refusal():
+    """bench_conv.py's packed documents cover every position with ids that start at 0 and rise by one at each cut,
+    about `mean` tokens long; on a machine without CUDA the script stops before any work, naming what it needs."""
+    from benchmarks import bench_conv
+
+    seq = bench_conv.documents(3, 5000, torch.Generator().manual_seed(0), mean=100)
+    assert seq.shape == (3, 5000) and seq.dtype == torch.int32
+    steps = seq[:, 1:] - seq[:, :-1]
+    assert (seq[:, 0] == 0).all() and ((steps == 0) | (steps == 1)).all()
+    n_docs = (seq[:, -1] + 1).sum().item()
+    assert 3 * 5000 / n_docs == pytest.approx(100, rel=0.3)  # mean length
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bench_conv.main([])
+
+
 def test_trace_summary_host_self_times():
     """Nested host ops: each name's self time excludes the ops inside it; the busiest thread is chosen."""
     from benchmarks.trace_summary import host_self_times

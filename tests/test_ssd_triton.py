@@ -71,24 +71,19 @@ def run_case_in_child(**case):
         with kernel_halves_from_references() if case.pop("halves", False) else contextlib.nullcontext():
             print(json.dumps(check_split_path(**case)))
         return
-    if case.pop("final_only_halves", False):
-        print(json.dumps(check_final_state_only_halves(**case)))
-        return
-    if case.pop("add_rmsnorm", False):
-        print(json.dumps(check_add_rmsnorm(**case)))
-        return
-    if case.pop("conv", False):
-        print(json.dumps(check_conv(**case)))
-        return
-    if case.pop("fp16_gate", False):
-        print(json.dumps(check_fp16_gate_dD(**case)))
-        return
-    if case.pop("carried_decay", False):
-        print(json.dumps(check_decay_through_initial_states(**case)))
-        return
-    if case.pop("fp16_decay", False):
-        print(json.dumps(check_fp16_decay_gradient(**case)))
-        return
+    # A case flag names its check (the rest of the case are the check's arguments); without one, the SSD itself.
+    checks = {
+        "final_only_halves": check_final_state_only_halves,
+        "add_rmsnorm": check_add_rmsnorm,
+        "conv": check_conv,
+        "fp16_gate": check_fp16_gate_dD,
+        "carried_decay": check_decay_through_initial_states,
+        "fp16_decay": check_fp16_decay_gradient,
+    }
+    for flag, check in checks.items():
+        if case.pop(flag, False):
+            print(json.dumps(check(**case)))
+            return
     inp = make_inputs(**case)
     errors = check_against_reference(ssd_chunk_scan_triton, inp, **call)
     print(json.dumps(errors))

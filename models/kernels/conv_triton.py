@@ -197,6 +197,11 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     tl.store(db_part_ptr + part * D + offs_d, tl.sum(db, axis=0), mask=mask_d)
 
 
+def _channel_last(x_BDL: torch.Tensor) -> torch.Tensor:
+    """The same [B, D, L] with its channels contiguous (a copy only when they are not)."""
+    return x_BDL if x_BDL.stride(1) == 1 else x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
     b, d, L = x_BDL.shape
     if x_BDL.stride(1) != 1:
@@ -239,8 +244,7 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
     dweight [D, W] float32, dbias [D] float32 or None)."""
     _check(x_BDL, weight_DW, seq_idx_BL)
     b, d, L = x_BDL.shape
-    if dout_BDL.stride(1) != 1:
-        dout_BDL = dout_BDL.transpose(1, 2).contiguous().transpose(1, 2)
+    dout_BDL = _channel_last(dout_BDL)
     if dx_BDL is None:
         dx_BDL = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype).transpose(1, 2)
     elif dx_BDL.stride(1) != 1:
@@ -260,10 +264,6 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
     dw = dw_part.sum(0)[4 - W :].t()  # taps 4 - W ... 3 are the weight's columns
     db = db_part.sum(0) if bias_D is not None else None
     return dx_BDL, dw, db
-
-
-def _channel_last(x_BDL: torch.Tensor) -> torch.Tensor:
-    return x_BDL if x_BDL.stride(1) == 1 else x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 class _CausalConv1d(torch.autograd.Function):

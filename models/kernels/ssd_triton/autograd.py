@@ -231,12 +231,12 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     R = H // G
     hpp = heads_per_program(R, cfg.heads_per_prog)
     n_hb = R // hpp
+    grouped = cfg.bc_mode == "grouped"
     # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
-    state_split = heads_per_program(hpp, cfg.dcb_state_split) if cfg.bc_mode == "grouped" and cfg.dcb_tiles else 1
+    state_split = heads_per_program(hpp, cfg.dcb_state_split) if grouped and cfg.dcb_tiles else 1
     dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = triton.cdiv(Q, cfg.dc_m)
-    grouped = cfg.bc_mode == "grouped"
     if grouped:
         # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py).
         R_part = torch.empty(n_m, *dt_p.shape, device=dev, dtype=torch.float32)
