@@ -107,11 +107,24 @@ TUNE_VARIANTS = {
     "dcb_split2": dict(dcb_state_split=2),
     "dcb_split8": dict(dcb_state_split=8),
     "dcb_split16": dict(dcb_state_split=16),
+    # Session 12: the chunk states and the recurrence between chunks chained in one kernel each way (default) or
+    # staged in two (chained_states.py), and the chained kernels' tiles.
+    "staged": dict(chained=False),
+    "chained": dict(chained=True),
+    "chained_h2": dict(chained_heads=2),
+    "chained_n128": dict(chained_fwd_n=128),
+    "chained_bwd_n64": dict(chained_bwd_n=64),
+    "chained_s2": dict(chained_stages=2),
+    "chained_s4": dict(chained_stages=4),
+    "chained_w8": dict(state_warps=8),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {
     "cb": (("cb_fwd_kernel",), ("cb_",)),
-    "state": (("chunk_state_fwd_kernel", "chunk_scan_bwd_dstates_kernel"), ("state_",)),
+    "state": (
+        ("chunk_state_fwd_kernel", "chunk_scan_bwd_dstates_kernel", "chained_states_fwd", "chained_dstates_bwd"),
+        ("state_",),
+    ),
     "pass": (("state_passing_fwd_kernel", "state_passing_bwd_kernel"), ("pass_",)),
     "scan": (("chunk_scan_fwd_kernel",), ("scan_",)),
     "fused": (

@@ -605,15 +605,28 @@ def test_odd_heads_per_group_one_head_per_dx_program():
 
 
 def test_chunk_states_one_and_two_heads_per_program():
-    """The chunk states and dS_in with one head per program (config state_heads 1; the default is 2, and 1 is also
-    the fallback for odd heads per group) and two: documents, initial and final states, two groups, several position
-    blocks per chunk, a remainder; and whole tiles without documents (the kernels' EVEN path)."""
-    for heads in (1, 2):
-        interpret(
-            b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
-            config=dict(state_heads=heads, state_k=8),
-        )  # fmt: skip
-        interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=dict(state_heads=heads))
+    """The chunk states and dS_in, chained (the default, chained_states.py) and staged (chunk_state.py, then
+    state_passing.py), with one head per program (config state_heads / chained_heads 1; also the fallback for odd
+    heads per group) and two: documents, initial and final states, two groups, several position blocks per chunk, a
+    remainder; and whole tiles without documents (the kernels' EVEN path)."""
+    for chained in (True, False):
+        for heads in (1, 2):
+            cfg = dict(state_heads=heads, chained_heads=heads, chained=chained)
+            interpret(
+                b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+                config=dict(cfg, state_k=8),
+            )  # fmt: skip
+            interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=cfg)
+
+
+def test_chained_states_several_tiles_per_head():
+    """The chained kernels with four [P, N] tiles per head (P 32, N 32 in 16 x 16 tiles): one chain per tile, and
+    dtot summed from one partial per tile; documents that cross chunk ends (so the hand-offs carry state), initial
+    and final states, five chunks."""
+    interpret(
+        b=2, L=80, H=2, P=32, G=1, N=32, seed=11, seq_cuts=[[20, 50], [70]], call=dict(chunk_size=16),
+        config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2),
+    )  # fmt: skip
 
 
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the

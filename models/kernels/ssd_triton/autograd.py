@@ -34,13 +34,15 @@ from models.kernels._utils import no_autocast
 from models.kernels.ssd_reference import _check_inputs
 from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
+from models.kernels.ssd_triton.chained_states import chained_dstates
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import cb_and_entering_states, dot_precision, dummy, ssd_forward
+from models.kernels.ssd_triton.forward import cb_and_entering_states, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
+from models.kernels.ssd_triton.launch import dot_precision, dummy
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
 
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
@@ -169,6 +171,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     # float32 S_in, state_passing.py says why).
     if cfg.fused:
         dH, dinit, dtot = _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
+    elif cfg.chained:
+        dH, dinit, dtot = chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     else:
         dH, dinit, dtot = _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     del S_in32

@@ -52,9 +52,27 @@ def chunk_state_fwd_kernel(
     c = (pid_bch // (H // HEADS)) % NC
     b = pid_bch // ((H // HEADS) * NC)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
-    t0 = c * Q
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc0, acc1 = chunk_local_states(
+        x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b, s_x_l, s_x_h,
+        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    out_base0 = states_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(out_base0, acc0, mask=out_mask)
+    if HEADS == 2:
+        tl.store(out_base0 + P * N, acc1, mask=out_mask)
+
+
+@triton.jit
+def chunk_local_states(x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b,
+                       s_x_l, s_x_h, s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ: tl.constexpr, EVEN: tl.constexpr,
+                       PREC: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+    """The [BLOCK_P, BLOCK_N] tiles of chunk c's own state for heads h0 (and h0 + 1 with HEADS 2; else the second
+    tile repeats the first), float32: the loop of chunk_state_fwd_kernel, shared with chained_states.py."""
+    t0 = c * Q
     head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
     head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
     if HAS_SEQ:
@@ -66,6 +84,7 @@ def chunk_state_fwd_kernel(
     B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
     a_last0 = tl.load(dA_ptr + head_q0 + Q - 1)
     acc0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc1 = acc0
     if HEADS == 2:
         a_last1 = tl.load(dA_ptr + head_q1 + Q - 1)
         acc1 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
@@ -90,11 +109,7 @@ def chunk_state_fwd_kernel(
         if HEADS == 2:
             acc1 = _state_tile(acc1, b_tile, x_chunk0 + s_x_h + x_offs, dA_ptr + head_q1, dt_ptr + head_q1, a_last1,
                                offs_k, offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC)  # fmt: skip
-    out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    out_base0 = states_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
-    tl.store(out_base0, acc0, mask=out_mask)
-    if HEADS == 2:
-        tl.store(out_base0 + P * N, acc1, mask=out_mask)
+    return acc0, acc1
 
 
 @triton.jit
@@ -156,9 +171,28 @@ def chunk_scan_bwd_dstates_kernel(
     c = (pid_bch // (H // HEADS)) % NC
     b = pid_bch // ((H // HEADS) * NC)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
-    t0 = c * Q
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc0, acc1 = chunk_local_dstates(
+        dy_ptr, C_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_y_b, s_y_l, s_y_h, s_y_p,
+        s_c_b, s_c_l, s_c_g, s_c_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+    out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    out_base0 = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(out_base0, acc0, mask=out_mask)
+    if HEADS == 2:
+        tl.store(out_base0 + P * N, acc1, mask=out_mask)
+
+
+@triton.jit
+def chunk_local_dstates(dy_ptr, C_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_y_b, s_y_l,
+                        s_y_h, s_y_p, s_c_b, s_c_l, s_c_g, s_c_n, HAS_SEQ: tl.constexpr, EVEN: tl.constexpr,
+                        PREC: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):  # fmt: skip
+    """The [BLOCK_P, BLOCK_N] tiles of dS_in[c] (y's state term) for heads h0 (and h0 + 1 with HEADS 2; else the
+    second tile repeats the first), float32: the loop of chunk_scan_bwd_dstates_kernel, shared with
+    chained_states.py."""
+    t0 = c * Q
     head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
     head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
     if HAS_SEQ:
@@ -169,6 +203,7 @@ def chunk_scan_bwd_dstates_kernel(
     dy_chunk0 = dy_ptr + b.to(tl.int64) * s_y_b + h0 * s_y_h + t0.to(tl.int64) * s_y_l
     C_chunk = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t0.to(tl.int64) * s_c_l
     acc0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    acc1 = acc0
     if HEADS == 2:
         acc1 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Q, BLOCK_K):
@@ -192,11 +227,7 @@ def chunk_scan_bwd_dstates_kernel(
         if HEADS == 2:
             acc1 = _dstates_tile(acc1, c_tile, dy_chunk0 + s_y_h + dy_offs, dA_ptr + head_q1, offs_k, offs_p, valid_k,
                                  keep, P, Q, HAS_SEQ, EVEN, PREC)  # fmt: skip
-    out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    out_base0 = dS_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
-    tl.store(out_base0, acc0, mask=out_mask)
-    if HEADS == 2:
-        tl.store(out_base0 + P * N, acc1, mask=out_mask)
+    return acc0, acc1
 
 
 @triton.jit

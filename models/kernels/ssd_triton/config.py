@@ -93,6 +93,18 @@ class BlockConfig:
     # twice as long as the others (session 11, H100, 1.3B: dCB 0.528 ms, ~0.27 of it the state term; split into
     # programs of their own, dCB + bc_finish: 1 slice 0.517 ms, 2 slices 0.494, 4 0.514, 8 0.535, 16 0.582).
     dcb_state_split: int = 2
+    # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
+    # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
+    # (chunk_state.py, then state_passing.py). Ignored when ``fused``. The chained kernels take state_p, state_k and
+    # state_warps, and their own heads per program, N tiles and pipeline depth below. Session 12 (H100, 1.3B; the
+    # forward kernel runs twice, in the forward and in the backward's recompute): staged chunk states + state passing
+    # 0.452 ms, dS_in + state passing backward 0.234 ms; chained with 2 heads per program 0.439 / 0.398, 1 head 0.407
+    # / 0.221, + 3 stages 0.368 / 0.202, + N tiles of 64 in the forward 0.347 / 0.221 (docs/performance.md).
+    chained: bool = True
+    chained_heads: int = 1  # 1 or 2 (as state_heads): 1 gives twice the chains, so a predecessor is more often done
+    chained_fwd_n: int = 64
+    chained_bwd_n: int = 128
+    chained_stages: int = 3
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:

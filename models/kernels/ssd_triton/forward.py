@@ -1,8 +1,10 @@
 """Launchers of the forward kernels: C·Bᵀ, and the states entering each chunk with or without the outputs.
 
-Two paths compute the same function (config ``fused``):
-  - staged (default): cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with
-    the [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure);
+Three paths compute the same function (config ``fused``, ``chained``):
+  - chained (default): cb_fwd -> chained_states_fwd (the chunk states and the recurrence between chunks in one
+    kernel, chained_states.py) -> chunk_scan_fwd;
+  - staged: cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with the
+    [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure);
   - fused: cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks with the state
     in registers (fused_scan.py; measured slower, config.py).
 The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
@@ -14,34 +16,14 @@ from __future__ import annotations
 import torch
 import triton
 
+from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
+from models.kernels.ssd_triton.launch import dot_precision, dummy
 from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
-
-_DUMMIES: dict[torch.device, torch.Tensor] = {}
-
-
-def dummy(device) -> torch.Tensor:
-    """Stand-in pointer for an absent optional tensor (its kernel branch is compiled out, so it is never read or
-    written): one per device, kept, since a layer's launches ask for ~12 of them and each allocation costs host time
-    (the 370M step is host-bound, docs/performance.md). Not kept when first asked for inside a CUDA graph capture
-    (it would live in the graph's memory pool)."""
-    t = _DUMMIES.get(device)
-    if t is None:
-        t = torch.empty(1, device=device, dtype=torch.float32)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _DUMMIES[t.device] = t
-            _DUMMIES[device] = t
-    return t
-
-
-def dot_precision(x: torch.Tensor) -> str:
-    # float32 inputs: full-precision dots (tf32 keeps 10 mantissa bits; float32 runs are for checking, not speed);
-    # bf16 / fp16 operands are exact products on the tensor cores anyway.
-    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool = False):
@@ -247,7 +229,8 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
             x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, with_y=True, store_s_in=False, y_dtype=y_dtype
         )
         return y, final
-    S_in, final, _ = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg)
+    states = chained_states if cfg.chained else _staged_states
+    S_in, final, _ = states(x, dt_p, dA_cs, B, seq, init, cfg)
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final
 
 
@@ -260,5 +243,6 @@ def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
     if cfg.fused:
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
         return CB, CBT, S_in, S_in
-    S_in, _, S_in32 = _staged_states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True)
+    states = chained_states if cfg.chained else _staged_states
+    S_in, _, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True)
     return CB, CBT, S_in, S_in32

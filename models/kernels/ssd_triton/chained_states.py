@@ -1,0 +1,368 @@
+"""The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk.
+
+The staged path (chunk_state.py, then state_passing.py) writes every chunk's own state [B, NC, H, P, N] in float32
+and reads it back in a second kernel, twice per layer and step (forward, and the backward's recompute), and the
+backward does the same with dS_in. Here one program per (chunk, batch, pair of heads, [P, N] tile) computes its
+chunk's part (the loops of chunk_state.py), then takes the state entering its chunk from the program of the chunk
+before, adds its own and hands the result on:
+
+    forward   S_in[c] = H_{c-1} (H_{-1}: the initial state)      H_c = decay_c S_in[c] + states[c]
+    backward  dH_c (dH_{NC-1}: dfinal)                          dH_{c-1} = dS_in[c] + decay_c dH_c
+              dtot_c = decay_c <dH_c, S_in[c]>                   dinit = dH_{-1}
+(state_passing.py defines decay_c, dtot and why S_in must be float32 for dtot). Only the chain's float32 hand-off
+travels between programs: in a ring of two slots per tile (forward without KEEP_S32), or in S_in32 itself, which the
+backward's recompute wants anyway. The chunk-own states and dS_in never reach memory.
+
+Ordering. Programs do not start in grid order on the GPU, so each takes a ticket (an atomic counter) and works on
+the tile its ticket names, chunk-major: every program a ticket waits for holds a smaller ticket, so it is running
+or done, and the chain cannot deadlock (Triton's interpreter runs programs in ticket order anyway). A program
+waits (acquire) until its tile's chain counter says the previous chunk's hand-off is written; the writer stores the
+tile, synchronises its threads and then bumps the counter (release).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
+from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
+from models.kernels.ssd_triton.launch import dot_precision, dummy
+from models.kernels.ssd_triton.state_passing import _decay
+
+__all__ = ["chained_states", "chained_dstates"]
+
+
+@triton.jit
+def _ticket(sync_ptr, R, NC, REVERSE: tl.constexpr):
+    """This program's (chunk, index of its tile chain), in the order programs arrive."""
+    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    c = ticket // R
+    if REVERSE:
+        c = NC - 1 - c
+    return c, ticket % R
+
+
+@triton.jit
+def _wait(counter_ptr, steps):
+    """Spin until the chain's counter reaches ``steps`` (acquire: the hand-off written before it is visible)."""
+    done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    while done < steps:
+        done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def _release(counter_ptr):
+    """Every thread's stores of the hand-off first, then one increment of the chain's counter (release)."""
+    tl.debug_barrier()
+    tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+@triton.jit
+def chained_states_fwd_kernel(
+    x_ptr,
+    B_ptr,
+    dt_ptr,
+    dA_ptr,
+    seq_ptr,
+    init_ptr,
+    sync_ptr,
+    carry_ptr,
+    S_in_ptr,
+    final_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    BATCH,
+    N_SLOTS,
+    s_x_b,
+    s_x_l,
+    s_x_h,
+    s_x_p,
+    s_b_b,
+    s_b_l,
+    s_b_g,
+    s_b_n,
+    HAS_SEQ: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    CARRY_IS_S32: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n_p = tl.cdiv(P, BLOCK_P)
+    n_n = tl.cdiv(N, BLOCK_N)
+    HP = H // HEADS
+    c, r = _ticket(sync_ptr, BATCH * HP * n_p * n_n, NC, False)
+    pid_n = r % n_n
+    pid_p = (r // n_n) % n_p
+    h0 = ((r // (n_n * n_p)) % HP) * HEADS
+    b = r // (n_n * n_p * HP)
+    g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    own0, own1 = chunk_local_states(
+        x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b, s_x_l, s_x_h,
+        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+    PN = P * N
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    counter = sync_ptr + 1 + r
+    # The state entering chunk c, in float32.
+    if c == 0:
+        if HAS_INIT:
+            s0 = tl.load(init_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
+            s1 = tl.load(init_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
+        else:
+            s0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            s1 = s0
+        if CARRY_IS_S32:  # S_in32[0]: no program hands it on
+            first = carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile
+            tl.store(first, s0, mask=mask)
+            if HEADS == 2:
+                tl.store(first + PN, s1, mask=mask)
+    else:
+        _wait(counter, c)
+        slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
+        s0 = tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
+        s1 = s0
+        if HEADS == 2:
+            s1 = tl.load(slot + PN, mask=mask, other=0.0, cache_modifier=".cg")
+    out = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+    tl.store(out, s0.to(S_in_ptr.dtype.element_ty), mask=mask)
+    if HEADS == 2:
+        tl.store(out + PN, s1.to(S_in_ptr.dtype.element_ty), mask=mask)
+
+    # The state leaving chunk c: handed on, or the final state.
+    s0 = _decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+    if HEADS == 2:
+        s1 = _decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
+    if c + 1 < NC:
+        nxt = carry_ptr + ((b.to(tl.int64) * N_SLOTS + (c + 1) % N_SLOTS) * H + h0) * PN + tile
+        tl.store(nxt, s0, mask=mask)
+        if HEADS == 2:
+            tl.store(nxt + PN, s1, mask=mask)
+        _release(counter)
+    else:
+        fin = final_ptr + (b.to(tl.int64) * H + h0) * PN + tile
+        tl.store(fin, s0, mask=mask)
+        if HEADS == 2:
+            tl.store(fin + PN, s1, mask=mask)
+
+
+@triton.jit
+def chained_dstates_bwd_kernel(
+    dy_ptr,
+    C_ptr,
+    dA_ptr,
+    seq_ptr,
+    S32_ptr,
+    dfinal_ptr,
+    sync_ptr,
+    carry_ptr,
+    dH_ptr,
+    dinit_ptr,
+    dtot_ptr,
+    L,
+    Q,
+    NC,
+    H,
+    G,
+    P,
+    N,
+    BATCH,
+    s_y_b,
+    s_y_l,
+    s_y_h,
+    s_y_p,
+    s_c_b,
+    s_c_l,
+    s_c_g,
+    s_c_n,
+    HAS_SEQ: tl.constexpr,
+    HAS_DFINAL: tl.constexpr,
+    EVEN: tl.constexpr,
+    PREC: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n_p = tl.cdiv(P, BLOCK_P)
+    n_n = tl.cdiv(N, BLOCK_N)
+    HP = H // HEADS
+    c, r = _ticket(sync_ptr, BATCH * HP * n_p * n_n, NC, True)
+    pid_n = r % n_n
+    pid_p = (r // n_n) % n_p
+    h0 = ((r // (n_n * n_p)) % HP) * HEADS
+    b = r // (n_n * n_p * HP)
+    g = h0 // (H // G)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    own0, own1 = chunk_local_dstates(
+        dy_ptr, C_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_y_b, s_y_l, s_y_h, s_y_p,
+        s_c_b, s_c_l, s_c_g, s_c_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+    PN = P * N
+    tile = offs_p[:, None] * N + offs_n[None, :]
+    mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    counter = sync_ptr + 1 + r
+    # dH_c, the gradient of the state leaving chunk c, in float32.
+    if c == NC - 1:
+        if HAS_DFINAL:
+            d0 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
+            d1 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
+        else:
+            d0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            d1 = d0
+    else:
+        _wait(counter, NC - 1 - c)
+        slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
+        d0 = tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
+        d1 = d0
+        if HEADS == 2:
+            d1 = tl.load(slot + PN, mask=mask, other=0.0, cache_modifier=".cg")
+    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+    tl.store(dH_ptr + at_c, d0.to(dH_ptr.dtype.element_ty), mask=mask)
+    if HEADS == 2:
+        tl.store(dH_ptr + at_c + PN, d1.to(dH_ptr.dtype.element_ty), mask=mask)
+
+    # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
+    dtot = dtot_ptr + ((((pid_p * n_n + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
+    decay0 = _decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
+    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * tl.load(S32_ptr + at_c, mask=mask, other=0.0), axis=1), axis=0))
+    d0 = own0 + decay0 * d0
+    if HEADS == 2:
+        decay1 = _decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
+        s1 = tl.load(S32_ptr + at_c + PN, mask=mask, other=0.0)
+        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
+        d1 = own1 + decay1 * d1
+    if c > 0:
+        prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
+        tl.store(prv, d0, mask=mask)
+        if HEADS == 2:
+            tl.store(prv + PN, d1, mask=mask)
+        _release(counter)
+    else:
+        fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
+        tl.store(fin, d0, mask=mask)
+        if HEADS == 2:
+            tl.store(fin + PN, d1, mask=mask)
+
+
+def _sync(n_chains: int, device) -> torch.Tensor:
+    """The ticket counter and one chain counter per tile chain, zeroed (int32)."""
+    return torch.zeros(1 + n_chains, device=device, dtype=torch.int32)
+
+
+def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False):
+    """_staged_states' contract in one kernel: S_in (x's dtype), final (float32) and, with keep_s32, S_in in
+    float32 (else None)."""
+    b, L, H, P = x.shape
+    G, N = B.shape[2:]
+    NC, Q = dt_p.shape[2:]
+    dev = x.device
+    heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
+    block_n = min(cfg.chained_fwd_n, max(16, triton.next_power_of_2(N)))
+    n_chains = b * (H // heads) * triton.cdiv(P, cfg.state_p) * triton.cdiv(N, block_n)
+    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype)
+    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    n_slots = NC if keep_s32 else 2
+    carry = torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
+    chained_states_fwd_kernel[(NC * n_chains,)](
+        x,
+        B,
+        dt_p,
+        dA_cs,
+        seq if seq is not None else dummy(dev),
+        init if init is not None else dummy(dev),
+        _sync(n_chains, dev),
+        carry,
+        S_in,
+        final,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        b,
+        n_slots,
+        *x.stride(),
+        *B.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_INIT=init is not None,
+        CARRY_IS_S32=keep_s32,
+        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % block_n == 0,
+        PREC=dot_precision(x),
+        HEADS=heads,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.state_k,
+        num_warps=cfg.state_warps,
+        num_stages=cfg.chained_stages,
+    )
+    return S_in, final, carry if keep_s32 else None
+
+
+def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
+    """_staged_state_bwd's contract in one kernel: dH (dy's dtype), dinit (float32), dtot partial sums
+    [n_tiles, b, H, NC]."""
+    b, L, H, P = dy.shape
+    G, N = C.shape[2:]
+    NC, Q = dA_cs.shape[2:]
+    dev = dy.device
+    heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
+    block_n = min(cfg.chained_bwd_n, max(16, triton.next_power_of_2(N)))
+    n_tiles = triton.cdiv(P, cfg.state_p) * triton.cdiv(N, block_n)
+    n_chains = b * (H // heads) * n_tiles
+    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)
+    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    dtot = torch.empty(n_tiles, b, H, NC, device=dev, dtype=torch.float32)
+    carry = torch.empty(b, 2, H, P, N, device=dev, dtype=torch.float32)
+    chained_dstates_bwd_kernel[(NC * n_chains,)](
+        dy,
+        C,
+        dA_cs,
+        seq if seq is not None else dummy(dev),
+        S_in32,
+        dfinal if dfinal is not None else dummy(dev),
+        _sync(n_chains, dev),
+        carry,
+        dH,
+        dinit,
+        dtot,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        b,
+        *dy.stride(),
+        *C.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_DFINAL=dfinal is not None,
+        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % block_n == 0,
+        PREC=dot_precision(dy),
+        HEADS=heads,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.state_k,
+        num_warps=cfg.state_warps,
+        num_stages=cfg.chained_stages,
+    )
+    return dH, dinit, dtot
