@@ -117,6 +117,10 @@ TUNE_VARIANTS = {
     "chained_s2": dict(chained_stages=2),
     "chained_s4": dict(chained_stages=4),
     "chained_w8": dict(state_warps=8),
+    # ... the chunk scan / dx / dCB / dB grids in chunk-major order (launch.program_ids) or not, and dx's order.
+    "outer_first": dict(inner_first=False),
+    "dx_state_first": dict(dx_state_first=True),
+    "dx_state_first_h1": dict(dx_state_first=True, dx_heads=1),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -29,7 +29,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.kernels.ssd_triton import bc_bwd, bc_finish, chunk_scan, chunk_scan_bwd, chunk_state, dcb_bwd, fused_scan
+from models.kernels.ssd_triton import (
+    bc_bwd,
+    bc_finish,
+    chained_states,
+    chunk_scan,
+    chunk_scan_bwd,
+    chunk_state,
+    dcb_bwd,
+    fused_scan,
+)
 from models.kernels.ssd_triton.config import block_config
 
 BF16 = "*bf16"
@@ -93,6 +102,23 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.state_warps,
         cfg.state_stages,
     )
+    chain = dict(**seq, EVEN=True, HEADS=cfg.chained_heads, BLOCK_P=cfg.state_p, BLOCK_K=cfg.state_k)
+    yield (
+        "chained_states_fwd",
+        chained_states.chained_states_fwd_kernel,
+        dict(ptrs, sync_ptr="*i32"),
+        dict(**chain, HAS_INIT=False, CARRY_IS_S32=False, BLOCK_N=min(cfg.chained_fwd_n, N)),
+        cfg.state_warps,
+        cfg.chained_stages,
+    )
+    yield (
+        "chained_dstates_bwd",
+        chained_states.chained_dstates_bwd_kernel,
+        dict(ptrs, sync_ptr="*i32"),
+        dict(**chain, HAS_DFINAL=False, BLOCK_N=min(cfg.chained_bwd_n, N)),
+        cfg.state_warps,
+        cfg.chained_stages,
+    )
     yield (
         "chunk_scan_fwd",
         chunk_scan.chunk_scan_fwd_kernel,
@@ -107,6 +133,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_K=cfg.scan_k,
             BLOCK_P=cfg.scan_p,
             BLOCK_N=cfg.scan_n,
+            INNER_FIRST=cfg.inner_first,
         ),
         cfg.scan_warps,
         cfg.scan_stages,
@@ -125,6 +152,8 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_M=cfg.dx_m,
             BLOCK_P=bp,
             BLOCK_N=cfg.dx_n,
+            INNER_FIRST=cfg.inner_first,
+            DX_STATE_FIRST=cfg.dx_state_first,
         ),
         cfg.dx_warps,
         cfg.dx_stages,
@@ -140,6 +169,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_M=cfg.dc_m,
             BLOCK_P=bp,
             BLOCK_N=bn,
+            INNER_FIRST=cfg.inner_first,
         ),
         cfg.dc_warps,
         cfg.dc_stages,
@@ -148,7 +178,9 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         "chunk_state_bwd_db",
         bc_bwd.chunk_state_bwd_db_kernel,
         ptrs,
-        dict(**seq, INTRA=False, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=bp, BLOCK_N=bn),
+        dict(
+            **seq, INTRA=False, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=bp, BLOCK_N=bn, INNER_FIRST=cfg.inner_first
+        ),
         cfg.db_warps,
         cfg.db_stages,
     )

@@ -673,6 +673,18 @@ def test_whole_tiles_documents_initial_states():
     )
 
 
+def test_dx_term_order_and_chunk_major_grids():
+    """The non-default orders: dx with its chunk-state term first (config dx_state_first; q comes from that term
+    alone: a wrong q fails, checked by mutation) and the chunk scan / dx / dCB / dB grids with the chunk
+    index first (inner_first False; the default decodes one axis, launch.program_ids), both with documents, initial
+    states and four position blocks per chunk."""
+    for config in (dict(dx_state_first=True), dict(inner_first=False)):
+        interpret(
+            b=2, L=100, H=4, P=16, G=1, N=16, seed=12, seq_cuts=[[30, 70], [50]], call=dict(chunk_size=64),
+            config=dict(SMALL_TILES, **config),
+        )  # fmt: skip
+
+
 def test_dcb_grid_per_tile_and_per_row_block():
     """dCB's two grids (config dcb_tiles): one program per tile of [l, s] (the default) and one per block of rows
     walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose

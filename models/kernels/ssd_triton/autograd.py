@@ -42,7 +42,7 @@ from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
 from models.kernels.ssd_triton.forward import cb_and_entering_states, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
-from models.kernels.ssd_triton.launch import dot_precision, dummy
+from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
 
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
@@ -185,7 +185,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     n_k = triton.cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
-    chunk_scan_bwd_dx_kernel[(b * NC * H // dx_heads, n_k)](
+    chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
         x,
         dt_p,
@@ -219,6 +219,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         BLOCK_M=cfg.dx_m,
         BLOCK_P=BP,
         BLOCK_N=cfg.dx_n,
+        INNER_FIRST=cfg.inner_first,
+        DX_STATE_FIRST=cfg.dx_state_first,
         PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
         num_stages=cfg.dx_stages,
@@ -248,7 +250,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
         dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # the kernel zeroes s > l
-        dcb_grid = (b * NC * G * n_hb, n_m, n_m + state_split) if cfg.dcb_tiles else (b * NC * G * n_hb, n_m)
+        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
         chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
@@ -282,6 +284,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             BLOCK_M=cfg.dc_m,
             BLOCK_P=BP,
             BLOCK_N=BN,
+            INNER_FIRST=cfg.inner_first,
             num_warps=cfg.dc_warps,
             num_stages=cfg.dc_stages,
         )
@@ -322,7 +325,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             num_stages=cfg.dc_stages,
         )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    chunk_state_bwd_db_kernel[(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k))](
+    chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
         dt_p,
@@ -349,6 +352,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         BLOCK_M=cfg.db_m,
         BLOCK_P=BP,
         BLOCK_N=BN,
+        INNER_FIRST=cfg.inner_first,
         PREC=dot_precision(x),
         num_warps=cfg.db_warps,
         num_stages=cfg.db_stages,

@@ -17,6 +17,8 @@ All of P and N are held per program.
 import triton
 import triton.language as tl
 
+from models.kernels.ssd_triton.launch import program_ids
+
 
 @triton.jit
 def chunk_scan_bwd_dc_kernel(
@@ -185,9 +187,9 @@ def chunk_state_bwd_db_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INNER_FIRST: tl.constexpr,
 ):
-    pid0 = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid0, pid_k, _ = program_ids(tl.cdiv(Q, BLOCK_K), 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb
     g = (pid0 // n_hb) % G

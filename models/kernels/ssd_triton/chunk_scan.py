@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.ssd_triton.chunk_cb import LOG2E
+from models.kernels.ssd_triton.launch import program_ids
 
 
 @triton.jit
@@ -56,10 +57,9 @@ def chunk_scan_fwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INNER_FIRST: tl.constexpr,
 ):
-    pid_bch = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_p = tl.program_id(2)
+    pid_bch, pid_m, pid_p = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(P, BLOCK_P), INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS
     c = (pid_bch // (H // HEADS)) % NC
     b = pid_bch // ((H // HEADS) * NC)

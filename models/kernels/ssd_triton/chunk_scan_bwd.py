@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.ssd_triton.chunk_cb import LOG2E
+from models.kernels.ssd_triton.launch import program_ids
 
 
 @triton.jit
@@ -70,9 +71,11 @@ def chunk_scan_bwd_dx_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INNER_FIRST: tl.constexpr,
+    DX_STATE_FIRST: tl.constexpr,
 ):
-    pid_bch = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    n_k = tl.cdiv(Q, BLOCK_K)
+    pid_bch, pid_k, _ = program_ids(n_k, 1, INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS
     c = (pid_bch // (H // HEADS)) % NC
     b = pid_bch // ((H // HEADS) * NC)
@@ -97,13 +100,29 @@ def chunk_scan_bwd_dx_kernel(
         a2_k1 = tl.load(dA_ptr + head_q1 + offs_k, mask=offs_k < Q, other=0.0) * LOG2E
         dy_chunk1 = dy_chunk0 + s_y_h
 
-    # Intra-chunk term first (l >= s): only its accumulators are live in this loop (x and the chunk-state term come
-    # after), which keeps one head at 105 registers with 8 warps (218 when x was held through it; kernel_resources.py).
-    # The loop's offsets are int32 within the chunk (bases hold the int64 parts), and with EVEN (whole tiles
-    # everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise outnumbers the product.
-    acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    # Both terms go into one float32 accumulator per head, [BLOCK_K, P]. DX_STATE_FIRST (config dx_state_first):
+    # the chunk-state term first (its q stored right away), then the intra-chunk loop adds to the same accumulator,
+    # so one accumulator per head is live at any time; else the intra-chunk loop first and the chunk-state term in
+    # accumulators of its own after it (with two heads, four [64, 64] float32 tiles live: 255 registers and spills
+    # at 4 warps, ncu, session 12). The loop's offsets are int32 within the chunk (bases hold the int64 parts), and
+    # with EVEN (whole tiles everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise
+    # outnumbers the product.
+    dt_k0 = tl.load(dt_ptr + head_q0 + offs_k, mask=offs_k < Q, other=0.0)
+    x_base0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
+    mask_kp = valid_k[:, None] & mask_p[None, :]
     if HEADS == 2:
-        acc1 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+        dt_k1 = tl.load(dt_ptr + head_q1 + offs_k, mask=offs_k < Q, other=0.0)
+    if DX_STATE_FIRST:
+        acc0, acc1 = _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b, s_b_g,
+                                 s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
+        acc0 = _fold_state(acc0, x_base0, mask_kp, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q)
+        if HEADS == 2:
+            acc1 = _fold_state(
+                acc1, x_base0 + s_x_h, mask_kp, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q
+            )
+    else:
+        acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+        acc1 = acc0
     CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
     for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -122,35 +141,28 @@ def chunk_scan_bwd_dx_kernel(
             acc1 = _intra_tile(
                 acc1, cbT, dA_ptr + head_q1, dy_chunk1 + dy_offs, a2_k1, offs_m, t0, L, Q, mask_p, EVEN, PREC
             )
-
-    # Chunk-state term: B_s · dHᵀ over N (B is the group's: loaded once for both heads).
-    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l
-    dH_base0 = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[None, :] * N
-    acc_h0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
-    if HEADS == 2:
-        acc_h1 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
-        b_tile = tl.load(B_base + offs_n[None, :] * s_b_n, mask=valid_k[:, None] & mask_n[None, :], other=0.0)
-        dH_mask = mask_n[:, None] & mask_p[None, :]
-        dHT0 = tl.load(dH_base0 + offs_n[:, None], mask=dH_mask, other=0.0)
-        acc_h0 += tl.dot(b_tile, dHT0.to(b_tile.dtype), input_precision=PREC)
+    if not DX_STATE_FIRST:
+        acc_h0, acc_h1 = _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b,
+                                     s_b_g, s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
+        acc0 += _fold_state(
+            acc_h0, x_base0, mask_kp, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q
+        )
         if HEADS == 2:
-            dHT1 = tl.load(dH_base0 + P * N + offs_n[:, None], mask=dH_mask, other=0.0)
-            acc_h1 += tl.dot(b_tile, dHT1.to(b_tile.dtype), input_precision=PREC)
+            acc1 += _fold_state(
+                acc_h1, x_base0 + s_x_h, mask_kp, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q
+            )
 
     # fmt: off
-    _dx_epilogue(
-        acc0, acc_h0, x_ptr, dt_ptr, dA_ptr, dy_ptr, D_ptr, dx_ptr, ddt_ptr, q_ptr, dD_ptr, b, c, h0, pid_k, head_q0,
-        a2_k0, keep_k, valid_k, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_x_b, s_x_h, s_x_l, s_x_p, s_y_b, s_y_h,
-        s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
+    _dx_outputs(
+        acc0, x_base0, dt_k0, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
+        offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
+        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
     )
     if HEADS == 2:
-        _dx_epilogue(
-            acc1, acc_h1, x_ptr, dt_ptr, dA_ptr, dy_ptr, D_ptr, dx_ptr, ddt_ptr, q_ptr, dD_ptr, b, c, h0 + 1, pid_k,
-            head_q1, a2_k1, keep_k, valid_k, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_x_b, s_x_h, s_x_l, s_x_p,
-            s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
+        _dx_outputs(
+            acc1, x_base0 + s_x_h, dt_k1, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
+            mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l,
+            s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
         )
     # fmt: on
 
@@ -169,24 +181,50 @@ def _intra_tile(acc, cbT, dA_head, dy_ptrs, a2_k, offs_m, t0, L, Q, mask_p, EVEN
 
 
 @triton.jit
-def _dx_epilogue(
-    acc, acc_h, x_ptr, dt_ptr, dA_ptr, dy_ptr, D_ptr, dx_ptr, ddt_ptr, q_ptr, dD_ptr, b, c, h, pid_k, head_q, a2_k,
-    keep_k, valid_k, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_x_b, s_x_h, s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p,
-    s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
-):  # fmt: skip
-    """One head's outputs: the chunk-state term scaled and added, then q, ddt, dx (+ D dy) and dD's partial sums."""
-    dt_k = tl.load(dt_ptr + head_q + offs_k, mask=offs_k < Q, other=0.0)
-    a2_last = tl.load(dA_ptr + head_q + Q - 1) * LOG2E
+def _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b, s_b_g, s_b_l, s_b_n,
+                HEADS: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """B_s · dHᵀ over N for heads h0 (and h0 + 1 with HEADS 2; else the second repeats the first), unscaled; B is
+    the group's, loaded once for both heads."""
+    B_base = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t_k[:, None] * s_b_l
+    dH_base0 = dH_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[None, :] * N
+    acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    acc1 = acc0
+    if HEADS == 2:
+        acc1 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        b_tile = tl.load(B_base + offs_n[None, :] * s_b_n, mask=valid_k[:, None] & mask_n[None, :], other=0.0)
+        dH_mask = mask_n[:, None] & mask_p[None, :]
+        dHT0 = tl.load(dH_base0 + offs_n[:, None], mask=dH_mask, other=0.0)
+        acc0 += tl.dot(b_tile, dHT0.to(b_tile.dtype), input_precision=PREC)
+        if HEADS == 2:
+            dHT1 = tl.load(dH_base0 + P * N + offs_n[:, None], mask=dH_mask, other=0.0)
+            acc1 += tl.dot(b_tile, dHT1.to(b_tile.dtype), input_precision=PREC)
+    return acc0, acc1
+
+
+@triton.jit
+def _fold_state(acc_h, x_ptrs, mask_kp, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q):
+    """One head's chunk-state term scaled by [kept] exp(a_last - a_s), returned, with its q_s = dt_s (term · x_s)
+    stored."""
+    a2_last = tl.load(dA_head + Q - 1) * LOG2E
     acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
-    mask_kp = valid_k[:, None] & mask_p[None, :]
-    x_k = tl.load(
-        x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-        mask=mask_kp,
-        other=0.0,
-    ).to(tl.float32)
-    tl.store(q_ptr + head_q + offs_k, dt_k * tl.sum(acc_h * x_k, axis=1), mask=offs_k < Q)
-    acc += acc_h
-    tl.store(ddt_ptr + head_q + offs_k, tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
+    x_k = tl.load(x_ptrs, mask=mask_kp, other=0.0).to(tl.float32)
+    tl.store(q_head + offs_k, dt_k * tl.sum(acc_h * x_k, axis=1), mask=offs_k < Q)
+    return acc_h
+
+
+@triton.jit
+def _dx_outputs(
+    acc, x_ptrs, dt_k, dy_ptr, D_ptr, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
+    t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr,
+    D_HAS_HDIM: tl.constexpr,
+):  # fmt: skip
+    """One head's outputs from its accumulator (both terms): ddt, dx (+ D dy) and dD's partial sums."""
+    x_k = tl.load(x_ptrs, mask=mask_kp, other=0.0).to(tl.float32)
+    tl.store(ddt_head + offs_k, tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
     dx = acc * dt_k[:, None]
     if HAS_D:
         dy_k = tl.load(
@@ -199,7 +237,7 @@ def _dx_epilogue(
         else:
             dx += dy_k * tl.load(D_ptr + h)
         # dD partial sums: [B * NC * H, num_k_blocks, P], reduced on the host.
-        dD_base = dD_ptr + (((b.to(tl.int64) * NC + c) * H + h) * tl.num_programs(1) + pid_k) * P
+        dD_base = dD_ptr + (((b.to(tl.int64) * NC + c) * H + h) * n_k + pid_k) * P
         tl.store(dD_base + offs_p, tl.sum(dy_k * x_k, axis=0), mask=mask_p)
     tl.store(
         dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,

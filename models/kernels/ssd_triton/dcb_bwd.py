@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.ssd_triton.chunk_cb import LOG2E
+from models.kernels.ssd_triton.launch import program_ids
 
 
 @triton.jit
@@ -70,17 +71,17 @@ def chunk_scan_bwd_dcb_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    INNER_FIRST: tl.constexpr,
 ):
-    pid0 = tl.program_id(0)
-    pid_m = tl.program_id(1)
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it only stores zeros, on or
         # below it one tile; programs pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT
         # slices of the heads. Every program then loops over its heads once, and the state term, which is as long
         # as a tile, no longer runs after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, 2 slices).
-        pid_k = tl.program_id(2)
+        pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + STATE_SPLIT, INNER_FIRST)
     else:
         # One program per block of rows walks its tiles in series: the last block does n_m tiles, the first one.
+        pid0, pid_m, _ = program_ids(tl.cdiv(Q, BLOCK_M), 1, INNER_FIRST)
         pid_k = pid_m
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb

@@ -22,7 +22,7 @@ from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
-from models.kernels.ssd_triton.launch import dot_precision, dummy
+from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
 
 
@@ -183,8 +183,9 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     NC, Q = dt_p.shape[2:]
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
     heads = heads_per_program(H // G, min(cfg.scan_heads, 2))
-    grid = (b * NC * H // heads, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p))
-    chunk_scan_fwd_kernel[grid](
+    chunk_scan_fwd_kernel[
+        grid(b * NC * H // heads, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p), cfg.inner_first)
+    ](
         CB,
         x,
         dt_p,
@@ -213,6 +214,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         BLOCK_K=cfg.scan_k,
         BLOCK_P=cfg.scan_p,
         BLOCK_N=cfg.scan_n,
+        INNER_FIRST=cfg.inner_first,
         PREC=dot_precision(x),
         num_warps=cfg.scan_warps,
         num_stages=cfg.scan_stages,

@@ -1,8 +1,11 @@
-"""What every launcher of the SSD kernels shares: stand-ins for absent tensors and the dot precision per dtype."""
+"""What the launchers of the SSD kernels share: stand-ins for absent tensors, the dot precision per dtype, and the
+grid order (with its decoding in the kernels)."""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _DUMMIES: dict[torch.device, torch.Tensor] = {}
 
@@ -25,3 +28,26 @@ def dot_precision(x: torch.Tensor) -> str:
     # float32 inputs: full-precision dots (tf32 keeps 10 mantissa bits; float32 runs are for checking, not speed);
     # bf16 / fp16 operands are exact products on the tensor cores anyway.
     return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def grid(outer: int, n1: int, n2: int, inner_first: bool) -> tuple[int, ...]:
+    """The launch grid that program_ids decodes (config ``inner_first``)."""
+    return (outer * n1 * n2,) if inner_first else (outer, n1, n2)
+
+
+@triton.jit
+def program_ids(n1, n2, INNER_FIRST: tl.constexpr):
+    """This program's (outer, i1, i2) ids. INNER_FIRST: a 1-D grid of outer * n1 * n2 programs with i2 varying
+    fastest, then i1, so that the programs of one outer index (one batch, chunk and heads: the tiles of one chunk)
+    run side by side and read the inputs they share (the chunk's x, dy, states) from L2 rather than DRAM; else the
+    grid is (outer, n1, n2), whose programs of one chunk are outer programs apart (the launch order is x first)."""
+    if INNER_FIRST:
+        pid = tl.program_id(0)
+        i2 = pid % n2
+        i1 = (pid // n2) % n1
+        outer = pid // (n1 * n2)
+    else:
+        outer = tl.program_id(0)
+        i1 = tl.program_id(1)
+        i2 = tl.program_id(2)
+    return outer, i1, i2
