@@ -37,6 +37,8 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "^chunk_state_bwd_",
             "^fused_state_bwd_kernel",
             "^fused_scan_fwd_kernel",
+            "^chained_states_fwd_kernel",
+            "^chained_dstates_bwd_kernel",
         ),
     ),
     ("ssd (mamba_ssm)", ("_chunk_scan", "_chunk_state", "_chunk_cumsum", "_state_passing", "_bmm_chunk")),

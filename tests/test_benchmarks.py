@@ -341,6 +341,8 @@ def test_trace_summary_kernel_groups(tmp_path):
 
     cases = {
         "chunk_scan_bwd_dx_kernel": "ssd (ours)",
+        "chained_states_fwd_kernel": "ssd (ours)",
+        "chained_dstates_bwd_kernel": "ssd (ours)",
         "_chunk_scan_bwd_dx_kernel": "ssd (mamba_ssm)",
         "_state_passing_fwd_kernel": "ssd (mamba_ssm)",
         "causal_conv1d_fwd_kernel<128, 4>": "conv1d",
@@ -388,6 +390,17 @@ def test_bench_conv_documents_and_cpu_refusal():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             bench_conv.main([])
+
+
+def test_ncu_ssd_refuses_bad_shape_and_no_cuda():
+    """ncu_ssd.py names a wrong shape and the missing GPU before any work."""
+    from benchmarks import ncu_ssd
+
+    with pytest.raises(SystemExit, match="expected one of 1.3b, 370m"):
+        ncu_ssd.main(["--shape", "2.7b"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            ncu_ssd.main(["--shape", "370m"])
 
 
 def test_trace_summary_host_self_times():
