@@ -5,9 +5,10 @@ Split of the work:
     limits: dt.py's kernel makes the float32 [B, H, NC, Q] dt_p and the within-chunk cumulative decay
     a = cumsum(dt_p A) (the last chunk padded with dt = 0, so padding neither decays nor adds), and its backward
     twin turns the kernels' gradients into those of dt, A and dt_bias in one pass. In between, the kernels
-    (forward.py): forward CB -> the staged chunk states -> state passing -> chunk scan (or the fused scan);
-    backward recomputes CB and the states entering each chunk (nothing [B, NC, H, P, N] is kept between forward
-    and backward), then dS_in -> state passing backward (or the fused reverse recurrence) -> dx / ddt / dD ->
+    (forward.py): forward CB -> the chained chunk states and recurrence (chained_states.py; or the staged chunk
+    states -> state passing, or the fused scan) -> chunk scan; backward recomputes CB and the states entering each
+    chunk (nothing [B, NC, H, P, N] is kept between forward and backward), then dS_in and the reverse recurrence
+    chained in one kernel (or staged, or fused) -> dx / ddt / dD ->
     dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config
     bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C in one kernel per group (bc_finish).
     (bc_mode "per_head", bc_bwd: each head's dCB is multiplied in-kernel.) The z gate is a PyTorch op after it.
@@ -36,124 +37,15 @@ from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_sta
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
 from models.kernels.ssd_triton.chained_states import chained_dstates
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
-from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
 from models.kernels.ssd_triton.forward import cb_and_entering_states, ssd_forward
-from models.kernels.ssd_triton.fused_scan import fused_state_bwd_kernel
+from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
-from models.kernels.ssd_triton.state_passing import state_passing_bwd_kernel
+from models.kernels.ssd_triton.state_passing import staged_dstates
 
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
-
-
-def _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
-    """dS_in (y's state term) in one kernel, then the reverse recurrence in another."""
-    b, L, H, P = dy.shape
-    G, N = C.shape[2:]
-    NC, Q = dA_cs.shape[2:]
-    dev = dy.device
-    has_seq = seq is not None
-    seq_arg = seq if has_seq else dummy(dev)
-    dS_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
-    heads = heads_per_program(H // G, min(cfg.state_heads, 2))
-    grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
-    chunk_scan_bwd_dstates_kernel[grid](
-        dy,
-        C,
-        dA_cs,
-        seq_arg,
-        dS_in,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        *dy.stride(),
-        *C.stride(),
-        HAS_SEQ=has_seq,
-        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % cfg.state_n == 0,
-        HEADS=heads,
-        BLOCK_P=cfg.state_p,
-        BLOCK_N=cfg.state_n,
-        BLOCK_K=cfg.state_k,
-        PREC=dot_precision(dy),
-        num_warps=cfg.state_warps,
-        num_stages=cfg.state_stages,
-    )
-    PN = P * N
-    n_blocks = triton.cdiv(PN, cfg.pass_block)
-    # dH in dy's dtype: its consumers (dx, dB) round it to that dtype for their products anyway, so storing it
-    # rounded changes no result and halves its traffic (and spares them the conversion).
-    dH = torch.empty_like(dS_in, dtype=dy.dtype)
-    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
-    dtot = torch.empty(n_blocks, b, H, NC, device=dev, dtype=torch.float32)
-    state_passing_bwd_kernel[(b * H, n_blocks)](
-        dS_in,
-        S_in,
-        dA_cs,
-        seq_arg,
-        dfinal if dfinal is not None else dummy(dev),
-        dH,
-        dinit,
-        dtot,
-        L,
-        Q,
-        NC,
-        H,
-        PN,
-        b,
-        HAS_SEQ=has_seq,
-        HAS_DFINAL=dfinal is not None,
-        BLOCK=cfg.pass_block,
-        num_warps=4,
-    )
-    return dH, dinit, dtot
-
-
-def _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
-    """dS_in and the reverse recurrence in one kernel (fused_scan.fused_state_bwd_kernel)."""
-    b, L, H, P = dy.shape
-    G, N = C.shape[2:]
-    NC, Q = dA_cs.shape[2:]
-    dev = dy.device
-    n_p = triton.cdiv(P, cfg.fusedb_p)
-    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)  # rounded as its consumers round it (above)
-    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
-    dtot = torch.empty(n_p, b, H, NC, device=dev, dtype=torch.float32)
-    fused_state_bwd_kernel[(b * H, n_p)](
-        dy,
-        C,
-        dA_cs,
-        seq if seq is not None else dummy(dev),
-        S_in,
-        dfinal if dfinal is not None else dummy(dev),
-        dH,
-        dinit,
-        dtot,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        b,
-        *dy.stride(),
-        *C.stride(),
-        HAS_SEQ=seq is not None,
-        HAS_DFINAL=dfinal is not None,
-        PREC=dot_precision(dy),
-        BLOCK_P=cfg.fusedb_p,
-        BLOCK_N=max(16, triton.next_power_of_2(N)),
-        BLOCK_K=cfg.fusedb_k,
-        num_warps=cfg.fusedb_warps,
-        num_stages=cfg.fusedb_stages,
-    )
-    return dH, dinit, dtot
 
 
 def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None):
@@ -170,11 +62,11 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
     if cfg.fused:
-        dH, dinit, dtot = _fused_state_bwd(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
+        dH, dinit, dtot = fused_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     elif cfg.chained:
         dH, dinit, dtot = chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     else:
-        dH, dinit, dtot = _staged_state_bwd(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
+        dH, dinit, dtot = staged_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     del S_in32
 
     # dx, ddt, dD.

@@ -35,13 +35,20 @@ __all__ = ["chained_states", "chained_dstates"]
 
 
 @triton.jit
-def _ticket(sync_ptr, R, NC, REVERSE: tl.constexpr):
-    """This program's (chunk, index of its tile chain), in the order programs arrive."""
+def _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+            REVERSE: tl.constexpr):  # fmt: skip
+    """This program's work in the order programs arrive: (chunk c, its tile chain r, and the chain's batch b, first
+    head h0, P block and N block). Chunk-major (reversed for the backward), chains in (b, head, P, N) order."""
+    n_p = tl.cdiv(P, BLOCK_P)
+    n_n = tl.cdiv(N, BLOCK_N)
+    HP = H // HEADS
+    R = BATCH * HP * n_p * n_n
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     c = ticket // R
     if REVERSE:
         c = NC - 1 - c
-    return c, ticket % R
+    r = ticket % R
+    return c, r, r // (n_n * n_p * HP), ((r // (n_n * n_p)) % HP) * HEADS, (r // n_n) % n_p, r % n_n
 
 
 @triton.jit
@@ -98,14 +105,7 @@ def chained_states_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    n_p = tl.cdiv(P, BLOCK_P)
-    n_n = tl.cdiv(N, BLOCK_N)
-    HP = H // HEADS
-    c, r = _ticket(sync_ptr, BATCH * HP * n_p * n_n, NC, False)
-    pid_n = r % n_n
-    pid_p = (r // n_n) % n_p
-    h0 = ((r // (n_n * n_p)) % HP) * HEADS
-    b = r // (n_n * n_p * HP)
+    c, r, b, h0, pid_p, pid_n = _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,14 +198,7 @@ def chained_dstates_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    n_p = tl.cdiv(P, BLOCK_P)
-    n_n = tl.cdiv(N, BLOCK_N)
-    HP = H // HEADS
-    c, r = _ticket(sync_ptr, BATCH * HP * n_p * n_n, NC, True)
-    pid_n = r % n_n
-    pid_p = (r // n_n) % n_p
-    h0 = ((r // (n_n * n_p)) % HP) * HEADS
-    b = r // (n_n * n_p * HP)
+    c, r, b, h0, pid_p, pid_n = _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, True)
     g = h0 // (H // G)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -239,7 +232,7 @@ def chained_dstates_bwd_kernel(
         tl.store(dH_ptr + at_c + PN, d1.to(dH_ptr.dtype.element_ty), mask=mask)
 
     # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
-    dtot = dtot_ptr + ((((pid_p * n_n + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
+    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
     decay0 = _decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
     tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * tl.load(S32_ptr + at_c, mask=mask, other=0.0), axis=1), axis=0))
     d0 = own0 + decay0 * d0

@@ -18,8 +18,12 @@ decay_c = exp(a_last_c) [seq_last_c == seq_prev_c] as in state_passing.py; seq_p
 padding after the last token, so padding neither decays nor adds).
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from models.kernels.ssd_triton.config import BlockConfig
+from models.kernels.ssd_triton.launch import dot_precision, dummy
 
 
 @triton.jit
@@ -305,3 +309,45 @@ def fused_state_bwd_kernel(
             )
             dstate = tl.dot(cT, (dy_tile * scale_k[:, None]).to(cT.dtype), acc=dstate, input_precision=PREC)
     tl.store(_stateT_ptr(dinit_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N), dstate, boundary_check=(0, 1))
+
+
+def fused_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
+    """dS_in and the reverse recurrence in one kernel (fused_scan.fused_state_bwd_kernel)."""
+    b, L, H, P = dy.shape
+    G, N = C.shape[2:]
+    NC, Q = dA_cs.shape[2:]
+    dev = dy.device
+    n_p = triton.cdiv(P, cfg.fusedb_p)
+    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)  # rounded as its consumers round it (above)
+    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    dtot = torch.empty(n_p, b, H, NC, device=dev, dtype=torch.float32)
+    fused_state_bwd_kernel[(b * H, n_p)](
+        dy,
+        C,
+        dA_cs,
+        seq if seq is not None else dummy(dev),
+        S_in,
+        dfinal if dfinal is not None else dummy(dev),
+        dH,
+        dinit,
+        dtot,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        b,
+        *dy.stride(),
+        *C.stride(),
+        HAS_SEQ=seq is not None,
+        HAS_DFINAL=dfinal is not None,
+        PREC=dot_precision(dy),
+        BLOCK_P=cfg.fusedb_p,
+        BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_K=cfg.fusedb_k,
+        num_warps=cfg.fusedb_warps,
+        num_stages=cfg.fusedb_stages,
+    )
+    return dH, dinit, dtot

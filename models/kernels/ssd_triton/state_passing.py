@@ -19,8 +19,13 @@ gradient; docs/performance.md, session 8). The backward's recompute therefore al
 recompute calls together took 0.460 ms at 1.3B against 0.172 with a separate float32 output: measured, session 8.)
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
+from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
+from models.kernels.ssd_triton.launch import dot_precision, dummy
 
 
 @triton.jit
@@ -116,3 +121,69 @@ def state_passing_bwd_kernel(
         tl.store(dtot_base + c, decay * tl.sum(dstate * s_in, axis=0))
         dstate = tl.load(dS_in_ptr + base + offs, mask=mask, other=0.0) + decay * dstate
     tl.store(dinit_ptr + (b.to(tl.int64) * H + h) * PN + offs, dstate, mask=mask)
+
+
+def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
+    """dS_in (y's state term) in one kernel, then the reverse recurrence in another."""
+    b, L, H, P = dy.shape
+    G, N = C.shape[2:]
+    NC, Q = dA_cs.shape[2:]
+    dev = dy.device
+    has_seq = seq is not None
+    seq_arg = seq if has_seq else dummy(dev)
+    dS_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
+    heads = heads_per_program(H // G, min(cfg.state_heads, 2))
+    grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    chunk_scan_bwd_dstates_kernel[grid](
+        dy,
+        C,
+        dA_cs,
+        seq_arg,
+        dS_in,
+        L,
+        Q,
+        NC,
+        H,
+        G,
+        P,
+        N,
+        *dy.stride(),
+        *C.stride(),
+        HAS_SEQ=has_seq,
+        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % cfg.state_n == 0,
+        HEADS=heads,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=cfg.state_n,
+        BLOCK_K=cfg.state_k,
+        PREC=dot_precision(dy),
+        num_warps=cfg.state_warps,
+        num_stages=cfg.state_stages,
+    )
+    PN = P * N
+    n_blocks = triton.cdiv(PN, cfg.pass_block)
+    # dH in dy's dtype: its consumers (dx, dB) round it to that dtype for their products anyway, so storing it
+    # rounded changes no result and halves its traffic (and spares them the conversion).
+    dH = torch.empty_like(dS_in, dtype=dy.dtype)
+    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
+    dtot = torch.empty(n_blocks, b, H, NC, device=dev, dtype=torch.float32)
+    state_passing_bwd_kernel[(b * H, n_blocks)](
+        dS_in,
+        S_in,
+        dA_cs,
+        seq_arg,
+        dfinal if dfinal is not None else dummy(dev),
+        dH,
+        dinit,
+        dtot,
+        L,
+        Q,
+        NC,
+        H,
+        PN,
+        b,
+        HAS_SEQ=has_seq,
+        HAS_DFINAL=dfinal is not None,
+        BLOCK=cfg.pass_block,
+        num_warps=4,
+    )
+    return dH, dinit, dtot
