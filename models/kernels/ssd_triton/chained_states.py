@@ -2,16 +2,17 @@
 
 The staged path (chunk_state.py, then state_passing.py) writes every chunk's own state [B, NC, H, P, N] in float32
 and reads it back in a second kernel, twice per layer and step (forward, and the backward's recompute), and the
-backward does the same with dS_in. Here one program per (chunk, batch, pair of heads, [P, N] tile) computes its
-chunk's part (the loops of chunk_state.py), then takes the state entering its chunk from the program of the chunk
-before, adds its own and hands the result on:
+backward does the same with dS_in. Here one program per (chunk, batch, head or pair of heads: config chained_heads,
+[P, N] tile) computes its chunk's part (the loops of chunk_state.py), then takes the state entering its chunk from
+the program of the chunk before, adds its own and hands the result on:
 
     forward   S_in[c] = H_{c-1} (H_{-1}: the initial state)      H_c = decay_c S_in[c] + states[c]
     backward  dH_c (dH_{NC-1}: dfinal)                          dH_{c-1} = dS_in[c] + decay_c dH_c
               dtot_c = decay_c <dH_c, S_in[c]>                   dinit = dH_{-1}
 (state_passing.py defines decay_c, dtot and why S_in must be float32 for dtot). Only the chain's float32 hand-off
-travels between programs: in a ring of two slots per tile (forward without KEEP_S32), or in S_in32 itself, which the
-backward's recompute wants anyway. The chunk-own states and dS_in never reach memory.
+travels between programs: in a ring of two slots per tile (the forward, and the backward's dH), or in S_in32 itself
+(CARRY_IS_S32: the backward's recompute, which keeps S_in32 anyway). The chunk-own states and dS_in never reach
+memory.
 
 Ordering. Programs do not start in grid order on the GPU, so each takes a ticket (an atomic counter) and works on
 the tile its ticket names, chunk-major: every program a ticket waits for holds a smaller ticket, so it is running
