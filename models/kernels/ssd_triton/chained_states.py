@@ -30,7 +30,7 @@ import triton.language as tl
 from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy
-from models.kernels.ssd_triton.state_passing import _decay
+from models.kernels.ssd_triton.state_passing import chunk_decay
 
 __all__ = ["chained_states", "chained_dstates"]
 
@@ -65,6 +65,24 @@ def _release(counter_ptr):
     """Every thread's stores of the hand-off first, then one increment of the chain's counter (release)."""
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release")
+
+
+@triton.jit
+def _store_heads(ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
+    """Head h0's tile at ptrs and, with HEADS 2, head h0 + 1's one state further on (in ptrs' dtype)."""
+    tl.store(ptrs, t0.to(ptrs.dtype.element_ty), mask=mask)
+    if HEADS == 2:
+        tl.store(ptrs + PN, t1.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
+    """The float32 tiles another program handed on, for heads h0 (and h0 + 1; else the first twice), read past L1."""
+    t0 = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    t1 = t0
+    if HEADS == 2:
+        t1 = tl.load(ptrs + PN, mask=mask, other=0.0, cache_modifier=".cg")
+    return t0, t1
 
 
 @triton.jit
@@ -129,36 +147,25 @@ def chained_states_fwd_kernel(
             s1 = s0
         if CARRY_IS_S32:  # S_in32[0]: no program hands it on
             first = carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile
-            tl.store(first, s0, mask=mask)
-            if HEADS == 2:
-                tl.store(first + PN, s1, mask=mask)
+            _store_heads(first, s0, s1, PN, mask, HEADS)
     else:
         _wait(counter, c)
         slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
-        s0 = tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
-        s1 = s0
-        if HEADS == 2:
-            s1 = tl.load(slot + PN, mask=mask, other=0.0, cache_modifier=".cg")
+        s0, s1 = _load_handoff(slot, PN, mask, HEADS)
     out = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    tl.store(out, s0.to(S_in_ptr.dtype.element_ty), mask=mask)
-    if HEADS == 2:
-        tl.store(out + PN, s1.to(S_in_ptr.dtype.element_ty), mask=mask)
+    _store_heads(out, s0, s1, PN, mask, HEADS)
 
     # The state leaving chunk c: handed on, or the final state.
-    s0 = _decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+    s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
     if HEADS == 2:
-        s1 = _decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
+        s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
     if c + 1 < NC:
         nxt = carry_ptr + ((b.to(tl.int64) * N_SLOTS + (c + 1) % N_SLOTS) * H + h0) * PN + tile
-        tl.store(nxt, s0, mask=mask)
-        if HEADS == 2:
-            tl.store(nxt + PN, s1, mask=mask)
+        _store_heads(nxt, s0, s1, PN, mask, HEADS)
         _release(counter)
     else:
         fin = final_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        tl.store(fin, s0, mask=mask)
-        if HEADS == 2:
-            tl.store(fin + PN, s1, mask=mask)
+        _store_heads(fin, s0, s1, PN, mask, HEADS)
 
 
 @triton.jit
@@ -223,36 +230,27 @@ def chained_dstates_bwd_kernel(
     else:
         _wait(counter, NC - 1 - c)
         slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
-        d0 = tl.load(slot, mask=mask, other=0.0, cache_modifier=".cg")
-        d1 = d0
-        if HEADS == 2:
-            d1 = tl.load(slot + PN, mask=mask, other=0.0, cache_modifier=".cg")
+        d0, d1 = _load_handoff(slot, PN, mask, HEADS)
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    tl.store(dH_ptr + at_c, d0.to(dH_ptr.dtype.element_ty), mask=mask)
-    if HEADS == 2:
-        tl.store(dH_ptr + at_c + PN, d1.to(dH_ptr.dtype.element_ty), mask=mask)
+    _store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
 
     # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
     dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
-    decay0 = _decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
+    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
     tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * tl.load(S32_ptr + at_c, mask=mask, other=0.0), axis=1), axis=0))
     d0 = own0 + decay0 * d0
     if HEADS == 2:
-        decay1 = _decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
+        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
         s1 = tl.load(S32_ptr + at_c + PN, mask=mask, other=0.0)
         tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
         d1 = own1 + decay1 * d1
     if c > 0:
         prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
-        tl.store(prv, d0, mask=mask)
-        if HEADS == 2:
-            tl.store(prv + PN, d1, mask=mask)
+        _store_heads(prv, d0, d1, PN, mask, HEADS)
         _release(counter)
     else:
         fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        tl.store(fin, d0, mask=mask)
-        if HEADS == 2:
-            tl.store(fin + PN, d1, mask=mask)
+        _store_heads(fin, d0, d1, PN, mask, HEADS)
 
 
 def _sync(n_chains: int, device) -> torch.Tensor:

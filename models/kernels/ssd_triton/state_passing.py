@@ -29,7 +29,8 @@ from models.kernels.ssd_triton.launch import dot_precision, dummy
 
 
 @triton.jit
-def _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ: tl.constexpr):
+def chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ: tl.constexpr):
+    """decay_c of head h: exp(a_last of chunk c), or 0 when chunk c ends in another document than chunk c - 1."""
     a_last = tl.load(dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q + Q - 1)
     decay = tl.exp(a_last)
     if HAS_SEQ:
@@ -75,7 +76,7 @@ def state_passing_fwd_kernel(
         if KEEP_S32:
             tl.store(S32_ptr + base + offs, state, mask=mask)
         new = tl.load(states_ptr + base + offs, mask=mask, other=0.0)
-        decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
+        decay = chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         state = decay * state + new
     tl.store(final_ptr + (b.to(tl.int64) * H + h) * PN + offs, state, mask=mask)
 
@@ -117,7 +118,7 @@ def state_passing_bwd_kernel(
         base = ((b.to(tl.int64) * NC + c) * H + h) * PN
         tl.store(dH_ptr + base + offs, dstate.to(dH_ptr.dtype.element_ty), mask=mask)
         s_in = tl.load(S_in_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-        decay = _decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
+        decay = chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         tl.store(dtot_base + c, decay * tl.sum(dstate * s_in, axis=0))
         dstate = tl.load(dS_in_ptr + base + offs, mask=mask, other=0.0) + decay * dstate
     tl.store(dinit_ptr + (b.to(tl.int64) * H + h) * PN + offs, dstate, mask=mask)
