@@ -108,7 +108,8 @@ class BlockConfig:
     # Grid order of the chunk scan, dx, dCB and dB (launch.program_ids): the programs of one chunk side by side
     # (True), so that what they share (the chunk's x, dy, CB, states) is read from L2, or the chunk index on the
     # grid's first axis (False). Session 12 (H100, 1.3B, ncu): L2 hit rate chunk scan 41% -> 74%, dx 39% -> 69%, dCB
-    # 29% -> 49%; time chunk scan 0.279 -> 0.221 ms, dx 0.471 -> 0.432, dCB 0.438 -> 0.446, dB 0.113 both.
+    # 29% -> 49%; time chunk scan 0.279 -> 0.221 ms, dx 0.471 -> 0.439 (state term first in both), dCB 0.438 ->
+    # 0.446, dB 0.113 both.
     inner_first: bool = True
     # dx: the chunk-state term first, then the intra-chunk loop into the same accumulator (chunk_scan_bwd.py), so one
     # [dx_k, P] float32 accumulator per head is live at a time: 242 registers and no spills against 255 and 8 bytes
