@@ -253,6 +253,25 @@ def chained_dstates_bwd_kernel(
         _store_heads(fin, d0, d1, PN, mask, HEADS)
 
 
+def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
+    """The chain layout of one launch: (heads per program, [P, N] tiles per head, tile chains per batch row, the
+    kernel's tile constexprs and launch options)."""
+    heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
+    block_n = min(want_n, max(16, triton.next_power_of_2(N)))
+    n_tiles = triton.cdiv(P, cfg.state_p) * triton.cdiv(N, block_n)
+    meta = dict(
+        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % block_n == 0,
+        PREC=dot_precision(x),
+        HEADS=heads,
+        BLOCK_P=cfg.state_p,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.state_k,
+        num_warps=cfg.state_warps,
+        num_stages=cfg.chained_stages,
+    )
+    return n_tiles, (H // heads) * n_tiles, meta
+
+
 def _sync(n_chains: int, device) -> torch.Tensor:
     """The ticket counter and one chain counter per tile chain, zeroed (int32)."""
     return torch.zeros(1 + n_chains, device=device, dtype=torch.int32)
@@ -265,9 +284,8 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
-    heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
-    block_n = min(cfg.chained_fwd_n, max(16, triton.next_power_of_2(N)))
-    n_chains = b * (H // heads) * triton.cdiv(P, cfg.state_p) * triton.cdiv(N, block_n)
+    _, per_row, meta = _chains(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n)
+    n_chains = b * per_row
     S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype)
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     n_slots = NC if keep_s32 else 2
@@ -297,14 +315,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_SEQ=seq is not None,
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
-        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % block_n == 0,
-        PREC=dot_precision(x),
-        HEADS=heads,
-        BLOCK_P=cfg.state_p,
-        BLOCK_N=block_n,
-        BLOCK_K=cfg.state_k,
-        num_warps=cfg.state_warps,
-        num_stages=cfg.chained_stages,
+        **meta,
     )
     return S_in, final, carry if keep_s32 else None
 
@@ -316,10 +327,8 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
     G, N = C.shape[2:]
     NC, Q = dA_cs.shape[2:]
     dev = dy.device
-    heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
-    block_n = min(cfg.chained_bwd_n, max(16, triton.next_power_of_2(N)))
-    n_tiles = triton.cdiv(P, cfg.state_p) * triton.cdiv(N, block_n)
-    n_chains = b * (H // heads) * n_tiles
+    n_tiles, per_row, meta = _chains(cfg, dy, L, Q, H, G, P, N, cfg.chained_bwd_n)
+    n_chains = b * per_row
     dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     dtot = torch.empty(n_tiles, b, H, NC, device=dev, dtype=torch.float32)
@@ -348,13 +357,6 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
         *C.stride(),
         HAS_SEQ=seq is not None,
         HAS_DFINAL=dfinal is not None,
-        EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % block_n == 0,
-        PREC=dot_precision(dy),
-        HEADS=heads,
-        BLOCK_P=cfg.state_p,
-        BLOCK_N=block_n,
-        BLOCK_K=cfg.state_k,
-        num_warps=cfg.state_warps,
-        num_stages=cfg.chained_stages,
+        **meta,
     )
     return dH, dinit, dtot

@@ -115,11 +115,12 @@ def chunk_scan_bwd_dx_kernel(
     if DX_STATE_FIRST:
         acc0, acc1 = _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b, s_b_g,
                                  s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
-        acc0 = _fold_state(acc0, x_base0, mask_kp, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q)
+        # x is loaded for q here and again for the outputs: held through the loop it costs registers.
+        x_k = tl.load(x_base0, mask=mask_kp, other=0.0).to(tl.float32)
+        acc0 = _fold_state(acc0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q)
         if HEADS == 2:
-            acc1 = _fold_state(
-                acc1, x_base0 + s_x_h, mask_kp, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q
-            )
+            x_k = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0).to(tl.float32)
+            acc1 = _fold_state(acc1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q)
     else:
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
@@ -144,23 +145,23 @@ def chunk_scan_bwd_dx_kernel(
     if not DX_STATE_FIRST:
         acc_h0, acc_h1 = _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b,
                                      s_b_g, s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
-        acc0 += _fold_state(
-            acc_h0, x_base0, mask_kp, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q
-        )
-        if HEADS == 2:
-            acc1 += _fold_state(
-                acc_h1, x_base0 + s_x_h, mask_kp, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q
-            )
 
+    # Per head: x once for q (when the state term comes last) and the outputs.
+    x_k = tl.load(x_base0, mask=mask_kp, other=0.0).to(tl.float32)
+    if not DX_STATE_FIRST:
+        acc0 += _fold_state(acc_h0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q)
     # fmt: off
     _dx_outputs(
-        acc0, x_base0, dt_k0, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
+        acc0, x_k, dt_k0, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
         offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
         HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
     )
     if HEADS == 2:
+        x_k = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0).to(tl.float32)
+        if not DX_STATE_FIRST:
+            acc1 += _fold_state(acc_h1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q)
         _dx_outputs(
-            acc1, x_base0 + s_x_h, dt_k1, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
+            acc1, x_k, dt_k1, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
             mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l,
             s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
         )
@@ -206,24 +207,23 @@ def _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H,
 
 
 @triton.jit
-def _fold_state(acc_h, x_ptrs, mask_kp, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q):
+def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q):
     """One head's chunk-state term scaled by [kept] exp(a_last - a_s), returned, with its q_s = dt_s (term · x_s)
-    stored."""
+    stored (x_k: the head's x rows in float32)."""
     a2_last = tl.load(dA_head + Q - 1) * LOG2E
     acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
-    x_k = tl.load(x_ptrs, mask=mask_kp, other=0.0).to(tl.float32)
     tl.store(q_head + offs_k, dt_k * tl.sum(acc_h * x_k, axis=1), mask=offs_k < Q)
     return acc_h
 
 
 @triton.jit
 def _dx_outputs(
-    acc, x_ptrs, dt_k, dy_ptr, D_ptr, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
+    acc, x_k, dt_k, dy_ptr, D_ptr, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
     t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
 ):  # fmt: skip
-    """One head's outputs from its accumulator (both terms): ddt, dx (+ D dy) and dD's partial sums."""
-    x_k = tl.load(x_ptrs, mask=mask_kp, other=0.0).to(tl.float32)
+    """One head's outputs from its accumulator (both terms) and its x rows (float32): ddt, dx (+ D dy) and dD's
+    partial sums."""
     tl.store(ddt_head + offs_k, tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
     dx = acc * dt_k[:, None]
     if HAS_D:
