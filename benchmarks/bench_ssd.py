@@ -121,11 +121,6 @@ TUNE_VARIANTS = {
     "outer_first": dict(inner_first=False),
     "dx_state_first": dict(dx_state_first=True),
     "dx_state_first_h1": dict(dx_state_first=True, dx_heads=1),
-    # Session 13: the off-diagonal decay as row x column factors (default) or an exp2 per element; one head per
-    # chunk-scan program (130 registers with the factors, against 225 with two heads).
-    "unfactored": dict(factored_decay=False),
-    "scan_h1": dict(scan_heads=1),
-    "unfactored_scan_h1": dict(factored_decay=False, scan_heads=1),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -8,13 +8,6 @@ the intra-chunk loop stops at the diagonal. CB comes from chunk_cb (shared by th
 state_passing. With 2 heads the group's CB (float32) and C tiles are loaded once for both.
 CB comes in already zeroed above the diagonal and across documents (cb_fwd), so the intra-chunk loop masks
 nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a zero of CB.
-
-FACTORED (config factored_decay): for the tiles wholly before the block's first row m0 the decay splits as
-    exp(a_l - a_s) = exp(a_l - a_m0) exp(a_m0 - a_s),     both factors <= 1 (a falls along the chunk: dt A <= 0),
-so those tiles weigh CB by a vector over s (one multiply per element instead of a subtract, a clamp, an exp2 and a
-multiply: MUFU.EX2 runs at 1/8 of the FMA rate) and the row factor scales the accumulator once after them. The
-state term's exp(a_l) = exp(a_l - a_m0) exp(a_m0) shares that row factor. The tiles on the diagonal keep the
-per-element exponent (there no split point bounds both factors by 1).
 """
 
 import triton
@@ -65,7 +58,6 @@ def chunk_scan_fwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
-    FACTORED: tl.constexpr,
 ):
     pid_bch, pid_m, pid_p = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(P, BLOCK_P), INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS
@@ -105,45 +97,17 @@ def chunk_scan_fwd_kernel(
         if HEADS == 2:
             sT1 = tl.load(S_base0 + P * N + offs_n[:, None], mask=s_mask, other=0.0)
             acc1 += tl.dot(c_tile, sT1.to(c_tile.dtype), input_precision=PREC)
-    # The state term's decay: exp(a_l), or with FACTORED its part exp(a_m0) (the row factor comes after the loop).
-    m0 = pid_m * BLOCK_M
-    hi = tl.minimum(m0 + BLOCK_M, Q)
-    if FACTORED:
-        a2_ref0 = tl.load(dA_ptr + head_q0 + m0) * LOG2E
-        acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_ref0), 0.0)[:, None]
-        if HEADS == 2:
-            a2_ref1 = tl.load(dA_ptr + head_q1 + m0) * LOG2E
-            acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_ref1), 0.0)[:, None]
-    else:
-        acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_m0), 0.0)[:, None]
-        if HEADS == 2:
-            acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_m1), 0.0)[:, None]
+    acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_m0), 0.0)[:, None]
+    if HEADS == 2:
+        acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_m1), 0.0)[:, None]
 
     # Intra-chunk term, s <= l. CB is 0 above the diagonal, across documents and past the end (cb_fwd), so the
     # weights need no mask, only the clamp that keeps the decay finite where CB is 0; offsets within the chunk are
     # int32, and with EVEN (whole tiles) the loads carry no masks (kernel docstring of chunk_scan_bwd).
     x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     CB_rows = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
-    k_diag = 0
-    if FACTORED:
-        # Tiles before m0 with column factors exp(a_m0 - a_s) dt_s, then the row factor exp(a_l - a_m0).
-        k_diag = (m0 // BLOCK_K) * BLOCK_K
-        for k0 in range(0, k_diag, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
-            if EVEN:
-                cb = tl.load(CB_rows + offs_k[None, :])
-            else:  # the columns lie before m0 < Q; the rows may pass the chunk's end
-                cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None], other=0.0)
-            acc0 = _scan_tile_factored(acc0, cb, dA_ptr + head_q0, dt_ptr + head_q0, x_chunk0 + x_offs, a2_ref0,
-                                       offs_k, t0, L, mask_p, EVEN, PREC)  # fmt: skip
-            if HEADS == 2:
-                acc1 = _scan_tile_factored(acc1, cb, dA_ptr + head_q1, dt_ptr + head_q1, x_chunk0 + s_x_h + x_offs,
-                                           a2_ref1, offs_k, t0, L, mask_p, EVEN, PREC)  # fmt: skip
-        acc0 = acc0 * tl.exp2(tl.minimum(a2_m0 - a2_ref0, 0.0))[:, None]
-        if HEADS == 2:
-            acc1 = acc1 * tl.exp2(tl.minimum(a2_m1 - a2_ref1, 0.0))[:, None]
-    for k0 in range(k_diag, hi, BLOCK_K):
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
+    for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
         if EVEN:
@@ -180,20 +144,6 @@ def _scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p
         x_tile = tl.load(x_ptrs, mask=valid_k[:, None] & mask_p[None, :], other=0.0)
     w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
     return acc + tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
-
-
-@triton.jit
-def _scan_tile_factored(acc, cb, dA_head, dt_head, x_ptrs, a2_ref, offs_k, t0, L, mask_p, EVEN: tl.constexpr,
-                        PREC: tl.constexpr):  # fmt: skip
-    """acc += (CB ∘ exp(a_m0 - a_s) dt_s) · x over one block of s wholly before the row block (module docstring)."""
-    a_k = tl.load(dA_head + offs_k)
-    dt_k = tl.load(dt_head + offs_k)
-    if EVEN:
-        x_tile = tl.load(x_ptrs)
-    else:
-        x_tile = tl.load(x_ptrs, mask=(t0 + offs_k < L)[:, None] & mask_p[None, :], other=0.0)
-    v = tl.exp2(tl.minimum(a2_ref - a_k * LOG2E, 0.0)) * dt_k
-    return acc + tl.dot((cb * v[None, :]).to(x_tile.dtype), x_tile, input_precision=PREC)
 
 
 @triton.jit

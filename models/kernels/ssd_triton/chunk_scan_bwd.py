@@ -8,9 +8,6 @@ For position s of chunk c, head h (dy: the gradient of y; dH: the gradient of th
     dD   += dy_s · x_s           (partial sums per program, reduced on the host)
 and q_s = dt_s (chunk-state part of acc_s) · x_s, whose exclusive prefix sum over s is the chunk-state
 term of the decay gradient (autograd.py).
-FACTORED (config factored_decay, with the intra-chunk loop first): the blocks of l wholly after this block of s
-weigh CBᵀ by a column factor exp(a_l - a_r) (r: the block's last s) and scale the accumulator by exp(a_r - a_s)
-after them, instead of an exp2 per element (chunk_scan.py's docstring says why that is exact and cheaper).
 One program per (batch, chunk, block of s) and HEADS consecutive heads of one group (1 or 2), holding all of P so
 ddt_s is complete. With 2 heads the group's tiles (CBᵀ, B) are loaded once for both: CBᵀ in float32 is the largest
 stream this kernel reads (every head re-reads it), so pairs halve it. The intra-chunk loop reads
@@ -76,7 +73,6 @@ def chunk_scan_bwd_dx_kernel(
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
     DX_STATE_FIRST: tl.constexpr,
-    FACTORED: tl.constexpr,
 ):
     n_k = tl.cdiv(Q, BLOCK_K)
     pid_bch, pid_k, _ = program_ids(n_k, 1, INNER_FIRST)
@@ -129,37 +125,7 @@ def chunk_scan_bwd_dx_kernel(
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
     CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
-    m_start = (pid_k * BLOCK_K // BLOCK_M) * BLOCK_M
-    m_off = m_start  # the first block of l wholly after this block of s: with FACTORED, the blocks from there on
-    if FACTORED and not DX_STATE_FIRST:
-        # Blocks of l after the last s of this block, r: exp(a_l - a_s) = exp(a_l - a_r) exp(a_r - a_s), both <= 1
-        # (chunk_scan.py's docstring); the column factor weighs CBᵀ, the row factor scales the accumulator after.
-        k_last = tl.minimum((pid_k + 1) * BLOCK_K, Q) - 1
-        m_off = tl.cdiv(k_last + 1, BLOCK_M) * BLOCK_M
-        a2_r0 = tl.load(dA_ptr + head_q0 + k_last) * LOG2E
-        if HEADS == 2:
-            a2_r1 = tl.load(dA_ptr + head_q1 + k_last) * LOG2E
-        for m0 in range(m_off, Q, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
-            dy_offs = offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
-            if EVEN:
-                cbT = tl.load(cb_ptrs)
-            else:
-                cbT = tl.load(cb_ptrs, mask=(offs_k < Q)[:, None] & (offs_m < Q)[None, :], other=0.0)
-            acc0 = _intra_tile_factored(
-                acc0, cbT, dA_ptr + head_q0, dy_chunk0 + dy_offs, a2_r0, offs_m, t0, L, Q, mask_p, EVEN, PREC
-            )
-            if HEADS == 2:
-                acc1 = _intra_tile_factored(
-                    acc1, cbT, dA_ptr + head_q1, dy_chunk1 + dy_offs, a2_r1, offs_m, t0, L, Q, mask_p, EVEN, PREC
-                )
-        acc0 = acc0 * tl.exp2(tl.minimum(a2_r0 - a2_k0, 0.0))[:, None]
-        if HEADS == 2:
-            acc1 = acc1 * tl.exp2(tl.minimum(a2_r1 - a2_k1, 0.0))[:, None]
-    else:
-        m_off = Q
-    for m0 in range(m_start, m_off, BLOCK_M):
+    for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
         dy_offs = offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
@@ -213,20 +179,6 @@ def _intra_tile(acc, cbT, dA_head, dy_ptrs, a2_k, offs_m, t0, L, Q, mask_p, EVEN
         dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
     wT = cbT * tl.exp2(tl.minimum(a_m[None, :] * LOG2E - a2_k[:, None], 0.0))
     return acc + tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
-
-
-@triton.jit
-def _intra_tile_factored(acc, cbT, dA_head, dy_ptrs, a2_r, offs_m, t0, L, Q, mask_p, EVEN: tl.constexpr,
-                         PREC: tl.constexpr):  # fmt: skip
-    """acc += (CBᵀ ∘ exp(a_l - a_r)) · dy over one block of l wholly after the block of s (r: its last s)."""
-    if EVEN:
-        a_m = tl.load(dA_head + offs_m)
-        dy_m = tl.load(dy_ptrs)
-    else:
-        a_m = tl.load(dA_head + offs_m, mask=offs_m < Q, other=0.0)
-        dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
-    u = tl.exp2(tl.minimum(a_m * LOG2E - a2_r, 0.0))
-    return acc + tl.dot((cbT * u[None, :]).to(dy_m.dtype), dy_m, input_precision=PREC)
 
 
 @triton.jit

@@ -115,10 +115,6 @@ class BlockConfig:
     # [dx_k, P] float32 accumulator per head is live at a time: 242 registers and no spills against 255 and 8 bytes
     # (two heads, 4 warps), yet 0.439 ms against 0.432 the other way (session 12): off.
     dx_state_first: bool = False
-    # The decay exp(a_l - a_s) of the tiles off the diagonal split into a row and a column factor (chunk scan, dx,
-    # dCB: chunk_scan.py's docstring): one multiply per element there instead of an exp2 each. dx takes it only with
-    # dx_state_first False.
-    factored_decay: bool = True
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:

@@ -72,7 +72,6 @@ def chunk_scan_bwd_dcb_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
-    FACTORED: tl.constexpr,
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it only stores zeros, on or
@@ -117,7 +116,6 @@ def chunk_scan_bwd_dcb_kernel(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-            FACTORED=FACTORED,
         )
         # fmt: on
     else:
@@ -126,7 +124,7 @@ def chunk_scan_bwd_dcb_kernel(
             L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
             s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N, FACTORED=FACTORED,
+            BLOCK_N=BLOCK_N,
         )  # fmt: skip
 
 
@@ -136,7 +134,7 @@ def _dcb_rows(
     L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
     s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, FACTORED: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """The diagonal block's program: without TILE_GRID, the state term of dC and O, the tiles of its rows below the
     diagonal and the zeros above it; then (always) the diagonal tile."""
@@ -155,13 +153,11 @@ def _dcb_rows(
                 dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g,
                 hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
                 HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-            FACTORED=FACTORED,
             )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-        FACTORED=FACTORED,
     )
     # fmt: on
     if not TILE_GRID:
@@ -224,7 +220,7 @@ def _dcb_tile(
     dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr, FACTORED: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring)."""
@@ -269,17 +265,9 @@ def _dcb_tile(
             dy_m = tl.load(dy_ptrs, mask=valid_m[:, None] & (offs_p < P)[None, :], other=0.0)
             xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
         dyx = tl.dot(dy_m, xT, input_precision=PREC)
-        if FACTORED and not DIAG:
-            # Below the diagonal, exp(a_l - a_s) = exp(a_l - a_r) exp(a_r - a_s) with r the tile's last s, both
-            # factors <= 1 (chunk_scan.py's docstring): two multiplies per element instead of an exp2 each.
-            a_r = tl.load(dA_ptr + head_q + tl.minimum(k0 + BLOCK, Q) - 1)
-            u = tl.exp2(tl.minimum(a_m - a_r, 0.0) * LOG2E)
-            v = tl.exp2(tl.minimum(a_r - a_k, 0.0) * LOG2E) * dt_k
-            dcb = dyx * u[:, None] * v[None, :]
-        else:
-            # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
-            # keeps dcb finite there; the sum over heads is masked once below, not per head.
-            dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
+        # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
+        # keeps dcb finite there; the sum over heads is masked once below, not per head.
+        dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
         dcb_acc += dcb
         M = dcb * cb
         r = tl.sum(M, axis=1)  # at positions offs_m

@@ -215,7 +215,6 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         BLOCK_P=cfg.scan_p,
         BLOCK_N=cfg.scan_n,
         INNER_FIRST=cfg.inner_first,
-        FACTORED=cfg.factored_decay,
         PREC=dot_precision(x),
         num_warps=cfg.scan_warps,
         num_stages=cfg.scan_stages,
