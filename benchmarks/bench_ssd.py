@@ -121,10 +121,6 @@ TUNE_VARIANTS = {
     "outer_first": dict(inner_first=False),
     "dx_state_first": dict(dx_state_first=True),
     "dx_state_first_h1": dict(dx_state_first=True, dx_heads=1),
-    # Session 13: dB's state term in programs of 32 / 16 / 8 heads (its grid: 256 programs at 1.3B with 64).
-    "db_h32": dict(db_heads_per_prog=32),
-    "db_h16": dict(db_heads_per_prog=16),
-    "db_h8": dict(db_heads_per_prog=8),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -657,8 +657,8 @@ def test_one_group_D_per_channel_z_odd_chunk():
 
 def test_whole_tiles_documents_initial_states():
     """L a multiple of the chunk and P filling its block: the kernels' EVEN (mask-free) loads, with documents and
-    two position blocks per chunk; two heads per dCB / dC program and one per dB program, so their partial sums over
-    head blocks (two and four of them) are reduced (the default sums all 4 at once)."""
+    two position blocks per chunk; two heads per dC / dB program, so their partial sums over head blocks are
+    reduced (the default sums all 4 at once)."""
     interpret(
         b=2,
         L=64,
@@ -669,7 +669,7 @@ def test_whole_tiles_documents_initial_states():
         seed=5,
         seq_cuts=CUTS,
         call=dict(chunk_size=32),
-        config=dict(SMALL_TILES, heads_per_prog=2, db_heads_per_prog=1),
+        config=dict(SMALL_TILES, heads_per_prog=2),
     )
 
 

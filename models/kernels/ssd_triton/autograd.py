@@ -75,7 +75,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
-    dD_part = torch.empty(H, b * NC * n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
+    dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
@@ -98,7 +98,6 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         G,
         P,
         N,
-        b,
         *x.stride(),
         *B.stride(),
         *dy.stride(),
@@ -123,7 +122,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         if dy_exact is not None:
             dD = torch.einsum("blhp,blhp->hp", dy_exact.float(), x.float())
         else:
-            dD = dD_part.sum(dim=1)
+            dD = dD_part.view(b, NC, H, n_k, P).sum(dim=(0, 1, 3))
         dD = dD if D.dim() == 2 else dD.sum(dim=-1)
 
     # dC (and the per-head a_l gradient), then dB; summed over head blocks.
@@ -217,11 +216,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             num_warps=cfg.dc_warps,
             num_stages=cfg.dc_stages,
         )
-    # dB's state term: its own head blocks in "grouped" mode (config db_heads_per_prog), partial sums per block.
-    hpp_db = heads_per_program(R, cfg.db_heads_per_prog) if grouped else hpp
-    n_db = R // hpp_db
-    dB_part = torch.empty(n_db, b, L, G, N, device=dev, dtype=torch.float32)
-    chunk_state_bwd_db_kernel[grid(b * NC * G * n_db, triton.cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
+    dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
         dt_p,
@@ -237,7 +233,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         G,
         P,
         N,
-        hpp_db,
+        hpp,
         b,
         *x.stride(),
         *C.stride(),
@@ -275,7 +271,6 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             N,
             n_hb * state_split,
             n_hb,
-            n_db,
             b,
             *B.stride(),
             *C.stride(),
@@ -290,7 +285,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         )
     else:
         dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
-        dB = dB_part.sum(0) if n_db > 1 else dB_part[0]
+        dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
         if out is not None:
             dB, dC = out[1].copy_(dB), out[2].copy_(dC)
 

@@ -2,7 +2,7 @@
 
 For positions r of chunk c and group g (dCB summed over its head blocks, zero above the diagonal: dcb_bwd.py):
     dC_r = sum_i dC_state[i, r] + sum_{s <= r} dCB_rs B_s        (i: head blocks, and slices of their heads)
-    dB_r = sum_j dB_state[j, r] + sum_{l >= r} dCB_lr C_l      (j: dB's own head blocks)
+    dB_r = sum_hb dB_state[hb, r] + sum_{l >= r} dCB_lr C_l
 written straight in B's / C's dtype. In PyTorch this was a reduction over head blocks per tensor, two padded
 float32 copies of B and C, two float32 batched products (SIMT on Hopper: no tensor cores for float32 without
 TF32), two un-chunking copies, two adds and the casts back. The products here run on the tensor cores in TF32 for
@@ -30,7 +30,6 @@ def bc_finish_kernel(
     N,
     n_dc,
     n_hb,
-    n_db,
     BATCH,
     s_b_b,
     s_b_l,
@@ -66,15 +65,15 @@ def bc_finish_kernel(
     t_m = (t0 + offs_m).to(tl.int64)
 
     # State terms: partial sums, [n_dc, b, L, G, N] (dC: per head block and slice of its heads, dcb_bwd.py) and
-    # [n_db, b, L, G, N] (dB: per block of db_heads_per_prog heads) float32.
+    # [n_hb, b, L, G, N] (dB: per head block) float32.
     state_at = (b.to(tl.int64) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
     hb_stride = tl.cast(BATCH, tl.int64) * L * G * N  # BATCH may arrive as a constexpr (the JIT specialises 1)
     dC = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     dB = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(n_dc):
         dC += tl.load(dC_state_ptr + i * hb_stride + state_at, mask=mask_mn, other=0.0)
-    for i in range(n_db):
-        dB += tl.load(dB_state_ptr + i * hb_stride + state_at, mask=mask_mn, other=0.0)
+    for hb in range(n_hb):
+        dB += tl.load(dB_state_ptr + hb * hb_stride + state_at, mask=mask_mn, other=0.0)
 
     # Intra-chunk products; dCB [n_hb, b, NC, G, Q, Q] float32, each head block's partial summed as it is loaded.
     chunk = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q

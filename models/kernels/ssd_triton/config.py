@@ -71,7 +71,7 @@ class BlockConfig:
     fusedb_k: int
     fusedb_warps: int
     fusedb_stages: int
-    heads_per_prog: int  # dCB / dC (and dB in "per_head" mode): heads one program sums before writing its partial
+    heads_per_prog: int  # dC / dB: heads one program sums before writing its partial
     # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
     # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
     bc_mode: str = "grouped"
@@ -115,10 +115,6 @@ class BlockConfig:
     # [dx_k, P] float32 accumulator per head is live at a time: 242 registers and no spills against 255 and 8 bytes
     # (two heads, 4 warps), yet 0.439 ms against 0.432 the other way (session 12): off.
     dx_state_first: bool = False
-    # Heads per program of dB's state term in "grouped" mode (chunk_state_bwd_db_kernel, partial sums added in
-    # bc_finish): with all 64 heads of the 1.3B in one program its grid is only 256 programs (ncu, session 12: 19%
-    # of issue slots, 0.22 eligible warps per scheduler).
-    db_heads_per_prog: int = 64
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
