@@ -121,6 +121,15 @@ TUNE_VARIANTS = {
     "outer_first": dict(inner_first=False),
     "dx_state_first": dict(dx_state_first=True),
     "dx_state_first_h1": dict(dx_state_first=True, dx_heads=1),
+    # Session 13: register caps, so that three programs fit per SM (with fewer stages where shared memory is short).
+    "cap168": dict(dx_maxnreg=168, dc_maxnreg=168, db_maxnreg=168, chained_bwd_maxnreg=168),
+    "cap168_s2": dict(
+        dx_maxnreg=168, dc_maxnreg=168, db_maxnreg=168, chained_bwd_maxnreg=168, dx_stages=2, dc_stages=2
+    ),
+    "dx_h1_cap128": dict(dx_heads=1, dx_maxnreg=128),
+    "cap128_s2": dict(
+        dx_maxnreg=128, dc_maxnreg=128, db_maxnreg=128, chained_bwd_maxnreg=128, dx_stages=2, dc_stages=2
+    ),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -44,7 +44,7 @@ from models.kernels.ssd_triton.config import block_config
 BF16 = "*bf16"
 
 
-def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int) -> dict:
+def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int, maxnreg=None) -> dict:
     names = kernel.arg_names
     unit_strides = {n for n in names if re.fullmatch(r"s_\w+_[pn]", n) and n not in consts}
     sig, constexprs = {}, {}
@@ -57,7 +57,9 @@ def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stag
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n != "BATCH"}
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+        src,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -214,13 +216,22 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     )
 
 
+# Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets.
+MAXNREG = {
+    "chunk_scan_bwd_dx": "dx_maxnreg",
+    "chunk_scan_bwd_dcb": "dc_maxnreg",
+    "chunk_state_bwd_db": "db_maxnreg",
+    "chained_dstates_bwd": "chained_bwd_maxnreg",
+}
+
+
 def _parse_value(v: str):
     for cast in (int, float):
         try:
             return cast(v)
         except ValueError:
             pass
-    return {"true": True, "false": False}.get(v.lower(), v)
+    return {"true": True, "false": False, "none": None}.get(v.lower(), v)
 
 
 def main():
@@ -243,7 +254,7 @@ def main():
         overrides[key] = _parse_value(value)
     cfg = dataclasses.replace(cfg, **overrides)
     for name, kernel, ptrs, consts, warps, stages in kernels(cfg, args.headdim, args.dstate, not args.no_seq):
-        info = compile_sm90(kernel, ptrs, consts, warps, stages)
+        info = compile_sm90(kernel, ptrs, consts, warps, stages, getattr(cfg, MAXNREG.get(name, ""), None))
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
 
 

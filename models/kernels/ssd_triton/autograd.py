@@ -115,6 +115,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         DX_STATE_FIRST=cfg.dx_state_first,
         PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
+        maxnreg=cfg.dx_maxnreg,
         num_stages=cfg.dx_stages,
     )
     dD = None
@@ -178,6 +179,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             BLOCK_N=BN,
             INNER_FIRST=cfg.inner_first,
             num_warps=cfg.dc_warps,
+            maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
         )
     else:
@@ -214,6 +216,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             BLOCK_N=BN,
             PREC=dot_precision(x),
             num_warps=cfg.dc_warps,
+            maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
         )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
@@ -247,6 +250,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         INNER_FIRST=cfg.inner_first,
         PREC=dot_precision(x),
         num_warps=cfg.db_warps,
+        maxnreg=cfg.db_maxnreg,
         num_stages=cfg.db_stages,
     )
     if grouped:

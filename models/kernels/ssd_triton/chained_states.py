@@ -357,6 +357,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
         *C.stride(),
         HAS_SEQ=seq is not None,
         HAS_DFINAL=dfinal is not None,
+        maxnreg=cfg.chained_bwd_maxnreg,
         **meta,
     )
     return dH, dinit, dtot

@@ -115,6 +115,13 @@ class BlockConfig:
     # [dx_k, P] float32 accumulator per head is live at a time: 242 registers and no spills against 255 and 8 bytes
     # (two heads, 4 warps), yet 0.439 ms against 0.432 the other way (session 12): off.
     dx_state_first: bool = False
+    # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
+    # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
+    # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
+    dx_maxnreg: int | None = None
+    dc_maxnreg: int | None = None
+    db_maxnreg: int | None = None
+    chained_bwd_maxnreg: int | None = None
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
