@@ -118,9 +118,11 @@ class BlockConfig:
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
+    # Session 13 (H100, 1.3B, ms): capped at 168, dx 0.416 -> 0.597, dCB 0.454 -> 0.467 (0.575 with 2 stages),
+    # chained dstates 0.204 -> 0.239, dB 0.112 -> 0.103 (16 bytes of spills): only dB's cap is on.
     dx_maxnreg: int | None = None
     dc_maxnreg: int | None = None
-    db_maxnreg: int | None = None
+    db_maxnreg: int | None = 168
     chained_bwd_maxnreg: int | None = None
 
 
