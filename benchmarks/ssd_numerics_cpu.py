@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import os
 import sys
 
@@ -78,25 +77,21 @@ def _rev_cumsum(t):
 def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, device):
     """The parts of g from our kernels (dtype and exact_dtype) and mamba_ssm's (dtype), in g's units."""
     captured = {}
-    # Our backward hands O and R to dt_backward already summed; keep them apart for this measurement.
-    summed = "rev, add = O.add_(R_sum), None"
-    src = inspect.getsource(autograd._ssd_bwd)
-    assert summed in src, f"autograd._ssd_bwd no longer has {summed!r}: update decay_parts"
-    src = src.replace(summed, "rev, add = O, R_sum")
-    original_bwd, original_dt = autograd._ssd_bwd, autograd.dt_backward
-    exec(compile(src, autograd.__file__, "exec"), autograd.__dict__)
+    original_dt = autograd.dt_backward
 
-    def spy(dt, dt_bias, A, ddt_p, O, R, q, dtot, *rest):  # noqa: E741
+    def spy(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest):  # noqa: E741
+        # O and R's slots arrive apart ("grouped": R as row minus column sums, reverse-cumsummed like O).
+        assert add_parts is None, "decay_parts expects bc_mode 'grouped'"
         NC, Q = ddt_p.shape[2:]
         dt_p, _ = autograd.dt_forward(dt, dt_bias, A, Q, NC, True, (0.0, float("inf")))
         captured["parts"] = dict(
             O=_rev_cumsum(O.double()),
-            R=_rev_cumsum(R.double()),
+            R=_rev_cumsum(rev_parts.double().sum(0)),
             q=(torch.cumsum(q, -1) - q).double(),
             dtot=dtot.double().sum(0)[..., None].expand_as(q).clone(),
         )
         captured["dt_p"] = dt_p.double()
-        return original_dt(dt, dt_bias, A, ddt_p, O + R, None, q, dtot, *rest)
+        return original_dt(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest)
 
     autograd.dt_backward = spy
     ours = {}
@@ -107,7 +102,7 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
                 k: v.cpu() if torch.is_tensor(v) else {n: t.cpu() for n, t in v.items()} for k, v in captured.items()
             }
     finally:
-        autograd._ssd_bwd, autograd.dt_backward = original_bwd, original_dt
+        autograd.dt_backward = original_dt
 
     cap = {}
 

@@ -295,12 +295,10 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
 
     # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dC kernel:
     # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
-    R_sum = R_part.sum(0) if R_part.shape[0] > 1 else R_part[0]
-    if grouped:  # R as per-position row minus column sums: its reverse cumsum is the decay term (dcb_bwd.py)
-        rev, add = O.add_(R_sum), None
-    else:  # R_t directly (bc_bwd.py)
-        rev, add = O, R_sum
-    return dx, ddt, (rev, add, q, dtot), dB, dC, dD, dinit
+    # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
+    # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
+    rev_parts, add_parts = (R_part, None) if grouped else (None, R_part)
+    return dx, ddt, (O, rev_parts, add_parts, q, dtot), dB, dC, dD, dinit
 
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):

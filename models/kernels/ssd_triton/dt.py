@@ -84,7 +84,8 @@ def dt_bwd_kernel(
     A_ptr,
     ddt_p_ptr,
     rev_ptr,
-    add_ptr,
+    rev_parts_ptr,
+    add_parts_ptr,
     q_ptr,
     dtot_ptr,
     ddt_ptr,
@@ -96,6 +97,8 @@ def dt_bwd_kernel(
     H,
     BATCH,
     n_dtot,
+    n_rev_parts,
+    n_add_parts,
     s_dt_b,
     s_dt_l,
     s_dt_h,
@@ -106,7 +109,6 @@ def dt_bwd_kernel(
     hi,
     HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr,
-    HAS_ADD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -122,9 +124,14 @@ def dt_bwd_kernel(
     at = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
 
     # g: the gradient of dt_p * A at each position (module docstring).
-    g = tl.cumsum(tl.load(rev_ptr + at, mask=in_q, other=0.0), axis=0, reverse=True)
-    if HAS_ADD:
-        g += tl.load(add_ptr + at, mask=in_q, other=0.0)
+    # REV and ADD may come as [n, b, H, NC, Q] partial sums (the dCB / dC kernels' slots), added here.
+    slot = tl.cast(BATCH, tl.int64) * H * NC * Q
+    rev = tl.load(rev_ptr + at, mask=in_q, other=0.0)
+    for i in range(n_rev_parts):
+        rev += tl.load(rev_parts_ptr + i * slot + at, mask=in_q, other=0.0)
+    g = tl.cumsum(rev, axis=0, reverse=True)
+    for i in range(n_add_parts):
+        g += tl.load(add_parts_ptr + i * slot + at, mask=in_q, other=0.0)
     q = tl.load(q_ptr + at, mask=in_q, other=0.0)
     g += tl.cumsum(q, axis=0) - q
     dtot = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -182,9 +189,12 @@ def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tup
     return dt_p, dA_cs
 
 
-def dt_backward(dt_BLH, dt_bias, A_H, ddt_p, rev, add, q, dtot, softplus: bool, limit: tuple[float, float]):
+def dt_backward(
+    dt_BLH, dt_bias, A_H, ddt_p, rev, rev_parts, add_parts, q, dtot, softplus: bool, limit: tuple[float, float]
+):
     """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None) from the chunked SSD's ddt_p and
-    the parts of the decay gradient (module docstring)."""
+    the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and add_parts, partial
+    sums [n, b, H, NC, Q] or None, summed in the kernel."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
     ddt = torch.empty(b, L, H, device=dt_BLH.device, dtype=dt_BLH.dtype)
@@ -196,7 +206,8 @@ def dt_backward(dt_BLH, dt_bias, A_H, ddt_p, rev, add, q, dtot, softplus: bool, 
         A_H,
         ddt_p,
         rev,
-        add if add is not None else rev,
+        rev if rev_parts is None else rev_parts,
+        rev if add_parts is None else add_parts,
         q,
         dtot,
         ddt,
@@ -208,13 +219,14 @@ def dt_backward(dt_BLH, dt_bias, A_H, ddt_p, rev, add, q, dtot, softplus: bool, 
         H,
         b,
         dtot.shape[0],
+        0 if rev_parts is None else rev_parts.shape[0],
+        0 if add_parts is None else add_parts.shape[0],
         *dt_BLH.stride(),
         *ddt.stride(),
         float(limit[0]),
         float(limit[1]),
         HAS_BIAS=dt_bias is not None,
         SOFTPLUS=softplus,
-        HAS_ADD=add is not None,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
     )
