@@ -75,7 +75,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
-    dD_part = torch.empty(b * NC * H, n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
+    dD_part = torch.empty(H, b * NC * n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
@@ -98,6 +98,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         G,
         P,
         N,
+        b,
         *x.stride(),
         *B.stride(),
         *dy.stride(),
@@ -123,7 +124,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         if dy_exact is not None:
             dD = torch.einsum("blhp,blhp->hp", dy_exact.float(), x.float())
         else:
-            dD = dD_part.view(b, NC, H, n_k, P).sum(dim=(0, 1, 3))
+            dD = dD_part.sum(dim=1)
         dD = dD if D.dim() == 2 else dD.sum(dim=-1)
 
     # dC (and the per-head a_l gradient), then dB; summed over head blocks.
