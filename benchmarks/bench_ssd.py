@@ -121,6 +121,10 @@ TUNE_VARIANTS = {
     "outer_first": dict(inner_first=False),
     "dx_state_first": dict(dx_state_first=True),
     "dx_state_first_h1": dict(dx_state_first=True, dx_heads=1),
+    # Session 13: the forward's chained states and chunk scan in one kernel (chained_scan.py), 4 or 8 warps.
+    "chained_scan": dict(chained_scan=True),
+    "chained_scan_w8": dict(chained_scan=True, chained_scan_warps=8),
+    "chained_scan_s2": dict(chained_scan=True, chained_stages=2),
     # Session 13: register caps, so that three programs fit per SM (with fewer stages where shared memory is short).
     "cap168": dict(dx_maxnreg=168, dc_maxnreg=168, db_maxnreg=168, chained_bwd_maxnreg=168),
     "cap168_s2": dict(

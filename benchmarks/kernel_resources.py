@@ -32,6 +32,7 @@ from triton.compiler import ASTSource
 from models.kernels.ssd_triton import (
     bc_bwd,
     bc_finish,
+    chained_scan,
     chained_states,
     chunk_scan,
     chunk_scan_bwd,
@@ -119,6 +120,26 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         dict(ptrs, sync_ptr="*i32"),
         dict(**chain, HAS_DFINAL=False, BLOCK_N=min(cfg.chained_bwd_n, N)),
         cfg.state_warps,
+        cfg.chained_stages,
+    )
+    yield (
+        "chained_scan_fwd (chained_scan=True)",
+        chained_scan.chained_scan_fwd_kernel,
+        dict(ptrs, sync_ptr="*i32"),
+        dict(
+            **seq,
+            HAS_INIT=False,
+            HAS_D=True,
+            D_HAS_HDIM=False,
+            EVEN_STATE=True,
+            EVEN_SCAN=True,
+            BLOCK_P=bp,
+            BLOCK_N=bn,
+            BLOCK_K=cfg.state_k,
+            BLOCK_M=cfg.scan_m,
+            BLOCK_KS=cfg.scan_k,
+        ),
+        cfg.chained_scan_warps,
         cfg.chained_stages,
     )
     yield (

@@ -629,6 +629,25 @@ def test_chained_states_several_tiles_per_head():
     )  # fmt: skip
 
 
+def test_chained_scan_forward():
+    """The forward's chunk states, recurrence and chunk scan in one kernel (config chained_scan, chained_scan.py):
+    documents that cross chunk ends, initial and final states, two groups, a remainder; whole tiles with several row
+    blocks per chunk; D per channel, z and dt limits with a chunk that is not a power of two. A hand-off from the
+    wrong slot, or the state term without its document mask, fails it (checked by mutation)."""
+    interpret(
+        b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+        config=dict(chained_scan=True),
+    )  # fmt: skip
+    interpret(
+        b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=32),
+        config=dict(SMALL_TILES, chained_scan=True),
+    )  # fmt: skip
+    interpret(
+        b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
+        call=dict(chunk_size=24, dt_limit=(0.01, 1.5)), config=dict(SMALL_TILES, chained_scan=True),
+    )  # fmt: skip
+
+
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
 # diagonal run (with the default tiles a chunk of 32 or less is one block, and only the diagonal one would).
 SMALL_TILES = dict(

@@ -32,11 +32,19 @@ from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, who
 from models.kernels.ssd_triton.launch import dot_precision, dummy
 from models.kernels.ssd_triton.state_passing import chunk_decay
 
-__all__ = ["chained_states", "chained_dstates"]
+__all__ = [
+    "chained_states",
+    "chained_dstates",
+    "take_ticket",
+    "wait_chain",
+    "release_chain",
+    "store_heads",
+    "load_handoff",
+]
 
 
 @triton.jit
-def _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+def take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
             REVERSE: tl.constexpr):  # fmt: skip
     """This program's work in the order programs arrive: (chunk c, its tile chain r, and the chain's batch b, first
     head h0, P block and N block). Chunk-major (reversed for the backward), chains in (b, head, P, N) order."""
@@ -53,7 +61,7 @@ def _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS: tl.constexpr, BLOCK_P: tl.const
 
 
 @triton.jit
-def _wait(counter_ptr, steps):
+def wait_chain(counter_ptr, steps):
     """Spin until the chain's counter reaches ``steps`` (acquire: the hand-off written before it is visible)."""
     done = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while done < steps:
@@ -61,14 +69,14 @@ def _wait(counter_ptr, steps):
 
 
 @triton.jit
-def _release(counter_ptr):
+def release_chain(counter_ptr):
     """Every thread's stores of the hand-off first, then one increment of the chain's counter (release)."""
     tl.debug_barrier()
     tl.atomic_add(counter_ptr, 1, sem="release")
 
 
 @triton.jit
-def _store_heads(ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
+def store_heads(ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
     """Head h0's tile at ptrs and, with HEADS 2, head h0 + 1's one state further on (in ptrs' dtype)."""
     tl.store(ptrs, t0.to(ptrs.dtype.element_ty), mask=mask)
     if HEADS == 2:
@@ -76,7 +84,7 @@ def _store_heads(ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
 
 
 @triton.jit
-def _load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
+def load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
     """The float32 tiles another program handed on, for heads h0 (and h0 + 1; else the first twice), read past L1."""
     t0 = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     t1 = t0
@@ -124,7 +132,7 @@ def chained_states_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    c, r, b, h0, pid_p, pid_n = _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
+    c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -147,13 +155,13 @@ def chained_states_fwd_kernel(
             s1 = s0
         if CARRY_IS_S32:  # S_in32[0]: no program hands it on
             first = carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile
-            _store_heads(first, s0, s1, PN, mask, HEADS)
+            store_heads(first, s0, s1, PN, mask, HEADS)
     else:
-        _wait(counter, c)
+        wait_chain(counter, c)
         slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
-        s0, s1 = _load_handoff(slot, PN, mask, HEADS)
+        s0, s1 = load_handoff(slot, PN, mask, HEADS)
     out = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    _store_heads(out, s0, s1, PN, mask, HEADS)
+    store_heads(out, s0, s1, PN, mask, HEADS)
 
     # The state leaving chunk c: handed on, or the final state.
     s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
@@ -161,11 +169,11 @@ def chained_states_fwd_kernel(
         s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
     if c + 1 < NC:
         nxt = carry_ptr + ((b.to(tl.int64) * N_SLOTS + (c + 1) % N_SLOTS) * H + h0) * PN + tile
-        _store_heads(nxt, s0, s1, PN, mask, HEADS)
-        _release(counter)
+        store_heads(nxt, s0, s1, PN, mask, HEADS)
+        release_chain(counter)
     else:
         fin = final_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        _store_heads(fin, s0, s1, PN, mask, HEADS)
+        store_heads(fin, s0, s1, PN, mask, HEADS)
 
 
 @triton.jit
@@ -206,7 +214,7 @@ def chained_dstates_bwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    c, r, b, h0, pid_p, pid_n = _ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, True)
+    c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, True)
     g = h0 // (H // G)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -228,11 +236,11 @@ def chained_dstates_bwd_kernel(
             d0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
             d1 = d0
     else:
-        _wait(counter, NC - 1 - c)
+        wait_chain(counter, NC - 1 - c)
         slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
-        d0, d1 = _load_handoff(slot, PN, mask, HEADS)
+        d0, d1 = load_handoff(slot, PN, mask, HEADS)
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    _store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
+    store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
 
     # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
     dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
@@ -246,11 +254,11 @@ def chained_dstates_bwd_kernel(
         d1 = own1 + decay1 * d1
     if c > 0:
         prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
-        _store_heads(prv, d0, d1, PN, mask, HEADS)
-        _release(counter)
+        store_heads(prv, d0, d1, PN, mask, HEADS)
+        release_chain(counter)
     else:
         fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        _store_heads(fin, d0, d1, PN, mask, HEADS)
+        store_heads(fin, d0, d1, PN, mask, HEADS)
 
 
 def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
@@ -272,7 +280,7 @@ def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int,
     return n_tiles, (H // heads) * n_tiles, meta
 
 
-def _sync(n_chains: int, device) -> torch.Tensor:
+def chain_counters(n_chains: int, device) -> torch.Tensor:
     """The ticket counter and one chain counter per tile chain, zeroed (int32)."""
     return torch.zeros(1 + n_chains, device=device, dtype=torch.int32)
 
@@ -297,7 +305,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         dA_cs,
         seq if seq is not None else dummy(dev),
         init if init is not None else dummy(dev),
-        _sync(n_chains, dev),
+        chain_counters(n_chains, dev),
         carry,
         S_in,
         final,
@@ -340,7 +348,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
         seq if seq is not None else dummy(dev),
         S_in32,
         dfinal if dfinal is not None else dummy(dev),
-        _sync(n_chains, dev),
+        chain_counters(n_chains, dev),
         carry,
         dH,
         dinit,

@@ -114,23 +114,23 @@ def chunk_scan_fwd_kernel(
             cb = tl.load(CB_rows + offs_k[None, :])
         else:
             cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
-        acc0 = _scan_tile(acc0, cb, dA_ptr + head_q0, dt_ptr + head_q0, x_chunk0 + x_offs, a2_m0, offs_k, t0, L, Q,
+        acc0 = scan_tile(acc0, cb, dA_ptr + head_q0, dt_ptr + head_q0, x_chunk0 + x_offs, a2_m0, offs_k, t0, L, Q,
                           mask_p, EVEN, PREC)  # fmt: skip
         if HEADS == 2:
-            acc1 = _scan_tile(acc1, cb, dA_ptr + head_q1, dt_ptr + head_q1, x_chunk0 + s_x_h + x_offs, a2_m1, offs_k,
+            acc1 = scan_tile(acc1, cb, dA_ptr + head_q1, dt_ptr + head_q1, x_chunk0 + s_x_h + x_offs, a2_m1, offs_k,
                               t0, L, Q, mask_p, EVEN, PREC)  # fmt: skip
 
     # fmt: off
-    _scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
+    scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
                 s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
     if HEADS == 2:
-        _scan_store(acc1, x_ptr, D_ptr, y_ptr, b, h0 + 1, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+        scan_store(acc1, x_ptr, D_ptr, y_ptr, b, h0 + 1, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
                     s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
     # fmt: on
 
 
 @triton.jit
-def _scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p, EVEN: tl.constexpr,
+def scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p, EVEN: tl.constexpr,
                PREC: tl.constexpr):  # fmt: skip
     """acc += (CB ∘ exp(a_l - a_s) dt_s) · x over one block of s, for one head."""
     if EVEN:
@@ -147,7 +147,7 @@ def _scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p
 
 
 @triton.jit
-def _scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
+def scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
                 s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr):  # fmt: skip
     """One head's output: + D x, stored in y's dtype."""
     if HAS_D:

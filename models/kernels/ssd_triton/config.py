@@ -105,6 +105,10 @@ class BlockConfig:
     chained_fwd_n: int = 64
     chained_bwd_n: int = 128
     chained_stages: int = 3
+    # The forward's chained states and the chunk scan in one kernel (chained_scan.py: one program per chunk, batch and
+    # head, S_in never written); False: chained_states.py, then chunk_scan.py. Needs ``chained``.
+    chained_scan: bool = False
+    chained_scan_warps: int = 4
     # Grid order of the chunk scan, dx, dCB and dB (launch.program_ids): the programs of one chunk side by side
     # (True), so that what they share (the chunk's x, dy, CB, states) is read from L2, or the chunk index on the
     # grid's first axis (False). Session 12 (H100, 1.3B, ncu): L2 hit rate chunk scan 41% -> 74%, dx 39% -> 69%, dCB

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from models.kernels.ssd_triton.chained_scan import chained_scan
 from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
@@ -231,6 +232,8 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
             x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, with_y=True, store_s_in=False, y_dtype=y_dtype
         )
         return y, final
+    if cfg.chained and cfg.chained_scan:
+        return chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, _ = states(x, dt_p, dA_cs, B, seq, init, cfg)
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final
