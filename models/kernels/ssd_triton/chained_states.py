@@ -40,12 +40,13 @@ __all__ = [
     "release_chain",
     "store_heads",
     "load_handoff",
+    "chain_counters",
 ]
 
 
 @triton.jit
 def take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-            REVERSE: tl.constexpr):  # fmt: skip
+                REVERSE: tl.constexpr):  # fmt: skip
     """This program's work in the order programs arrive: (chunk c, its tile chain r, and the chain's batch b, first
     head h0, P block and N block). Chunk-major (reversed for the backward), chains in (b, head, P, N) order."""
     n_p = tl.cdiv(P, BLOCK_P)

@@ -6,8 +6,9 @@ Forward, per (batch, chunk, block of heads):
 Backward, from the chunked SSD's gradients (autograd.py): the gradient of dA_cs's pre-cumsum input
     g_t = sum_{j >= t} REV_j + ADD_t + sum_{s < t} q_s + sum_blocks dtot_c
 (REV: the per-position terms whose reverse cumsum enters, ADD: terms that enter as they are; dcb_bwd.py and
-chunk_scan_bwd.py say which), then d(dt_p) = ddt + g A, dA_h = sum g dt_p, and back through the clamp (no gradient
-where it clamps, as torch.clamp) and softplus (sigmoid(u)) to d(dt) in dt's dtype and d(dt_bias). dA and
+chunk_scan_bwd.py say which; both may come as a kernel's partial sums in slots, added here), then
+d(dt_p) = ddt + g A, dA_h = sum g dt_p, and back through the clamp (no gradient where it clamps, as torch.clamp)
+and softplus (sigmoid(u)) to d(dt) in dt's dtype and d(dt_bias). dA and
 d(dt_bias) come out as partial sums per (batch, chunk) program, [b * NC, H] each, summed on the host.
 """
 
