@@ -37,14 +37,24 @@ def _chunk_docs(seq_ptr, b, c, L, Q):
 
 
 @triton.jit
-def _stateT_ptr(base, P, N, pid_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Block pointer to a [P, N] state in memory, seen transposed as [BLOCK_N, BLOCK_P] (column block pid_p).
+def _stateT_at(P, N, pid_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Offsets and mask of a [P, N] state in memory seen transposed as [BLOCK_N, BLOCK_P] (column block pid_p),
+    formed where they are used. (Block pointers served here until Triton 3.9 removed them.)"""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    return offs_p[None, :] * N + offs_n[:, None], (offs_n < N)[:, None] & (offs_p < P)[None, :]
 
-    A block pointer, not a [BLOCK_N, BLOCK_P] tensor of offsets and masks: those would stay live across the
-    chunk loop and cost as many registers as the state itself."""
-    return tl.make_block_ptr(
-        base, shape=(N, P), strides=(1, N), offsets=(0, pid_p * BLOCK_P), block_shape=(BLOCK_N, BLOCK_P), order=(0, 1)
-    )
+
+@triton.jit
+def _load_stateT(base, P, N, pid_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    at, mask = _stateT_at(P, N, pid_p, BLOCK_P, BLOCK_N)
+    return tl.load(base + at, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_stateT(base, stateT, P, N, pid_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    at, mask = _stateT_at(P, N, pid_p, BLOCK_P, BLOCK_N)
+    tl.store(base + at, stateT.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -110,7 +120,7 @@ def fused_scan_fwd_kernel(
     # operand as it is (no register transpose); in memory states are [P, N].
     bh = b.to(tl.int64) * H + h
     if HAS_INIT:
-        stateT = tl.load(_stateT_ptr(init_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N), boundary_check=(0, 1))
+        stateT = _load_stateT(init_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N)
     else:
         stateT = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
     x_base = x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
@@ -130,11 +140,7 @@ def fused_scan_fwd_kernel(
             seq_prev, seq_last = _chunk_docs(seq_ptr, b, c, L, Q)
         if STORE_S_IN:
             S_in_base = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
-            tl.store(
-                _stateT_ptr(S_in_base, P, N, pid_p, BLOCK_P, BLOCK_N),
-                stateT.to(S_in_ptr.dtype.element_ty),
-                boundary_check=(0, 1),
-            )
+            _store_stateT(S_in_base, stateT.to(S_in_ptr.dtype.element_ty), P, N, pid_p, BLOCK_P, BLOCK_N)
         if WITH_Y:
             sT = stateT.to(x_ptr.dtype.element_ty)
             CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
@@ -214,7 +220,7 @@ def fused_scan_fwd_kernel(
             )
             # The scale goes on B before the rounding, not on x: see chunk_state_fwd_kernel.
             stateT = tl.dot((bT * scale_k[None, :]).to(x_tile.dtype), x_tile, acc=stateT, input_precision=PREC)
-    tl.store(_stateT_ptr(final_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N), stateT, boundary_check=(0, 1))
+    _store_stateT(final_ptr + bh * P * N, stateT, P, N, pid_p, BLOCK_P, BLOCK_N)
 
 
 @triton.jit
@@ -262,7 +268,7 @@ def fused_state_bwd_kernel(
     mask_n = offs_n < N
     bh = b.to(tl.int64) * H + h  # dstate is carried transposed, [BLOCK_N, BLOCK_P], as above
     if HAS_DFINAL:
-        dstate = tl.load(_stateT_ptr(dfinal_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N), boundary_check=(0, 1))
+        dstate = _load_stateT(dfinal_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N)
     else:
         dstate = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
     dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
@@ -273,12 +279,8 @@ def fused_state_bwd_kernel(
         t0 = c * Q
         dA_base = dA_ptr + (bh * NC + c) * Q
         base = ((b.to(tl.int64) * NC + c) * H + h) * P * N
-        tl.store(
-            _stateT_ptr(dH_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N),
-            dstate.to(dH_ptr.dtype.element_ty),
-            boundary_check=(0, 1),
-        )
-        s_in = tl.load(_stateT_ptr(S_in_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N), boundary_check=(0, 1))
+        _store_stateT(dH_ptr + base, dstate.to(dH_ptr.dtype.element_ty), P, N, pid_p, BLOCK_P, BLOCK_N)
+        s_in = _load_stateT(S_in_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N)
         s_in = s_in.to(tl.float32)
         decay_c = tl.exp(tl.load(dA_base + Q - 1))
         if HAS_SEQ:
@@ -308,7 +310,7 @@ def fused_state_bwd_kernel(
                 other=0.0,
             )
             dstate = tl.dot(cT, (dy_tile * scale_k[:, None]).to(cT.dtype), acc=dstate, input_precision=PREC)
-    tl.store(_stateT_ptr(dinit_ptr + bh * P * N, P, N, pid_p, BLOCK_P, BLOCK_N), dstate, boundary_check=(0, 1))
+    _store_stateT(dinit_ptr + bh * P * N, dstate, P, N, pid_p, BLOCK_P, BLOCK_N)
 
 
 def fused_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
