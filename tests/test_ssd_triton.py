@@ -737,7 +737,8 @@ def test_dcb_grid_per_tile_and_per_row_block():
 
 def test_per_head_backward_mode_staged_forward():
     """The non-default paths: bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is
-    'grouped'), 2 heads/program, and the staged forward / state recurrence (the default is fused_scan)."""
+    'grouped'), 2 heads/program, and the staged forward / state recurrence (the default chains them:
+    chained_states.py)."""
     interpret(
         b=2,
         L=40,
@@ -748,13 +749,15 @@ def test_per_head_backward_mode_staged_forward():
         seed=5,
         seq_cuts=CUTS,
         call=dict(chunk_size=16),
-        config=dict(bc_mode="per_head", heads_per_prog=2, fused=False),
+        config=dict(bc_mode="per_head", heads_per_prog=2, chained=False),
     )
 
 
 def test_fused_scan_several_blocks_of_P_ragged_N():
-    """fused_scan with 2 programs per head over P (24 = 16 + a partial block of 8) and N = 20 (padded to 32):
-    the carried state's block boundaries, with documents, initial states, 2 groups and a remainder chunk."""
+    """fused_scan (config fused, not the default) with 2 programs per head over P (24 = 16 + a partial block of 8)
+    and N = 20 (padded to 32): the carried state's block boundaries, with documents, initial states, 2 groups and a
+    remainder chunk. (Without fused=True this test ran the default kernels and missed that Triton 3.9 had removed
+    the block pointers fused_scan used.)"""
     interpret(
         b=2,
         L=40,
@@ -765,7 +768,7 @@ def test_fused_scan_several_blocks_of_P_ragged_N():
         seed=6,
         seq_cuts=CUTS,
         call=dict(chunk_size=16),
-        config=dict(fused_p=16, fusedb_p=16, fused_m=16, fused_k=16, fused_ks=16, fusedb_k=16),
+        config=dict(fused=True, fused_p=16, fusedb_p=16, fused_m=16, fused_k=16, fused_ks=16, fusedb_k=16),
     )
 
 
@@ -889,6 +892,12 @@ def test_sweep(chunk_size, G, variant, bc_mode):
         with_init=variant in ("seq_init", "noseq_init_z"),
         seq_cuts=CUTS if variant.startswith("seq") else None,
         call=dict(chunk_size=chunk_size, dt_softplus=variant != "exact_multiple_no_softplus"),
-        # per_head runs with the staged forward, grouped with the fused one: every path in every variant.
-        config=dict(bc_mode=bc_mode, heads_per_prog=2 if bc_mode == "grouped" else 8, fused=bc_mode == "grouped"),
+        # per_head runs with the staged states, grouped with the fused scan (the default chained states run in every
+        # other test): every path in every variant.
+        config=dict(
+            bc_mode=bc_mode,
+            heads_per_prog=2 if bc_mode == "grouped" else 8,
+            fused=bc_mode == "grouped",
+            chained=bc_mode == "grouped",
+        ),
     )
