@@ -600,7 +600,7 @@ def test_odd_heads_per_group_one_head_per_dx_program():
         seed=6,
         seq_cuts=[[9, 30]],
         call=dict(chunk_size=16),
-        config=dict(state_heads=2),
+        config=dict(state_heads=2, chained_heads=2),
     )
 
 
