@@ -22,14 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels.ssd_triton.chained_states import (
-    chain_counters,
-    load_handoff,
-    release_chain,
-    store_heads,
-    take_ticket,
-    wait_chain,
-)
+from models.kernels.ssd_triton.chained_states import chain_counters, entering_states, hand_on, take_ticket
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.chunk_scan import scan_store, scan_tile
 from models.kernels.ssd_triton.chunk_state import chunk_local_states
@@ -106,20 +99,10 @@ def chained_scan_fwd_kernel(
     tile = offs_p[:, None] * N + offs_n[None, :]
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     counter = sync_ptr + 1 + r
-    if c == 0:
-        if HAS_INIT:
-            s_in = tl.load(init_ptr + (b.to(tl.int64) * H + h) * PN + tile, mask=mask, other=0.0)
-        else:
-            s_in = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    else:
-        wait_chain(counter, c)
-        s_in, _ = load_handoff(carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h) * PN + tile, PN, mask, 1)
+    s_in, _ = entering_states(init_ptr, carry_ptr, counter, b, h, c, tile, mask, PN, H, 2, HAS_INIT, 1, BLOCK_P,
+                              BLOCK_N)  # fmt: skip
     s_out = chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ) * s_in + own
-    if c + 1 < NC:
-        store_heads(carry_ptr + ((b.to(tl.int64) * 2 + (c + 1) % 2) * H + h) * PN + tile, s_out, s_out, PN, mask, 1)
-        release_chain(counter)
-    else:
-        store_heads(final_ptr + (b.to(tl.int64) * H + h) * PN + tile, s_out, s_out, PN, mask, 1)
+    hand_on(carry_ptr, final_ptr, counter, b, h, c, tile, mask, s_out, s_out, PN, H, NC, 2, 1)
 
     # The chunk's outputs, block of rows by block of rows: S_inᵀ in the operand dtype, [N, P].
     s_inT = tl.trans(s_in.to(x_ptr.dtype.element_ty))

@@ -40,6 +40,8 @@ __all__ = [
     "release_chain",
     "store_heads",
     "load_handoff",
+    "entering_states",
+    "hand_on",
     "chain_counters",
 ]
 
@@ -95,6 +97,37 @@ def load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
 
 
 @triton.jit
+def entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT: tl.constexpr,
+                    HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The float32 [P, N] tiles of the states entering chunk c for heads h0 (and h0 + 1): the initial states (or
+    zeros) for chunk 0, else the previous chunk's hand-off from slot c % N_SLOTS once its chain counter says so."""
+    if c == 0:
+        if HAS_INIT:
+            s0 = tl.load(init_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
+            s1 = tl.load(init_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
+        else:
+            s0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            s1 = s0
+    else:
+        wait_chain(counter, c)
+        slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
+        s0, s1 = load_handoff(slot, PN, mask, HEADS)
+    return s0, s1
+
+
+@triton.jit
+def hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS: tl.constexpr):
+    """The states leaving chunk c: into slot (c + 1) % N_SLOTS for the next chunk's program (then released), or,
+    after the last chunk, the final states."""
+    if c + 1 < NC:
+        store_heads(carry_ptr + ((b.to(tl.int64) * N_SLOTS + (c + 1) % N_SLOTS) * H + h0) * PN + tile, s0, s1, PN,
+                    mask, HEADS)  # fmt: skip
+        release_chain(counter)
+    else:
+        store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
+
+
+@triton.jit
 def chained_states_fwd_kernel(
     x_ptr,
     B_ptr,
@@ -147,20 +180,10 @@ def chained_states_fwd_kernel(
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     counter = sync_ptr + 1 + r
     # The state entering chunk c, in float32.
-    if c == 0:
-        if HAS_INIT:
-            s0 = tl.load(init_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
-            s1 = tl.load(init_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
-        else:
-            s0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-            s1 = s0
-        if CARRY_IS_S32:  # S_in32[0]: no program hands it on
-            first = carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile
-            store_heads(first, s0, s1, PN, mask, HEADS)
-    else:
-        wait_chain(counter, c)
-        slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
-        s0, s1 = load_handoff(slot, PN, mask, HEADS)
+    s0, s1 = entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT, HEADS,
+                             BLOCK_P, BLOCK_N)  # fmt: skip
+    if CARRY_IS_S32 and c == 0:  # S_in32[0]: no program hands it on
+        store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
     out = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     store_heads(out, s0, s1, PN, mask, HEADS)
 
@@ -168,13 +191,7 @@ def chained_states_fwd_kernel(
     s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
     if HEADS == 2:
         s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
-    if c + 1 < NC:
-        nxt = carry_ptr + ((b.to(tl.int64) * N_SLOTS + (c + 1) % N_SLOTS) * H + h0) * PN + tile
-        store_heads(nxt, s0, s1, PN, mask, HEADS)
-        release_chain(counter)
-    else:
-        fin = final_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        store_heads(fin, s0, s1, PN, mask, HEADS)
+    hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
 
 
 @triton.jit
