@@ -125,6 +125,14 @@ TUNE_VARIANTS = {
     "chained_scan": dict(chained_scan=True),
     "chained_scan_w8": dict(chained_scan=True, chained_scan_warps=8),
     "chained_scan_s2": dict(chained_scan=True, chained_stages=2),
+    # Session 14: dCB's column sums (a reduction across warps) once per head or once per pair of heads (default).
+    "dcb_sums_per_head": dict(dcb_head_pairs=False),
+    "dcb_sums_per_pair": dict(dcb_head_pairs=True),
+    # ... and bc_finish's programs over blocks of N (dC and dB apart), and their warps.
+    "bcf_n128_w8": dict(bcf_n=128, bcf_warps=8),
+    "bcf_n64_w8": dict(bcf_n=64, bcf_warps=8),
+    "bcf_n32": dict(bcf_n=32),
+    "bcf_n128": dict(bcf_n=128),
     # Session 13: register caps, so that three programs fit per SM (with fewer stages where shared memory is short).
     "cap168": dict(dx_maxnreg=168, dc_maxnreg=168, db_maxnreg=168, chained_bwd_maxnreg=168),
     "cap168_s2": dict(
@@ -168,6 +176,7 @@ TUNE_GROUPS = {
         ),
         ("dc_", "db_", "heads_per_prog", "bc_mode", "dcb_"),
     ),
+    "bcf": (("bc_finish_kernel",), ("bcf_",)),
 }
 
 

@@ -193,6 +193,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_P=bp,
             BLOCK_N=bn,
             INNER_FIRST=cfg.inner_first,
+            PAIRS=cfg.dcb_head_pairs,
         ),
         cfg.dc_warps,
         cfg.dc_stages,
@@ -211,8 +212,8 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         "bc_finish",
         bc_finish.bc_finish_kernel,
         ptrs,
-        dict(PREC="tf32", BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_m, BLOCK_N=bn),
-        8,
+        dict(PREC="tf32", BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_m, BLOCK_N=min(bn, cfg.bcf_n)),
+        cfg.bcf_warps,
         2,
     )
     yield (

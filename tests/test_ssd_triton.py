@@ -622,10 +622,10 @@ def test_chunk_states_one_and_two_heads_per_program():
 def test_chained_states_several_tiles_per_head():
     """The chained kernels with four [P, N] tiles per head (P 32, N 32 in 16 x 16 tiles): one chain per tile, and
     dtot summed from one partial per tile; documents that cross chunk ends (so the hand-offs carry state), initial
-    and final states, five chunks."""
+    and final states, five chunks. bc_finish runs in two blocks of N here (bcf_n 16)."""
     interpret(
         b=2, L=80, H=2, P=32, G=1, N=32, seed=11, seq_cuts=[[20, 50], [70]], call=dict(chunk_size=16),
-        config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2),
+        config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2, bcf_n=16),
     )  # fmt: skip
 
 
@@ -719,8 +719,10 @@ def test_steep_decay():
 def test_dcb_grid_per_tile_and_per_row_block():
     """dCB's two grids (config dcb_tiles): one program per tile of [l, s] (the default) and one per block of rows
     walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose
-    from (a wrong column block fails: checked by mutation), documents and whole tiles."""
-    for dcb_tiles in (True, False):
+    from (a wrong column block fails: checked by mutation), documents and whole tiles; the column sums reduced per
+    pair of heads (the default: the pair's heads swapped, or the first one's sums written at the second's offset,
+    fail it) and per head (dcb_head_pairs False)."""
+    for dcb_tiles, pairs in ((True, True), (False, True), (True, False)):
         interpret(
             b=1,
             L=128,
@@ -731,7 +733,7 @@ def test_dcb_grid_per_tile_and_per_row_block():
             seed=9,
             seq_cuts=[[40, 100]],
             call=dict(chunk_size=64),
-            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles),
+            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs),
         )
 
 

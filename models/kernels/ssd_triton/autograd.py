@@ -179,6 +179,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             BLOCK_P=BP,
             BLOCK_N=BN,
             INNER_FIRST=cfg.inner_first,
+            PAIRS=cfg.dcb_head_pairs and hpp % 2 == 0,
             num_warps=cfg.dc_warps,
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
@@ -261,7 +262,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
         else:
             dB, dC = out[1], out[2]
-        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m))](
+        bcf_n = min(BN, cfg.bcf_n)
+        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m), 2 * triton.cdiv(N, bcf_n))](
             dCB_part,
             dC_part,
             dB_part,
@@ -284,8 +286,8 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             PREC=dot_precision(x),
             BLOCK_M=cfg.dc_m,
             BLOCK_K=cfg.dc_m,
-            BLOCK_N=BN,
-            num_warps=8,
+            BLOCK_N=bcf_n,
+            num_warps=cfg.bcf_warps,
             num_stages=2,
         )
     else:

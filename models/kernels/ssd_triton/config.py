@@ -93,6 +93,17 @@ class BlockConfig:
     # twice as long as the others (session 11, H100, 1.3B: dCB 0.528 ms, ~0.27 of it the state term; split into
     # programs of their own, dCB + bc_finish: 1 slice 0.517 ms, 2 slices 0.494, 4 0.514, 8 0.535, 16 0.582).
     dcb_state_split: int = 2
+    # dCB's tiles reduce the column sums of the decay terms (across warps) once per pair of heads, not per head
+    # (dcb_bwd.py; needs an even number of heads per program, else per head). Session 14 (H100, 1.3B): dCB 0.449 ->
+    # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
+    # pipeline stages, 0.478 at 2, 0.529 at 1.
+    dcb_head_pairs: bool = True
+    # bc_finish (dC, dB from the partial sums and dCB): programs for dC and for dB apart, each over bcf_n columns of N,
+    # with bcf_warps warps. Session 14 (H100, 1.3B and 370M alike, 256 row blocks): one program for both outputs and
+    # all of N, 8 warps, 0.053 ms; apart, N in blocks of 128 / 64 / 32 at 4 warps 0.043 / 0.036 / 0.033 (8 warps:
+    # 0.053 / 0.039).
+    bcf_n: int = 32
+    bcf_warps: int = 4
     # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
     # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
     # (chunk_state.py, then state_passing.py). Ignored when ``fused``. The chained kernels take state_p, state_k and

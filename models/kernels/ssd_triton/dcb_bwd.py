@@ -72,6 +72,7 @@ def chunk_scan_bwd_dcb_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
+    PAIRS: tl.constexpr,
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it only stores zeros, on or
@@ -116,6 +117,7 @@ def chunk_scan_bwd_dcb_kernel(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+            PAIRS=PAIRS,
         )
         # fmt: on
     else:
@@ -124,7 +126,7 @@ def chunk_scan_bwd_dcb_kernel(
             L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
             s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=BLOCK_N, PAIRS=PAIRS,
         )  # fmt: skip
 
 
@@ -134,7 +136,7 @@ def _dcb_rows(
     L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
     s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """The diagonal block's program: without TILE_GRID, the state term of dC and O, the tiles of its rows below the
     diagonal and the zeros above it; then (always) the diagonal tile."""
@@ -153,11 +155,12 @@ def _dcb_rows(
                 dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g,
                 hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
                 HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+                PAIRS=PAIRS,
             )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
-        HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+        HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
     )
     # fmt: on
     if not TILE_GRID:
@@ -216,14 +219,59 @@ def _dcb_state(
 
 
 @triton.jit
+def _dcb_head(
+    dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
+    s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Head h's share of a tile: dCB^h (unmasked), its row sums r of M = dCB^h CB (at offs_m), M itself, and the
+    head's offset into [B, H, NC, Q] arrays."""
+    head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
+    dy_ptrs = dy_chunk + h * s_y_h + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
+    x_ptrs = x_chunk + h * s_x_h + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
+    if EVEN:
+        a_m = tl.load(dA_ptr + head_q + offs_m)
+        a_k = tl.load(dA_ptr + head_q + offs_k)
+        dt_k = tl.load(dt_ptr + head_q + offs_k)
+        dy_m = tl.load(dy_ptrs)
+        xT = tl.load(x_ptrs)
+    else:
+        valid_k = in_k & (t0 + offs_k < L)
+        a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
+        a_k = tl.load(dA_ptr + head_q + offs_k, mask=in_k, other=0.0)
+        dt_k = tl.load(dt_ptr + head_q + offs_k, mask=in_k, other=0.0)
+        dy_m = tl.load(dy_ptrs, mask=valid_m[:, None] & (offs_p < P)[None, :], other=0.0)
+        xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
+    dyx = tl.dot(dy_m, xT, input_precision=PREC)
+    # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
+    # keeps dcb finite there; the sum over heads is masked once by the caller, not per head.
+    dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
+    M = dcb * cb
+    return dcb, M, tl.sum(M, axis=1), head_q
+
+
+@triton.jit
+def _store_sums(R_rows, R_cols, head_q, r, col, offs_m, offs_k, Q, in_k, DIAG: tl.constexpr):
+    """A head's row sums r and column sums col of M into R_part (module docstring)."""
+    if DIAG:
+        tl.store(R_cols + head_q + offs_m, r - col, mask=offs_m < Q)
+    else:
+        tl.store(R_rows + head_q + offs_m, r, mask=offs_m < Q)
+        tl.store(R_cols + head_q + offs_k, -col, mask=in_k)
+
+
+@triton.jit
 def _dcb_tile(
     dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
-    row and column sums of M into R_part (module docstring)."""
+    row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
+    memory, with a barrier): ~0.11 of dCB's 0.45 ms at the 1.3B shape (H100, docs/performance.md, session 14). With
+    PAIRS the heads still come one per iteration (so the pipeline's shared memory holds one head's tiles), but the
+    odd iterations reduce the previous head's M, kept in registers, together with their own: one reduction per
+    pair."""
     offs_k = k0 + tl.arange(0, BLOCK)
     offs_p = tl.arange(0, BLOCK_P)
     in_k = offs_k < Q
@@ -246,37 +294,32 @@ def _dcb_tile(
     R_rows = R_ptr + tl.cast(k0 // BLOCK, tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
     R_cols = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # slot m: its column sums (and the diagonal's r - c)
     dcb_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for i in range(HEADS_PER_PROG):
-        h = h0 + i
-        head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
-        dy_ptrs = dy_chunk + h * s_y_h + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
-        x_ptrs = x_chunk + h * s_x_h + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
-        if EVEN:
-            a_m = tl.load(dA_ptr + head_q + offs_m)
-            a_k = tl.load(dA_ptr + head_q + offs_k)
-            dt_k = tl.load(dt_ptr + head_q + offs_k)
-            dy_m = tl.load(dy_ptrs)
-            xT = tl.load(x_ptrs)
-        else:
-            valid_k = in_k & (t0 + offs_k < L)
-            a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
-            a_k = tl.load(dA_ptr + head_q + offs_k, mask=in_k, other=0.0)
-            dt_k = tl.load(dt_ptr + head_q + offs_k, mask=in_k, other=0.0)
-            dy_m = tl.load(dy_ptrs, mask=valid_m[:, None] & (offs_p < P)[None, :], other=0.0)
-            xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
-        dyx = tl.dot(dy_m, xT, input_precision=PREC)
-        # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
-        # keeps dcb finite there; the sum over heads is masked once below, not per head.
-        dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
-        dcb_acc += dcb
-        M = dcb * cb
-        r = tl.sum(M, axis=1)  # at positions offs_m
-        col = tl.sum(M, axis=0)  # at positions offs_k
-        if DIAG:
-            tl.store(R_cols + head_q + offs_m, r - col, mask=offs_m < Q)
-        else:
-            tl.store(R_rows + head_q + offs_m, r, mask=offs_m < Q)
-            tl.store(R_cols + head_q + offs_k, -col, mask=in_k)
+    # fmt: off
+    if PAIRS:
+        M_prev = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+        r_prev = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(HEADS_PER_PROG):
+            dcb, M, r, q = _dcb_head(
+                dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
+                valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC,
+            )
+            dcb_acc += dcb
+            if i % 2 == 1:
+                col0, col1 = tl.split(tl.sum(tl.join(M_prev, M), axis=0))
+                _store_sums(R_rows, R_cols, q - NC * Q, r_prev, col0,  # q - NC * Q: head h0 + i - 1
+                            offs_m, offs_k, Q, in_k, DIAG)
+                _store_sums(R_rows, R_cols, q, r, col1, offs_m, offs_k, Q, in_k, DIAG)
+            M_prev = M
+            r_prev = r
+    else:
+        for i in range(HEADS_PER_PROG):
+            dcb, M, r, q = _dcb_head(
+                dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
+                valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC,
+            )
+            dcb_acc += dcb
+            _store_sums(R_rows, R_cols, q, r, tl.sum(M, axis=0), offs_m, offs_k, Q, in_k, DIAG)
+    # fmt: on
     if MASKED:
         dcb_acc = tl.where(keep, dcb_acc, 0.0)
     dCB_tile = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q
