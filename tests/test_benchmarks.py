@@ -498,3 +498,22 @@ def test_kernel_resources_register_cap_reaches_ptxas():
             free = kr.compile_sm90(kernel, ptrs, consts, warps, stages, None)
             break
     assert capped["registers"] <= 168 < free["registers"], (capped, free)
+
+
+def test_bench_ssd_numerics_over_seeds_ratio_of_mean_errors(monkeypatch):
+    """bench_ssd.py --numerics_seeds: per output the ratio of the mean errors over the seeds (not the mean of the
+    per-seed ratios) and the per-seed ratios' range; one seed gives numerics() as it is."""
+    from benchmarks import bench_ssd
+
+    errors = {7: (1.0, 2.0), 8: (3.0, 2.0), 9: (2.0, 2.0)}  # seed -> (ours, mamba_ssm) error of dA
+
+    def fake(fns, shape, with_seq, with_init, seed=7):
+        o, m = errors[seed]
+        return {"ours": {"dA": o}, "mamba_ssm": {"dA": m}, "ratio_ours_over_mamba": {"dA": o / m}}
+
+    monkeypatch.setattr(bench_ssd, "numerics", fake)
+    r = bench_ssd.numerics_over_seeds(None, None, False, False, 3)
+    assert r["ours"]["dA"] == pytest.approx(2.0) and r["mamba_ssm"]["dA"] == pytest.approx(2.0)
+    assert r["ratio_ours_over_mamba"]["dA"] == pytest.approx(1.0)
+    assert r["per_seed_ratio_range"]["dA"] == pytest.approx((0.5, 1.5))
+    assert bench_ssd.numerics_over_seeds(None, None, False, False, 1) == fake(None, None, False, False)
