@@ -121,6 +121,9 @@ TUNE_VARIANTS = {
     "outer_first": dict(inner_first=False),
     "dx_state_first": dict(dx_state_first=True),
     "dx_state_first_h1": dict(dx_state_first=True, dx_heads=1),
+    # Session 14: the chained kernels' [P, N] tiles split over P instead of N (x read once in the forward).
+    "chained_p32": dict(state_p=32),
+    "chained_p32_n128": dict(state_p=32, chained_fwd_n=128),
     # Session 13: the forward's chained states and chunk scan in one kernel (chained_scan.py), 4 or 8 warps.
     "chained_scan": dict(chained_scan=True),
     "chained_scan_w8": dict(chained_scan=True, chained_scan_warps=8),
