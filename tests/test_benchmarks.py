@@ -517,3 +517,17 @@ def test_bench_ssd_numerics_over_seeds_ratio_of_mean_errors(monkeypatch):
     assert r["ratio_ours_over_mamba"]["dA"] == pytest.approx(1.0)
     assert r["per_seed_ratio_range"]["dA"] == pytest.approx((0.5, 1.5))
     assert bench_ssd.numerics_over_seeds(None, None, False, False, 1) == fake(None, None, False, False)
+
+
+def test_bench_ssd_at_chunk_replaces_the_chunk_size():
+    """bench_ssd.py --our_chunk: our entry point called with its own chunk size, everything else passed through."""
+    from benchmarks import bench_ssd
+
+    seen = {}
+
+    def fn(x, dt, A, B, C, chunk_size, **kw):
+        seen.update(chunk=chunk_size, **kw)
+        return x
+
+    assert bench_ssd.at_chunk(fn, 0) is fn
+    assert bench_ssd.at_chunk(fn, 128)(1, 2, 3, 4, 5, 256, D=6) == 1 and seen == {"chunk": 128, "D": 6}
