@@ -69,7 +69,7 @@ def run_case_in_child(**case):
     call = case.pop("call", {})
     if case.pop("split_path", False):
         with kernel_halves_from_references() if case.pop("halves", False) else contextlib.nullcontext():
-            print(json.dumps(check_split_path(**case)))
+            print(json.dumps(check_split_path(**case, kept_states=overrides.get("keep_states", False))))
         return
     # A case flag names its check (the rest of the case are the check's arguments); without one, the SSD itself.
     checks = {
@@ -389,12 +389,15 @@ def kernel_halves_from_references():
             setattr(cuda, k, f)
 
 
-def check_split_path(b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False):
+def check_split_path(
+    b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False, kept_states=False
+):
     """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj in one Function that
     recomputes the conv and the norm in its backward; conv and norm run their references on the CPU) against
     mamba_split_conv1d_scan_ref in float64, output (and final states) and all gradients. Also what its backward keeps:
     the bytes saved for backward must be those of zxbcdt and the SSD output plus [B, H, L]-sized extras, not the
-    conv output or out_proj's input (each as large as the SSD output)."""
+    conv output or out_proj's input (each as large as the SSD output); with kept_states (config keep_states) also
+    the float32 entering states [B, NC, H, P, N], which must then be there."""
     from models.kernels import ops
     from models.kernels.reference import mamba_split_conv1d_scan_ref
 
@@ -459,7 +462,9 @@ def check_split_path(b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, 
     params = sum(v.numel() for k, v in tensors.items() if k != "zxbcdt")
     # + the norm's 1 / rms per row and group when the kernel halves run (G * b * L float32)
     allowed = tensors["zxbcdt"].numel() + b * L * dim * (1 if norm else 2) + params + 4 * b * H * L + b * L + G * b * L
-    assert saved_bytes["ours"] <= allowed, (saved_bytes, allowed)
+    states = b * -(-L // chunk_size) * H * P * N if kept_states else 0
+    assert saved_bytes["ours"] <= allowed + states, (saved_bytes, allowed, states)
+    assert saved_bytes["ours"] > allowed or not kept_states, (saved_bytes, allowed, "the states are not kept")
     errors["saved_elements"] = saved_bytes["ours"]
     return errors
 
@@ -617,6 +622,25 @@ def test_chunk_states_one_and_two_heads_per_program():
                 config=dict(cfg, state_k=8),
             )  # fmt: skip
             interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=cfg)
+
+
+def test_entering_states_kept_for_the_backward():
+    """config keep_states: the forward's float32 entering states go to the backward, which recomputes only CB (its
+    consumers round S_in to the operand dtype themselves), chained and staged, with documents across chunk ends,
+    initial and final states, two groups, a remainder; the default recomputes them (every other test). Also through
+    the mixer's two backward paths (autograd inside, and the kernel halves), which carry them in their own saved
+    tensors. Handing the backward the states one chunk off fails it (checked by mutation)."""
+    for chained in (True, False):
+        interpret(
+            b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+            config=dict(keep_states=True, chained=chained),
+        )  # fmt: skip
+    kept = dict(keep_states=True)
+    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True, config=kept)
+    interpret(
+        b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True,
+        config=kept,
+    )  # fmt: skip
 
 
 def test_chained_states_several_tiles_per_head():

@@ -40,7 +40,7 @@ from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import cb_and_entering_states, ssd_forward
+from models.kernels.ssd_triton.forward import cb_and_entering_states, chunk_cb, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import staged_dstates
@@ -48,17 +48,24 @@ from models.kernels.ssd_triton.state_passing import staged_dstates
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
 
 
-def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None):
+def _ssd_bwd(
+    dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None, S_kept=None
+):
     """dy_exact: dy before its rounding to x's dtype (the kernels' operands), when it was more precise; dD is then
     summed from it (D of [H, P] sums few terms per entry, so that rounding would show). out: (dx, dB, dC) to write
-    into (any strides; the mixer's views of one buffer), else they are allocated."""
+    into (any strides; the mixer's views of one buffer), else they are allocated. S_kept: the forward's float32
+    entering states (config keep_states), else they are recomputed."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC = dt_p.shape[2]
     dev = x.device
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
-    CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
+    if S_kept is None:
+        CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
+    else:  # its consumers round S_in to the operand dtype in their kernels
+        CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
+        S_in = S_in32 = S_kept
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
     if cfg.fused:
@@ -306,23 +313,24 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
     """The forward outside autograd: (y, final_states, saved), where ``saved`` is what ssd_backward_pass needs
-    (inputs plus the float32 dt_p and within-chunk decay a, [B, H, NC, Q] each; nothing of size [B, NC, H, P, N])."""
+    (inputs plus the float32 dt_p and within-chunk decay a, [B, H, NC, Q] each; and last the float32 entering
+    states [B, NC, H, P, N] with config keep_states, else None: then nothing of that size is kept)."""
     NC = math.ceil(x.shape[1] / Q)
     dt_p, dA_cs = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit)
-    y, final = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
-    return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq)
+    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
+    return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq, S_kept)
 
 
 def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None):
     """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
     dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see _ssd_bwd)."""
-    x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq = saved
+    x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq, S_kept = saved
     # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
     dy_exact = dy if dy.dtype != x.dtype else None
     dy = dy.to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     dx, ddt_p, decay_parts, dB, dC, dD, dinit = _ssd_bwd(
-        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out
+        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept
     )
     ddt, dA, ddt_bias = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit)
     return dx, ddt, dA, ddt_bias, dB, dC, dD, dinit if init is not None else None

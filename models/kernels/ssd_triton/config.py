@@ -98,6 +98,12 @@ class BlockConfig:
     # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
     # pipeline stages, 0.478 at 2, 0.529 at 1.
     dcb_head_pairs: bool = True
+    # The forward's float32 entering states S_in kept for the backward, which then recomputes only CB instead of CB and
+    # the chained (or staged) states: the backward's chained forward took 0.17-0.18 ms per layer at the 1.3B shape
+    # (session 14), for [B, NC, H, P, N] float32 held from forward to backward (128 MiB per layer at 1.3B, 6 GiB over
+    # its 48 layers) and a forward that writes them all. Off: mamba_ssm's memory. Not timed as a whole yet. Not with
+    # ``fused`` or ``chained_scan``.
+    keep_states: bool = False
     # bc_finish (dC, dB from the partial sums and dCB): programs for dC and for dB apart, each over bcf_n columns of N,
     # with bcf_warps warps. Session 14 (H100, 1.3B and 370M alike, 256 row blocks): one program for both outputs and
     # all of N, 8 warps, 0.053 ms; apart, N in blocks of 128 / 64 / 32 at 4 warps 0.043 / 0.036 / 0.033 (8 warps:

@@ -8,7 +8,8 @@ Three paths compute the same function (config ``fused``, ``chained``):
   - fused: cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks with the state
     in registers (fused_scan.py; measured slower, config.py).
 The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
-[B, NC, H, P, N] is kept between forward and backward).
+[B, NC, H, P, N] is kept between forward and backward), or with config keep_states takes the forward's float32
+S_in and recomputes CB only.
 """
 
 from __future__ import annotations
@@ -223,20 +224,27 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     return y
 
 
+def keeps_states(cfg: BlockConfig) -> bool:
+    """Whether the forward hands the float32 entering states to the backward (config keep_states; the chained and
+    staged paths only)."""
+    return cfg.keep_states and not cfg.fused and not (cfg.chained and cfg.chained_scan)
+
+
 def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None):
-    """y [b, L, H, P] (y_dtype, default x's) and final states [b, H, P, N] (float32)."""
+    """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
+    float32 entering states S_in [b, NC, H, P, N] for the backward (else None)."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
         y, _, final = _fused_scan(
             x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, with_y=True, store_s_in=False, y_dtype=y_dtype
         )
-        return y, final
+        return y, final, None
     if cfg.chained and cfg.chained_scan:
-        return chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype)
+        return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
-    S_in, final, _ = states(x, dt_p, dA_cs, B, seq, init, cfg)
-    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final
+    S_in, final, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=keeps_states(cfg))
+    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final, S_in32
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
