@@ -361,9 +361,9 @@ def _outputs_and_grads(fn, inp, Q, dy):
     ]
 
 
-def tune(shape_names, variants=None, seq_modes=(False, True)):
+def tune(shape_names, variants=None, seq_modes=(False, True), our_chunk=0):
     """Our kernels' per-kernel device times under each tile variant; returns (record, best overrides)."""
-    fn = kernels()["ours"]
+    fn = kernels(our_chunk)["ours"]
     record, group_times = {}, defaultdict(lambda: defaultdict(float))
     for sname in shape_names:
         Q = SHAPES[sname]["Q"]
@@ -496,13 +496,15 @@ def main():
     )
     ap.add_argument("--out", default="outputs/bench_ssd.json")
     args = ap.parse_args()
+    if args.numerics_seeds < 1 or args.our_chunk < 0:
+        ap.error("--numerics_seeds must be >= 1 and --our_chunk >= 1 (or 0: the shape's chunk size)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if args.tune:
         seq_modes = {"both": (False, True), "no": (False,), "yes": (True,)}[args.tune_seq]
         record["tune"], best = tune(
-            args.tune.split(","), args.variants.split(",") if args.variants else None, seq_modes
+            args.tune.split(","), args.variants.split(",") if args.variants else None, seq_modes, args.our_chunk
         )
         _patched_config(best)  # the comparison below runs the combined best tiles
         with open(args.out, "w") as f:

@@ -295,15 +295,15 @@ def _dcb_tile(
     R_cols = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # slot m: its column sums (and the diagonal's r - c)
     dcb_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     # fmt: off
-    if PAIRS:
-        M_prev = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        r_prev = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in range(HEADS_PER_PROG):
-            dcb, M, r, q = _dcb_head(
-                dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
-                valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC,
-            )
-            dcb_acc += dcb
+    M_prev = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    r_prev = tl.zeros((BLOCK,), dtype=tl.float32)
+    for i in range(HEADS_PER_PROG):
+        dcb, M, r, q = _dcb_head(
+            dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
+            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC,
+        )
+        dcb_acc += dcb
+        if PAIRS:
             if i % 2 == 1:
                 col0, col1 = tl.split(tl.sum(tl.join(M_prev, M), axis=0))
                 _store_sums(R_rows, R_cols, q - NC * Q, r_prev, col0,  # q - NC * Q: head h0 + i - 1
@@ -311,13 +311,7 @@ def _dcb_tile(
                 _store_sums(R_rows, R_cols, q, r, col1, offs_m, offs_k, Q, in_k, DIAG)
             M_prev = M
             r_prev = r
-    else:
-        for i in range(HEADS_PER_PROG):
-            dcb, M, r, q = _dcb_head(
-                dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
-                valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC,
-            )
-            dcb_acc += dcb
+        else:
             _store_sums(R_rows, R_cols, q, r, tl.sum(M, axis=0), offs_m, offs_k, Q, in_k, DIAG)
     # fmt: on
     if MASKED:

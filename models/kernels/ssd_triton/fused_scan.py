@@ -140,7 +140,7 @@ def fused_scan_fwd_kernel(
             seq_prev, seq_last = _chunk_docs(seq_ptr, b, c, L, Q)
         if STORE_S_IN:
             S_in_base = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h) * P * N
-            _store_stateT(S_in_base, stateT.to(S_in_ptr.dtype.element_ty), P, N, pid_p, BLOCK_P, BLOCK_N)
+            _store_stateT(S_in_base, stateT, P, N, pid_p, BLOCK_P, BLOCK_N)
         if WITH_Y:
             sT = stateT.to(x_ptr.dtype.element_ty)
             CB_base = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
@@ -279,7 +279,7 @@ def fused_state_bwd_kernel(
         t0 = c * Q
         dA_base = dA_ptr + (bh * NC + c) * Q
         base = ((b.to(tl.int64) * NC + c) * H + h) * P * N
-        _store_stateT(dH_ptr + base, dstate.to(dH_ptr.dtype.element_ty), P, N, pid_p, BLOCK_P, BLOCK_N)
+        _store_stateT(dH_ptr + base, dstate, P, N, pid_p, BLOCK_P, BLOCK_N)
         s_in = _load_stateT(S_in_ptr + base, P, N, pid_p, BLOCK_P, BLOCK_N)
         s_in = s_in.to(tl.float32)
         decay_c = tl.exp(tl.load(dA_base + Q - 1))
