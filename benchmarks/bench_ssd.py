@@ -19,6 +19,7 @@ Prints the tables last and writes every number to --out (JSON).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import math
@@ -38,7 +39,7 @@ from triton.testing import do_bench
 from models.kernels.ssd_reference import ssd_chunk_scan_ref
 from models.kernels.ssd_triton import autograd as ours_autograd
 from models.kernels.ssd_triton import ssd_chunk_scan_triton
-from models.kernels.ssd_triton.config import block_config
+from models.kernels.ssd_triton.config import BlockConfig, block_config
 
 SHAPES = {
     "1.3b": dict(b=4, L=4096, H=64, P=64, N=128, G=1, Q=256),
@@ -349,6 +350,21 @@ def _patched_config(over):
     ours_autograd.block_config = lambda q, p, n: dataclasses.replace(block_config(q, p, n), **over)
 
 
+def _parse_sets(ap, sets):
+    """--set FIELD=VALUE pairs as config overrides; an unknown field or a value that is no Python literal is refused."""
+    fields = BlockConfig.__dataclass_fields__
+    over = {}
+    for item in sets:
+        name, _, value = item.partition("=")
+        if name not in fields:
+            ap.error(f"--set {item}: no config field {name!r} (fields: {', '.join(fields)})")
+        try:
+            over[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            ap.error(f"--set {item}: {value!r} is not a Python literal (e.g. True, 64, 'grouped')")
+    return over
+
+
 def _outputs_and_grads(fn, inp, Q, dy):
     leaves = {
         k: (v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
@@ -494,8 +510,16 @@ def main():
         help="shapes (e.g. 1.3b) to tune our tiles on first (TUNE_VARIANTS); "
         "the comparison then runs the best combination",
     )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="our kernels' config field for the comparison (repeatable; e.g. keep_states=True), over --tune's pick",
+    )
     ap.add_argument("--out", default="outputs/bench_ssd.json")
     args = ap.parse_args()
+    overrides = _parse_sets(ap, args.set)
     if args.numerics_seeds < 1 or args.our_chunk < 0:
         ap.error("--numerics_seeds must be >= 1 and --our_chunk >= 1 (or 0: the shape's chunk size)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -506,9 +530,11 @@ def main():
         record["tune"], best = tune(
             args.tune.split(","), args.variants.split(",") if args.variants else None, seq_modes, args.our_chunk
         )
-        _patched_config(best)  # the comparison below runs the combined best tiles
+        overrides = {**best, **overrides}  # the comparison below runs the combined best tiles
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
+    _patched_config(overrides)
+    record["config_overrides"] = overrides
     fns = kernels(args.our_chunk)
     record["triton"] = triton.__version__
     lines = []

@@ -46,6 +46,12 @@ class ModelArgs:
     initializer_range: float = doc(0.02, "Std of the embedding initialisation.")
     rescale_prenorm_residual: bool = doc(True, "Scale out_proj init by 1/sqrt(n_layers) as mamba-ssm does.")
     use_fused_path: bool = doc(True, "On CUDA without CP: mamba_split_conv1d_scan_combined (conv+SSD+norm fused).")
+    ssd_keep_states: bool = doc(
+        False,
+        "Our SSD kernels keep each chunk's entering state from the forward for the backward instead of recomputing "
+        "it: faster backward, batch * seqlen / chunk_size * nheads * headdim * d_state * 4 bytes more per Mamba layer "
+        "held (128 MiB at the 1.3B's 4 x 4096); ignored by the mamba_ssm and reference kernels.",
+    )
     # Hybrid models (Megatron's pattern letters): M Mamba-2, * attention, - MLP, E MoE, | stage boundary.
     layer_pattern: str = doc("", "Empty = n_layers Mamba-2 blocks. E.g. 'MM*-|MME-'.")
     n_heads: int = doc(8, "Attention query heads.")

@@ -531,3 +531,21 @@ def test_bench_ssd_at_chunk_replaces_the_chunk_size():
 
     assert bench_ssd.at_chunk(fn, 0) is fn
     assert bench_ssd.at_chunk(fn, 128)(1, 2, 3, 4, 5, 256, D=6) == 1 and seen == {"chunk": 128, "D": 6}
+
+
+def test_bench_ssd_set_overrides_config_fields():
+    """bench_ssd.py --set FIELD=VALUE: Python literals for real config fields; an unknown field or a value that is no
+    literal is refused by name before any GPU work."""
+    import argparse
+
+    from benchmarks import bench_ssd
+
+    ap = argparse.ArgumentParser()
+    assert bench_ssd._parse_sets(ap, ["keep_states=True", "dx_warps=8", "bc_mode='grouped'"]) == {
+        "keep_states": True,
+        "dx_warps": 8,
+        "bc_mode": "grouped",
+    }
+    for bad in ("keep_state=True", "keep_states=Tru"):
+        with pytest.raises(SystemExit):
+            bench_ssd._parse_sets(ap, [bad])

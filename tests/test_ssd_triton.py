@@ -625,9 +625,10 @@ def test_chunk_states_one_and_two_heads_per_program():
 
 
 def test_entering_states_kept_for_the_backward():
-    """config keep_states: the forward's float32 entering states go to the backward, which recomputes only CB (its
-    consumers round S_in to the operand dtype themselves), chained and staged, with documents across chunk ends,
-    initial and final states, two groups, a remainder; the default recomputes them (every other test). Also through
+    """config keep_states: the forward's entering states go to the backward, which recomputes only CB (float32 x
+    here: one slab, S_in itself; the test below takes the two parts of 16-bit x), chained and staged, with documents
+    across chunk ends, initial and final states, two groups, a remainder; the default recomputes them (every other
+    test). Also through
     the mixer's two backward paths (autograd inside, and the kernel halves), which carry them in their own saved
     tensors. Handing the backward the states one chunk off fails it (checked by mutation)."""
     for chained in (True, False):
@@ -867,6 +868,15 @@ def test_decay_gradient_through_carried_states():
     interpret(bound=1e-5, carried_decay=True)
 
 
+def test_kept_states_carry_the_decay_gradient_in_two_parts():
+    """config keep_states with float16 x: the forward keeps S_in as a high part (S_in rounded, what the chunk scan and
+    dC read) and the low part it left out; the chunk-end terms of dA need both (the case above), chained and staged.
+    Keeping only the high part fails this (dA error ~1e-4; checked by mutation), as does a whole float16 case."""
+    for chained in (True, False):
+        interpret(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained=chained))
+        interpret(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True, config=dict(keep_states=True, chained=chained))
+
+
 def test_bad_input_raises_before_compute():
     # Checked before any kernel runs, so no interpreter is needed.
     from models.kernels.ssd_triton import ssd_chunk_scan_triton
@@ -927,3 +937,49 @@ def test_sweep(chunk_size, G, variant, bc_mode):
             chained=bc_mode == "grouped",
         ),
     )
+
+
+def test_model_option_keeps_states_in_the_kernels_config(monkeypatch):
+    """model.ssd_keep_states reaches our kernels' config (config.py's keep_states) through the mixer and ops, for the
+    unfused and the fused mixer; off by default. (What keeping does is tested above under the interpreter.)"""
+    from models.args import ModelArgs
+    from models.kernels import ops
+    from models.kernels.ssd_triton import autograd
+    from models.mamba2 import mixer as mixer_module
+
+    inp = make_inputs(b=1, L=8, H=4, P=16, G=1, N=16, seed=2, with_init=False)
+    args = [inp[k] for k in ("x_BLHP", "dt_BLH", "A_H", "B_BLGN", "C_BLGN")]
+    for keep in (False, True):
+        assert autograd.prepare_inputs(*args, 16, inp["D"], None, None, None, None, keep)[-1].keep_states is keep
+    assert autograd.prepare_inputs(*args, 16, inp["D"], None, None, None, None)[-1].keep_states is False
+
+    class Seen(Exception):
+        pass
+
+    def stand_in(*a, **kw):
+        raise Seen(kw["keep_states"])
+
+    seen = []
+    for keep in (False, True):
+        margs = ModelArgs(d_model=32, n_layers=1, vocab_size=16, d_state=16, headdim=16, ssd_keep_states=keep)
+        mixer = mixer_module.Mamba2Mixer(margs, 0, 1)
+        zxbcdt = torch.randn(1, 8, mixer.in_proj.out_features)
+        with monkeypatch.context() as m:  # the mixer -> ops, unfused and fused
+            m.setattr(ops, "ssd_chunk_scan", stand_in)
+            m.setattr(ops, "mamba_split_conv1d_scan", stand_in)
+            for call in (lambda: mixer._forward(zxbcdt, None), lambda: mixer._fused_forward(zxbcdt, None, False)):
+                with pytest.raises(Seen) as e:
+                    call()
+                seen.append(e.value.args[0])
+        with monkeypatch.context() as m:  # ops -> our kernels
+            m.setattr(ops, "use_triton_ssd", lambda backend, t: True)
+            m.setattr(ops._ssd_triton, "ssd_chunk_scan_triton", stand_in)
+            m.setattr(ops, "mamba_split_conv1d_scan_triton", stand_in)
+            for call in (
+                lambda: ops.ssd_chunk_scan(*args, 16, keep_states=keep),
+                lambda: ops.mamba_split_conv1d_scan(zxbcdt, None, None, None, None, None, 16, keep_states=keep),
+            ):
+                with pytest.raises(Seen) as e:
+                    call()
+                seen.append(e.value.args[0])
+    assert seen == [False] * 4 + [True] * 4

@@ -16,6 +16,7 @@ mamba_ssm and triton are never imported when this module is imported (see cuda.p
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -100,10 +101,14 @@ def ssd_chunk_scan(
     return_final_states: bool = False,
     *,
     backend: str = "auto",
+    keep_states: bool = False,
 ):
-    """Chunked SSD scan (mamba_chunk_scan_combined). y [B, L, H, P] (, final_states [B, H, P, N] fp32)."""
+    """Chunked SSD scan (mamba_chunk_scan_combined). y [B, L, H, P] (, final_states [B, H, P, N] fp32).
+
+    keep_states (our SSD kernels only; the others ignore it): the entering states kept from the forward for the
+    backward instead of recomputed (model.ssd_keep_states)."""
     if use_triton_ssd(backend, x_BLHP):
-        fn = _ssd_triton.ssd_chunk_scan_triton
+        fn = functools.partial(_ssd_triton.ssd_chunk_scan_triton, keep_states=keep_states)
     else:
         fn = _cuda.ssd_chunk_scan_cuda if use_cuda_kernels(backend, x_BLHP) else ssd_chunk_scan_ref
     return fn(
@@ -202,12 +207,13 @@ def mamba_split_conv1d_scan(
     return_final_states: bool = False,
     *,
     backend: str = "auto",
+    keep_states: bool = False,
 ):
     """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
 
     With our SSD (backends 'auto' on CUDA, 'triton'): conv, our SSD kernels and the gated norm in one autograd
     Function that recomputes the conv and the norm in its backward, as mamba_ssm's fused mixer does
-    (split_conv1d_scan.py).
+    (split_conv1d_scan.py). keep_states: as in ssd_chunk_scan.
     """
     if use_triton_ssd(backend, zxbcdt):
         return mamba_split_conv1d_scan_triton(
@@ -230,6 +236,7 @@ def mamba_split_conv1d_scan(
             norm_before_gate=norm_before_gate,
             initial_states=initial_states,
             return_final_states=return_final_states,
+            keep_states=keep_states,
         )
     fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
     return fn(

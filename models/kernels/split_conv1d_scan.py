@@ -40,6 +40,7 @@ class _Sizes:
     norm_before_gate: bool
     dt_limit: tuple[float, float]
     other_backend: str
+    keep_states: bool = False  # the SSD's entering states kept for its backward (ssd_chunk_scan_triton)
 
     @property
     def headdim(self) -> int:
@@ -137,7 +138,7 @@ class _MixerFunction(torch.autograd.Function):
             xBC = _conv(xBC_in, conv_w, conv_b, seq, s)
         x, B, C = s.ssd_operands(xBC)
         A32, B, C, D32, init, seq, cfg = prepare_inputs(
-            x, dt, A, B, C, s.chunk_size, D, None, dt_bias, seq, initial_states
+            x, dt, A, B, C, s.chunk_size, D, None, dt_bias, seq, initial_states, s.keep_states
         )
         y_dtype = x.dtype if norm_w is not None else torch.float32  # the gate without a norm wants float32 y
         y, final, saved = ssd_forward_pass(
@@ -306,6 +307,7 @@ def mamba_split_conv1d_scan_triton(
     return_final_states=False,
     *,
     other_backend: str = "auto",
+    keep_states: bool = False,
 ):
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be [batch, seqlen, features], got {tuple(zxbcdt.shape)}")
@@ -336,6 +338,7 @@ def mamba_split_conv1d_scan_triton(
         norm_before_gate=norm_before_gate,
         dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
         other_backend=other_backend,
+        keep_states=keep_states,
     )
     with no_autocast(zxbcdt.device):
         out, final = _MixerFunction.apply(

@@ -116,6 +116,7 @@ class Mamba2Mixer(nn.Module):
             seq_idx=seq_idx,
             return_final_states=return_final_states,
             backend=self.backend,
+            keep_states=self.args.ssd_keep_states,
         )
         y_BSHP, final_BHPN = y_BSHP if return_final_states else (y_BSHP, None)
         y_BSI = y_BSHP.reshape(b, s, -1)
@@ -146,6 +147,7 @@ class Mamba2Mixer(nn.Module):
             norm_before_gate=self.args.norm_before_gate,
             return_final_states=return_final_states,
             backend=self.backend,
+            keep_states=self.args.ssd_keep_states,
         )
         return out if return_final_states else (out, None)
 

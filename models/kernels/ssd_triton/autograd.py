@@ -25,6 +25,7 @@ here is float32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -53,28 +54,30 @@ def _ssd_bwd(
 ):
     """dy_exact: dy before its rounding to x's dtype (the kernels' operands), when it was more precise; dD is then
     summed from it (D of [H, P] sums few terms per entry, so that rounding would show). out: (dx, dB, dC) to write
-    into (any strides; the mixer's views of one buffer), else they are allocated. S_kept: the forward's float32
-    entering states (config keep_states), else they are recomputed."""
+    into (any strides; the mixer's views of one buffer), else they are allocated. S_kept: the forward's entering
+    states (config keep_states; [K, B, NC, H, P, N], state_passing.kept_states_buffer), else they are recomputed."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC = dt_p.shape[2]
     dev = x.device
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
+    S_lo = None  # the low part of kept states; S_in32 then holds their high part, S_in
     if S_kept is None:
         CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
-    else:  # its consumers round S_in to the operand dtype in their kernels
+    else:
         CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
-        S_in = S_in32 = S_kept
+        S_in = S_in32 = S_kept[0]
+        S_lo = S_kept[1] if S_kept.shape[0] == 2 else None
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
     if cfg.fused:
         dH, dinit, dtot = fused_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
     elif cfg.chained:
-        dH, dinit, dtot = chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
+        dH, dinit, dtot = chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg, S_lo)
     else:
-        dH, dinit, dtot = staged_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
-    del S_in32
+        dH, dinit, dtot = staged_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg, S_lo)
+    del S_in32, S_lo
 
     # dx, ddt, dD.
     BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
@@ -82,7 +85,7 @@ def _ssd_bwd(
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
     n_k = triton.cdiv(Q, cfg.dx_k)
-    dD_part = torch.empty(H, b * NC * n_k, P, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
+    dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
@@ -105,7 +108,6 @@ def _ssd_bwd(
         G,
         P,
         N,
-        b,
         *x.stride(),
         *B.stride(),
         *dy.stride(),
@@ -129,10 +131,9 @@ def _ssd_bwd(
     dD = None
     if D is not None:
         if dy_exact is not None:
-            dD = torch.einsum("blhp,blhp->hp", dy_exact.float(), x.float())
+            dD = torch.einsum("blhp,blhp->hp" if D.dim() == 2 else "blhp,blhp->h", dy_exact.float(), x.float())
         else:
-            dD = dD_part.sum(dim=1)
-        dD = dD if D.dim() == 2 else dD.sum(dim=-1)
+            dD = dD_part.sum(dim=0)
 
     # dC (and the per-head a_l gradient), then dB; summed over head blocks.
     R = H // G
@@ -313,8 +314,8 @@ def _ssd_bwd(
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
     """The forward outside autograd: (y, final_states, saved), where ``saved`` is what ssd_backward_pass needs
-    (inputs plus the float32 dt_p and within-chunk decay a, [B, H, NC, Q] each; and last the float32 entering
-    states [B, NC, H, P, N] with config keep_states, else None: then nothing of that size is kept)."""
+    (inputs plus the float32 dt_p and within-chunk decay a, [B, H, NC, Q] each; and last the entering states
+    [K, B, NC, H, P, N] with config keep_states, else None: then nothing of that size is kept)."""
     NC = math.ceil(x.shape[1] / Q)
     dt_p, dA_cs = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit)
     y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
@@ -359,9 +360,12 @@ def check_seq_idx_shape(seq_idx, b: int, L: int) -> None:
         )
 
 
-def prepare_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states):
+def prepare_inputs(
+    x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states, keep_states=False
+):
     """Checks the inputs (before any kernel runs) and brings them to the kernels' dtypes and layouts:
-    (A, B, C, D, init, seq, cfg) with A / D / init in float32, B / C in x's dtype, seq int32."""
+    (A, B, C, D, init, seq, cfg) with A / D / init in float32, B / C in x's dtype, seq int32; cfg is the shape's
+    block_config, with keep_states switched on when asked (config.py: speed for memory)."""
     _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, None, initial_states)
     b, L, H, P = x_BLHP.shape
     if seq_idx is not None:
@@ -371,6 +375,7 @@ def prepare_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bia
             # (every layer of every step), so there, as in mamba_ssm, it is the caller's contract.
             _check_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states)
     dtype = x_BLHP.dtype
+    cfg = block_config(chunk_size, P, B_BLGN.shape[-1])
     return (
         A_H.float(),
         B_BLGN.to(dtype),
@@ -378,7 +383,7 @@ def prepare_inputs(x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bia
         None if D is None else D.float().contiguous(),
         None if initial_states is None else initial_states.float().contiguous(),
         None if seq_idx is None else seq_idx.to(torch.int32).contiguous(),
-        block_config(chunk_size, P, B_BLGN.shape[-1]),
+        dataclasses.replace(cfg, keep_states=True) if keep_states and not cfg.keep_states else cfg,
     )
 
 
@@ -397,6 +402,8 @@ def ssd_chunk_scan_triton(
     seq_idx: torch.Tensor | None = None,
     initial_states: torch.Tensor | None = None,
     return_final_states: bool = False,
+    *,
+    keep_states: bool = False,
 ):
     """Our Triton chunked SSD: ssd_chunk_scan_ref's signature, semantics and output dtypes.
 
@@ -404,10 +411,12 @@ def ssd_chunk_scan_triton(
     (their gradients come back in their own). Any chunk size >= 1 and any length work; CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1 (the CPU tests). seq_idx must be non-decreasing along each
     row (checked on the CPU only: on CUDA the check would synchronise the device on every call).
+    keep_states: the forward's entering states kept for the backward instead of recomputed there (faster, and
+    [B, L / chunk_size, H, P, N] x 4 bytes more held from forward to backward; config.py's keep_states).
     """
     with no_autocast(x_BLHP.device):
         A, B, C, D, init, seq, cfg = prepare_inputs(
-            x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states
+            x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states, keep_states
         )
         dtype = x_BLHP.dtype
         y, final = _SSDChunked.apply(

@@ -30,7 +30,7 @@ import triton.language as tl
 from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy
-from models.kernels.ssd_triton.state_passing import chunk_decay
+from models.kernels.ssd_triton.state_passing import chunk_decay, entering_state32, kept_states_buffer
 
 __all__ = [
     "chained_states",
@@ -138,6 +138,7 @@ def chained_states_fwd_kernel(
     sync_ptr,
     carry_ptr,
     S_in_ptr,
+    S_lo_ptr,
     final_ptr,
     L,
     Q,
@@ -159,6 +160,7 @@ def chained_states_fwd_kernel(
     HAS_SEQ: tl.constexpr,
     HAS_INIT: tl.constexpr,
     CARRY_IS_S32: tl.constexpr,
+    STORE_LO: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
     HEADS: tl.constexpr,
@@ -184,8 +186,12 @@ def chained_states_fwd_kernel(
                              BLOCK_P, BLOCK_N)  # fmt: skip
     if CARRY_IS_S32 and c == 0:  # S_in32[0]: no program hands it on
         store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
-    out = S_in_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    store_heads(out, s0, s1, PN, mask, HEADS)
+    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+    store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
+    if STORE_LO:  # what S_in's rounding left out (state_passing.py: the kept states' low part)
+        hi_dtype: tl.constexpr = S_in_ptr.dtype.element_ty
+        lo0 = s0 - s0.to(hi_dtype).to(tl.float32)
+        store_heads(S_lo_ptr + at_c, lo0, s1 - s1.to(hi_dtype).to(tl.float32), PN, mask, HEADS)
 
     # The state leaving chunk c: handed on, or the final state.
     s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
@@ -201,6 +207,7 @@ def chained_dstates_bwd_kernel(
     dA_ptr,
     seq_ptr,
     S32_ptr,
+    S_lo_ptr,
     dfinal_ptr,
     sync_ptr,
     carry_ptr,
@@ -225,6 +232,7 @@ def chained_dstates_bwd_kernel(
     s_c_n,
     HAS_SEQ: tl.constexpr,
     HAS_DFINAL: tl.constexpr,
+    SPLIT: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
     HEADS: tl.constexpr,
@@ -263,11 +271,12 @@ def chained_dstates_bwd_kernel(
     # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
     dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
     decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * tl.load(S32_ptr + at_c, mask=mask, other=0.0), axis=1), axis=0))
+    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
+    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
     d0 = own0 + decay0 * d0
     if HEADS == 2:
         decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-        s1 = tl.load(S32_ptr + at_c + PN, mask=mask, other=0.0)
+        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
         tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
         d1 = own1 + decay1 * d1
     if c > 0:
@@ -303,16 +312,18 @@ def chain_counters(n_chains: int, device) -> torch.Tensor:
     return torch.zeros(1 + n_chains, device=device, dtype=torch.int32)
 
 
-def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False):
+def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False):
     """_staged_states' contract in one kernel: S_in (x's dtype), final (float32) and, with keep_s32, S_in in
-    float32 (else None)."""
+    float32, with keep_split the kept states (state_passing.kept_states_buffer: S_in is its first slab), else None."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
     _, per_row, meta = _chains(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n)
     n_chains = b * per_row
-    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype)
+    kept = kept_states_buffer(x, NC, H, P, N) if keep_split else None
+    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if kept is None else kept[0]
+    store_lo = kept is not None and kept.shape[0] == 2
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     n_slots = NC if keep_s32 else 2
     carry = torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
@@ -326,6 +337,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         chain_counters(n_chains, dev),
         carry,
         S_in,
+        kept[1] if store_lo else dummy(dev),
         final,
         L,
         Q,
@@ -341,14 +353,15 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_SEQ=seq is not None,
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
+        STORE_LO=store_lo,
         **meta,
     )
-    return S_in, final, carry if keep_s32 else None
+    return S_in, final, carry if keep_s32 else kept
 
 
-def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
-    """_staged_state_bwd's contract in one kernel: dH (dy's dtype), dinit (float32), dtot partial sums
-    [n_tiles, b, H, NC]."""
+def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig, S_lo=None):
+    """staged_dstates' contract in one kernel: dH (dy's dtype), dinit (float32), dtot partial sums
+    [n_tiles, b, H, NC]. S_lo: the low part of kept states (S_in32 then their high part), else None."""
     b, L, H, P = dy.shape
     G, N = C.shape[2:]
     NC, Q = dA_cs.shape[2:]
@@ -365,6 +378,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
         dA_cs,
         seq if seq is not None else dummy(dev),
         S_in32,
+        S_lo if S_lo is not None else dummy(dev),
         dfinal if dfinal is not None else dummy(dev),
         chain_counters(n_chains, dev),
         carry,
@@ -383,6 +397,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig):
         *C.stride(),
         HAS_SEQ=seq is not None,
         HAS_DFINAL=dfinal is not None,
+        SPLIT=S_lo is not None,
         maxnreg=cfg.chained_bwd_maxnreg,
         **meta,
     )

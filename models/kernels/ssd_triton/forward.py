@@ -8,8 +8,8 @@ Three paths compute the same function (config ``fused``, ``chained``):
   - fused: cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks with the state
     in registers (fused_scan.py; measured slower, config.py).
 The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
-[B, NC, H, P, N] is kept between forward and backward), or with config keep_states takes the forward's float32
-S_in and recomputes CB only.
+[B, NC, H, P, N] is kept between forward and backward), or with config keep_states takes the forward's S_in (high
+and low parts, state_passing.py) and recomputes CB only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
-from models.kernels.ssd_triton.state_passing import state_passing_fwd_kernel
+from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_passing_fwd_kernel
 
 
 def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool = False):
@@ -115,9 +115,10 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
     return y, S_in, final
 
 
-def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False):
+def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False):
     """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each; with keep_s32 also S_in in
-    float32 (state_passing.py says why the backward wants it), else None."""
+    float32 (state_passing.py says why the backward wants it), with keep_split the kept states (kept_states_buffer:
+    S_in is its first slab), else None."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -153,7 +154,9 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
     )
-    S_in = torch.empty_like(states, dtype=x.dtype)
+    kept = kept_states_buffer(x, NC, H, P, N) if keep_split else None
+    S_in = torch.empty_like(states, dtype=x.dtype) if kept is None else kept[0]
+    store_lo = kept is not None and kept.shape[0] == 2
     S_in32 = torch.empty_like(states) if keep_s32 else None
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     PN = P * N
@@ -163,7 +166,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         seq_arg,
         init if init is not None else dummy(dev),
         S_in,
-        S_in32 if keep_s32 else dummy(dev),
+        S_in32 if keep_s32 else kept[1] if store_lo else dummy(dev),
         final,
         L,
         Q,
@@ -173,10 +176,11 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_SEQ=has_seq,
         HAS_INIT=init is not None,
         KEEP_S32=keep_s32,
+        STORE_LO=store_lo,
         BLOCK=cfg.pass_block,
         num_warps=4,
     )
-    return S_in, final, S_in32
+    return S_in, final, S_in32 if keep_s32 else kept
 
 
 def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None) -> torch.Tensor:
@@ -232,7 +236,7 @@ def keeps_states(cfg: BlockConfig) -> bool:
 
 def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None):
     """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
-    float32 entering states S_in [b, NC, H, P, N] for the backward (else None)."""
+    entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None)."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
@@ -243,8 +247,8 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
     if cfg.chained and cfg.chained_scan:
         return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
-    S_in, final, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=keeps_states(cfg))
-    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final, S_in32
+    S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg))
+    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final, kept
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):

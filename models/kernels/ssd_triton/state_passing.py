@@ -17,6 +17,12 @@ bf16-rounded states gave dA 30x mamba_ssm's error wherever the carried state wei
 gradient; docs/performance.md, session 8). The backward's recompute therefore also keeps S_in in float32
 (KEEP_S32) in a buffer of its own. (Written over the chunk states it had just read instead, the forward and
 recompute calls together took 0.460 ms at 1.3B against 0.172 with a separate float32 output: measured, session 8.)
+
+Kept states (config keep_states): the forward hands S_in to the backward instead of the backward recomputing it,
+as two slabs in x's dtype (kept_states_buffer): the high part S_in itself (what the chunk scan and dC read) and the
+low part, S_in32 - high (exact in float32, rounded once). high + low carries about 16 of float32's 24 bits for
+dtot (entering_state32), at the bytes of one float32 copy; a float32 copy alone made dC's state term read twice the
+bytes (session 15, H100, 1.3B: dCB 0.435 -> 0.489 ms). With float32 x, one slab: S_in is exact.
 """
 
 import torch
@@ -41,6 +47,22 @@ def chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ: tl.constexpr):
     return decay
 
 
+def kept_states_buffer(x, NC: int, H: int, P: int, N: int) -> torch.Tensor:
+    """The forward's kept entering states, [K, B, NC, H, P, N] in x's dtype: K = 2 (high, low part) for 16-bit x,
+    K = 1 (S_in itself) for float32 x."""
+    K = 1 if x.dtype == torch.float32 else 2
+    return torch.empty(K, x.shape[0], NC, H, P, N, device=x.device, dtype=x.dtype)
+
+
+@triton.jit
+def entering_state32(S32_ptr, S_lo_ptr, offs, mask, SPLIT: tl.constexpr):
+    """S_in in float32 at offs: from S_in32, or (SPLIT) as kept high + low parts."""
+    s = tl.load(S32_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SPLIT:
+        s += tl.load(S_lo_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return s
+
+
 @triton.jit
 def state_passing_fwd_kernel(
     states_ptr,
@@ -58,6 +80,7 @@ def state_passing_fwd_kernel(
     HAS_SEQ: tl.constexpr,
     HAS_INIT: tl.constexpr,
     KEEP_S32: tl.constexpr,
+    STORE_LO: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -72,9 +95,12 @@ def state_passing_fwd_kernel(
         state = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(NC):
         base = ((b.to(tl.int64) * NC + c) * H + h) * PN
-        tl.store(S_in_ptr + base + offs, state.to(S_in_ptr.dtype.element_ty), mask=mask)
+        hi = state.to(S_in_ptr.dtype.element_ty)
+        tl.store(S_in_ptr + base + offs, hi, mask=mask)
         if KEEP_S32:
             tl.store(S32_ptr + base + offs, state, mask=mask)
+        if STORE_LO:  # S32_ptr: the kept states' low part
+            tl.store(S32_ptr + base + offs, (state - hi.to(tl.float32)).to(S32_ptr.dtype.element_ty), mask=mask)
         new = tl.load(states_ptr + base + offs, mask=mask, other=0.0)
         decay = chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         state = decay * state + new
@@ -85,6 +111,7 @@ def state_passing_fwd_kernel(
 def state_passing_bwd_kernel(
     dS_in_ptr,
     S_in_ptr,
+    S_lo_ptr,
     dA_ptr,
     seq_ptr,
     dfinal_ptr,
@@ -99,6 +126,7 @@ def state_passing_bwd_kernel(
     BATCH,
     HAS_SEQ: tl.constexpr,
     HAS_DFINAL: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -117,15 +145,17 @@ def state_passing_bwd_kernel(
         c = NC - 1 - i
         base = ((b.to(tl.int64) * NC + c) * H + h) * PN
         tl.store(dH_ptr + base + offs, dstate.to(dH_ptr.dtype.element_ty), mask=mask)
-        s_in = tl.load(S_in_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
+        s_in = entering_state32(S_in_ptr, S_lo_ptr, base + offs, mask, SPLIT)
         decay = chunk_decay(dA_ptr, seq_ptr, b, h, c, L, Q, NC, H, HAS_SEQ)
         tl.store(dtot_base + c, decay * tl.sum(dstate * s_in, axis=0))
         dstate = tl.load(dS_in_ptr + base + offs, mask=mask, other=0.0) + decay * dstate
     tl.store(dinit_ptr + (b.to(tl.int64) * H + h) * PN + offs, dstate, mask=mask)
 
 
-def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
-    """dS_in (y's state term) in one kernel, then the reverse recurrence in another."""
+def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig, S_lo=None):
+    """dS_in (y's state term) in one kernel, then the reverse recurrence in another: dH (dy's dtype), dinit
+    (float32), dtot partial sums [n_blocks, b, H, NC]. S_in: float32, or the high part of kept states whose low
+    part is S_lo."""
     b, L, H, P = dy.shape
     G, N = C.shape[2:]
     NC, Q = dA_cs.shape[2:]
@@ -170,6 +200,7 @@ def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     state_passing_bwd_kernel[(b * H, n_blocks)](
         dS_in,
         S_in,
+        S_lo if S_lo is not None else dummy(dev),
         dA_cs,
         seq_arg,
         dfinal if dfinal is not None else dummy(dev),
@@ -184,6 +215,7 @@ def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
         b,
         HAS_SEQ=has_seq,
         HAS_DFINAL=dfinal is not None,
+        SPLIT=S_lo is not None,
         BLOCK=cfg.pass_block,
         num_warps=4,
     )
