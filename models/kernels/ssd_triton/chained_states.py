@@ -184,14 +184,6 @@ def chained_states_fwd_kernel(
     # The state entering chunk c, in float32.
     s0, s1 = entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT, HEADS,
                              BLOCK_P, BLOCK_N)  # fmt: skip
-    # The state leaving chunk c first: handed on (the next chunk's program waits for it; S_in's stores below are
-    # off the chain's critical path), or the final state.
-    n0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
-    n1 = n0
-    if HEADS == 2:
-        n1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
-    hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, n0, n1, PN, H, NC, N_SLOTS, HEADS)
-
     if CARRY_IS_S32 and c == 0:  # S_in32[0]: no program hands it on
         store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
@@ -200,6 +192,12 @@ def chained_states_fwd_kernel(
         hi_dtype: tl.constexpr = S_in_ptr.dtype.element_ty
         lo0 = s0 - s0.to(hi_dtype).to(tl.float32)
         store_heads(S_lo_ptr + at_c, lo0, s1 - s1.to(hi_dtype).to(tl.float32), PN, mask, HEADS)
+
+    # The state leaving chunk c: handed on, or the final state.
+    s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+    if HEADS == 2:
+        s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
+    hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
 
 
 @triton.jit
@@ -267,30 +265,27 @@ def chained_dstates_bwd_kernel(
         wait_chain(counter, NC - 1 - c)
         slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
         d0, d1 = load_handoff(slot, PN, mask, HEADS)
-    # dH_{c-1} first: handed on (the previous chunk's program waits for it), or dinit; then dH_c's store and the
-    # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), off the chain's critical path.
+    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+    store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
+
+    # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
+    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
     decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-    n0 = own0 + decay0 * d0
-    n1 = n0
+    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
+    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
+    d0 = own0 + decay0 * d0
     if HEADS == 2:
         decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-        n1 = own1 + decay1 * d1
+        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
+        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
+        d1 = own1 + decay1 * d1
     if c > 0:
         prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
-        store_heads(prv, n0, n1, PN, mask, HEADS)
+        store_heads(prv, d0, d1, PN, mask, HEADS)
         release_chain(counter)
     else:
         fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        store_heads(fin, n0, n1, PN, mask, HEADS)
-
-    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
-    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
-    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
-    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
-    if HEADS == 2:
-        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
-        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
+        store_heads(fin, d0, d1, PN, mask, HEADS)
 
 
 def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
