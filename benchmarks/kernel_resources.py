@@ -110,7 +110,14 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         "chained_states_fwd",
         chained_states.chained_states_fwd_kernel,
         dict(ptrs, sync_ptr="*i32"),
-        dict(**chain, HAS_INIT=False, CARRY_IS_S32=False, STORE_LO=cfg.keep_states, BLOCK_N=min(cfg.chained_fwd_n, N)),
+        dict(
+            **chain,
+            HAS_INIT=False,
+            CARRY_IS_S32=False,
+            STORE_LO=cfg.keep_states,
+            CARRY_IS_KEPT=cfg.keep_states,
+            BLOCK_N=min(cfg.chained_fwd_n, N),
+        ),
         cfg.state_warps,
         cfg.chained_stages,
     )

@@ -161,6 +161,7 @@ def chained_states_fwd_kernel(
     HAS_INIT: tl.constexpr,
     CARRY_IS_S32: tl.constexpr,
     STORE_LO: tl.constexpr,
+    CARRY_IS_KEPT: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
     HEADS: tl.constexpr,
@@ -181,6 +182,10 @@ def chained_states_fwd_kernel(
     tile = offs_p[:, None] * N + offs_n[None, :]
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     counter = sync_ptr + 1 + r
+    if CARRY_IS_KEPT:
+        _kept_chain_step(init_ptr, S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c,
+                         tile, mask, L, Q, NC, H, PN, HAS_INIT, HAS_SEQ, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
+        return
     # The state entering chunk c, in float32.
     s0, s1 = entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT, HEADS,
                              BLOCK_P, BLOCK_N)  # fmt: skip
@@ -198,6 +203,66 @@ def chained_states_fwd_kernel(
     if HEADS == 2:
         s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
     hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
+
+
+@triton.jit
+def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c, tile, mask,
+                     L, Q, NC, H, PN, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The forward's chain step when it keeps the entering states for the backward (CARRY_IS_KEPT, 16-bit x): the
+    hand-off is the kept high + low parts of S_in[c + 1] themselves (state_passing.py), written once, instead of
+    a float32 ring and the kept parts besides. The state entering chunk c is then what the backward's dtot will
+    read (hi + lo, ~16 bits; the chunk states' own rounding to the operand dtype, ~8 bits, dominates the final
+    states' error). The final states are the float32 sum."""
+    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+    if c == 0:
+        if HAS_INIT:
+            s0 = tl.load(init_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
+            s1 = tl.load(init_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
+        else:
+            s0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+            s1 = s0
+        s0, s1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, s0, s1, PN, mask, HEADS)
+    else:
+        wait_chain(counter, c)
+        s0 = _load_kept(hi_ptr + at_c, lo_ptr + at_c, mask)
+        s1 = s0
+        if HEADS == 2:
+            s1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
+    s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+    if HEADS == 2:
+        s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
+    if c + 1 < NC:
+        _store_kept(hi_ptr + at_c + H * PN, lo_ptr + at_c + H * PN, s0, s1, PN, mask, HEADS)
+        release_chain(counter)
+    else:
+        store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
+
+
+@triton.jit
+def _load_kept(hi_ptrs, lo_ptrs, mask):
+    """high + low parts of a kept state tile, in float32, read past L1 (another program wrote them)."""
+    hi = tl.load(hi_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return hi + tl.load(lo_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+
+
+@triton.jit
+def _store_kept(hi_ptrs, lo_ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
+    """Float32 tiles as high + low parts (hi_ptrs' dtype); returns the tiles as stored (hi + lo in float32)."""
+    hi_dtype: tl.constexpr = hi_ptrs.dtype.element_ty
+    h0 = t0.to(hi_dtype)
+    l0 = (t0 - h0.to(tl.float32)).to(hi_dtype)
+    store_heads(hi_ptrs, h0, h0, PN, mask, 1)
+    store_heads(lo_ptrs, l0, l0, PN, mask, 1)
+    r0 = h0.to(tl.float32) + l0.to(tl.float32)
+    r1 = r0
+    if HEADS == 2:
+        h1 = t1.to(hi_dtype)
+        l1 = (t1 - h1.to(tl.float32)).to(hi_dtype)
+        store_heads(hi_ptrs + PN, h1, h1, PN, mask, 1)
+        store_heads(lo_ptrs + PN, l1, l1, PN, mask, 1)
+        r1 = h1.to(tl.float32) + l1.to(tl.float32)
+    return r0, r1
 
 
 @triton.jit
@@ -326,7 +391,8 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     store_lo = kept is not None and kept.shape[0] == 2
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     n_slots = NC if keep_s32 else 2
-    carry = torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
+    # With the kept high / low parts the chain hands states on through them (_kept_chain_step): no float32 carry.
+    carry = dummy(dev) if store_lo else torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
     chained_states_fwd_kernel[(NC * n_chains,)](
         x,
         B,
@@ -354,6 +420,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
         STORE_LO=store_lo,
+        CARRY_IS_KEPT=store_lo,
         **meta,
     )
     return S_in, final, carry if keep_s32 else kept
