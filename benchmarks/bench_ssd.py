@@ -127,6 +127,8 @@ TUNE_VARIANTS = {
     "chained_p32_n128": dict(state_p=32, chained_fwd_n=128),
     # ... and the forward's float32 entering states kept for the backward (no recompute; more memory).
     "keep_states": dict(keep_states=True),
+    # Session 15: the backward's chain hands dH on as high + low parts (more registers: N tiles of 64 spill none).
+    "chained_bwd_n64_keep": dict(chained_bwd_n=64, keep_states=True),
     # Session 13: the forward's chained states and chunk scan in one kernel (chained_scan.py), 4 or 8 warps.
     "chained_scan": dict(chained_scan=True),
     "chained_scan_w8": dict(chained_scan=True, chained_scan_warps=8),

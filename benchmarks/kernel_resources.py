@@ -125,7 +125,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         "chained_dstates_bwd",
         chained_states.chained_dstates_bwd_kernel,
         dict(ptrs, sync_ptr="*i32"),
-        dict(**chain, HAS_DFINAL=False, SPLIT=cfg.keep_states, BLOCK_N=min(cfg.chained_bwd_n, N)),
+        dict(**chain, HAS_DFINAL=False, SPLIT=cfg.keep_states, CARRY_IS_DH=True, BLOCK_N=min(cfg.chained_bwd_n, N)),
         cfg.state_warps,
         cfg.chained_stages,
     )
