@@ -109,7 +109,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     yield (
         "chained_states_fwd",
         chained_states.chained_states_fwd_kernel,
-        dict(ptrs, sync_ptr="*i32"),
+        dict(ptrs, sync_ptr="*i32", S_lo_ptr=BF16),  # (keep_states: S_in's high and low parts in x's dtype)
         dict(
             **chain,
             HAS_INIT=False,
@@ -124,7 +124,8 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     yield (
         "chained_dstates_bwd",
         chained_states.chained_dstates_bwd_kernel,
-        dict(ptrs, sync_ptr="*i32"),
+        # bf16 dy: the chain's hand-off is dH's low part (carry); keep_states: S_in as high and low parts
+        dict(ptrs, sync_ptr="*i32", carry_ptr=BF16, S_lo_ptr=BF16, **(dict(S32_ptr=BF16) if cfg.keep_states else {})),
         dict(**chain, HAS_DFINAL=False, SPLIT=cfg.keep_states, CARRY_IS_DH=True, BLOCK_N=min(cfg.chained_bwd_n, N)),
         cfg.state_warps,
         cfg.chained_stages,

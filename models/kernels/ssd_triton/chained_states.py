@@ -185,24 +185,24 @@ def chained_states_fwd_kernel(
     if CARRY_IS_KEPT:
         _kept_chain_step(init_ptr, S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c,
                          tile, mask, L, Q, NC, H, PN, HAS_INIT, HAS_SEQ, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
-        return
-    # The state entering chunk c, in float32.
-    s0, s1 = entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT, HEADS,
-                             BLOCK_P, BLOCK_N)  # fmt: skip
-    if CARRY_IS_S32 and c == 0:  # S_in32[0]: no program hands it on
-        store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
-    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
-    if STORE_LO:  # what S_in's rounding left out (state_passing.py: the kept states' low part)
-        hi_dtype: tl.constexpr = S_in_ptr.dtype.element_ty
-        lo0 = s0 - s0.to(hi_dtype).to(tl.float32)
-        store_heads(S_lo_ptr + at_c, lo0, s1 - s1.to(hi_dtype).to(tl.float32), PN, mask, HEADS)
+    else:
+        # The state entering chunk c, in float32.
+        s0, s1 = entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT, HEADS,
+                                 BLOCK_P, BLOCK_N)  # fmt: skip
+        if CARRY_IS_S32 and c == 0:  # S_in32[0]: no program hands it on
+            store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
+        at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+        store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
+        if STORE_LO:  # what S_in's rounding left out (state_passing.py: the kept states' low part)
+            hi_dtype: tl.constexpr = S_in_ptr.dtype.element_ty
+            lo0 = s0 - s0.to(hi_dtype).to(tl.float32)
+            store_heads(S_lo_ptr + at_c, lo0, s1 - s1.to(hi_dtype).to(tl.float32), PN, mask, HEADS)
 
-    # The state leaving chunk c: handed on, or the final state.
-    s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
-    if HEADS == 2:
-        s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
-    hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
+        # The state leaving chunk c: handed on, or the final state.
+        s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+        if HEADS == 2:
+            s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
+        hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
 
 
 @triton.jit
@@ -323,40 +323,42 @@ def chained_dstates_bwd_kernel(
         _dh_chain_step(dfinal_ptr, dH_ptr, carry_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, counter,
                        own0, own1, b, h0, c, pid_p, pid_n, tile, mask, L, Q, NC, H, N, PN, BATCH, HAS_DFINAL, HAS_SEQ,
                        SPLIT, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
-        return
-    # dH_c, the gradient of the state leaving chunk c, in float32.
-    if c == NC - 1:
-        if HAS_DFINAL:
-            d0 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
-            d1 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
+    else:  # (not a return above: Triton would compile what follows it too, with carry_ptr 16-bit there)
+        # dH_c, the gradient of the state leaving chunk c, in float32.
+        if c == NC - 1:
+            if HAS_DFINAL:
+                d0 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
+                d1 = tl.load(
+                    dfinal_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0
+                )
+            else:
+                d0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+                d1 = d0
         else:
-            d0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-            d1 = d0
-    else:
-        wait_chain(counter, NC - 1 - c)
-        slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
-        d0, d1 = load_handoff(slot, PN, mask, HEADS)
-    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
+            wait_chain(counter, NC - 1 - c)
+            slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
+            d0, d1 = load_handoff(slot, PN, mask, HEADS)
+        at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+        store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
 
-    # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
-    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
-    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
-    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
-    d0 = own0 + decay0 * d0
-    if HEADS == 2:
-        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
-        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
-        d1 = own1 + decay1 * d1
-    if c > 0:
-        prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
-        store_heads(prv, d0, d1, PN, mask, HEADS)
-        release_chain(counter)
-    else:
-        fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-        store_heads(fin, d0, d1, PN, mask, HEADS)
+        # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
+        dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
+        decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
+        s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
+        tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
+        d0 = own0 + decay0 * d0
+        if HEADS == 2:
+            decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
+            s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
+            tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
+            d1 = own1 + decay1 * d1
+        if c > 0:
+            prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
+            store_heads(prv, d0, d1, PN, mask, HEADS)
+            release_chain(counter)
+        else:
+            fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
+            store_heads(fin, d0, d1, PN, mask, HEADS)
 
 
 @triton.jit
