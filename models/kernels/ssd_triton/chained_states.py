@@ -9,10 +9,15 @@ the program of the chunk before, adds its own and hands the result on:
     forward   S_in[c] = H_{c-1} (H_{-1}: the initial state)      H_c = decay_c S_in[c] + states[c]
     backward  dH_c (dH_{NC-1}: dfinal)                          dH_{c-1} = dS_in[c] + decay_c dH_c
               dtot_c = decay_c <dH_c, S_in[c]>                   dinit = dH_{-1}
-(state_passing.py defines decay_c, dtot and why S_in must be float32 for dtot). Only the chain's float32 hand-off
-travels between programs: in a ring of two slots per tile (the forward, and the backward's dH), or in S_in32 itself
-(CARRY_IS_S32: the backward's recompute, which keeps S_in32 anyway). The chunk-own states and dS_in never reach
-memory.
+(state_passing.py defines decay_c, dtot and why S_in must be float32 for dtot). Only the chain's hand-off travels
+between programs: in a float32 ring of two slots per tile (the forward; the backward with float32 dy), in S_in32
+itself (CARRY_IS_S32: the backward's recompute, which keeps S_in32 anyway), or as high + low parts in the 16-bit
+output the chain writes anyway: the kept S_in (CARRY_IS_KEPT, config keep_states) and the backward's dH
+(CARRY_IS_DH), which then carry ~16 bits from chunk to chunk, far below the roundings of the chunk states' and dx's
+operands (bench_ssd.py's numerics are unchanged: docs/performance.md, session 15). Written once instead of beside a
+float32 ring, 4 instead of 8 (forward) or 6 (backward) bytes per state element: session 15 (H100, 1.3B) forward
+0.221 -> 0.164 ms, backward 0.206 -> 0.196 with keep_states (0.204 -> 0.203 without). The chunk-own states and dS_in
+never reach memory.
 
 Ordering. Programs do not start in grid order on the GPU, so each takes a ticket (an atomic counter) and works on
 the tile its ticket names, chunk-major: every program a ticket waits for holds a smaller ticket, so it is running

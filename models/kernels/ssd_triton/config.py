@@ -98,11 +98,12 @@ class BlockConfig:
     # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
     # pipeline stages, 0.478 at 2, 0.529 at 1.
     dcb_head_pairs: bool = True
-    # The forward's float32 entering states S_in kept for the backward, which then recomputes only CB instead of CB and
-    # the chained (or staged) states: the backward's chained forward took 0.17-0.18 ms per layer at the 1.3B shape
-    # (session 14), for [B, NC, H, P, N] float32 held from forward to backward (128 MiB per layer at 1.3B, 6 GiB over
-    # its 48 layers) and a forward that writes them all. Off: mamba_ssm's memory. Not timed as a whole yet. Not with
-    # ``fused`` or ``chained_scan``.
+    # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
+    # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
+    # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per
+    # layer at 1.3B, 6 GiB over its 48 layers. Session 15 (H100, bench_ssd.py): 1.3B 1.842 -> 1.630 ms, 370M 1.008 ->
+    # 0.899 (the model: ModelArgs.ssd_keep_states; end to end 1.3B 41.1k -> 42.4k tokens/s at 54.1 -> 60.1 GiB).
+    # Off: mamba_ssm's memory. Not with ``fused`` or ``chained_scan``.
     keep_states: bool = False
     # bc_finish (dC, dB from the partial sums and dCB): programs for dC and for dB apart, each over bcf_n columns of N,
     # with bcf_warps warps. Session 14 (H100, 1.3B and 370M alike, 256 row blocks): one program for both outputs and
