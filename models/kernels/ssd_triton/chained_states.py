@@ -102,17 +102,26 @@ def load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
 
 
 @triton.jit
+def _head_tiles(ptr, b, h0, tile, mask, PN, H, PRESENT: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """The float32 [P, N] tiles of heads h0 (and h0 + 1; else the first twice) from a [B, H, P, N] tensor (the
+    initial states, dfinal), or zeros when it is not PRESENT."""
+    if PRESENT:
+        t0 = tl.load(ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
+        t1 = tl.load(ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
+    else:
+        t0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        t1 = t0
+    return t0, t1
+
+
+@triton.jit
 def entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT: tl.constexpr,
                     HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The float32 [P, N] tiles of the states entering chunk c for heads h0 (and h0 + 1): the initial states (or
     zeros) for chunk 0, else the previous chunk's hand-off from slot c % N_SLOTS once its chain counter says so."""
     if c == 0:
-        if HAS_INIT:
-            s0 = tl.load(init_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
-            s1 = tl.load(init_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
-        else:
-            s0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-            s1 = s0
+        s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
     else:
         wait_chain(counter, c)
         slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
@@ -221,12 +230,7 @@ def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, count
     states' error). The final states are the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     if c == 0:
-        if HAS_INIT:
-            s0 = tl.load(init_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
-            s1 = tl.load(init_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
-        else:
-            s0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-            s1 = s0
+        s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
         s0, s1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, s0, s1, PN, mask, HEADS)
     else:
         wait_chain(counter, c)
@@ -331,14 +335,7 @@ def chained_dstates_bwd_kernel(
     else:  # (not a return above: Triton would compile what follows it too, with carry_ptr 16-bit there)
         # dH_c, the gradient of the state leaving chunk c, in float32.
         if c == NC - 1:
-            if HAS_DFINAL:
-                d0 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
-                d1 = tl.load(
-                    dfinal_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0
-                )
-            else:
-                d0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-                d1 = d0
+            d0, d1 = _head_tiles(dfinal_ptr, b, h0, tile, mask, PN, H, HAS_DFINAL, HEADS, BLOCK_P, BLOCK_N)
         else:
             wait_chain(counter, NC - 1 - c)
             slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
@@ -346,17 +343,10 @@ def chained_dstates_bwd_kernel(
         at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
         store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
 
-        # dtot partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), then dH_{c-1} handed on (or dinit).
-        dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
-        decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-        s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
-        tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
-        d0 = own0 + decay0 * d0
-        if HEADS == 2:
-            decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-            s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
-            tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
-            d1 = own1 + decay1 * d1
+        # dtot's partial sums, then dH_{c-1} handed on (or dinit).
+        d0, d1 = _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c,
+                                pid_p, pid_n, at_c, mask, L, Q, NC, H, N, PN, BATCH, HAS_SEQ, SPLIT, HEADS,
+                                BLOCK_N)  # fmt: skip
         if c > 0:
             prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
             store_heads(prv, d0, d1, PN, mask, HEADS)
@@ -364,6 +354,25 @@ def chained_dstates_bwd_kernel(
         else:
             fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
             store_heads(fin, d0, d1, PN, mask, HEADS)
+
+
+@triton.jit
+def _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c, pid_p, pid_n, at_c, mask,
+                   L, Q, NC, H, N, PN, BATCH, HAS_SEQ: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """Given dH_c (d0, d1): dtot's partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), stored, and
+    dH_{c-1} = own + decay_c dH_c returned."""
+    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
+    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
+    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
+    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
+    d0 = own0 + decay0 * d0
+    if HEADS == 2:
+        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
+        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
+        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
+        d1 = own1 + decay1 * d1
+    return d0, d1
 
 
 @triton.jit
@@ -377,12 +386,7 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
     that is below the other roundings); dinit is the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     if c == NC - 1:
-        if HAS_DFINAL:
-            d0 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0) * PN + tile, mask=mask, other=0.0)
-            d1 = tl.load(dfinal_ptr + (b.to(tl.int64) * H + h0 + 1) * PN + tile, mask=mask & (HEADS == 2), other=0.0)
-        else:
-            d0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-            d1 = d0
+        d0, d1 = _head_tiles(dfinal_ptr, b, h0, tile, mask, PN, H, HAS_DFINAL, HEADS, BLOCK_P, BLOCK_N)
         d0, d1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, d0, d1, PN, mask, HEADS)
     else:
         wait_chain(counter, NC - 1 - c)
@@ -390,17 +394,8 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
         d1 = d0
         if HEADS == 2:
             d1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
-
-    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
-    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
-    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
-    d0 = own0 + decay0 * d0
-    if HEADS == 2:
-        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
-        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
-        d1 = own1 + decay1 * d1
+    d0, d1 = _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c, pid_p, pid_n,
+                            at_c, mask, L, Q, NC, H, N, PN, BATCH, HAS_SEQ, SPLIT, HEADS, BLOCK_N)  # fmt: skip
     if c > 0:
         _store_kept(hi_ptr + at_c - H * PN, lo_ptr + at_c - H * PN, d0, d1, PN, mask, HEADS)
         release_chain(counter)
