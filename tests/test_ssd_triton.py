@@ -79,6 +79,7 @@ def run_case_in_child(**case):
         "fp16_gate": check_fp16_gate_dD,
         "carried_decay": check_decay_through_initial_states,
         "fp16_decay": check_fp16_decay_gradient,
+        "kept_vs_recomputed": check_kept_matches_recomputed,
     }
     for flag, check in checks.items():
         if case.pop(flag, False):
@@ -562,6 +563,25 @@ def check_fp16_decay_gradient(L, chunk_size, bound):
     return {"dA": err}
 
 
+def check_kept_matches_recomputed(L, chunk_size):
+    """float16 with documents, initial and final states: keep_states (the states kept as high + low parts, the
+    chains handing them on) against the default path's recompute, every gradient. They differ only by the chains'
+    ~16-bit hand-offs (~1e-7 here); the backward handed the wrong chunk's kept states gives ~1 (by mutation)."""
+    import functools
+
+    from models.kernels.ssd_triton import autograd
+
+    inp, seq_idx, gy = fp16_model_inputs(2, L, 4, 16, 32, seq=True, seed=3, init=True)
+    gf = torch.randn(2, 4, 16, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    grads = {}
+    for keep in (False, True):
+        fn = functools.partial(autograd.ssd_chunk_scan_triton, keep_states=keep)
+        grads[keep] = gradients(fn, inp, seq_idx, gy, chunk_size, torch.float16, gf=gf)
+    diffs = {k: ((grads[True][k] - v).norm() / v.norm()).item() for k, v in grads[False].items()}
+    assert all(d < 1e-5 for d in diffs.values()), diffs
+    return diffs
+
+
 def check_decay_through_initial_states(bound):
     """float16, the state carried across chunks dominating dA: large initial states, small x, slow decay, and only
     a final-state cotangent. dA is then the chunk-end terms exp(a_last) * sum(dS * S_in), sums over P * N products
@@ -873,10 +893,12 @@ def test_decay_gradient_through_carried_states():
 def test_kept_states_carry_the_decay_gradient_in_two_parts():
     """config keep_states with float16 x: the forward keeps S_in as a high part (S_in rounded, what the chunk scan and
     dC read) and the low part it left out; the chunk-end terms of dA need both (the case above), chained and staged.
-    Keeping only the high part fails this (dA error ~1e-4; checked by mutation), as does a whole float16 case."""
+    Keeping only the high part fails this (dA error ~1e-4; checked by mutation); and the kept path against the
+    recomputing one, every gradient (check_kept_matches_recomputed)."""
     for chained in (True, False):
         interpret(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained=chained))
         interpret(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True, config=dict(keep_states=True, chained=chained))
+        interpret(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, chained=chained))
 
 
 def test_bad_input_raises_before_compute():

@@ -8,6 +8,7 @@ between the two kernel sets, so a small slack; the bench reports the exact ratio
 tolerances apply: mamba_ssm's dots run in tf32 there, ours in full fp32.
 """
 
+import functools
 import math
 
 import pytest
@@ -115,6 +116,24 @@ def test_ssd_triton_matches_reference(dtype, ngroups, chunk_size, variant):
     assert not bad, f"{dtype}: {bad} over tolerance; all: {errs}{theirs_note}"
 
 
+@pytest.mark.parametrize("chunk_size", [64, 256])
+@pytest.mark.parametrize("variant", ["seq_init_final", "seq_init_final_whole", "noseq_Dhdim_z"])
+def test_kept_states_match_recomputed(chunk_size, variant):
+    """keep_states (model.ssd_keep_states: the entering states kept from forward to backward as bf16 high + low
+    parts, the chains handing states on through them): in bf16 every output and gradient as close to the float64
+    reference as the default path's (which recomputes the states), documents, initial and final states, mask-free
+    whole tiles, D of [H, P] and z."""
+    gen = torch.Generator().manual_seed(chunk_size + 7)
+    b, L, H, P, N = 2, (768 if variant.endswith("_whole") else 600), 8, 64, 128
+    tensors = make(torch.bfloat16, b, L, H, P, N, 1, variant.removesuffix("_whole"), gen)
+    kept = run_all(functools.partial(ssd_chunk_scan_triton, keep_states=True), tensors, chunk_size)
+    default = run_all(ssd_chunk_scan_triton, tensors, chunk_size)
+    ref = run_all(ssd_chunk_scan_ref, tensors, chunk_size, dtype_override=torch.float64)
+    errs = {k: (rel_err(kept[k], ref[k]), rel_err(default[k], ref[k])) for k in ref}
+    worse = {k: e for k, e in errs.items() if not e[0] <= 1.05 * e[1] + 1e-5}
+    assert not worse, f"kept states' error over the default path's (kept, default): {worse}; all: {errs}"
+
+
 def split_path_inputs(seed, b, L, P, G, dtype, with_init=False, H=8, N=64, d_model=256):
     """The fused mixer's tensors (zxbcdt, conv, dt, A, D, norm, out_proj; initial states last when asked), on the GPU,
     and the draw function r(*shape, dt=dtype, scale=1.0) for more from the same generator."""
@@ -153,10 +172,11 @@ def test_split_conv1d_scan_triton_backend_matches_reference():
         out.double().pow(2).sum().backward()
         return {"out": out, **{"d" + n: t.grad for n, t in leaves.items()}}
 
-    ours = go(ops.mamba_split_conv1d_scan, backend="triton")
     ref = go(mamba_split_conv1d_scan_ref, dtype=torch.float64)
-    errs = {k: rel_err(ours[k], ref[k]) for k in ref}
-    assert all(e < 6e-2 for e in errs.values()), errs
+    for keep in (False, True):  # keep: model.ssd_keep_states
+        ours = go(ops.mamba_split_conv1d_scan, backend="triton", keep_states=keep)
+        errs = {k: rel_err(ours[k], ref[k]) for k in ref}
+        assert all(e < 6e-2 for e in errs.values()), (keep, errs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
