@@ -114,7 +114,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             **chain,
             HAS_INIT=False,
             CARRY_IS_S32=False,
-            STORE_LO=cfg.keep_states,
             CARRY_IS_KEPT=cfg.keep_states,
             BLOCK_N=min(cfg.chained_fwd_n, N),
         ),

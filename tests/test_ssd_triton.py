@@ -899,6 +899,8 @@ def test_kept_states_carry_the_decay_gradient_in_two_parts():
         interpret(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained=chained))
         interpret(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True, config=dict(keep_states=True, chained=chained))
         interpret(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, chained=chained))
+    # Two heads per chained program: both heads' high / low parts, forward and backward.
+    interpret(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2))
 
 
 def test_bad_input_raises_before_compute():

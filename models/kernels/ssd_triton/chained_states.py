@@ -174,7 +174,6 @@ def chained_states_fwd_kernel(
     HAS_SEQ: tl.constexpr,
     HAS_INIT: tl.constexpr,
     CARRY_IS_S32: tl.constexpr,
-    STORE_LO: tl.constexpr,
     CARRY_IS_KEPT: tl.constexpr,
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
@@ -207,10 +206,6 @@ def chained_states_fwd_kernel(
             store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
         at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
         store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
-        if STORE_LO:  # what S_in's rounding left out (state_passing.py: the kept states' low part)
-            hi_dtype: tl.constexpr = S_in_ptr.dtype.element_ty
-            lo0 = s0 - s0.to(hi_dtype).to(tl.float32)
-            store_heads(S_lo_ptr + at_c, lo0, s1 - s1.to(hi_dtype).to(tl.float32), PN, mask, HEADS)
 
         # The state leaving chunk c: handed on, or the final state.
         s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
@@ -259,19 +254,11 @@ def _load_kept(hi_ptrs, lo_ptrs, mask):
 def _store_kept(hi_ptrs, lo_ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
     """Float32 tiles as high + low parts (hi_ptrs' dtype); returns the tiles as stored (hi + lo in float32)."""
     hi_dtype: tl.constexpr = hi_ptrs.dtype.element_ty
-    h0 = t0.to(hi_dtype)
-    l0 = (t0 - h0.to(tl.float32)).to(hi_dtype)
-    store_heads(hi_ptrs, h0, h0, PN, mask, 1)
-    store_heads(lo_ptrs, l0, l0, PN, mask, 1)
-    r0 = h0.to(tl.float32) + l0.to(tl.float32)
-    r1 = r0
-    if HEADS == 2:
-        h1 = t1.to(hi_dtype)
-        l1 = (t1 - h1.to(tl.float32)).to(hi_dtype)
-        store_heads(hi_ptrs + PN, h1, h1, PN, mask, 1)
-        store_heads(lo_ptrs + PN, l1, l1, PN, mask, 1)
-        r1 = h1.to(tl.float32) + l1.to(tl.float32)
-    return r0, r1
+    h0, h1 = t0.to(hi_dtype), t1.to(hi_dtype)
+    l0, l1 = (t0 - h0.to(tl.float32)).to(hi_dtype), (t1 - h1.to(tl.float32)).to(hi_dtype)
+    store_heads(hi_ptrs, h0, h1, PN, mask, HEADS)
+    store_heads(lo_ptrs, l0, l1, PN, mask, HEADS)
+    return h0.to(tl.float32) + l0.to(tl.float32), h1.to(tl.float32) + l1.to(tl.float32)
 
 
 @triton.jit
@@ -438,7 +425,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     n_chains = b * per_row
     kept = kept_states_buffer(x, NC, H, P, N) if keep_split else None
     S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if kept is None else kept[0]
-    store_lo = kept is not None and kept.shape[0] == 2
+    store_lo = kept is not None and kept.shape[0] == 2  # 16-bit x: the chain carries the kept parts
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     n_slots = NC if keep_s32 else 2
     # With the kept high / low parts the chain hands states on through them (_kept_chain_step): no float32 carry.
@@ -469,7 +456,6 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_SEQ=seq is not None,
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
-        STORE_LO=store_lo,
         CARRY_IS_KEPT=store_lo,
         **meta,
     )

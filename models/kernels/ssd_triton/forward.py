@@ -229,8 +229,8 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
 
 
 def keeps_states(cfg: BlockConfig) -> bool:
-    """Whether the forward hands the float32 entering states to the backward (config keep_states; the chained and
-    staged paths only)."""
+    """Whether the forward hands the entering states to the backward (config keep_states; the chained and staged
+    paths only)."""
     return cfg.keep_states and not cfg.fused and not (cfg.chained and cfg.chained_scan)
 
 
