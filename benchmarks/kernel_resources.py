@@ -208,9 +208,16 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     yield (
         "chunk_state_bwd_db",
         bc_bwd.chunk_state_bwd_db_kernel,
-        ptrs,
+        dict(ptrs, dB_ptr=BF16),  # (one head block per group: it finishes dB, in B's dtype)
         dict(
-            **seq, INTRA=False, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=bp, BLOCK_N=bn, INNER_FIRST=cfg.inner_first
+            **seq,
+            INTRA=False,
+            DCB_FINISH=cfg.heads_per_prog >= 64,
+            BLOCK_K=cfg.db_k,
+            BLOCK_M=cfg.db_m,
+            BLOCK_P=bp,
+            BLOCK_N=bn,
+            INNER_FIRST=cfg.inner_first,
         ),
         cfg.db_warps,
         cfg.db_stages,

@@ -79,7 +79,7 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
     captured = {}
     original_dt = autograd.dt_backward
 
-    def spy(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest):  # noqa: E741
+    def spy(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest, **kw):  # noqa: E741
         # O and R's slots arrive apart ("grouped": R as row minus column sums, reverse-cumsummed like O).
         assert add_parts is None, "decay_parts expects bc_mode 'grouped'"
         NC, Q = ddt_p.shape[2:]
@@ -91,7 +91,7 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
             dtot=dtot.double().sum(0)[..., None].expand_as(q).clone(),
         )
         captured["dt_p"] = dt_p.double()
-        return original_dt(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest)
+        return original_dt(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest, **kw)
 
     autograd.dt_backward = spy
     ours = {}

@@ -128,12 +128,16 @@ def _ssd_bwd(
         maxnreg=cfg.dx_maxnreg,
         num_stages=cfg.dx_stages,
     )
-    dD = None
+    # dD: from dy_exact here, or from the dx kernel's partial sums: D of [H, P] summed here, of [H] by dt_bwd_kernel
+    # (dD_parts, [blocks, H]: one reduction kernel fewer).
+    dD = dD_parts = None
     if D is not None:
         if dy_exact is not None:
             dD = torch.einsum("blhp,blhp->hp" if D.dim() == 2 else "blhp,blhp->h", dy_exact.float(), x.float())
-        else:
+        elif D.dim() == 2:
             dD = dD_part.sum(dim=0)
+        else:
+            dD_parts = dD_part
 
     # dC (and the per-head a_l gradient), then dB; summed over head blocks.
     R = H // G
@@ -229,7 +233,14 @@ def _ssd_bwd(
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
         )
-    dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    if grouped and out is None:
+        dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
+        dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
+    elif grouped:
+        dB, dC = out[1], out[2]
+    # With one head block per group (the 1.3B and 370M shapes), the dB kernel adds dCBᵀ C and writes dB itself.
+    db_finish = grouped and n_hb == 1
+    dB_part = dB if db_finish else torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
@@ -239,6 +250,7 @@ def _ssd_bwd(
         dH,
         seq_arg,
         dB_part,
+        dCB_part if db_finish else dummy(dev),
         L,
         Q,
         NC,
@@ -251,8 +263,10 @@ def _ssd_bwd(
         *x.stride(),
         *C.stride(),
         *dy.stride(),
+        *(dB.stride() if db_finish else (0, 0, 0, 0)),
         HAS_SEQ=has_seq,
         INTRA=not grouped,
+        DCB_FINISH=db_finish,
         BLOCK_K=cfg.db_k,
         BLOCK_M=cfg.db_m,
         BLOCK_P=BP,
@@ -264,14 +278,11 @@ def _ssd_bwd(
         num_stages=cfg.db_stages,
     )
     if grouped:
-        # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
-        if out is None:
-            dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
-            dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
-        else:
-            dB, dC = out[1], out[2]
+        # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py;
+        # dB's programs only without db_finish).
         bcf_n = min(BN, cfg.bcf_n)
-        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m), 2 * triton.cdiv(N, bcf_n))](
+        bcf_grid = (b * NC * G, triton.cdiv(Q, cfg.dc_m), (1 if db_finish else 2) * triton.cdiv(N, bcf_n))
+        bc_finish_kernel[bcf_grid](
             dCB_part,
             dC_part,
             dB_part,
@@ -309,7 +320,7 @@ def _ssd_bwd(
     # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
     # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
     rev_parts, add_parts = (R_part, None) if grouped else (None, R_part)
-    return dx, ddt, (O, rev_parts, add_parts, q, dtot), dB, dC, dD, dinit
+    return dx, ddt, (O, rev_parts, add_parts, q, dtot), dB, dC, (dD, dD_parts), dinit
 
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
@@ -330,10 +341,12 @@ def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None):
     dy_exact = dy if dy.dtype != x.dtype else None
     dy = dy.to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
-    dx, ddt_p, decay_parts, dB, dC, dD, dinit = _ssd_bwd(
+    dx, ddt_p, decay_parts, dB, dC, (dD, dD_parts), dinit = _ssd_bwd(
         dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept
     )
-    ddt, dA, ddt_bias = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit)
+    ddt, dA, ddt_bias, dD_summed = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit, dD_parts)
+    if dD_parts is not None:
+        dD = dD_summed
     return dx, ddt, dA, ddt_bias, dB, dC, dD, dinit if init is not None else None
 
 

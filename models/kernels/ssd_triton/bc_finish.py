@@ -1,4 +1,5 @@
-"""The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel.
+"""The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel
+(dB's only when dCB has several head blocks per group; with one, the dB kernel does its half: bc_bwd.py).
 
 For positions r of chunk c and group g (dCB summed over its head blocks, zero above the diagonal: dcb_bwd.py):
     dC_r = sum_i dC_state[i, r] + sum_{s <= r} dCB_rs B_s        (i: head blocks, and slices of their heads)
@@ -56,6 +57,8 @@ def bc_finish_kernel(
     pid_m = tl.program_id(1)
     # Axis 2: dC's programs, then dB's, each over blocks of N: at the 1.3B and 370M shapes one program per chunk and
     # block of rows doing both outputs for all of N was 256 programs of serial products (0.052 ms at either shape).
+    # With one head block per group the dB kernel finishes dB itself (bc_bwd.py, DCB_FINISH): the launcher then
+    # gives axis 2 dC's programs only.
     n_nb = tl.cdiv(N, BLOCK_N)
     pid_w = tl.program_id(2)
     do_dC = pid_w < n_nb

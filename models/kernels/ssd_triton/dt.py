@@ -9,7 +9,10 @@ Backward, from the chunked SSD's gradients (autograd.py): the gradient of dA_cs'
 chunk_scan_bwd.py say which; both may come as a kernel's partial sums in slots, added here), then
 d(dt_p) = ddt + g A, dA_h = sum g dt_p, and back through the clamp (no gradient where it clamps, as torch.clamp)
 and softplus (sigmoid(u)) to d(dt) in dt's dtype and d(dt_bias). dA and
-d(dt_bias) come out as partial sums per (batch, chunk) program, [b * NC, H] each, summed on the host.
+d(dt_bias) come out as partial sums per (batch, chunk) program, [b * NC, H] each, which the last program of each
+block of heads to finish sums (an atomic counter per block says which is last; before, two PyTorch reductions with
+dD's took 0.013 ms per layer, H100, docs/performance.md session 16). The programs of chunk 0 also sum dD's partial
+sums over the dx kernel's blocks (D of [H]; that kernel ran before this one).
 """
 
 import torch
@@ -92,6 +95,11 @@ def dt_bwd_kernel(
     ddt_ptr,
     dA_part_ptr,
     dbias_part_ptr,
+    dD_part_ptr,
+    done_ptr,
+    dA_ptr,
+    dbias_ptr,
+    dD_ptr,
     L,
     Q,
     NC,
@@ -100,6 +108,7 @@ def dt_bwd_kernel(
     n_dtot,
     n_rev_parts,
     n_add_parts,
+    n_dD_parts,
     s_dt_b,
     s_dt_l,
     s_dt_h,
@@ -109,9 +118,11 @@ def dt_bwd_kernel(
     lo,
     hi,
     HAS_BIAS: tl.constexpr,
+    HAS_DD: tl.constexpr,
     SOFTPLUS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid_bc = tl.program_id(0)
     c = pid_bc % NC
@@ -119,6 +130,9 @@ def dt_bwd_kernel(
     offs_q = tl.arange(0, BLOCK_Q)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
+    if HAS_DD:
+        if pid_bc == 0:  # dD [H]: the dx kernel's partial sums, [n_dD_parts, H]
+            tl.store(dD_ptr + offs_h, _sum_rows(dD_part_ptr, n_dD_parts, H, offs_h, mask_h, BLOCK_R), mask=mask_h)
     t = c * Q + offs_q
     in_q = (offs_q < Q)[:, None] & mask_h[None, :]
     valid = in_q & (t < L)[:, None]
@@ -156,6 +170,25 @@ def dt_bwd_kernel(
     tl.store(dA_part_ptr + part, tl.sum(tl.where(valid, g * dt_p, 0.0), axis=0), mask=mask_h)
     if HAS_BIAS:
         tl.store(dbias_part_ptr + part, tl.sum(d_u, axis=0), mask=mask_h)
+    # The last program of this block of heads sums every program's partials: all threads' stores first, then one
+    # increment (acq_rel: the last one sees the others' stores, read past L1).
+    tl.debug_barrier()
+    n_parts = tl.num_programs(0)
+    if tl.atomic_add(done_ptr + tl.program_id(1), 1, sem="acq_rel") == n_parts - 1:
+        tl.store(dA_ptr + offs_h, _sum_rows(dA_part_ptr, n_parts, H, offs_h, mask_h, BLOCK_R), mask=mask_h)
+        if HAS_BIAS:
+            tl.store(dbias_ptr + offs_h, _sum_rows(dbias_part_ptr, n_parts, H, offs_h, mask_h, BLOCK_R), mask=mask_h)
+
+
+@triton.jit
+def _sum_rows(ptr, n_rows, H, offs_h, mask_h, BLOCK_R: tl.constexpr):
+    """sum_i ptr[i, offs_h] over the n_rows rows of a [n_rows, H] float32 array, read past L1."""
+    acc = tl.zeros((BLOCK_R, offs_h.shape[0]), dtype=tl.float32)
+    for r0 in range(0, n_rows, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        at = rows.to(tl.int64)[:, None] * H + offs_h[None, :]
+        acc += tl.load(ptr + at, mask=(rows < n_rows)[:, None] & mask_h[None, :], other=0.0, cache_modifier=".cg")
+    return tl.sum(acc, axis=0)
 
 
 def _tiles(Q: int, H: int) -> tuple[int, int]:
@@ -191,16 +224,31 @@ def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tup
 
 
 def dt_backward(
-    dt_BLH, dt_bias, A_H, ddt_p, rev, rev_parts, add_parts, q, dtot, softplus: bool, limit: tuple[float, float]
+    dt_BLH,
+    dt_bias,
+    A_H,
+    ddt_p,
+    rev,
+    rev_parts,
+    add_parts,
+    q,
+    dtot,
+    softplus: bool,
+    limit: tuple[float, float],
+    dD_parts=None,
 ):
-    """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None) from the chunked SSD's ddt_p and
-    the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and add_parts, partial
-    sums [n, b, H, NC, Q] or None, summed in the kernel."""
+    """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
+    SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
+    add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; dD_parts: D's partial sums [n, H] (float32)
+    to sum, or None."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
-    ddt = torch.empty(b, L, H, device=dt_BLH.device, dtype=dt_BLH.dtype)
-    parts = torch.empty(2, b * NC, H, device=dt_BLH.device, dtype=torch.float32)  # dA, d dt_bias
+    dev = dt_BLH.device
+    ddt = torch.empty(b, L, H, device=dev, dtype=dt_BLH.dtype)
+    parts = torch.empty(2, b * NC, H, device=dev, dtype=torch.float32)  # dA, d dt_bias per program
+    sums = torch.empty(3, H, device=dev, dtype=torch.float32)  # dA, d dt_bias, dD
     block_q, block_h = _tiles(Q, H)
+    done = torch.zeros(triton.cdiv(H, block_h), device=dev, dtype=torch.int32)  # finished programs per head block
     dt_bwd_kernel[(b * NC, triton.cdiv(H, block_h))](
         dt_BLH,
         dt_bias if dt_bias is not None else ddt_p,
@@ -214,6 +262,11 @@ def dt_backward(
         ddt,
         parts[0],
         parts[1],
+        parts if dD_parts is None else dD_parts,
+        done,
+        sums[0],
+        sums[1],
+        sums[2],
         L,
         Q,
         NC,
@@ -222,14 +275,16 @@ def dt_backward(
         dtot.shape[0],
         0 if rev_parts is None else rev_parts.shape[0],
         0 if add_parts is None else add_parts.shape[0],
+        0 if dD_parts is None else dD_parts.shape[0],
         *dt_BLH.stride(),
         *ddt.stride(),
         float(limit[0]),
         float(limit[1]),
         HAS_BIAS=dt_bias is not None,
+        HAS_DD=dD_parts is not None,
         SOFTPLUS=softplus,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
+        BLOCK_R=32,
     )
-    sums = parts.sum(1) if dt_bias is not None else parts[:1].sum(1)
-    return ddt, sums[0], (sums[1] if dt_bias is not None else None)
+    return ddt, sums[0], (sums[1] if dt_bias is not None else None), (sums[2] if dD_parts is not None else None)
