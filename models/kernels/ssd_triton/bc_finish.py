@@ -1,5 +1,6 @@
 """The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel
-(dB's only when dCB has several head blocks per group; with one, the dB kernel does its half: bc_bwd.py).
+(or one of them: with one head block per group, dCB's kernel may finish dC and the dB kernel dB, config
+dcb_finishes_dc and db_finishes_db).
 
 For positions r of chunk c and group g (dCB summed over its head blocks, zero above the diagonal: dcb_bwd.py):
     dC_r = sum_i dC_state[i, r] + sum_{s <= r} dCB_rs B_s        (i: head blocks, and slices of their heads)
@@ -52,16 +53,19 @@ def bc_finish_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DO_DC: tl.constexpr = True,  # False: dCB's kernel finished dC (config dcb_finishes_dc)
+    DO_DB: tl.constexpr = True,  # False: the dB kernel finished dB (config db_finishes_db)
 ):
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
     # Axis 2: dC's programs, then dB's, each over blocks of N: at the 1.3B and 370M shapes one program per chunk and
     # block of rows doing both outputs for all of N was 256 programs of serial products (0.052 ms at either shape).
-    # With one head block per group the dB kernel finishes dB itself (bc_bwd.py, DCB_FINISH): the launcher then
-    # gives axis 2 dC's programs only.
     n_nb = tl.cdiv(N, BLOCK_N)
     pid_w = tl.program_id(2)
-    do_dC = pid_w < n_nb
+    if DO_DC and DO_DB:
+        do_dC = pid_w < n_nb
+    else:
+        do_dC = DO_DC
     g = pid_bcg % G
     c = (pid_bcg // G) % NC
     b = pid_bcg // (G * NC)
