@@ -67,6 +67,17 @@ def run_case_in_child(**case):
         default = autograd.block_config
         autograd.block_config = lambda q, p, n: dataclasses.replace(default(q, p, n), **overrides)
     call = case.pop("call", {})
+    if case.pop("poison_empty", False):
+        # Every float buffer from torch.empty / empty_like starts as NaN: a kernel that reads what no kernel wrote
+        # (CB's unstored tiles, chunk_cb.py) then fails the comparison.
+        for name in ("empty", "empty_like"):
+            original = getattr(torch, name)
+
+            def poisoned(*args, _original=original, **kwargs):
+                t = _original(*args, **kwargs)
+                return t.fill_(float("nan")) if t.is_floating_point() else t
+
+            setattr(torch, name, poisoned)
     if case.pop("split_path", False):
         with kernel_halves_from_references() if case.pop("halves", False) else contextlib.nullcontext():
             print(json.dumps(check_split_path(**case, kept_states=overrides.get("keep_states", False))))
@@ -138,6 +149,7 @@ def serve():
     from models.kernels.ssd_triton import autograd
 
     default_config = autograd.block_config
+    allocators = {name: getattr(torch, name) for name in ("empty", "empty_like")}  # poison_empty replaces them
     for line in sys.stdin:
         buf = io.StringIO()
         try:
@@ -148,6 +160,8 @@ def serve():
             ok, out = False, buf.getvalue() + traceback.format_exc()
         finally:
             autograd.block_config = default_config  # cases may override the tile shapes
+            for name, allocator in allocators.items():
+                setattr(torch, name, allocator)
         sys.stdout.write(json.dumps({"ok": ok, "out": out}) + "\n")
         sys.stdout.flush()
 
@@ -780,6 +794,27 @@ def test_dcb_grid_per_tile_and_per_row_block():
             call=dict(chunk_size=64),
             config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs),
         )
+
+
+def test_no_kernel_reads_unwritten_memory():
+    """Every float buffer allocated empty starts as NaN (poison_empty): CB's tiles past its consumers' diagonal
+    blocks are not stored (chunk_cb.py), so a consumer reading one, or any kernel reading what no kernel wrote,
+    fails. Default tiles, small tiles (four row blocks per chunk), dCB's row grid, kept states, and the staged and
+    per-head paths (a CB read block one step too small fails it: checked by mutation)."""
+    configs = (
+        {},
+        SMALL_TILES,
+        dict(SMALL_TILES, dcb_tiles=False, keep_states=True),
+        dict(SMALL_TILES, scan_m=32, dx_k=32, dc_m=32),
+        dict(bc_mode="per_head", heads_per_prog=2, chained=False),
+        dict(SMALL_TILES, fused=True, fused_m=16, fused_k=16, fused_ks=16, fusedb_k=16),
+        dict(SMALL_TILES, chained_scan=True),
+    )
+    for config in configs:
+        interpret(
+            b=1, L=128, H=4, P=16, G=1, N=16, seed=3, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
+            config=config, poison_empty=True,
+        )  # fmt: skip
 
 
 def test_dc_and_db_finished_in_their_kernels():

@@ -2,8 +2,10 @@
 and 0 where l and s belong to different documents (HAS_SEQ), so consumers may rely on CB alone for that mask.
 
 Computed once per group and shared by every head of the group (with ngroups 1, by all heads), so the
-chunk-scan kernels never recompute it. CB is also 0 above the diagonal (s > l): tiles wholly above it are
-written as zeros without computing them. So a consumer forms its weights as CB * exp(min(a_l - a_s, 0)) with no
+chunk-scan kernels never recompute it. CB is also 0 above the diagonal (s > l), as far as its consumers read: each
+reads, for a row l, the columns up to the end of l's block of rows, at most READ_BLOCK wide (the largest of their
+row blocks: chunk_cb), so tiles wholly beyond that are not even stored, and the others above the diagonal are
+stored as zeros without computing them. So a consumer forms its weights as CB * exp(min(a_l - a_s, 0)) with no
 per-element mask at all (the clamp keeps the factor finite where CB is 0): the masks cost the consumers' inner
 loops more instructions than the products themselves.
 """
@@ -36,6 +38,7 @@ def cb_fwd_kernel(
     s_b_n,
     HAS_SEQ: tl.constexpr,
     WRITE_T: tl.constexpr,
+    READ_BLOCK: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -70,7 +73,10 @@ def cb_fwd_kernel(
         keep = keep & (seq_m[:, None] == seq_s[None, :])
     acc = tl.where(keep, acc, 0.0)
     chunk_offset = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
-    in_chunk = (offs_m < Q)[:, None] & (offs_s < Q)[None, :]
+    # Columns past the consumers' diagonal blocks (of READ_BLOCK rows, module docstring) are never read: not stored
+    # (at 64-row tiles, 6 of a 256-chunk's 16 tiles).
+    read_s = offs_s < ((pid_m * BLOCK_M + BLOCK_M - 1) // READ_BLOCK + 1) * READ_BLOCK
+    in_chunk = (offs_m < Q)[:, None] & ((offs_s < Q) & read_s)[None, :]
     tl.store(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_s[None, :], acc, mask=in_chunk)
     if WRITE_T:
         # CBᵀ for the dx kernel, whose operand is CBᵀ: read from CB, its rows would be strided (scalar loads).

@@ -28,6 +28,15 @@ from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_passing_fwd_kernel
 
 
+def cb_read_block(cfg: BlockConfig) -> int:
+    """The widest block of rows in which a consumer of CB (or CBᵀ) reads columns up to the block's end: entries
+    (l, s) with s >= (l // it + 1) * it are never read (chunk_cb.py). Every block size is a power of two."""
+    blocks = [cfg.scan_m, cfg.scan_k, cfg.dx_k, cfg.dx_m, cfg.dc_m, cfg.dc_k]
+    if cfg.fused:
+        blocks += [cfg.fused_m, cfg.fused_k, cfg.fused_ks, cfg.fusedb_k]
+    return max(blocks)
+
+
 def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool = False):
     """CB [b, NC, G, Q, Q] float32: C_l · B_s within each chunk for s <= l, 0 above the diagonal and across
     documents; with ``transposed``, (CB, CBᵀ) (the backward's dx kernel reads CBᵀ)."""
@@ -51,6 +60,7 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool =
         *B.stride(),
         HAS_SEQ=seq is not None,
         WRITE_T=transposed,
+        READ_BLOCK=cb_read_block(cfg),
         BLOCK_M=cfg.cb_m,
         BLOCK_S=cfg.cb_s,
         BLOCK_N=cfg.cb_n,
