@@ -56,10 +56,6 @@ _STAGES = ("cb_stages", "state_stages", "scan_stages", "dx_stages", "dc_stages",
 _BIG = dict(scan_m=128, scan_n=128, state_n=128, dx_n=128, dx_k=128, db_k=128, cb_m=128, pass_block=2048)
 TUNE_VARIANTS = {
     "base": {},
-    # bc_finish's halves at the end of dCB's / the dB kernel's programs (config.py, session 16).
-    "dcb_finishes_dc": dict(dcb_finishes_dc=True),
-    "db_finishes_db": dict(db_finishes_db=True),
-    "both_finish": dict(dcb_finishes_dc=True, db_finishes_db=True),
     "w8": {**{k: 8 for k in _WARPS}, "pass_block": 256},
     "s3": {k: 3 for k in _STAGES},
     "s3_w8": {**{k: 3 for k in _STAGES}, **{k: 8 for k in _WARPS}},

@@ -191,12 +191,11 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     yield (
         "chunk_scan_bwd_dcb",
         dcb_bwd.chunk_scan_bwd_dcb_kernel,
-        dict(ptrs, dC_ptr=BF16, done_ptr="*i32"),  # (dcb_finishes_dc: it writes dC, in C's dtype)
+        ptrs,
         dict(
             **seq,
             EVEN=True,
             TILE_GRID=cfg.dcb_tiles,
-            DC_FINISH=cfg.dcb_finishes_dc,
             BLOCK_M=cfg.dc_m,
             BLOCK_P=bp,
             BLOCK_N=bn,
@@ -209,16 +208,9 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     yield (
         "chunk_state_bwd_db",
         bc_bwd.chunk_state_bwd_db_kernel,
-        dict(ptrs, dB_ptr=BF16),  # (db_finishes_db: it writes dB, in B's dtype)
+        ptrs,
         dict(
-            **seq,
-            INTRA=False,
-            DCB_FINISH=cfg.db_finishes_db,
-            BLOCK_K=cfg.db_k,
-            BLOCK_M=cfg.db_m,
-            BLOCK_P=bp,
-            BLOCK_N=bn,
-            INNER_FIRST=cfg.inner_first,
+            **seq, INTRA=False, BLOCK_K=cfg.db_k, BLOCK_M=cfg.db_m, BLOCK_P=bp, BLOCK_N=bn, INNER_FIRST=cfg.inner_first
         ),
         cfg.db_warps,
         cfg.db_stages,

@@ -817,30 +817,6 @@ def test_no_kernel_reads_unwritten_memory():
         )  # fmt: skip
 
 
-def test_dc_and_db_finished_in_their_kernels():
-    """bc_finish's halves at the end of dCB's and the dB kernel's programs (config dcb_finishes_dc, db_finishes_db):
-    with four row blocks per chunk, two state slices and documents, dC from the last of each row block's programs
-    (a wrong count of a row block's programs, or the state slots left out, fails it: checked by mutation), on both
-    of dCB's grids, alone and together; and two groups with a partial last chunk."""
-    for dcb_tiles, dc, db in ((True, True, False), (True, False, True), (True, True, True), (False, True, True)):
-        interpret(
-            b=1,
-            L=128,
-            H=4,
-            P=16,
-            G=1,
-            N=16,
-            seed=11,
-            seq_cuts=[[40, 100]],
-            call=dict(chunk_size=64),
-            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_finishes_dc=dc, db_finishes_db=db),
-        )
-    interpret(
-        b=2, L=40, H=4, P=16, G=2, N=16, seed=5, seq_cuts=CUTS, call=dict(chunk_size=16),
-        config=dict(dcb_finishes_dc=True, db_finishes_db=True),
-    )  # fmt: skip
-
-
 def test_per_head_backward_mode_staged_forward():
     """The non-default paths: bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is
     'grouped'), 2 heads/program, and the staged forward / state recurrence (the default chains them:

@@ -154,19 +154,10 @@ def _ssd_bwd(
         R_part = torch.empty(n_m, *dt_p.shape, device=dev, dtype=torch.float32)
     else:
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
-    if grouped and out is None:
-        dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
-        dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
-    elif grouped:
-        dB, dC = out[1], out[2]
-    # With one head block per group (the 1.3B and 370M shapes), dCB's last program per block of rows may finish dC
-    # and the dB kernel dB (config dcb_finishes_dc, db_finishes_db): bc_finish's halves, which otherwise follow them.
-    dc_in_dcb = grouped and n_hb == 1 and cfg.dcb_finishes_dc
-    db_in_db = grouped and n_hb == 1 and cfg.db_finishes_db
     if grouped:
-        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)  # the kernel zeroes s > l
+        # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
+        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
         dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
-        rows_done = torch.zeros(b * NC * G * n_m if dc_in_dcb else 1, device=dev, dtype=torch.int32)
         chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
@@ -180,9 +171,6 @@ def _ssd_bwd(
             dCB_part,
             O,
             R_part,
-            B,
-            dC,
-            rows_done,
             L,
             Q,
             NC,
@@ -196,12 +184,9 @@ def _ssd_bwd(
             *x.stride(),
             *C.stride(),
             *dy.stride(),
-            *B.stride(),
-            *dC.stride(),
             HAS_SEQ=has_seq,
             EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
             TILE_GRID=cfg.dcb_tiles,
-            DC_FINISH=dc_in_dcb,
             PREC=dot_precision(x),
             BLOCK_M=cfg.dc_m,
             BLOCK_P=BP,
@@ -249,7 +234,7 @@ def _ssd_bwd(
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
         )
-    dB_part = dB if db_in_db else torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
@@ -259,7 +244,6 @@ def _ssd_bwd(
         dH,
         seq_arg,
         dB_part,
-        dCB_part if db_in_db else dummy(dev),
         L,
         Q,
         NC,
@@ -272,10 +256,8 @@ def _ssd_bwd(
         *x.stride(),
         *C.stride(),
         *dy.stride(),
-        *(dB.stride() if db_in_db else (0, 0, 0, 0)),
         HAS_SEQ=has_seq,
         INTRA=not grouped,
-        DCB_FINISH=db_in_db,
         BLOCK_K=cfg.db_k,
         BLOCK_M=cfg.db_m,
         BLOCK_P=BP,
@@ -286,11 +268,15 @@ def _ssd_bwd(
         maxnreg=cfg.db_maxnreg,
         num_stages=cfg.db_stages,
     )
-    if grouped and not (dc_in_dcb and db_in_db):
+    if grouped:
         # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
+        if out is None:
+            dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
+            dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
+        else:
+            dB, dC = out[1], out[2]
         bcf_n = min(BN, cfg.bcf_n)
-        halves = 2 - dc_in_dcb - db_in_db
-        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m), halves * triton.cdiv(N, bcf_n))](
+        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m), 2 * triton.cdiv(N, bcf_n))](
             dCB_part,
             dC_part,
             dB_part,
@@ -314,12 +300,10 @@ def _ssd_bwd(
             BLOCK_M=cfg.dc_m,
             BLOCK_K=cfg.dc_m,
             BLOCK_N=bcf_n,
-            DO_DC=not dc_in_dcb,
-            DO_DB=not db_in_db,
             num_warps=cfg.bcf_warps,
             num_stages=2,
         )
-    elif not grouped:
+    else:
         dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
         dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
         if out is not None:

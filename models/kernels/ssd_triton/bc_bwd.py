@@ -159,7 +159,6 @@ def chunk_state_bwd_db_kernel(
     dH_ptr,
     seq_ptr,
     dB_ptr,
-    dCB_ptr,
     L,
     Q,
     NC,
@@ -181,16 +180,8 @@ def chunk_state_bwd_db_kernel(
     s_y_l,
     s_y_h,
     s_y_p,
-    s_db_b,
-    s_db_l,
-    s_db_g,
-    s_db_n,
     HAS_SEQ: tl.constexpr,
-    INTRA: tl.constexpr,  # False: only the chunk-state term (bc_mode "grouped" adds dCBᵀ C after it)
-    # "grouped" with one head block per group: this program's sum is the whole state term of its rows, so it adds
-    # dCBᵀ C itself (dcb_bwd.py's dCB, summed over the heads) and writes dB in its dtype, by dB's strides; else
-    # bc_finish does (its dB programs took about half of its 0.033 ms at 1.3B and 370M, H100, session 16).
-    DCB_FINISH: tl.constexpr,
+    INTRA: tl.constexpr,  # False: only the chunk-state term (bc_mode "grouped" adds dCBᵀ C on the host)
     PREC: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -264,26 +255,5 @@ def chunk_state_bwd_db_kernel(
                 )
                 dB_h += tl.dot(dcbT.to(C_m.dtype), C_m, input_precision=PREC)
         dB_acc += dB_h
-    if DCB_FINISH:
-        # dB_s += sum_{l >= s} dCB_ls C_l (bc_finish.py's dB half), dCB [1, b, NC, G, Q, Q] float32.
-        chunk = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
-        C_chunk = C_ptr + b.to(tl.int64) * s_c_b + g * s_c_g + t0.to(tl.int64) * s_c_l
-        for l0 in tl.range(m_start, Q, BLOCK_M, num_stages=1):  # unpipelined: shared memory as the head loop's
-            offs_l = l0 + tl.arange(0, BLOCK_M)
-            valid_l = (offs_l < Q) & (t0 + offs_l < L)
-            tileT = tl.load(  # [s, l] = dCB[l, s]
-                dCB_ptr + chunk + offs_l[None, :] * Q + offs_k[:, None],
-                mask=(offs_k < Q)[:, None] & (offs_l < Q)[None, :],
-                other=0.0,
-            )
-            C_l = tl.load(
-                C_chunk + offs_l[:, None] * s_c_l + offs_n[None, :] * s_c_n,
-                mask=valid_l[:, None] & mask_n[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            dB_acc += tl.dot(tileT, C_l, input_precision=PREC)
-        dB_at = b.to(tl.int64) * s_db_b + t_k[:, None] * s_db_l + g * s_db_g + offs_n[None, :] * s_db_n
-        tl.store(dB_ptr + dB_at, dB_acc.to(dB_ptr.dtype.element_ty), mask=valid_k[:, None] & mask_n[None, :])
-    else:
-        out = dB_ptr + ((hb.to(tl.int64) * BATCH + b) * L + t_k[:, None]) * G * N + g * N + offs_n[None, :]
-        tl.store(out, dB_acc, mask=valid_k[:, None] & mask_n[None, :])
+    out = dB_ptr + ((hb.to(tl.int64) * BATCH + b) * L + t_k[:, None]) * G * N + g * N + offs_n[None, :]
+    tl.store(out, dB_acc, mask=valid_k[:, None] & mask_n[None, :])

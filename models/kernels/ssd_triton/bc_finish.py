@@ -1,8 +1,7 @@
-"""The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel
-(or one of them: with one head block per group, dCB's kernel may finish dC and the dB kernel dB, config
-dcb_finishes_dc and db_finishes_db).
+"""The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel.
 
-For positions r of chunk c and group g (dCB summed over its head blocks, zero above the diagonal: dcb_bwd.py):
+For positions r of chunk c and group g (dCB summed over its head blocks; its tiles above the diagonal are never
+written, and the loops below read the tiles on and below it only: dcb_bwd.py):
     dC_r = sum_i dC_state[i, r] + sum_{s <= r} dCB_rs B_s        (i: head blocks, and slices of their heads)
     dB_r = sum_hb dB_state[hb, r] + sum_{l >= r} dCB_lr C_l
 written straight in B's / C's dtype. In PyTorch this was a reduction over head blocks per tensor, two padded
@@ -53,8 +52,6 @@ def bc_finish_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DO_DC: tl.constexpr = True,  # False: dCB's kernel finished dC (config dcb_finishes_dc)
-    DO_DB: tl.constexpr = True,  # False: the dB kernel finished dB (config db_finishes_db)
 ):
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -62,10 +59,7 @@ def bc_finish_kernel(
     # block of rows doing both outputs for all of N was 256 programs of serial products (0.052 ms at either shape).
     n_nb = tl.cdiv(N, BLOCK_N)
     pid_w = tl.program_id(2)
-    if DO_DC and DO_DB:
-        do_dC = pid_w < n_nb
-    else:
-        do_dC = DO_DC
+    do_dC = pid_w < n_nb
     g = pid_bcg % G
     c = (pid_bcg // G) % NC
     b = pid_bcg // (G * NC)

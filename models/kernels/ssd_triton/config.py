@@ -111,13 +111,6 @@ class BlockConfig:
     # 0.053 / 0.039).
     bcf_n: int = 32
     bcf_warps: int = 4
-    # With one head block per group (heads_per_prog >= heads per group), bc_finish's two halves may run at the end of
-    # the kernels whose partial sums they finish instead: dC in dCB's last program per block of rows (dcb_finishes_dc,
-    # an atomic counter per block), dB in the dB kernel's programs (db_finishes_db). Session 16 (H100, kept states):
-    # db_finishes_db made the dB kernel 0.098 -> 0.111 ms at 1.3B and 0.054 -> 0.073 at 370M for bc_finish 0.033 ->
-    # 0.021 (its serial products at the end of 256 programs lengthen the grid's tail): off.
-    dcb_finishes_dc: bool = False
-    db_finishes_db: bool = False
     # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
     # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
     # (chunk_state.py, then state_passing.py). Ignored when ``fused``. The chained kernels take state_p, state_k and

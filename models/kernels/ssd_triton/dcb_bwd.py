@@ -42,9 +42,6 @@ def chunk_scan_bwd_dcb_kernel(
     dCB_ptr,
     O_ptr,
     R_ptr,
-    B_ptr,
-    dC_ptr,
-    done_ptr,
     L,
     Q,
     NC,
@@ -67,21 +64,9 @@ def chunk_scan_bwd_dcb_kernel(
     s_y_l,
     s_y_h,
     s_y_p,
-    s_b_b,
-    s_b_l,
-    s_b_g,
-    s_b_n,
-    s_dc_b,
-    s_dc_l,
-    s_dc_g,
-    s_dc_n,
     HAS_SEQ: tl.constexpr,
     EVEN: tl.constexpr,
     TILE_GRID: tl.constexpr,
-    # One head block per group: the last program of each block of rows to finish (an atomic counter per block says
-    # which) also sums dC's state-term slots and adds dCB B for its rows, writing dC in its dtype (bc_finish.py's
-    # work, one launch fewer); else bc_finish does.
-    DC_FINISH: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -90,8 +75,8 @@ def chunk_scan_bwd_dcb_kernel(
     PAIRS: tl.constexpr,
 ):
     if TILE_GRID:
-        # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it only stores zeros, on or
-        # below it one tile; programs pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT
+        # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
+        # reads the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT
         # slices of the heads. Every program then loops over its heads once, and the state term, which is as long
         # as a tile, no longer runs after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, 2 slices).
         pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + STATE_SPLIT, INNER_FIRST)
@@ -124,8 +109,6 @@ def chunk_scan_bwd_dcb_kernel(
             s_c_n, s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h0 + j * per_slice, per_slice, hb * STATE_SPLIT + j, offs_m,
             valid_m, t_m, keep_m, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         )  # fmt: skip
-    elif pid_k > pid_m:
-        _zero_tile(dCB_ptr, Q, NC, G, BATCH, b, c, g, hb, offs_m, pid_k * BLOCK_M, BLOCK_M)  # TILE_GRID only
     elif pid_k < pid_m:  # TILE_GRID only: one tile below the diagonal
         # fmt: off
         _dcb_tile(
@@ -143,55 +126,6 @@ def chunk_scan_bwd_dcb_kernel(
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
             BLOCK_N=BLOCK_N, PAIRS=PAIRS,
         )  # fmt: skip
-    if DC_FINISH:
-        # Row block pid_m's contributions: its tiles on and below the diagonal and the state slices (one program
-        # for all of them without TILE_GRID). Every thread's stores first, then one increment (acq_rel).
-        last = True
-        if TILE_GRID:
-            if pid_k <= pid_m or pid_k >= n_m:
-                tl.debug_barrier()
-                arrived = tl.atomic_add(done_ptr + pid0.to(tl.int64) * n_m + pid_m, 1, sem="acq_rel")
-                last = arrived == pid_m + STATE_SPLIT
-            else:
-                last = False
-        if last:
-            _dc_finish(dCB_ptr, dCstate_ptr, B_ptr, dC_ptr, L, Q, NC, G, N, BATCH, STATE_SPLIT, b, c, g, m0, offs_m,
-                       valid_m, t_m, t0, s_b_b, s_b_l, s_b_g, s_b_n, s_dc_b, s_dc_l, s_dc_g, s_dc_n,
-                       PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)  # fmt: skip
-
-
-@triton.jit
-def _dc_finish(
-    dCB_ptr, dCstate_ptr, B_ptr, dC_ptr, L, Q, NC, G, N, BATCH, n_slots, b, c, g, m0, offs_m, valid_m, t_m, t0,
-    s_b_b, s_b_l, s_b_g, s_b_n, s_dc_b, s_dc_l, s_dc_g, s_dc_n,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """dC at rows offs_m for all of N: its state-term slots [n_slots, b, L, G, N] summed, plus sum_{s <= l} dCB_ls B_s
-    (dCB of the group's one head block, float32; TF32 products as bc_finish's), in dC's dtype. The slots and dCB were
-    written by other programs: read past L1."""
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_mn = valid_m[:, None] & (offs_n < N)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    state_at = (b.to(tl.int64) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
-    for i in range(n_slots):
-        acc += tl.load(dCstate_ptr + i * tl.cast(BATCH, tl.int64) * L * G * N + state_at, mask=mask_mn, other=0.0, cache_modifier=".cg")
-    dCB_rows = dCB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
-    B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
-    for k0 in tl.range(0, m0 + BLOCK_M, BLOCK_M, num_stages=1):  # unpipelined: little shared memory
-        offs_k = k0 + tl.arange(0, BLOCK_M)
-        valid_k = (offs_k < Q) & (t0 + offs_k < L)
-        tile = tl.load(
-            dCB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0,
-            cache_modifier=".cg",
-        )
-        B_k = tl.load(
-            B_chunk + offs_k[:, None] * s_b_l + offs_n[None, :] * s_b_n,
-            mask=valid_k[:, None] & (offs_n < N)[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        acc += tl.dot(tile, B_k, input_precision=PREC)
-    dC_at = b.to(tl.int64) * s_dc_b + t_m[:, None] * s_dc_l + g * s_dc_g + offs_n[None, :] * s_dc_n
-    tl.store(dC_ptr + dC_at, acc.to(dC_ptr.dtype.element_ty), mask=mask_mn)
 
 
 @triton.jit
@@ -202,8 +136,8 @@ def _dcb_rows(
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
 ):  # fmt: skip
-    """The diagonal block's program: without TILE_GRID, the state term of dC and O, the tiles of its rows below the
-    diagonal and the zeros above it; then (always) the diagonal tile."""
+    """The diagonal block's program: without TILE_GRID, the state term of dC and O and the tiles of its rows below
+    the diagonal; then (always) the diagonal tile. Tiles above it are not written (bc_finish never reads them)."""
     if not TILE_GRID:
         _dcb_state(
             dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g,
@@ -227,19 +161,6 @@ def _dcb_rows(
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
     )
     # fmt: on
-    if not TILE_GRID:
-        for k0 in range(m0 + BLOCK_M, Q, BLOCK_M):
-            _zero_tile(dCB_ptr, Q, NC, G, BATCH, b, c, g, hb, offs_m, k0, BLOCK_M)
-
-
-@triton.jit
-def _zero_tile(dCB_ptr, Q, NC, G, BATCH, b, c, g, hb, offs_m, k0, BLOCK_M: tl.constexpr):
-    """A tile above the diagonal: zeros (the host's dCB products read whole rows), stored by the kernel rather than
-    by a separate fill of the whole buffer."""
-    dCB_rows = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
-    offs_k = k0 + tl.arange(0, BLOCK_M)
-    zeros = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)
-    tl.store(dCB_rows + offs_k[None, :], zeros, mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :])
 
 
 @triton.jit
