@@ -809,6 +809,8 @@ def test_no_kernel_reads_unwritten_memory():
         dict(bc_mode="per_head", heads_per_prog=2, chained=False),
         dict(SMALL_TILES, fused=True, fused_m=16, fused_k=16, fused_ks=16, fusedb_k=16),
         dict(SMALL_TILES, chained_scan=True),
+        dict(SMALL_TILES, dx_reads_cb=True),  # dx reads CB transposed (no CBᵀ copy)
+        dict(dx_reads_cb=True, keep_states=True),
     )
     for config in configs:
         interpret(

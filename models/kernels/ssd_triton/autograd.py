@@ -41,7 +41,7 @@ from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import cb_and_entering_states, chunk_cb, ssd_forward
+from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import staged_dstates
@@ -66,7 +66,7 @@ def _ssd_bwd(
     if S_kept is None:
         CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
     else:
-        CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
+        CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
         S_in = S_in32 = S_kept[0]
         S_lo = S_kept[1] if S_kept.shape[0] == 2 else None
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
@@ -88,7 +88,7 @@ def _ssd_bwd(
     dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
-        CBT,
+        CB if cfg.dx_reads_cb else CBT,
         x,
         dt_p,
         dA_cs,
@@ -116,6 +116,7 @@ def _ssd_bwd(
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
         EVEN=whole_tiles(L, Q, P, BP, cfg.dx_k, cfg.dx_m),
+        FROM_CB=cfg.dx_reads_cb,
         HEADS=dx_heads,
         BLOCK_K=cfg.dx_k,
         BLOCK_M=cfg.dx_m,

@@ -111,6 +111,8 @@ class BlockConfig:
     # 0.053 / 0.039).
     bcf_n: int = 32
     bcf_warps: int = 4
+    # dx reads CB itself, transposed, instead of a CBᵀ copy: the backward's C·Bᵀ kernel then writes half the bytes.
+    dx_reads_cb: bool = False
     # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
     # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
     # (chunk_state.py, then state_passing.py). Ignored when ``fused``. The chained kernels take state_p, state_k and

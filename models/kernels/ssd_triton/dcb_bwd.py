@@ -118,7 +118,7 @@ def chunk_scan_bwd_dcb_kernel(
             PAIRS=PAIRS,
         )
         # fmt: on
-    else:
+    elif pid_k == pid_m:  # the diagonal tile (TILE_GRID); pid_k > pid_m, above the diagonal, has nothing to do
         _dcb_rows(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dCstate_ptr, dCB_ptr, O_ptr, R_ptr,
             L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,

@@ -71,6 +71,13 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool =
     return (CB, CBT) if transposed else CB
 
 
+def cb_for_backward(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig):
+    """(CB, CBᵀ) for the backward's kernels, or (CB, None) with config dx_reads_cb (dx then reads CB transposed)."""
+    if cfg.dx_reads_cb:
+        return chunk_cb(x, B, C, seq, Q, NC, cfg), None
+    return chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
+
+
 def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y: bool, store_s_in: bool, y_dtype=None):
     """y (with_y, in y_dtype or x's; else None), S_in [b, NC, H, P, N] in float32 (store_s_in; else None),
     final [b, H, P, N] (float32)."""
@@ -266,7 +273,7 @@ def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
     products that round it to the operand dtype anyway) and in float32 (for the state passing backward's dtot,
     state_passing.py; the fused path stores only float32)."""
     NC, Q = dt_p.shape[2:]
-    CB, CBT = chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
+    CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
         return CB, CBT, S_in, S_in
