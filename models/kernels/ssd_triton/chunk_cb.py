@@ -4,10 +4,10 @@ and 0 where l and s belong to different documents (HAS_SEQ), so consumers may re
 Computed once per group and shared by every head of the group (with ngroups 1, by all heads), so the
 chunk-scan kernels never recompute it. CB is also 0 above the diagonal (s > l), as far as its consumers read: each
 reads, for a row l, the columns up to the end of l's block of rows, at most READ_BLOCK wide (the largest of their
-row blocks: chunk_cb), so tiles wholly beyond that are not even stored, and the others above the diagonal are
-stored as zeros without computing them. So a consumer forms its weights as CB * exp(min(a_l - a_s, 0)) with no
-per-element mask at all (the clamp keeps the factor finite where CB is 0): the masks cost the consumers' inner
-loops more instructions than the products themselves.
+row blocks: forward.cb_read_block), so tiles wholly beyond that are not even stored, and the others above the
+diagonal are stored as zeros without computing them. So a consumer forms its weights as
+CB * exp(min(a_l - a_s, 0)) with no per-element mask at all (the clamp keeps the factor finite where CB is 0): the
+masks cost the consumers' inner loops more instructions than the products themselves.
 """
 
 import triton
@@ -79,5 +79,6 @@ def cb_fwd_kernel(
     in_chunk = (offs_m < Q)[:, None] & ((offs_s < Q) & read_s)[None, :]
     tl.store(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_s[None, :], acc, mask=in_chunk)
     if WRITE_T:
-        # CBᵀ for the dx kernel, whose operand is CBᵀ: read from CB, its rows would be strided (scalar loads).
+        # CBᵀ for the dx kernel, whose operand is CBᵀ (config dx_reads_cb has it read CB transposed instead: same
+        # sm_90 resources per kernel_resources.py, not yet timed).
         tl.store(CBT_ptr + chunk_offset + offs_s[None, :] * Q + offs_m[:, None], acc, mask=in_chunk)

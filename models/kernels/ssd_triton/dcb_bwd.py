@@ -76,9 +76,10 @@ def chunk_scan_bwd_dcb_kernel(
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
-        # reads the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT
-        # slices of the heads. Every program then loops over its heads once, and the state term, which is as long
-        # as a tile, no longer runs after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, 2 slices).
+        # reads the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs
+        # pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT slices of the heads. Every
+        # program then loops over its heads once, and the state term, which is as long as a tile, no longer runs
+        # after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, 2 slices).
         pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + STATE_SPLIT, INNER_FIRST)
     else:
         # One program per block of rows walks its tiles in series: the last block does n_m tiles, the first one.
