@@ -139,6 +139,60 @@ def hook_times(events: list[dict], window: tuple[float, float]) -> list[tuple[st
     return sorted(((n, c, t / 1e3) for n, (c, t) in per_name.items()), key=lambda r: -r[2])
 
 
+def idle_gaps(events: list[dict], kernels: list[dict], window: tuple[float, float], top: int) -> list[dict]:
+    """The `top` longest stretches of the window with no GPU kernel running, longest first: each gap's length, the
+    kernels before and after it, and what the host was doing when it launched the kernel that ended the gap (the
+    innermost and the outermost traced op around that launch, found through the launch's correlation id). A gap
+    ended by a kernel launched late points at host work (a sync, Python, a data copy) between the two kernels."""
+    spans = sorted((max(e["ts"], window[0]), min(e["ts"] + e["dur"], window[1]), e) for e in kernels)
+    spans = [sp for sp in spans if sp[0] < sp[1]]
+    gaps, end, prev = [], window[0], None
+    for start, stop, e in spans:
+        if start > end:
+            gaps.append((start - end, prev, e))
+        if stop > end:
+            end, prev = stop, e
+    if window[1] > end:
+        gaps.append((window[1] - end, prev, None))
+    gaps = sorted(gaps, key=lambda g: -g[0])[:top]
+    launches = {
+        e.get("args", {}).get("correlation"): e
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e.get("args", {}).get("correlation") is not None
+    }
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+
+    def around(launch):
+        if launch is None:
+            return "", ""
+        t = launch["ts"]
+        holding = [
+            e
+            for e in ops
+            if e.get("tid") == launch.get("tid")
+            and e["ts"] <= t <= e["ts"] + e["dur"]
+            and not str(e["name"]).startswith("ProfilerStep#")
+        ]
+        if not holding:
+            return "", ""
+        return min(holding, key=lambda e: e["dur"])["name"], max(holding, key=lambda e: e["dur"])["name"]
+
+    out = []
+    for length, before, after in gaps:
+        launch = None if after is None else launches.get(after.get("args", {}).get("correlation"))
+        inner, outer = around(launch)
+        out.append(
+            {
+                "ms": length / 1e3,
+                "before": None if before is None else before["name"],
+                "after": None if after is None else after["name"],
+                "launched_by": inner,
+                "inside": outer,
+            }
+        )
+    return out
+
+
 def summarize(path: str, top: int = 15) -> dict:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -190,6 +244,7 @@ def summarize(path: str, top: int = 15) -> dict:
         "groups": sorted(((g, c, t / 1e3) for g, (c, t) in per_group.items()), key=lambda r: -r[2]),
         "top": sorted(((n, c, t / 1e3) for n, (c, t) in per_kernel.items()), key=lambda r: -r[2])[:top],
         "fsdp_hooks": hook_times(events, window),
+        "gaps": idle_gaps(events, inside, window, top),
     }
 
 
@@ -202,6 +257,13 @@ def main():
         action="store_true",
         help="also print one markdown table of the kernel families (KERNEL_GROUPS) per trace, side by side: GPU ms "
         "per step and share of the step, to compare two loops (e.g. ours and mamba-ssm's) or two layouts",
+    )
+    ap.add_argument(
+        "--gaps",
+        type=int,
+        default=0,
+        help="also print the N longest stretches with no kernel on the GPU, and the host op that launched the "
+        "kernel ending each (where an idle GPU waited for the host)",
     )
     ap.add_argument("--json", help="append one JSON line per trace (without the kernel table) to this file")
     args = ap.parse_args()
@@ -229,9 +291,18 @@ def main():
                 "FSDP hooks (host, inclusive): "
                 + ", ".join(f"{n} {ms:.1f} ms ({c}x)" for n, c, ms in s["fsdp_hooks"] if ms >= 0.5)
             )
+        if args.gaps:
+            print("longest GPU idle gaps (the kernel that ended each was launched from the host op named):")
+            for g in s["gaps"][: args.gaps]:
+                short = lambda n: "-" if n is None else (n if len(n) < 60 else n[:57] + "...")  # noqa: E731
+                print(
+                    f"  {g['ms']:7.2f} ms  after {short(g['before'])} | before {short(g['after'])} | "
+                    f"launched in {short(g['launched_by'])} (inside {short(g['inside'])})"
+                )
         if args.json:
             with open(args.json, "a") as f:
-                f.write(json.dumps({k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks")}) + "\n")
+                kept = {k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks", "gaps")}
+                f.write(json.dumps(kept) + "\n")
     if args.groups:
         print(groups_table(summaries))
 

@@ -421,6 +421,39 @@ def test_trace_summary_host_self_times():
     assert dict(h["self_ms"]) == {"step": 0.004, "b": 0.003, "a": 0.002, "launch": 0.001}
 
 
+def test_trace_summary_idle_gaps():
+    """GPU idle gaps, longest first, with the kernels around each and the host ops around the launch of the kernel
+    that ended it (matched by correlation id); overlapping kernels leave no gap; the step's tail counts as a gap."""
+    from benchmarks.trace_summary import idle_gaps
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def host(cat, name, ts, dur, corr=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1}
+        return dict(e, args={"correlation": corr}) if corr is not None else e
+
+    kernels = [kernel("a", 0, 10, 1), kernel("b", 5, 10, 2), kernel("c", 40, 10, 3), kernel("d", 55, 40, 4)]
+    events = kernels + [
+        host("user_annotation", "optimizer step", 20, 30),
+        host("cpu_op", "aten::_fused_adamw_", 30, 15),
+        host("cuda_runtime", "cudaLaunchKernel", 35, 2, corr=3),
+        host("cuda_runtime", "cudaLaunchKernel", 50, 2, corr=4),
+    ]
+    gaps = idle_gaps(events, kernels, (0, 100), top=5)
+    assert [round(g["ms"] * 1e3) for g in gaps] == [25, 5, 5]  # 15-40, 50-55, 95-100 (a and b overlap)
+    assert gaps[0] == {
+        "ms": 0.025,
+        "before": "b",
+        "after": "c",
+        "launched_by": "aten::_fused_adamw_",
+        "inside": "optimizer step",
+    }
+    assert gaps[1]["after"] == "d" and gaps[1]["launched_by"] == "optimizer step"
+    assert gaps[2]["after"] is None and gaps[2]["before"] == "d"
+    assert len(idle_gaps(events, kernels, (0, 100), top=1)) == 1
+
+
 def test_trace_summary_fsdp_hook_times():
     """FSDP2's host annotations summed per hook, the unit's name left out; GPU-side copies of them not counted."""
     from benchmarks.trace_summary import hook_times

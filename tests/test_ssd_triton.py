@@ -780,8 +780,9 @@ def test_dcb_grid_per_tile_and_per_row_block():
     walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose
     from (a wrong column block fails: checked by mutation), documents and whole tiles; the column sums reduced per
     pair of heads (the default: the pair's heads swapped, or the first one's sums written at the second's offset,
-    fail it) and per head (dcb_head_pairs False)."""
-    for dcb_tiles, pairs in ((True, True), (False, True), (True, False)):
+    fail it) and per head (dcb_head_pairs False); the state term in one slice of the heads (the default) and in two
+    (dcb_state_split 2: partial sums per slice, added in bc_finish)."""
+    for dcb_tiles, pairs, split in ((True, True, 1), (True, True, 2), (False, True, 1), (True, False, 1)):
         interpret(
             b=1,
             L=128,
@@ -792,7 +793,7 @@ def test_dcb_grid_per_tile_and_per_row_block():
             seed=9,
             seq_cuts=[[40, 100]],
             call=dict(chunk_size=64),
-            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs),
+            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split),
         )
 
 

@@ -91,8 +91,10 @@ class BlockConfig:
     # Under dCB's tile grid, the state term of dC (and O) runs in programs of its own, each for 1 / dcb_state_split of
     # a head block's heads (partial sums added in bc_finish). In the diagonal tile's program it made that program
     # twice as long as the others (session 11, H100, 1.3B: dCB 0.528 ms, ~0.27 of it the state term; split into
-    # programs of their own, dCB + bc_finish: 1 slice 0.517 ms, 2 slices 0.494, 4 0.514, 8 0.535, 16 0.582).
-    dcb_state_split: int = 2
+    # programs of their own, dCB + bc_finish: 1 slice 0.517 ms, 2 slices 0.494, 4 0.514, 8 0.535, 16 0.582). Since
+    # the head pairs (below) one slice is faster again (session 17, H100: 1.3B dCB + bc_finish 0.468 -> 0.453 ms,
+    # forward + backward 1.818 -> 1.798; 370M 0.258 -> 0.252, 0.992 -> 0.985).
+    dcb_state_split: int = 1
     # dCB's tiles reduce the column sums of the decay terms (across warps) once per pair of heads, not per head
     # (dcb_bwd.py; needs an even number of heads per program, else per head). Session 14 (H100, 1.3B): dCB 0.449 ->
     # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
