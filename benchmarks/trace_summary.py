@@ -228,6 +228,16 @@ def summarize(path: str, top: int = 15) -> dict:
         and window[0] <= e["ts"] <= window[1]
     ]
     host = host_self_times(events, window)
+    # The op that launched each kernel: kernels and the aten op that dispatched them share an "External id".
+    op_by_id = {
+        e["args"]["External id"]: e["name"]
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
+    }
+    launched_by: dict = collections.defaultdict(collections.Counter)
+    for e in inside:
+        name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
+        launched_by[name][op_by_id.get(e.get("args", {}).get("External id"), "?")] += 1
     return {
         "trace": path,
         "host_traced_ms": host["traced_ms"],
@@ -245,6 +255,7 @@ def summarize(path: str, top: int = 15) -> dict:
         "top": sorted(((n, c, t / 1e3) for n, (c, t) in per_kernel.items()), key=lambda r: -r[2])[:top],
         "fsdp_hooks": hook_times(events, window),
         "gaps": idle_gaps(events, inside, window, top),
+        "launched_by": {k: c.most_common(3) for k, c in launched_by.items()},
     }
 
 
@@ -257,6 +268,11 @@ def main():
         action="store_true",
         help="also print one markdown table of the kernel families (KERNEL_GROUPS) per trace, side by side: GPU ms "
         "per step and share of the step, to compare two loops (e.g. ours and mamba-ssm's) or two layouts",
+    )
+    ap.add_argument(
+        "--launched_by",
+        action="store_true",
+        help="name, after each of the top kernels, the host ops that launched it (most frequent first)",
     )
     ap.add_argument(
         "--gaps",
@@ -279,7 +295,8 @@ def main():
             f"{s['launch_calls']} launch calls taking {s['launch_cpu_ms']:.1f} ms of host time"
         )
         for name, count, ms in s["top"]:
-            print(f"  {ms:8.2f} ms {count:5d}x  {name}")
+            ops = ", ".join(f"{op} {n}x" for op, n in s["launched_by"].get(name, []))
+            print(f"  {ms:8.2f} ms {count:5d}x  {name}" + (f"  [from {ops}]" if args.launched_by else ""))
         print(
             f"host: traced ops {s['host_traced_ms']:.1f} ms; outside any traced op {s['host_untraced_ms']:.1f} ms "
             "(Python between ops: autograd glue, Triton launchers); self time of the busiest thread's ops:"
@@ -301,7 +318,7 @@ def main():
                 )
         if args.json:
             with open(args.json, "a") as f:
-                kept = {k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks", "gaps")}
+                kept = {k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks", "gaps", "launched_by")}
                 f.write(json.dumps(kept) + "\n")
     if args.groups:
         print(groups_table(summaries))

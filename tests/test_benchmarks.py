@@ -332,6 +332,26 @@ def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
     assert (s["wall_ms"], s["compute_ms"], s["nccl_ms"]) == (0.1, 0.06, 0.03)
     assert abs(s["nccl_exposed_ms"] - 0.01) < 1e-12 and abs(s["idle_ms"] - 0.03) < 1e-12
     assert s["kernels"] == 3 and s["top"][0][:2] == ("gemm", 1)
+    assert s["launched_by"]["gemm"] == [("?", 1)]  # no op with its External id in this trace
+
+
+def test_trace_summary_names_the_op_that_launched_each_kernel(tmp_path):
+    """Kernels are matched to the aten op that dispatched them through their shared External id."""
+    from benchmarks.trace_summary import summarize
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5, "args": {"External id": 7}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 6, "dur": 5, "args": {"External id": 8}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "ts": 12, "dur": 5, "args": {"External id": 9}},
+    ] + [
+        {"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": 5, "args": {"External id": i}}
+        for n, ts, i in (("gemm", 10, 7), ("copy", 20, 8), ("copy", 30, 9), ("copy", 40, 99))
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    s = summarize(str(path))
+    assert s["launched_by"] == {"gemm": [("aten::mm", 1)], "copy": [("aten::copy_", 2), ("?", 1)]}
 
 
 def test_trace_summary_kernel_groups(tmp_path):
