@@ -864,8 +864,9 @@ def test_fused_path_contract_under_triton_backend():
 
 def test_fused_path_kernel_halves_wiring():
     """The GPU path that calls the conv's and the norm's forward / backward halves directly (no autograd inside the
-    mixer's backward; dz and dxBC written into dzxbcdt in place), with reference stand-ins for the halves: documents,
-    initial / final states, two groups, against the float64 reference."""
+    mixer's backward; dz and dxBC written into dzxbcdt in place), with reference stand-ins for the halves (but the
+    conv's forward with documents, which is our Triton kernel there): documents, initial / final states, two groups,
+    against the float64 reference."""
     interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=6, chunk_size=16, split_path=True, halves=True)
     interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True)
 

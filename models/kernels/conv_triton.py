@@ -5,8 +5,9 @@ causal_conv1d_ref's contract (conv_reference.py), for widths W <= 4:
 x is [B, D, L] with its channels contiguous (stride(1) == 1: the mixer's view of zxbcdt, any token stride); the
 output is [B, D, L] over a dense [B, L, D] buffer, the same layout.
 
-What it is for (docs/performance.md, session 11): the CUDA conv where causal_conv1d is not installed
-(ops.causal_conv1d prefers causal_conv1d's kernels). It was written to remove what documents cost causal_conv1d's
+What it is for (docs/performance.md, sessions 11 and 17): the CUDA conv where causal_conv1d is not installed
+(ops.causal_conv1d prefers causal_conv1d's kernels), and the fused mixer's forward conv with documents (faster than
+causal_conv1d's there: split_conv1d_scan.py). It was written to remove what documents cost causal_conv1d's
 channel-last kernels in the 1.3B step (0.154 / 0.367 ms forward / backward per layer with seq_idx, 0.108 / 0.228
 without); on an H100 its forward with documents is faster (1.3B 0.142 vs 0.157 ms), without them slower (0.161 vs
 0.114), and its backward 1.6-2.1x slower (0.50-0.60 ms): Triton has no register shifts, so each of the four g a
@@ -214,9 +215,11 @@ def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
         raise ValueError(f"seq_idx must be int32 [{b}, {L}], got {seq_idx_BL.dtype} {tuple(seq_idx_BL.shape)}")
 
 
-# Tiles (positions x channels) and warps; benchmarks/bench_conv.py --tune times the alternatives.
-_FWD_BLOCK_D = 64
-_FWD_BLOCK_L = 64
+# Tiles (positions x channels) and warps; benchmarks/bench_conv.py --tune times the alternatives. Forward: 128
+# channels x 32 positions (H100, session 17, with documents: 1.3B 0.127 ms against 0.142 with 64 x 64, 370M 0.070
+# against 0.080).
+_FWD_BLOCK_D = 128
+_FWD_BLOCK_L = 32
 _FWD_WARPS = 4
 _BWD_BLOCK_D = 64
 _BWD_BLOCK_L = 16

@@ -179,16 +179,23 @@ def test_split_conv1d_scan_triton_backend_matches_reference():
         assert all(e < 6e-2 for e in errs.values()), (keep, errs)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_path_kernel_halves_equal_autograd_path(dtype, monkeypatch):
+@pytest.mark.parametrize(
+    "dtype,fp32_weights", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_split_path_kernel_halves_equal_autograd_path(dtype, fp32_weights, monkeypatch):
     """The fused mixer with the conv's and the norm's kernel halves called directly (the CUDA default) against the
-    same Function with both run through autograd (ops.causal_conv1d / ops.rmsnorm_gated): the same kernels, so
-    outputs and every gradient agree to rounding (float32 1e-5; bf16 2e-2: the norm's output recomputed inside its
-    backward kernel rounds once more before out_proj's weight gradient)."""
+    same Function with both run through autograd (ops.causal_conv1d / ops.rmsnorm_gated): the same math (with
+    documents the halves' conv forward is our Triton kernel, causal_conv1d's in the autograd path), so outputs and
+    every gradient agree to rounding (float32 1e-5; bf16 2e-2: the norm's output recomputed inside its backward
+    kernel rounds once more before out_proj's weight gradient). fp32_weights: the model's float32 parameters with
+    bf16 activations, where the halves write out_proj's weight gradient in float32 directly (mm's out_dtype)."""
     from models.kernels import split_conv1d_scan as scs
 
     b, L, P, G = 2, 300, 64, 2
     tensors, r = split_path_inputs(5, b, L, P, G, dtype, with_init=True)
+    if fp32_weights:
+        for name in ("conv1d_weight", "conv1d_bias", "rmsnorm_weight", "outproj_weight"):
+            tensors[name] = tensors[name].float()
     seq = seq_idx_for(b, L)
     cot = r(b, L, 256, dt=torch.float32)
 
@@ -208,3 +215,5 @@ def test_split_path_kernel_halves_equal_autograd_path(dtype, monkeypatch):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     errs = {k: rel_err(halves[k], autograd_path[k]) for k in halves}
     assert all(e < tol for e in errs.values()), errs
+    if fp32_weights:
+        assert halves["doutproj_weight"].dtype == torch.float32
