@@ -88,9 +88,31 @@ def run(shape_name: str, with_seq: bool) -> dict:
 
 
 # --tune: our kernels' block sizes (conv_triton's module constants) tried one set at a time.
-TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps, RANGE_L)
+TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps, RANGE_L, kernel)
     dict(
-        _FWD_BLOCK_D=64, _FWD_BLOCK_L=64, _FWD_WARPS=4, _BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=4, _BWD_RANGE_L=512
+        _FWD_BLOCK_D=128,
+        _FWD_BLOCK_L=32,
+        _FWD_WARPS=4,
+        _BWD_BLOCK_D=64,
+        _BWD_BLOCK_L=16,
+        _BWD_WARPS=4,
+        _BWD_RANGE_L=512,
+        _BWD_MODE="recompute",
+    ),  # fmt: skip
+    # each g computed once, shifted by a register gather or through a scratch tile (conv_bwd_shift_kernel)
+    # (registers per thread on sm_90, benchmarks/kernel_resources.py-style compile: 208-229, none spilling; the
+    # recompute kernel at 64 x 16 and 4 warps: 255, at 8 warps or 32 x 16: 125-127)
+    *(
+        dict(_BWD_MODE=mode, _BWD_BLOCK_D=bd, _BWD_BLOCK_L=bl, _BWD_WARPS=w, _BWD_RANGE_L=512)
+        for mode, bd, bl, w in (
+            ("gather", 64, 32, 8),
+            ("gather", 64, 16, 4),
+            ("gather", 32, 32, 4),
+            ("scratch", 64, 32, 8),
+            ("scratch", 64, 16, 4),
+            ("recompute", 64, 16, 8),
+            ("recompute", 32, 16, 4),
+        )
     ),
     dict(
         _FWD_BLOCK_D=128,
@@ -145,11 +167,15 @@ def tune(shape_name: str) -> None:
 
     default = {k: getattr(conv_triton, k) for k in TUNE[0]}
     for setting in TUNE:
-        for k, v in setting.items():
+        for k, v in {**default, **setting}.items():  # a set names what it changes; the rest is the module's
             setattr(conv_triton, k, v)
         r = run(shape_name, True)
         short = " ".join(f"{k.strip('_').lower()}={v}" for k, v in setting.items())
-        print(f"tune {shape_name} {short}: fwd {r['ours_fwd_ms']:.3f} ms, bwd {r['ours_bwd_ms']:.3f} ms", flush=True)
+        print(
+            f"tune {shape_name} {short}: fwd {r['ours_fwd_ms']:.3f} ms, bwd {r['ours_bwd_ms']:.3f} ms "
+            f"(dx vs causal_conv1d {r.get('diff_dx', float('nan')):.1e}, dw {r.get('diff_dw', float('nan')):.1e})",
+            flush=True,
+        )
     for k, v in default.items():
         setattr(conv_triton, k, v)
 
