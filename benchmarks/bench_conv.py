@@ -88,32 +88,18 @@ def run(shape_name: str, with_seq: bool) -> dict:
 
 
 # --tune: our kernels' block sizes (conv_triton's module constants) tried one set at a time.
-TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps, RANGE_L, kernel)
+TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps, RANGE_L)
     dict(
         _FWD_BLOCK_D=128,
         _FWD_BLOCK_L=32,
         _FWD_WARPS=4,
-        _BWD_BLOCK_D=64,
+        _BWD_BLOCK_D=32,
         _BWD_BLOCK_L=16,
         _BWD_WARPS=4,
         _BWD_RANGE_L=512,
-        _BWD_MODE="recompute",
     ),  # fmt: skip
-    # each g computed once, shifted by a register gather or through a scratch tile (conv_bwd_shift_kernel)
-    # (registers per thread on sm_90, benchmarks/kernel_resources.py-style compile: 208-229, none spilling; the
-    # recompute kernel at 64 x 16 and 4 warps: 255, at 8 warps or 32 x 16: 125-127)
-    *(
-        dict(_BWD_MODE=mode, _BWD_BLOCK_D=bd, _BWD_BLOCK_L=bl, _BWD_WARPS=w, _BWD_RANGE_L=512)
-        for mode, bd, bl, w in (
-            ("gather", 64, 32, 8),
-            ("gather", 64, 16, 4),
-            ("gather", 32, 32, 4),
-            ("scratch", 64, 32, 8),
-            ("scratch", 64, 16, 4),
-            ("recompute", 64, 16, 8),
-            ("recompute", 32, 16, 4),
-        )
-    ),
+    dict(_BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=4),  # the backward's tiles before session 17
+    dict(_BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=8),
     dict(
         _FWD_BLOCK_D=128,
         _FWD_BLOCK_L=32,

@@ -271,34 +271,15 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
     return errors
 
 
-def check_conv(
-    b,
-    L,
-    D,
-    W,
-    seed,
-    seq_cuts,
-    silu,
-    bias,
-    token_stride,
-    range_l=None,
-    x_dtype="float32",
-    bwd_mode=None,
-    bwd_block_l=None,
-):
+def check_conv(b, L, D, W, seed, seq_cuts, silu, bias, token_stride, range_l=None, x_dtype="float32"):
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
-    row), range_l positions per backward program (several programs' weight-gradient partial sums), bwd_mode the
-    backward kernel (conv_triton._BWD_MODE) with bwd_block_l rows per tile."""
+    row), range_l positions per backward program (several programs' weight-gradient partial sums)."""
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
 
     if range_l is not None:
         conv_triton._BWD_RANGE_L = range_l
-    if bwd_mode is not None:
-        conv_triton._BWD_MODE = bwd_mode
-    if bwd_block_l is not None:
-        conv_triton._BWD_BLOCK_L = bwd_block_l
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)
     buf = torch.randn(b, L, token_stride, generator=g).to(dt)
@@ -907,23 +888,6 @@ def test_conv_kernels_documents_strided_channel_last():
     interpret(
         conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48, range_l=64
     )
-
-
-def test_conv_backward_with_each_g_once():
-    """The backward kernel that computes each g once and shifts it (conv_bwd_shift_kernel), through a register
-    gather and through a scratch tile: tiles of 16 rows that own 13 (so tile edges fall at 13, 26, ... and inside
-    the 64-position ranges), documents cut at and around those edges, a one-token document, channels not a
-    multiple of the block, widths 4 and 2."""
-    cuts = [[1, 2, 13, 26, 27, 64, 65], [39]]
-    for mode in ("gather", "scratch"):
-        interpret(
-            conv=True, b=2, L=100, D=40, W=4, seed=5, seq_cuts=cuts, silu=True, bias=True, token_stride=48,
-            range_l=64, bwd_mode=mode, bwd_block_l=16,
-        )  # fmt: skip
-        interpret(
-            conv=True, b=1, L=70, D=16, W=2, seed=6, seq_cuts=None, silu=False, bias=False, token_stride=17,
-            range_l=32, bwd_mode=mode, bwd_block_l=16,
-        )  # fmt: skip
 
 
 def test_conv_kernels_widths_without_documents():

@@ -9,10 +9,11 @@ What it is for (docs/performance.md, sessions 11 and 17): the CUDA conv where ca
 (ops.causal_conv1d prefers causal_conv1d's kernels), and the fused mixer's forward conv with documents (faster than
 causal_conv1d's there: split_conv1d_scan.py). It was written to remove what documents cost causal_conv1d's
 channel-last kernels in the 1.3B step (0.154 / 0.367 ms forward / backward per layer with seq_idx, 0.108 / 0.228
-without); on an H100 its forward with documents is faster (1.3B 0.142 vs 0.157 ms), without them slower (0.161 vs
-0.114), and its backward 1.6-2.1x slower (0.50-0.60 ms): Triton has no register shifts, so each of the four g a
-position's dx needs is recomputed from x, where causal_conv1d's threads own consecutive positions and pass the halo
-through shared memory.
+without); on an H100 its forward with documents is faster (1.3B 0.127 vs 0.157 ms since session 17's tiles),
+without them slower (0.122 vs 0.114), and its backward 1.35-1.6x slower (1.3B 0.491 ms): Triton has no register
+shifts, so each of the four g a position's dx needs is recomputed from x, where causal_conv1d's threads own
+consecutive positions and pass the halo through shared memory (computing each g once and shifting it through
+tl.gather or a scratch tile was slower still: session 17).
 
 Backward, for g_t = dout_t act'(pre_t) (pre: the conv before the activation, recomputed here):
     dx[s] = sum_j weight[W-1-j] g[s+j] [seq[s] == seq[s+j]]
@@ -198,91 +199,6 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     tl.store(db_part_ptr + part * D + offs_d, tl.sum(db, axis=0), mask=mask_d)
 
 
-@triton.jit
-def _shifted(g, scratch, rows, offs_c, j: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-             GATHER: tl.constexpr):  # fmt: skip
-    """Row r of the result is row r + j of the tile g [BLOCK_L, BLOCK_D] (rows past the tile: garbage, never used).
-    GATHER: a register gather (tl.gather, through shared memory); else reloaded from this program's scratch tile in
-    global memory (L1 / L2), which the caller stored g into."""
-    if GATHER:
-        idx = tl.minimum(rows + j, BLOCK_L - 1)
-        return tl.gather(g, tl.broadcast_to(idx[:, None], (BLOCK_L, BLOCK_D)), 0)
-    src = rows + j
-    return tl.load(scratch + src[:, None] * BLOCK_D + offs_c[None, :], mask=(src < BLOCK_L)[:, None], other=0.0)
-
-
-@triton.jit
-def conv_bwd_shift_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, scratch_ptr,
-                          L, D, N_RANGES, s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
-                          HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
-                          RANGE_L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-                          GATHER: tl.constexpr):  # fmt: skip
-    """conv_bwd_kernel's outputs with each g computed once: a tile of BLOCK_L rows computes g at all of them and owns
-    the first BLOCK_L - 3 (their dx, and their share of dweight / dbias); dx of an owned row t reads g at t + 1 ...
-    t + 3 from the same tile, shifted by _shifted. Tiles step by BLOCK_L - 3, so the last three rows' g is computed
-    twice (by this tile and, owned, by the next). A range's programs start at multiples of RANGE_L."""
-    pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, BLOCK_D)
-    rows = tl.arange(0, BLOCK_L)
-    mask_d = offs_d < D
-    bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
-    x_b = x_ptr + b * s_x_b
-    seq_b = seq_ptr + b * L
-    dout_b = dout_ptr + b * s_y_b
-    program = (b * N_RANGES + pid_r) * tl.num_programs(1) + pid_d
-    scratch = scratch_ptr + program * BLOCK_L * BLOCK_D
-    # Sums over the program's rows, reduced per tile (tiles of 32-64 rows: [BLOCK_L, BLOCK_D] accumulators would
-    # take 5 x 64 registers per thread).
-    dw0 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    dw1 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    dw3 = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    end = tl.minimum(pid_r * RANGE_L + RANGE_L, L)
-    for l0 in range(pid_r * RANGE_L, end, BLOCK_L - 3):
-        t = l0 + rows
-        xm3 = _rows(x_b, t - 3, offs_d, mask_d, L, s_x_l)
-        xm2 = _rows(x_b, t - 2, offs_d, mask_d, L, s_x_l)
-        xm1 = _rows(x_b, t - 1, offs_d, mask_d, L, s_x_l)
-        x0 = _rows(x_b, t, offs_d, mask_d, L, s_x_l)
-        sm3 = _ids(seq_b, t - 3, L, HAS_SEQ)
-        sm2 = _ids(seq_b, t - 2, L, HAS_SEQ)
-        sm1 = _ids(seq_b, t - 1, L, HAS_SEQ)
-        s0 = _ids(seq_b, t, L, HAS_SEQ)
-        g = _grad(dout_b, t, offs_d, mask_d, L, s_y_l,
-                  _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ), SILU)  # fmt: skip
-        own = (rows < BLOCK_L - 3) & (t < end)
-        g_own = tl.where(own[:, None], g, 0.0)
-        db += tl.sum(g_own, axis=0)
-        dw0 += tl.sum(g_own * _same(xm3, sm3, s0, HAS_SEQ), axis=0)
-        dw1 += tl.sum(g_own * _same(xm2, sm2, s0, HAS_SEQ), axis=0)
-        dw2 += tl.sum(g_own * _same(xm1, sm1, s0, HAS_SEQ), axis=0)
-        dw3 += tl.sum(g_own * x0, axis=0)
-        if not GATHER:
-            tl.debug_barrier()  # the previous tile's reads of the scratch are done
-            tl.store(scratch + rows[:, None] * BLOCK_D + offs_c[None, :], g)
-            tl.debug_barrier()
-        dx = g * w3[None, :]
-        dx += _same(_shifted(g, scratch, rows, offs_c, 1, BLOCK_L, BLOCK_D, GATHER),
-                    _ids(seq_b, t + 1, L, HAS_SEQ), s0, HAS_SEQ) * w2[None, :]  # fmt: skip
-        dx += _same(_shifted(g, scratch, rows, offs_c, 2, BLOCK_L, BLOCK_D, GATHER),
-                    _ids(seq_b, t + 2, L, HAS_SEQ), s0, HAS_SEQ) * w1[None, :]  # fmt: skip
-        dx += _same(_shifted(g, scratch, rows, offs_c, 3, BLOCK_L, BLOCK_D, GATHER),
-                    _ids(seq_b, t + 3, L, HAS_SEQ), s0, HAS_SEQ) * w0[None, :]  # fmt: skip
-        dx_out = dx_ptr + b * s_dx_b + t[:, None] * s_dx_l + offs_d[None, :]
-        tl.store(dx_out, dx.to(dx_ptr.dtype.element_ty), mask=own[:, None] & mask_d[None, :])
-    part = b * N_RANGES + pid_r
-    dw_base = dw_part_ptr + part * 4 * D + offs_d
-    tl.store(dw_base, dw0, mask=mask_d)
-    tl.store(dw_base + D, dw1, mask=mask_d)
-    tl.store(dw_base + 2 * D, dw2, mask=mask_d)
-    tl.store(dw_base + 3 * D, dw3, mask=mask_d)
-    tl.store(db_part_ptr + part * D + offs_d, db, mask=mask_d)
-
-
 def _channel_last(x_BDL: torch.Tensor) -> torch.Tensor:
     """The same [B, D, L] with its channels contiguous (a copy only when they are not)."""
     return x_BDL if x_BDL.stride(1) == 1 else x_BDL.transpose(1, 2).contiguous().transpose(1, 2)
@@ -306,13 +222,13 @@ def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
 _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
-_BWD_BLOCK_D = 64
+# Backward: 32 channels x 16 positions (127 registers per thread on sm_90 against 255 at 64 x 16; H100, session 17,
+# with documents: 1.3B 0.491 ms against 0.590, 370M 0.281 against 0.323; causal_conv1d's 0.364 / 0.208). A version
+# computing each g once and shifting it between rows (tl.gather, or a scratch tile) ran 0.97-1.48 ms: not kept.
+_BWD_BLOCK_D = 32
 _BWD_BLOCK_L = 16
 _BWD_WARPS = 4
 _BWD_RANGE_L = 512  # positions per backward program (its weight-gradient partial sums)
-# The backward's kernel: "recompute" (conv_bwd_kernel: each g recomputed four times) or "gather" / "scratch"
-# (conv_bwd_shift_kernel: each g once, shifted in registers through tl.gather or through a scratch tile).
-_BWD_MODE = "recompute"
 
 
 def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> torch.Tensor:
@@ -343,27 +259,14 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
     n_ranges = triton.cdiv(L, _BWD_RANGE_L)
     dw_part = torch.empty(b * n_ranges, 4, d, device=x_BDL.device, dtype=torch.float32)
     db_part = torch.empty(b * n_ranges, d, device=x_BDL.device, dtype=torch.float32)
-    grid = (n_ranges, triton.cdiv(d, _BWD_BLOCK_D), b)
-    args = (
+    conv_bwd_kernel[(n_ranges, triton.cdiv(d, _BWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
-        dout_BDL, dx_BDL, dw_part, db_part,
-    )  # fmt: skip
-    strides = (
-        L, d, n_ranges, x_BDL.stride(0), x_BDL.stride(2), dout_BDL.stride(0), dout_BDL.stride(2),
-        dx_BDL.stride(0), dx_BDL.stride(2), weight_DW.stride(0), weight_DW.stride(1),
-    )  # fmt: skip
-    flags = dict(
+        dout_BDL, dx_BDL, dw_part, db_part, L, d, n_ranges, x_BDL.stride(0), x_BDL.stride(2),
+        dout_BDL.stride(0), dout_BDL.stride(2), dx_BDL.stride(0), dx_BDL.stride(2),
+        weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         RANGE_L=_BWD_RANGE_L, BLOCK_L=_BWD_BLOCK_L, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS,
     )  # fmt: skip
-    if _BWD_MODE == "recompute":
-        conv_bwd_kernel[grid](*args, *strides, **flags)
-    else:
-        gather = _BWD_MODE == "gather"
-        n_programs = grid[0] * grid[1] * grid[2]
-        scratch = torch.empty(1 if gather else n_programs * _BWD_BLOCK_L * _BWD_BLOCK_D, device=x_BDL.device,
-                              dtype=torch.float32)  # fmt: skip
-        conv_bwd_shift_kernel[grid](*args, scratch, *strides, GATHER=gather, **flags)
     W = weight_DW.shape[1]
     dw = dw_part.sum(0)[4 - W :].t()  # taps 4 - W ... 3 are the weight's columns
     db = db_part.sum(0) if bias_D is not None else None
