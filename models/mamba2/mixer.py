@@ -20,6 +20,7 @@ from torch import nn
 from models.args import ModelArgs
 from models.inference import InferenceCache, MambaLayerCache, last_conv_inputs
 from models.kernels import ops, step_ops
+from models.kernels.autocast_linear import autocast_linear
 from models.norms import GatedRMSNorm
 
 
@@ -61,7 +62,8 @@ class Mamba2Mixer(nn.Module):
             # runs in_proj in two halves, the all-to-all of the second one hidden behind the first
             z_BSE, xBCdt = self.cp.in_proj_pre_conv_ssm(u_BSD, self.in_proj)
             return self._conv_ssm_out(z_BSE, xBCdt, seq_idx)[0]
-        return self._forward(self.in_proj(u_BSD), seq_idx)[0]
+        # autocast_linear: nn.Linear's product, with the float32 weight's gradient written in float32 by cuBLAS on CUDA
+        return self._forward(autocast_linear(u_BSD, self.in_proj.weight, self.in_proj.bias), seq_idx)[0]
 
     def _forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool = False):
         """in_proj output -> (out [b, s, d_model], the SSM state after the last token [b, H, P, N] or None)."""

@@ -379,3 +379,32 @@ def test_auto_backend_uses_kernels_on_cuda():
     assert ops.use_cuda_kernels("auto", t) and ops.use_cuda_kernels("cuda", t) and ops.use_cuda_kernels("mamba_ssm", t)
     assert ops.use_triton_ssd("auto", t) and not ops.use_triton_ssd("mamba_ssm", t)  # auto: our SSD on CUDA
     assert not ops.use_cuda_kernels("auto", t.cpu()) and not ops.use_cuda_kernels("reference", t)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_autocast_linear_matches_autocast_and_keeps_the_weight_gradient_float32(x_dtype):
+    """models.kernels.autocast_linear (the mixer's in_proj) under bf16 autocast with a float32 weight: the same
+    output and input gradient as autocast's F.linear (bitwise: the same bf16 product), the input gradient in x's
+    dtype (float32 for the first layer, whose norm returns the embedding's float32), and a weight gradient written
+    in float32 by cuBLAS that is at least as close to the float64 product as autocast's (rounded to bf16 first)."""
+    from models.kernels.autocast_linear import autocast_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 300, 256, generator=g).to(DEV, x_dtype)
+    w = torch.nn.Parameter(torch.randn(520, 256, generator=g).to(DEV) * 256**-0.5)
+    dy = torch.randn(2, 300, 520, generator=g).to(DEV)
+
+    def run(fn):
+        xl, wl = x.detach().clone().requires_grad_(), torch.nn.Parameter(w.detach().clone())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn(xl, wl)
+        out.backward(dy.to(out.dtype))
+        return out, xl.grad, wl.grad
+
+    ours, theirs = run(autocast_linear), run(torch.nn.functional.linear)
+    assert ours[0].dtype == theirs[0].dtype == torch.bfloat16 and torch.equal(ours[0], theirs[0])
+    assert ours[1].dtype == x_dtype and torch.equal(ours[1], theirs[1])
+    assert ours[2].dtype == torch.float32
+    exact = dy.double().reshape(-1, 520).t() @ x.to(torch.bfloat16).double().reshape(-1, 256)
+    assert rel_err(ours[2], exact) <= rel_err(theirs[2], exact)
+    assert rel_err(ours[2], theirs[2]) < 1e-2

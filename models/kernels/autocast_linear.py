@@ -1,0 +1,56 @@
+"""A linear layer under CUDA autocast whose float32 weight gets its gradient written in float32 by cuBLAS.
+
+Under bf16 autocast with float32 weights (the trainer's single-GPU / DDP setting), nn.Linear casts the weight to bf16
+for the product, and autograd casts the bf16 weight gradient back to float32 in a kernel of its own: at the 1.3B
+shape a 17M-element cast per layer and step, 0.068 ms each (docs/performance.md, session 17). torch.mm's out_dtype
+writes the float32 gradient directly from the bf16 operands: one kernel fewer per layer, and the gradient is no longer
+rounded to bf16 before the optimizer adds it. Everything else is what autocast's F.linear does: the product in the
+autocast dtype, the input and the cast weight kept for the backward, the input gradient in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["autocast_linear"]
+
+
+def _float32_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    """CUDA autocast to a 16-bit dtype, a plain float32 weight (not a DTensor: FSDP2 / TP shards keep nn.Linear), no
+    bias (Mamba-2's in_proj has none)."""
+    return (
+        x.is_cuda
+        and bias is None
+        and type(weight) is torch.nn.Parameter
+        and weight.dtype == torch.float32
+        and torch.is_autocast_enabled("cuda")
+        and torch.get_autocast_dtype("cuda") in (torch.bfloat16, torch.float16)
+    )
+
+
+class _AutocastLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, dtype):
+        x16, w16 = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x16, w16)
+        ctx.x_dtype = x.dtype
+        return F.linear(x16, w16)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x16, w16 = ctx.saved_tensors
+        dy16 = dy.to(w16.dtype)
+        dx = (dy16 @ w16).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.mm(dy16.reshape(-1, dy16.shape[-1]).t(), x16.reshape(-1, x16.shape[-1]), out_dtype=torch.float32)
+        return dx, dw, None
+
+
+def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) as autocast runs it; the float32 weight's gradient from cuBLAS in float32 where
+    that applies (see the module docstring), F.linear itself everywhere else (the CPU, FSDP2's bf16 parameters, TP)."""
+    if _float32_weight_grad_applies(x, weight, bias):
+        return _AutocastLinear.apply(x, weight, torch.get_autocast_dtype("cuda"))
+    return F.linear(x, weight, bias)
