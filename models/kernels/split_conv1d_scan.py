@@ -111,7 +111,7 @@ def _conv_forward_halves(xBC_in_BLC, conv_w, conv_b, seq, s: _Sizes):
     """The conv's forward as a bare kernel (no autograd): [B, L, conv_dim] -> [B, L, conv_dim]. With documents our
     Triton kernel (conv_triton.py: 0.127 ms against causal_conv1d's 0.157 at the 1.3B shape, 0.070 against 0.094 at
     the 370M, H100, docs/performance.md sessions 11 and 17), run twice per layer and step (forward and the backward's
-    recompute); without them causal_conv1d's (0.114 against our 0.161)."""
+    recompute); without them causal_conv1d's (0.114 against our 0.122)."""
     x_BCL = xBC_in_BLC.transpose(1, 2)
     if seq is not None:
         from models.kernels.conv_triton import conv_forward_triton  # lazy: imports triton
