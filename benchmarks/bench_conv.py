@@ -97,7 +97,7 @@ TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps
         _BWD_BLOCK_L=16,
         _BWD_WARPS=4,
         _BWD_RANGE_L=512,
-    ),  # fmt: skip
+    ),
     dict(_BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=4),  # the backward's tiles before session 17
     dict(_BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=8),
     dict(

@@ -65,6 +65,13 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
+def short_name(name: str | None, width: int = 90) -> str:
+    """A kernel or op name cut to fit a table column ("-" for none)."""
+    if name is None:
+        return "-"
+    return name if len(name) < width else name[: width - 3] + "..."
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by the (start, end) intervals."""
     total, cur_start, cur_end = 0.0, None, None
@@ -211,14 +218,22 @@ def summarize(path: str, top: int = 15) -> dict:
     compute = [clip(e) for e in inside if not is_comm(e)]
     wall = window[1] - window[0]
     busy = union_length(comm + compute)
+    # The op that launched each kernel: kernels and the aten op that dispatched them share an "External id".
+    op_by_id = {
+        e["args"]["External id"]: e["name"]
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
+    }
     per_kernel = collections.defaultdict(lambda: [0, 0.0])
     per_group = collections.defaultdict(lambda: [0, 0.0])
+    launched_by: dict = collections.defaultdict(collections.Counter)
     for e in inside:
         start, end = clip(e)
-        name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
+        name = short_name(e["name"])
         for table, key in ((per_kernel, name), (per_group, kernel_group(e["name"]))):
             table[key][0] += 1
             table[key][1] += end - start
+        launched_by[name][op_by_id.get(e.get("args", {}).get("External id"), "?")] += 1
     launches = [
         e
         for e in events
@@ -228,16 +243,6 @@ def summarize(path: str, top: int = 15) -> dict:
         and window[0] <= e["ts"] <= window[1]
     ]
     host = host_self_times(events, window)
-    # The op that launched each kernel: kernels and the aten op that dispatched them share an "External id".
-    op_by_id = {
-        e["args"]["External id"]: e["name"]
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
-    }
-    launched_by: dict = collections.defaultdict(collections.Counter)
-    for e in inside:
-        name = e["name"] if len(e["name"]) < 90 else e["name"][:87] + "..."
-        launched_by[name][op_by_id.get(e.get("args", {}).get("External id"), "?")] += 1
     return {
         "trace": path,
         "host_traced_ms": host["traced_ms"],
@@ -302,7 +307,7 @@ def main():
             "(Python between ops: autograd glue, Triton launchers); self time of the busiest thread's ops:"
         )
         for name, ms in s["host_top"]:
-            print(f"  {ms:8.2f} ms  {name if len(name) < 90 else name[:87] + '...'}")
+            print(f"  {ms:8.2f} ms  {short_name(name)}")
         if s["fsdp_hooks"]:
             print(
                 "FSDP hooks (host, inclusive): "
@@ -311,10 +316,10 @@ def main():
         if args.gaps:
             print("longest GPU idle gaps (the kernel that ended each was launched from the host op named):")
             for g in s["gaps"][: args.gaps]:
-                short = lambda n: "-" if n is None else (n if len(n) < 60 else n[:57] + "...")  # noqa: E731
+                before, after = short_name(g["before"], 60), short_name(g["after"], 60)
                 print(
-                    f"  {g['ms']:7.2f} ms  after {short(g['before'])} | before {short(g['after'])} | "
-                    f"launched in {short(g['launched_by'])} (inside {short(g['inside'])})"
+                    f"  {g['ms']:7.2f} ms  after {before} | before {after} | "
+                    f"launched in {short_name(g['launched_by'], 60)} (inside {short_name(g['inside'], 60)})"
                 )
         if args.json:
             with open(args.json, "a") as f:

@@ -13,7 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["autocast_linear"]
+__all__ = ["autocast_linear", "weight_grad"]
+
+
+def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight gradient dy^T x [O, I] in the weight's `dtype`. On CUDA, for a float32 weight and
+    16-bit operands, cuBLAS writes it in float32 directly (mm's out_dtype): no rounding to 16 bits first and no cast
+    kernel after it. Used by autocast_linear and by the fused mixer's out_proj (split_conv1d_scan.py)."""
+    if dy_MO.is_cuda and dtype == torch.float32 and dy_MO.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(dy_MO.t(), x_MI, out_dtype=torch.float32)
+    return (dy_MO.t() @ x_MI).to(dtype)
 
 
 def _float32_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
@@ -44,7 +53,7 @@ class _AutocastLinear(torch.autograd.Function):
         dx = (dy16 @ w16).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = torch.mm(dy16.reshape(-1, dy16.shape[-1]).t(), x16.reshape(-1, x16.shape[-1]), out_dtype=torch.float32)
+            dw = weight_grad(dy16.reshape(-1, dy16.shape[-1]), x16.reshape(-1, x16.shape[-1]), torch.float32)
         return dx, dw, None
 
 

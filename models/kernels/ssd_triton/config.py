@@ -113,7 +113,8 @@ class BlockConfig:
     # 0.053 / 0.039).
     bcf_n: int = 32
     bcf_warps: int = 4
-    # dx reads CB itself, transposed, instead of a CBᵀ copy: the backward's C·Bᵀ kernel then writes half the bytes.
+    # dx reads CB itself, transposed, instead of a CBᵀ copy: the backward's C·Bᵀ kernel then writes half the bytes
+    # (CB 0.023 -> 0.019 ms), but dx's strided loads cost more (0.412 -> 0.437; H100, 1.3B, session 17): off.
     dx_reads_cb: bool = False
     # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
     # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
