@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -26,20 +25,21 @@ from components.cuda_graph import GraphedMicrobatch
 from components.distributed import destroy_distributed, init_distributed, set_determinism
 from components.garbage_collection import StepGarbageCollection
 from components.log import setup_logging
-from components.metrics import MetricsLogger, memory_gib, model_flops_per_token, peak_flops
+from components.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from components.moe_balance import MoEBalancer
-from components.optimizer import build_lr_scheduler, build_optimizer
+from components.optimizer import build_lr_scheduler, build_optimizer, skips_on_device, take_optimizer_steps
 from components.profiling import StepProfiler
 from components.run_lock import FolderInUseError, hold_run_folders
 from components.signals import EXIT_CODE_TERMINATED, GracefulStop, die_with_launcher
 from components.step_loss import StepLoss
+from components.step_outcome import NonFiniteStep, StepOutcomes, StepReport, nonfinite
 from components.validation import PipelineEval, Validator
 from configs.checks import resolve_job
 from configs.parser import ConfigError, load_config_or_exit, to_dict
 from data.loader import build_loader
 from models import build_model_on_meta
 from parallelisms.data_parallel import FlatGradients
-from parallelisms.grad_norm import clip_grad_norm_
+from parallelisms.grad_norm import global_grad_norm
 from parallelisms.mesh import coords, group
 from parallelisms.parallelize import build_model_parts
 from parallelisms.sequence_sharding import shard_sequence
@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         if on_gpu and compute_dtype != torch.float32 and not pdims.fsdp_enabled
         else contextlib.nullcontext()
     )
-    peak = peak_flops(device)
     params = [p for part in model_parts for p in part.parameters()]
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     # DDP: after the checkpoint load, which needs .grad unset: every .grad becomes a view of one buffer.
@@ -172,9 +171,15 @@ def main(argv: list[str] | None = None) -> None:
     #    once: there is nothing to save, and torchrun's shutdown of a failed start must not wait for us).
     stop = GracefulStop().install()
     collector = StepGarbageCollection(cfg.training.gc_freq)  # Python's GC between steps only, on every rank at once
-    t_last, tokens_since_log = time.perf_counter(), 0
-    nonfinite_streak, stopping = 0, False  # steps in a row with a non-finite gradient norm; SIGTERM agreed on
+    # A step's loss, grad norm and stop votes are read by the host one step late (components/step_outcome.py), and
+    # fused AdamW skips a non-finite step on the device: the host never waits for the GPU between steps.
+    skip_on_device = all(skips_on_device(opt) for opt in optimizers)
+    outcomes = StepOutcomes(device)
+    report = StepReport(metrics, cfg.metrics.log_freq, cfg.training.steps, cfg.training.skip_nonfinite_grads,
+                        pdims.pp, flops_per_token, peak_flops(device), device)  # fmt: skip
+    stopping = False  # SIGTERM, agreed on by every rank
     for step in range(start_step + 1, cfg.training.steps + 1):
+        is_last = step == cfg.training.steps
         profiler.step(step)  # torch.profiler trace / CUDA memory snapshot of the steps [profiling] chooses
         collector.step(step)
         batch = loader.next_batch()
@@ -210,69 +215,42 @@ def main(argv: list[str] | None = None) -> None:
         if flat_grads is not None:
             flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
         sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient
-        grad_norm = clip_grad_norm_(params, cfg.training.max_norm, pp_group=pp_group)  # equal on every rank
+        grad_norm = global_grad_norm(params, pp_group)  # equal on every rank
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches). A SIGTERM
-        # rides on the same all-reduce, so that every rank agrees to stop after this same step.
+        # rides on the same all-reduce, so that every rank agrees to stop after the same step.
         loss_and_stop = torch.stack([loss_sum.float(), loss_sum.new_full((), float(stop.requested))])
         if world_size > 1:
             dist.all_reduce(loss_and_stop)  # ranks without a loss (early pipeline stages) add zero
-        loss, stop_votes, grad_norm_value = torch.stack(  # the step's one host sync
-            [step_loss.mean(loss_and_stop[0]), loss_and_stop[1], grad_norm.float()]
-        ).tolist()
-        # Both values are the same on every rank (all-reduced), so every rank takes the same branch.
-        if not math.isfinite(loss):
-            stop_before_optimizer_step(checkpointer, f"loss is {loss} at step {step}")
-        skipped = not math.isfinite(grad_norm_value)
-        nonfinite_streak = nonfinite_streak + 1 if skipped else 0
-        if nonfinite_streak > cfg.training.skip_nonfinite_grads:
-            stop_before_optimizer_step(
-                checkpointer,
-                f"the global gradient norm is {grad_norm_value} at step {step} (its loss {loss:.4f} is finite)",
-                hint=""
-                if cfg.training.skip_nonfinite_grads
-                else " To skip such steps instead, set --training.skip_nonfinite_grads N (N in a row at most).",
-            )
-        if skipped:
-            logger.warning(
-                f"step {step}: the global gradient norm is {grad_norm_value}: step skipped, no optimizer step "
-                f"({nonfinite_streak} in a row; at most training.skip_nonfinite_grads="
-                f"{cfg.training.skip_nonfinite_grads})"
-            )
+        loss = step_loss.mean(loss_and_stop[0])
+        skip = nonfinite(loss, grad_norm)  # 1.0: a non-finite loss or gradient norm, the same on every rank
+        if not skip_on_device:  # foreach / for-loop AdamW: the host decides (a sync), before any update
+            skip = bool(skip.item())
+        take_optimizer_steps(optimizers, params, grad_norm, cfg.training.max_norm, skip)  # clipped, or skipped
         for opt in optimizers:
-            if not skipped:
-                opt.step()
             # a CUDA graph and the DDP buffer both hold on to the same .grad tensors
             opt.zero_grad(set_to_none=graphed is None and flat_grads is None)
-        worst_expert_load = moe.after_step(update=not skipped)
+        worst_expert_load = moe.after_step(skip=skip)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:
             sched.step()
-        val = validator.maybe_run(step, last_step=step == cfg.training.steps) if validator else {}
+        val = validator.maybe_run(step, last_step=is_last) if validator else {}
+        outcomes.push(step, loss, grad_norm, loss_and_stop[1], worst_expert_load, lr=lr, tokens=input_ids.numel(),
+                      val=val)  # fmt: skip
 
-        tokens_since_log += input_ids.numel()
-        stopping = stop_votes > 0 and step < cfg.training.steps
-        if step % cfg.metrics.log_freq == 0 or step == cfg.training.steps or val or skipped or stopping:
-            if on_gpu:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t_last
-            # tokens/s per device: tokens this rank's data-parallel replica processed / pp stages sharing them
-            tps = tokens_since_log / dt / pdims.pp
-            record = {
-                "loss": loss,
-                "grad_norm": grad_norm_value,
-                "lr": lr,
-                "tokens_per_sec": tps,
-                "mfu": tps * flops_per_token / peak if peak else 0.0,
-                "memory_gib": memory_gib(device),
-                **val,
-            }
-            if skipped:
-                record["skipped"] = True
-            if worst_expert_load is not None:  # busiest expert / mean, worst MoE layer (E / top_k at most)
-                record["moe_max_load_ratio"] = worst_expert_load.item()
-            metrics.log(step, record)
-            t_last, tokens_since_log = time.perf_counter(), 0
-        checkpointer.save(step, last_step=step == cfg.training.steps, force=stopping)
+        # The host reads the previous step's outcome now that this one is queued; this one's at once where it must
+        # know it before going on (see components/step_outcome.py). Every rank reads the same values.
+        read_now = not skip_on_device or bool(val) or is_last or stopping or checkpointer.due(step, is_last)
+        for done in outcomes.take(step if read_now else step - 1):
+            problem = report(done)
+            if problem is not None:
+                stop_on_nonfinite(checkpointer, problem)
+            stopping = stopping or report.stop_requested(done)
+        if stopping:  # the stop was read from an earlier step: this step is the one saved, so it is read too
+            for done in outcomes.take(step):
+                problem = report(done)
+                if problem is not None:
+                    stop_on_nonfinite(checkpointer, problem)
+        checkpointer.save(step, last_step=is_last, force=stopping)
         if stopping:
             break
 
@@ -349,14 +327,15 @@ def data_errors_exit():
         sys.exit(f"data error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
 
 
-def stop_before_optimizer_step(checkpointer: CheckpointManager, what: str, hint: str = "") -> None:
-    """A non-finite loss or gradient norm: exit before the optimizer step, naming the checkpoint to resume from."""
+def stop_on_nonfinite(checkpointer: CheckpointManager, problem: NonFiniteStep) -> None:
+    """A non-finite loss, or too many non-finite gradient norms in a row: exit without saving, naming the checkpoint
+    to resume from. The step's optimizer update was not taken (skipped on the device, or never called)."""
     checkpointer.close()
     saved = complete_steps(checkpointer.folder) if os.path.isdir(checkpointer.folder) else []
     sys.exit(
-        f"{what}: stopped before the optimizer step, nothing saved; the newest complete checkpoint is "
+        f"{problem.what}: stopped without its optimizer update, nothing saved; the newest complete checkpoint is "
         f"{f'step-{saved[-1]}' if saved else 'none'} in {checkpointer.folder}. Lower optimizer.lr (or raise "
-        f"lr_scheduler.warmup_steps) or check the data.{hint}"
+        f"lr_scheduler.warmup_steps) or check the data.{problem.hint}"
     )
 
 

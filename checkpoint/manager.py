@@ -227,6 +227,10 @@ class CheckpointManager:
         return state
 
     # ------------------------------------------------------------------------------------------- save
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """Whether save(step, last_step) will write a checkpoint (not counting a forced one)."""
+        return self.enabled and (step % self.cfg.interval == 0 or last_step)
+
     def save(self, step: int, last_step: bool = False, force: bool = False) -> bool:
         """Save when enabled and (step % interval == 0 or last_step or force). Returns whether a save was started.
 
@@ -240,7 +244,7 @@ class CheckpointManager:
         if not self.enabled:
             return False
         self._poll()
-        if not (step % self.cfg.interval == 0 or last_step or force):
+        if not (self.due(step, last_step) or force):
             return False
         self.wait()
         t_start = time.perf_counter()

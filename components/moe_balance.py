@@ -24,12 +24,13 @@ class MoEBalancer:
         for moe in self.layers:
             moe.aux_loss_scale = 1.0 / n
 
-    def after_step(self, update: bool = True) -> torch.Tensor | None:
+    def after_step(self, skip: torch.Tensor | bool = False) -> torch.Tensor | None:
         """After the optimizer step: the global expert loads, the bias update, the load metric.
 
         Each MoE layer counted the tokens routed to each expert on this rank; the sum over dp x cp (all-reduce of
         [E] counts) is the global batch's load, identical on every rank, so the bias update keeps the replicas
-        equal. `update` False (a skipped step): the counts are dropped and the bias is left as it is. Returns the
+        equal. A skipped step (`skip` True, or 1.0 in a 0-d device tensor when the optimizer skips on the device):
+        the counts are dropped and the bias is left as it is. Returns the
         busiest expert's load over the mean, worst over the model's MoE layers (max over pipeline stages: a 0-d
         all-reduce), as a device tensor read only on logging steps; None without MoE layers.
         """
@@ -41,7 +42,9 @@ class MoEBalancer:
                 dist.all_reduce(moe.tokens_per_expert, group=self.dp_cp_group)
             load = moe.tokens_per_expert.float()
             ratios.append(load.max() / load.mean().clamp(min=1))
-            if update:
+            if isinstance(skip, torch.Tensor):
+                moe.update_expert_bias(apply=1.0 - skip)
+            elif not skip:
                 moe.update_expert_bias()
             else:
                 moe.tokens_per_expert.zero_()

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from configs.job_config import LRScheduler, Optimizer
+from parallelisms.grad_norm import clip_divisor, clip_grads_
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
@@ -21,11 +22,42 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
                 seen.add(id(p))
                 (decay if p.dim() >= 2 else no_decay).append(p)
     impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device_type == "cuda" else "foreach"
+    if impl == "auto":  # torch's fused AdamW runs on the CPU too, and only it skips and clips on the device
+        impl = "fused"
     flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` can skip a step and clip its gradients inside its own kernels (fused AdamW's found_inf
+    and grad_scale), so that the host never waits for the gradient norm (components/step_outcome.py)."""
+    return bool(optimizer.defaults.get("fused"))
+
+
+def take_optimizer_steps(
+    optimizers: list[torch.optim.Optimizer],
+    params: list[torch.Tensor],
+    grad_norm: torch.Tensor,
+    max_norm: float,
+    skip: torch.Tensor | bool,
+) -> None:
+    """Every optimizer's step on gradients clipped to `max_norm` by the global `grad_norm`, or none when `skip`.
+
+    `skip` a 0-d float32 device tensor (1.0: a non-finite step; every optimizer `skips_on_device`): the optimizers
+    divide the gradients by the clipping divisor and leave parameters, moments and step counts untouched on a skip,
+    all inside fused AdamW's kernels: no host sync and no clipping pass over the gradients. `skip` a bool (read on
+    the host): the gradients are clipped in place, then the optimizers step unless it is True.
+    """
+    if isinstance(skip, torch.Tensor):
+        divisor = clip_divisor(max_norm, grad_norm)
+        for opt in optimizers:
+            opt.grad_scale, opt.found_inf = divisor, skip  # read by torch.optim.Adam(W).step, as GradScaler sets them
+            opt.step()
+    elif not skip:
+        clip_grads_(params, max_norm, grad_norm)
+        for opt in optimizers:
+            opt.step()
 
 
 def lr_factor(

@@ -153,7 +153,10 @@ class Optimizer:
         0.1, "Decoupled weight decay (finite, >= 0; not applied to biases, norms, A_log, D, dt_bias)."
     )
     implementation: str = doc(
-        "auto", "auto: fused on GPU, foreach on CPU.", choices=("auto", "fused", "foreach", "for-loop")
+        "auto",
+        "auto: fused, on GPU and CPU (only fused AdamW skips a non-finite step and clips on the device, so the "
+        "host never waits for the gradient norm; foreach / for-loop read it on the host every step).",
+        choices=("auto", "fused", "foreach", "for-loop"),
     )
 
 

@@ -420,3 +420,26 @@ def test_grouped_mm_path_equals_loop_on_cpu_when_available():
         pytest.skip(f"torch._grouped_mm has no usable CPU kernel here: {e}")
     ref = ex._forward_loop(x.double(), counts)
     torch.testing.assert_close(y.double(), ref, rtol=3e-2, atol=3e-3)
+
+
+@pytest.mark.parametrize("apply", [0.0, 1.0])
+def test_expert_bias_update_masked_on_the_device(apply):
+    """A step the optimizer skipped on the device (apply 0.0): the counts are dropped, the bias stays; 1.0: the
+    update of the unmasked call."""
+    torch.manual_seed(9)
+    m = _moe(moe_num_experts=8, moe_top_k=2, moe_load_balance_coeff=0.002)
+    m.train()
+    x = torch.randn(2, 32, D, dtype=torch.float64)
+    with torch.no_grad():
+        m(x)
+    counts, bias = m.tokens_per_expert.clone(), m.expert_bias.clone()
+    m.update_expert_bias(apply=torch.tensor(apply))
+    assert m.tokens_per_expert.sum() == 0
+    if apply == 0.0:
+        assert torch.equal(m.expert_bias, bias)
+    else:
+        masked = m.expert_bias.clone()
+        m.expert_bias.copy_(bias)
+        m.tokens_per_expert.copy_(counts)
+        m.update_expert_bias()
+        assert torch.equal(m.expert_bias, masked) and not torch.equal(masked, bias)

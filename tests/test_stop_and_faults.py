@@ -51,9 +51,11 @@ def test_nonfinite_gradient_stops_before_the_optimizer_step_and_saves_nothing(tm
     assert saved_steps(tmp_path) == [1, 2]  # nothing of step 3 (its state would be all NaN after the step)
 
 
-def test_skipped_nonfinite_gradient_leaves_the_weights_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("optimizer", ["auto", "foreach"])  # skipped inside fused AdamW / by the host
+def test_skipped_nonfinite_gradient_leaves_the_weights_and_training_goes_on(tmp_path, optimizer):
     r = run_with_faults(
-        CKPT_EVERY_STEP + ["--training.steps", "5", "--training.skip_nonfinite_grads", "1"],
+        CKPT_EVERY_STEP
+        + ["--training.steps", "5", "--training.skip_nonfinite_grads", "1", "--optimizer.implementation", optimizer],
         tmp_path,
         MT_NAN_GRAD_STEPS="3",
     )

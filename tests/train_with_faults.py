@@ -18,18 +18,18 @@ from components.moe_balance import MoEBalancer  # noqa: E402
 
 NAN_GRAD_STEPS = {int(s) for s in os.environ.get("MT_NAN_GRAD_STEPS", "").split(",") if s}
 NAN_PARAM_STEP = int(os.environ.get("MT_NAN_PARAM_STEP", "0"))
-_calls = {"clip": 0, "after_step": 0}
-_real_clip, _real_after_step, _real_build = train.clip_grad_norm_, MoEBalancer.after_step, train.build_model_parts
+_calls = {"norm": 0, "after_step": 0}
+_real_norm, _real_after_step, _real_build = train.global_grad_norm, MoEBalancer.after_step, train.build_model_parts
 _parts = []
 
 
-def clip_with_nan(params, *args, **kwargs):
-    _calls["clip"] += 1
-    if _calls["clip"] in NAN_GRAD_STEPS and int(os.environ.get("RANK", 0)) == 0:
+def norm_with_nan(params, *args, **kwargs):
+    _calls["norm"] += 1
+    if _calls["norm"] in NAN_GRAD_STEPS and int(os.environ.get("RANK", 0)) == 0:
         grad = next(p.grad for p in params if p.grad is not None)
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         local.view(-1)[0] = float("nan")
-    return _real_clip(params, *args, **kwargs)
+    return _real_norm(params, *args, **kwargs)
 
 
 def after_step_then_poison(self, *args, **kwargs):  # called right after the optimizer step
@@ -48,7 +48,7 @@ def build_and_remember(*args, **kwargs):
     return model
 
 
-train.clip_grad_norm_, train.build_model_parts = clip_with_nan, build_and_remember
+train.global_grad_norm, train.build_model_parts = norm_with_nan, build_and_remember
 MoEBalancer.after_step = after_step_then_poison
 
 if __name__ == "__main__":

@@ -207,14 +207,16 @@ class MoE(nn.Module):
         full.zero_()
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
+    def update_expert_bias(self, apply: torch.Tensor | None = None) -> None:
         """After the optimizer step, with tokens_per_expert already summed over the data-parallel ranks: move the
         selection bias toward uniform load, then zero the counts. The update is centred (sum 0): top-k is
-        shift-invariant, and centring keeps the bias from drifting."""
+        shift-invariant, and centring keeps the bias from drifting. `apply`: a 0-d device tensor the update is
+        multiplied by (0.0 for a step the optimizer skipped on the device), so that no host sync decides it."""
         if self.load_balance_coeff:
             load = self.tokens_per_expert.float()
             delta = self.load_balance_coeff * torch.sign(load.mean() - load)
-            self.expert_bias.add_(delta - delta.mean())
+            update = delta - delta.mean()
+            self.expert_bias.add_(update if apply is None else update * apply.to(update.dtype))
         self.tokens_per_expert.zero_()
 
     def route(self, x_TD: torch.Tensor):
