@@ -343,7 +343,11 @@ class MambaContextParallel:
         recv_KBSd = funcol.all_to_all_single(self._send_order(xBCdt_local), None, None, self.cp_group)
         z_BSE = F.linear(u_BSD, W[:zdim], None if bias is None else bias[:zdim])
         cp, b, s_local, d = recv_KBSd.shape
-        out_BSd = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)  # waits for the all-to-all
+        out_BSd = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)  # waits for the all-to-all (a copy)
+        if isinstance(out_BSd, funcol.AsyncCollectiveTensor):
+            # b == 1: the reshape is a view, which AsyncCollectiveTensor passes on without waiting; a Triton kernel
+            # reading its data pointer would then fail ("invalid python storage"). clone waits, under autograd.
+            out_BSd = out_BSd.clone()
         if self.load_balance:
             out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
         return z_BSE, out_BSd

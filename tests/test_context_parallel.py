@@ -460,7 +460,23 @@ def _layers_checks(rank, cp, load_balance):
     for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters()):
         dist.all_reduce(p.grad, group=group)
         torch.testing.assert_close(p.grad, p_ref.grad, msg=lambda m: f"grad of {name}\n{m}")
+    _overlapped_all_to_all_is_waited_for(model["0"], rank, cp)
     return True
+
+
+def _overlapped_all_to_all_is_waited_for(mixer, rank, cp):
+    """One row per rank (long-context runs): the overlapped in_proj + all-to-all must hand the kernels a plain,
+    waited-for tensor (a view of the async result fails in a Triton kernel: its data pointer is not there yet),
+    equal to the synchronous path's, with gradients."""
+    cpm = MambaContextParallel.from_mixer(mixer, dist.group.WORLD, load_balance=False)  # no reordering copy after it
+    u = torch.randn(1, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    z, xBCdt = cpm.in_proj_pre_conv_ssm(u, mixer.in_proj)
+    assert type(xBCdt) is torch.Tensor and xBCdt.data_ptr() != 0, type(xBCdt)
+    zxbcdt = mixer.in_proj(u)
+    torch.testing.assert_close(z, zxbcdt[..., : cpm.d_inner])
+    torch.testing.assert_close(xBCdt, cpm.pre_conv_ssm(zxbcdt[..., cpm.d_inner :]))
+    (xBCdt.sum() + z.sum()).backward()
+    assert u.grad is not None and torch.isfinite(u.grad).all()
 
 
 # ----------------------------------------------------------------------------------------------------
