@@ -625,3 +625,19 @@ def test_bench_ssd_set_overrides_config_fields():
     for bad in ("keep_state=True", "keep_states=Tru"):
         with pytest.raises(SystemExit):
             bench_ssd._parse_sets(ap, [bad])
+
+
+def test_bench_norm_shapes_match_the_models_and_cpu_refusal():
+    """bench_norm.py's operands are the fused mixer's at the 370M / 1.3B flavors with the compare_mamba_ssm batches:
+    B * L rows of d_inner, z a slice of zxbcdt (2 d_inner + 2 G N + H wide); without CUDA the script stops before any
+    work, naming what it needs."""
+    from benchmarks import bench_norm
+    from models.args import build_model_args
+
+    for name, flavor, tokens in (("1.3b", "1.3B", 4 * 4096), ("370m", "370M", 8 * 2048)):
+        a = build_model_args(flavor)
+        width = 2 * a.d_inner + 2 * a.ngroups * a.d_state + a.nheads
+        assert bench_norm.SHAPES[name] == (tokens, a.d_inner, width) and a.ngroups == 1
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bench_norm.main([])

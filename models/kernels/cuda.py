@@ -155,24 +155,30 @@ def causal_conv1d_cuda(x_BDL, weight_DW, bias_D=None, seq_idx_BL=None, activatio
 
 
 # ---- forward / backward halves without autograd, for our fused mixer (split_conv1d_scan.py) ----------------------
-# The same functions mamba_ssm's own fused mixer calls (mamba_ssm/ops/triton/ssd_combined.py): the conv's forward and
-# backward, the gated RMSNorm's forward and its backward that also recomputes the normed output. Called directly,
-# they skip what a step pays per layer for autograd Functions, causal_conv1d's custom-op dispatch and a graph rebuilt
-# inside the backward (docs/performance.md, issue 14: the 370M step is host-bound).
+# The conv's forward and backward (causal_conv1d's, the functions mamba_ssm's own fused mixer calls), and the gated
+# RMSNorm's forward and its backward that also recomputes the normed output (ours, gated_rmsnorm_triton.py; mamba_ssm's
+# _layer_norm_fwd / _layer_norm_bwd with NORM_HALVES = "mamba_ssm"). Called directly, they skip what a step pays per
+# layer for autograd Functions, causal_conv1d's custom-op dispatch and a graph rebuilt inside the backward
+# (docs/performance.md, issue 14: the 370M step is host-bound).
 _HALVES: dict | None = None
+# Which gated-norm halves gated_rmsnorm_forward / _backward run when not told: "ours", or "mamba_ssm" (for comparison:
+# benchmarks/bench_norm.py, tests/gpu/test_kernels_gpu.py).
+NORM_HALVES = "ours"
 
 
 def kernel_halves() -> dict | None:
     """{conv_fwd, conv_bwd, norm_fwd, norm_bwd, conv_entry}, or None when the kernels (or these functions) do not
-    import. conv_fwd(x, w, b, seq, silu) -> out; conv_bwd(x, w, b, dout, seq, silu, dx or None) -> (dx, dw, db)."""
+    import. conv_fwd(x, w, b, seq, silu) -> out; conv_bwd(x, w, b, dout, seq, silu, dx or None) -> (dx, dw, db);
+    norm_fwd / norm_bwd: ours (gated_rmsnorm_triton.py), gated_rmsnorm_forward / _backward's contract."""
     global _HALVES
     if _HALVES is None:
         _HALVES = {}
         if _load() is not None:
             try:
                 from causal_conv1d.cpp_functions import causal_conv1d_bwd_function, causal_conv1d_fwd_function
-                from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_bwd, _layer_norm_fwd
-            except Exception:  # an older / newer layout of either package: the autograd path still works
+
+                from models.kernels.gated_rmsnorm_triton import gated_rmsnorm_bwd, gated_rmsnorm_fwd
+            except Exception:  # an older / newer layout of causal_conv1d: the autograd path still works
                 pass
             else:
                 _HALVES = dict(
@@ -180,8 +186,8 @@ def kernel_halves() -> dict | None:
                     conv_bwd=lambda x, w, b, dout, seq, silu, dx: causal_conv1d_bwd_function(
                         x, w, b, dout, seq, None, None, dx, False, silu
                     )[:3],
-                    norm_fwd=_layer_norm_fwd,
-                    norm_bwd=_layer_norm_bwd,
+                    norm_fwd=gated_rmsnorm_fwd,
+                    norm_bwd=gated_rmsnorm_bwd,
                     conv_entry="causal_conv1d.cpp_functions",
                 )
                 _HALVES.update(_conv_entry_points() or {})
@@ -242,22 +248,40 @@ def conv_backward(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: bool, dx
     return dw.to(w_dtype), None if db is None else db.to(b_dtype)
 
 
-def gated_rmsnorm_forward(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_before_gate: bool):
-    """Gated, grouped RMSNorm of rows [M, D] (last dim contiguous): (out [M, D], rstd [groups * M] float32)."""
-    out, _, rstd = kernel_halves()["norm_fwd"](
-        y_MD, weight_D, None, eps, z=z_MD, group_size=group_size, norm_before_gate=norm_before_gate, is_rms_norm=True
+def gated_rmsnorm_forward(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_before_gate: bool, impl=None):
+    """Gated, grouped RMSNorm of rows [M, D] (last dim contiguous): (out [M, D], rstd [groups * M] float32).
+    impl: "ours" or "mamba_ssm" (None: NORM_HALVES)."""
+    if (impl or NORM_HALVES) == "mamba_ssm":
+        out, _, rstd = _mamba_ssm_norm_halves()[0](
+            y_MD, weight_D, None, eps, z=z_MD, group_size=group_size, norm_before_gate=norm_before_gate,
+            is_rms_norm=True,
+        )  # fmt: skip
+        return out, rstd
+    return kernel_halves()["norm_fwd"](y_MD, weight_D, z_MD, eps, group_size, norm_before_gate)
+
+
+def gated_rmsnorm_backward(
+    dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute, impl=None
+):
+    """Gradients of gated_rmsnorm_forward (the same impl's rstd): (dy [M, D], dweight, the normed output recomputed
+    or None); dz is written into dz_MD."""
+    if (impl or NORM_HALVES) == "mamba_ssm":
+        dy, dw, _, _, *out = _mamba_ssm_norm_halves()[1](
+            dout_MD, y_MD, weight_D, None, eps, None, rstd, z_MD, group_size=group_size,
+            norm_before_gate=norm_before_gate, is_rms_norm=True, recompute_output=recompute, dz=dz_MD,
+        )  # fmt: skip
+        return dy, dw, out[0] if recompute else None
+    return kernel_halves()["norm_bwd"](
+        dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute
     )
-    return out, rstd
 
 
-def gated_rmsnorm_backward(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute):
-    """Gradients of gated_rmsnorm_forward: (dy [M, D], dweight, the normed output recomputed or None); dz is written
-    into dz_MD."""
-    dy, dw, _, _, *out = kernel_halves()["norm_bwd"](
-        dout_MD, y_MD, weight_D, None, eps, None, rstd, z_MD, group_size=group_size,
-        norm_before_gate=norm_before_gate, is_rms_norm=True, recompute_output=recompute, dz=dz_MD,
-    )  # fmt: skip
-    return dy, dw, out[0] if recompute else None
+def _mamba_ssm_norm_halves():
+    """mamba_ssm's gated norm forward / backward (_layer_norm_fwd, _layer_norm_bwd), for comparison with ours."""
+    kernels()  # the reason, when mamba_ssm does not import
+    from mamba_ssm.ops.triton.layernorm_gated import _layer_norm_bwd, _layer_norm_fwd
+
+    return _layer_norm_fwd, _layer_norm_bwd
 
 
 def rmsnorm_gated_cuda(x, weight, z=None, eps=1e-5, group_size=None, norm_before_gate=False):

@@ -275,6 +275,46 @@ def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32, impl):
     )
 
 
+@pytest.mark.parametrize("ngroups", [1, 2])
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_gated_rmsnorm_halves_ours_vs_mamba_ssm(norm_before_gate, ngroups):
+    """Our gated-norm halves (gated_rmsnorm_triton.py: the fused mixer's norm on CUDA) against mamba_ssm's
+    _layer_norm_fwd / _layer_norm_bwd (cuda.gated_rmsnorm_forward / _backward with impl="mamba_ssm") and the float64
+    reference, at the 1.3B's width scaled down in rows (4096 x 4096, bf16, a float32 weight), z and dz strided slices
+    of zxbcdt-like buffers, the output recomputed in the backward: both round the same float32 values to bf16 once,
+    so ours must be as close to the reference as theirs (and rstd, dweight to float32 rounding)."""
+    gen = torch.Generator().manual_seed(11)
+    M, D, F = 4096, 4096, 8512
+    gs = D // ngroups
+    zx = torch.randn(M, F, generator=gen).to(DEV, torch.bfloat16)
+    y, z = torch.randn(M, D, generator=gen).to(DEV, torch.bfloat16), zx[:, 8 : D + 8]
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(DEV)
+    dout = torch.randn(M, D, generator=gen).to(DEV, torch.bfloat16)
+    leaves = [t.detach().double().requires_grad_() for t in (y, w, z)]
+    ref = rmsnorm_gated_ref(*leaves, eps=1e-5, group_size=gs, norm_before_gate=norm_before_gate)
+    ref.backward(dout.double())
+    want = dict(out=ref, out_again=ref, dy=leaves[0].grad, dw=leaves[1].grad, dz=leaves[2].grad)
+    errs, rstds = {}, {}
+    for impl in ("ours", "mamba_ssm"):
+        dz_buf = torch.full((M, F), float("nan"), device=DEV, dtype=torch.bfloat16)
+        dz = dz_buf[:, 8 : D + 8]
+        out, rstds[impl] = kcuda.gated_rmsnorm_forward(y, w, z, 1e-5, gs, norm_before_gate, impl=impl)
+        dy, dw, out_again = kcuda.gated_rmsnorm_backward(
+            dout, y, w, z, rstds[impl], 1e-5, gs, norm_before_gate, dz, True, impl=impl
+        )
+        assert out.dtype == dy.dtype == torch.bfloat16 and dw.dtype == torch.float32, impl
+        assert torch.isnan(dz_buf[:, :8]).all() and torch.isnan(dz_buf[:, D + 8 :]).all(), f"{impl}: dz outside"
+        if impl == "ours":  # the same float32 products in the same order (mamba_ssm's differ in the last bf16 bit)
+            assert torch.equal(out_again, out), "the recomputed output differs from the forward's"
+        got = dict(out=out, out_again=out_again, dy=dy, dw=dw, dz=dz)
+        errs[impl] = {k: rel_err(v, want[k]) for k, v in got.items()}
+    assert rel_err(rstds["ours"], rstds["mamba_ssm"]) < 1e-6  # the same layout: group * M + row
+    ours, theirs = errs["ours"], errs["mamba_ssm"]
+    assert ours["dw"] < 1e-5 and all(e < 5e-3 for e in ours.values()), errs
+    worse = {k: (ours[k], theirs[k]) for k in ours if ours[k] > 1.05 * theirs[k] + 1e-6}
+    assert not worse, f"ours worse than mamba_ssm's: {worse}"
+
+
 # ----------------------------------------------------------------------------- fused Mamba-2 path
 
 

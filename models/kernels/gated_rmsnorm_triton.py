@@ -1,0 +1,198 @@
+"""Gated, grouped RMSNorm in Triton, forward and backward without autograd: the fused mixer's norm halves.
+
+rmsnorm_gated_ref's semantics (mamba_ssm's rmsnorm_fn, no bias): norm_before_gate=False: out = rmsnorm(y * silu(z))
+* w; True: out = rmsnorm(y) * w * silu(z); the mean square per group of group_size channels, all in float32, out in
+y's dtype. The contract is cuda.gated_rmsnorm_forward / gated_rmsnorm_backward's (split_conv1d_scan.py calls them):
+rows [M, D] with a contiguous last dim and any row stride (z and dz are slices of zxbcdt / dzxbcdt), rstd float32
+[groups * M] at group * M + row (mamba_ssm's layout; only our forward and backward read it).
+
+Why our own: the backward runs once per layer and step over the SSD output, and mamba_ssm's (one program per SM, one
+row at a time) moves its ~805 MB at 2.1 TB/s at the 1.3B shape (0.380 ms, H100). Ours runs one program per SM too,
+each taking every programs-th row with the next rows' loads in flight (cp.async into shared memory: the loop software
+pipelined by Triton, _bwd_stages) while it works on the current one, and summing its rows' weight gradient in float32
+registers into one [programs, D] buffer: 0.292 ms (2.75 TB/s) at the 1.3B shape, 0.155 ms (2.6 TB/s) at the 370M
+(mamba_ssm's 0.219), where a plain copy of the same strided rows takes 0.278 / 0.142 ms (bench_norm.py). The forward
+is one program per (row, group), as fast as mamba_ssm's. A handful of launch arguments and no autotuner: the 370M
+step is host-bound.
+Imports triton at import time: import this module lazily (cuda.kernel_halves does).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd"]
+
+# Launch shapes (bench_norm.py --tune times others): backward programs per SM (1 beat 2, 4 and 8 on an H100: 0.292
+# against 0.302+ ms at the 1.3B shape), elements of a row per thread (num_warps follows from the block, at most 16;
+# 4, 8 and 16 within 1%), rows in flight per program (the loop's software-pipelining stages; None: from the row's
+# bytes, _bwd_stages); the forward's elements per thread.
+_BWD_PROGRAMS_PER_SM = 1
+_BWD_ELEMS_PER_THREAD = 8
+_BWD_STAGES: int | None = None
+_FWD_ELEMS_PER_THREAD = 8
+
+
+@triton.jit
+def _sigmoid(z):
+    """1 / (1 + e^-z) through exp2 (fewer instructions than tl.sigmoid's exp on sm_90); forward and backward share
+    it, so the backward's recomputed output is the forward's, bit for bit."""
+    return 1.0 / (1.0 + tl.exp2(z * -1.4426950408889634))
+
+
+@triton.jit
+def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_z, M, N, eps,
+                              NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One (row, group): the group's N channels of y and z in, out and 1 / rms out."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    cols = group * N + offs
+    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = z * _sigmoid(z)
+    x = y if NORM_BEFORE_GATE else y * gate
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    tl.store(RSTD + group * M + row, rstd)
+    out = x * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if NORM_BEFORE_GATE:
+        out *= gate
+    tl.store(OUT + row * (N * tl.num_programs(1)) + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_z, stride_dz,
+                              M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr, STAGES: tl.constexpr,
+                              BLOCK: tl.constexpr):  # fmt: skip
+    """Rows pid, pid + programs, ... of one group: with x the normalised input (y * silu(z), or y) and
+    x_hat = x * rstd, dx = rstd (w g - x_hat mean(x_hat w g)) where g is out's gradient before the gate (dout, or
+    dout * silu(z)); dy and dz from dx (or g) through the gate; this program's sum of g * x_hat to DW_PART."""
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    D = N * tl.num_programs(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    cols = group * N + offs
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], dtype=tl.float32)
+    programs = tl.num_programs(0)
+    first, step = pid.to(tl.int64), programs.to(tl.int64)  # row offsets in int64: M * stride may pass 2^31
+    for i in tl.range(0, tl.cdiv(M - pid, programs), num_stages=STAGES):
+        row = first + i * step
+        g = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + group * M + row)
+        sig = _sigmoid(z)
+        gate = z * sig
+        # What stays live across the row's sum is kept small (x_hat, w g and, gate first, the two factors that turn
+        # the sum's result into dy and dz): 16 float32 values per thread and array at the 1.3B width.
+        if NORM_BEFORE_GATE:
+            x_hat = y * rstd
+            normed = x_hat * w
+            if RECOMPUTE:
+                tl.store(OUT + row * D + cols, (normed * gate).to(OUT.dtype.element_ty), mask=mask)
+            dz = g * normed * sig * (1.0 + z * (1.0 - sig))  # d silu(z) / dz = sig (1 + z (1 - sig))
+            tl.store(DZ + row * stride_dz + cols, dz.to(DZ.dtype.element_ty), mask=mask)
+            g *= gate
+        else:
+            x_hat = y * gate * rstd
+            if RECOMPUTE:
+                tl.store(OUT + row * D + cols, (x_hat * w).to(OUT.dtype.element_ty), mask=mask)
+            y_dgate = y * sig * (1.0 + z * (1.0 - sig))
+        dw += g * x_hat
+        wg = w * g
+        dx = (wg - x_hat * (tl.sum(x_hat * wg, axis=0) / N)) * rstd
+        if NORM_BEFORE_GATE:
+            tl.store(DY + row * D + cols, dx.to(DY.dtype.element_ty), mask=mask)
+        else:
+            tl.store(DZ + row * stride_dz + cols, (dx * y_dgate).to(DZ.dtype.element_ty), mask=mask)
+            tl.store(DY + row * D + cols, (dx * gate).to(DY.dtype.element_ty), mask=mask)
+    tl.store(DW_PART + pid * D + cols, dw, mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: Triton's interpreter on the CPU), asked once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _launch_shape(M: int, D: int, group_size: int, elem_size: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(groups, block, warps for the backward, backward programs along the rows) after the checks."""
+    if group_size <= 0 or D % group_size:
+        raise ValueError(f"group_size={group_size} must divide the normalized dim {D}")
+    block = triton.next_power_of_2(group_size)
+    if block > 65536 // elem_size:
+        raise ValueError(f"gated RMSNorm: a group of {group_size} channels does not fit one program (64 KB)")
+    groups = D // group_size
+    warps = min(max(block // (32 * _BWD_ELEMS_PER_THREAD), 1), 16)
+    programs = max(1, min(M, triton.cdiv(_BWD_PROGRAMS_PER_SM * _sm_count(device), groups)))
+    return groups, block, warps, programs
+
+
+def _bwd_stages(row_bytes: int) -> int:
+    """Rows of input (dout, y, z) a backward program has in flight: about 72 KB of them, 2 to 4 rows (H100: 3 at
+    the 1.3B's 24 KB rows, 0.292 ms against 0.301 with 4; 4 at the 370M's 12 KB, 0.155 ms against 0.173 with 3;
+    without pipelining ~0.39 ms at the 1.3B), or 1 (none) when two rows would not fit in shared memory."""
+    if _BWD_STAGES is not None:
+        return _BWD_STAGES
+    if 2 * row_bytes > 160 * 1024:
+        return 1
+    return min(4, max(2, 72 * 1024 // row_bytes))
+
+
+def _check_rows(name: str, t: torch.Tensor, M: int, D: int) -> None:
+    if t.shape != (M, D) or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be [{M}, {D}] with a contiguous last dim, got {tuple(t.shape)} {t.stride()}")
+
+
+def _check_weight(weight_D: torch.Tensor, D: int) -> None:
+    if weight_D.shape != (D,) or weight_D.stride(0) != 1:
+        raise ValueError(f"weight must be a contiguous [{D}], got {tuple(weight_D.shape)} {weight_D.stride()}")
+
+
+def gated_rmsnorm_fwd(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_before_gate: bool):
+    """Gated, grouped RMSNorm of rows [M, D] (last dim contiguous, rows any stride): (out [M, D] in y's dtype,
+    rstd [groups * M] float32, group-major)."""
+    M, D = y_MD.shape
+    _check_rows("y", y_MD, M, D)
+    _check_rows("z", z_MD, M, D)
+    _check_weight(weight_D, D)
+    groups, block, _, _ = _launch_shape(M, D, group_size, y_MD.element_size(), y_MD.device)
+    out = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype)
+    rstd = torch.empty(groups * M, device=y_MD.device, dtype=torch.float32)
+    _gated_rmsnorm_fwd_kernel[(M, groups)](
+        y_MD, z_MD, weight_D, out, rstd, y_MD.stride(0), z_MD.stride(0), M, group_size, eps,
+        NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
+        num_warps=min(max(block // (32 * _FWD_ELEMS_PER_THREAD), 1), 16),
+    )  # fmt: skip
+    return out, rstd
+
+
+def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute):
+    """Gradients of gated_rmsnorm_fwd: (dy [M, D] in y's dtype, dweight [D] in weight's dtype, the normed output
+    recomputed [M, D] or None). dz goes into dz_MD (rows any stride, last dim contiguous). eps is not read: rstd is
+    the forward's."""
+    M, D = y_MD.shape
+    for name, t in (("dout", dout_MD), ("y", y_MD), ("z", z_MD), ("dz", dz_MD)):
+        _check_rows(name, t, M, D)
+    _check_weight(weight_D, D)
+    groups, block, warps, programs = _launch_shape(M, D, group_size, y_MD.element_size(), y_MD.device)
+    if rstd.numel() != groups * M:
+        raise ValueError(f"rstd must hold groups * M = {groups * M} values, got {rstd.numel()}")
+    dy = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype)
+    out = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype) if recompute else None
+    dw_part = torch.empty(programs, D, device=y_MD.device, dtype=torch.float32)
+    in_bytes = block * (dout_MD.element_size() + y_MD.element_size() + z_MD.element_size())
+    stages = _bwd_stages(in_bytes)
+    _gated_rmsnorm_bwd_kernel[(programs, groups)](
+        dout_MD, y_MD, z_MD, weight_D, rstd, dy, dz_MD, out if recompute else dy, dw_part,
+        dout_MD.stride(0), y_MD.stride(0), z_MD.stride(0), dz_MD.stride(0), M, group_size,
+        NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return dy, dw_part.sum(0).to(weight_D.dtype), out

@@ -1,0 +1,153 @@
+"""Our gated RMSNorm halves (models/kernels/gated_rmsnorm_triton.py) on the CPU, through Triton's interpreter.
+
+Forward (out, rstd) and backward (dy, dz written into a strided view, dweight, the recomputed output) against
+rmsnorm_gated_ref in float64 with autograd, on the same (already rounded) inputs: norm_before_gate False and True,
+one and two groups, a width that is not a power of two (masked tails), y / z / dout / dz as row-strided views into
+wider buffers, more rows than backward programs and not a multiple of them (and fewer rows than programs), the output
+recomputed or not, float32 and bfloat16. float32: the interpreter computes in float32 numpy, errors ~1e-7, tolerance
+1e-5. bfloat16: the outputs are rounded once, so ours must sit as close to the float64 reference as a float32 torch
+computation rounded to bfloat16 does (within 25%). The interpreter rounds float32 to bfloat16 toward zero where the
+GPU rounds to nearest (twice the error), so here the float32 computation is truncated the same way; the GPU test
+(tests/gpu/test_kernels_gpu.py) holds the compiled kernels to mamba_ssm's rounding.
+
+As in test_ssd_triton.py, Triton reads TRITON_INTERPRET when first imported, so the cases run in one child process
+with the variable set (all of them, once per session, ~10 s); each test reads its case's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EPS = 1e-5
+
+# name -> (M, D, group_size, norm_before_gate, recompute, dtype, weight dtype). The CPU launch counts 4 SMs, so the
+# backward runs 16 / groups programs: 37 rows give some programs 3 rows, one 1 and some none; 5 rows fewer than that.
+CASES = {
+    "fp32_gate_first_1group": (37, 48, 48, False, True, "float32", "float32"),
+    "fp32_norm_first_1group": (37, 48, 48, True, False, "float32", "float32"),
+    "fp32_gate_first_2groups": (37, 48, 24, False, False, "float32", "float32"),
+    "fp32_norm_first_2groups": (29, 64, 32, True, True, "float32", "float32"),
+    "fp32_fewer_rows_than_programs": (5, 40, 20, False, True, "float32", "float32"),
+    "bf16_gate_first_1group": (37, 48, 48, False, True, "bfloat16", "float32"),
+    "bf16_norm_first_2groups": (37, 48, 24, True, True, "bfloat16", "bfloat16"),
+}
+
+
+def _as_interpreter_rounds(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 -> dtype as Triton's interpreter casts it: toward zero for bfloat16 (the low 16 bits dropped)."""
+    if dtype != torch.bfloat16:
+        return t.to(dtype)
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)  # exact: the low bits are zero
+
+
+def check_case(M, D, group_size, norm_before_gate, recompute, dtype, w_dtype, seed=0) -> dict:
+    """One case in the child (TRITON_INTERPRET=1): relative errors of ours against the float64 reference (and, for
+    bfloat16, of float32 torch rounded to bfloat16); raises AssertionError on a contract violation."""
+    from models.kernels.gated_rmsnorm_triton import gated_rmsnorm_bwd, gated_rmsnorm_fwd
+    from models.kernels.norm_reference import rmsnorm_gated_ref
+
+    g = torch.Generator().manual_seed(seed)
+    dt, wdt = getattr(torch, dtype), getattr(torch, w_dtype)
+    # Row-strided views with a contiguous last dim, each with its own row stride (z as it sits in zxbcdt).
+    y = torch.randn(M, D + 3, generator=g).to(dt)[:, 3:]
+    z = torch.randn(M, 2 * D + 11, generator=g).to(dt)[:, D + 7 : 2 * D + 7]
+    dout = torch.randn(M, D + 5, generator=g).to(dt)[:, 5:]
+    w = (1 + 0.2 * torch.randn(D, generator=g)).to(wdt)
+    dz_buf = torch.full((M, D + 9), float("nan"), dtype=dt)
+    dz = dz_buf[:, 4 : D + 4]
+    assert len({t.stride(0) for t in (y, z, dout, dz)}) == 4 and min(t.stride(0) for t in (y, z, dout, dz)) > D
+
+    out, rstd = gated_rmsnorm_fwd(y, w, z, EPS, group_size, norm_before_gate)
+    dy, dw, out_again = gated_rmsnorm_bwd(dout, y, w, z, rstd, EPS, group_size, norm_before_gate, dz, recompute)
+    assert out.dtype == dt and dy.dtype == dt and dw.dtype == wdt and rstd.dtype == torch.float32
+    assert out.shape == dy.shape == (M, D) and rstd.shape == (M * D // group_size,)
+    assert torch.isnan(dz_buf[:, :4]).all() and torch.isnan(dz_buf[:, D + 4 :]).all(), "dz written outside its view"
+    if recompute:
+        assert torch.equal(out_again, out), "recomputed output differs from the forward's"
+    else:
+        assert out_again is None
+
+    def grads(cdt):
+        leaves = [t.detach().to(cdt).requires_grad_() for t in (y, w, z)]
+        ref = rmsnorm_gated_ref(leaves[0], leaves[1], leaves[2], EPS, group_size, norm_before_gate)
+        ref.backward(dout.to(cdt))
+        return dict(out=ref.detach(), dy=leaves[0].grad, dw=leaves[1].grad, dz=leaves[2].grad)
+
+    want = grads(torch.float64)
+    y64 = y.double() * (torch.nn.functional.silu(z.double()) if not norm_before_gate else 1)
+    ms = y64.unflatten(-1, (D // group_size, group_size)).square().mean(-1)  # [M, groups]
+    want["rstd"] = torch.rsqrt(ms + EPS).t().reshape(-1)  # group-major: group * M + row
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    got = dict(out=out, rstd=rstd, dy=dy, dw=dw, dz=dz)
+    errors = {k: rel(got[k], want[k]) for k in got}
+    result = {"ours": errors}
+    if dt == torch.float32:
+        bad = {k: e for k, e in errors.items() if not e <= 1e-5}
+    else:  # bfloat16 rounding: ours against float32 torch rounded once to the outputs' dtypes
+        f32 = grads(torch.float32)
+        rounded = {k: rel(_as_interpreter_rounds(f32[k], got[k].dtype), want[k]) for k in f32}
+        result["float32_rounded"] = rounded
+        bad = {k: (e, rounded[k]) for k, e in errors.items() if k in rounded and not e <= 1.25 * rounded[k] + 1e-6}
+        bad |= {"rstd": errors["rstd"]} if not errors["rstd"] <= 1e-5 else {}
+    assert not bad, f"over tolerance: {bad}; all: {result}"
+    return result
+
+
+def child() -> None:
+    """The child process: every case under the interpreter, one JSON object {name: {ok, out}} on stdout."""
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from tests.test_ssd_triton import _patch_interpreter_scalar_index
+
+    _patch_interpreter_scalar_index()
+    results = {}
+    for name, args in CASES.items():
+        try:
+            results[name] = {"ok": True, "out": check_case(*args)}
+        except BaseException:  # a failed check or any error: reported under its case, the others still run
+            results[name] = {"ok": False, "out": traceback.format_exc()}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "import tests.test_gated_rmsnorm_triton as t; t.child()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gated_rmsnorm_against_float64_reference(results, case):
+    r = results[case]
+    assert r["ok"], r["out"]
+
+
+def test_rejects_what_the_kernels_cannot_take():
+    """Checks on the host, before any launch (no interpreter needed): a group that does not divide the width, a z
+    without a contiguous last dim, a strided weight, rstd of the wrong size."""
+    from models.kernels.gated_rmsnorm_triton import gated_rmsnorm_bwd, gated_rmsnorm_fwd
+
+    y, w = torch.randn(4, 12), torch.ones(12)
+    with pytest.raises(ValueError, match="group_size"):
+        gated_rmsnorm_fwd(y, w, y, EPS, 5, False)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        gated_rmsnorm_fwd(y, w, torch.randn(12, 4).t(), EPS, 12, False)
+    with pytest.raises(ValueError, match="weight"):
+        gated_rmsnorm_fwd(y, torch.ones(24)[::2], y, EPS, 12, False)
+    with pytest.raises(ValueError, match="rstd"):
+        gated_rmsnorm_bwd(y, y, w, y, torch.ones(3), EPS, 12, False, torch.empty_like(y), True)
