@@ -7,9 +7,10 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.adamw import adamw  # the functional AdamW that torch.optim.AdamW.step calls
 
 from configs.job_config import LRScheduler, Optimizer
-from parallelisms.grad_norm import clip_divisor, clip_grads_
+from parallelisms.grad_norm import clip_divisor, clip_grads_, local_shard
 
 
 def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
@@ -26,7 +27,52 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
         impl = "fused"
     flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
+    return ShardLocalAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """torch's AdamW (same arguments, state and state_dict, so checkpoints are interchangeable), whose step runs on
+    the local shards of DTensor parameters, gradients and moments (FSDP2, HSDP, EP) instead of on the DTensors.
+
+    Why: AdamW is element-wise, so each rank updating its own shard is the whole update; but a fused / foreach
+    kernel called on DTensors goes through DTensor's sharding propagation for every tensor of its lists, every
+    step: ~150 ms of host time per step for the 370M's ~400 parameters under FSDP2 (cProfile, CPU; the GPU's host
+    pays the same Python), more than the 1-GPU step takes on an H200 (docs/performance.md, issue 14). Plain
+    tensors (one GPU, DDP) take the same path unchanged. The moments stay DTensors in the state (lazily created by
+    torch's own _init_group), so DCP saves and reshards them as before.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardLocalAdamW.step takes no closure")
+        for group in self.param_groups:
+            lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
+            has_complex = self._init_group(group, *lists)  # torch's: lazy state, the tensors that have a gradient
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = ([local_shard(t) for t in ts] for ts in lists)
+            beta1, beta2 = group["betas"]
+            adamw(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                max_sqs,
+                steps,
+                foreach=group["foreach"],
+                capturable=group["capturable"],
+                differentiable=group["differentiable"],
+                fused=group["fused"],
+                grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None),
+                has_complex=has_complex,
+                amsgrad=group["amsgrad"],
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+            )
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
