@@ -32,7 +32,7 @@ from components.profiling import StepProfiler
 from components.run_lock import FolderInUseError, hold_run_folders
 from components.signals import EXIT_CODE_TERMINATED, GracefulStop, die_with_launcher
 from components.step_loss import StepLoss
-from components.step_outcome import NonFiniteStep, StepOutcomes, StepReport, nonfinite
+from components.step_outcome import NonFiniteStep, StepOutcome, StepOutcomes, StepReport, nonfinite
 from components.validation import PipelineEval, Validator
 from configs.checks import resolve_job
 from configs.parser import ConfigError, load_config_or_exit, to_dict
@@ -239,17 +239,10 @@ def main(argv: list[str] | None = None) -> None:
 
         # The host reads the previous step's outcome now that this one is queued; this one's at once where it must
         # know it before going on (see components/step_outcome.py). Every rank reads the same values.
-        read_now = not skip_on_device or bool(val) or is_last or stopping or checkpointer.due(step, is_last)
-        for done in outcomes.take(step if read_now else step - 1):
-            problem = report(done)
-            if problem is not None:
-                stop_on_nonfinite(checkpointer, problem)
-            stopping = stopping or report.stop_requested(done)
+        read_now = not skip_on_device or bool(val) or is_last or checkpointer.due(step, is_last)
+        stopping = read_outcomes(outcomes.take(step if read_now else step - 1), report, checkpointer)
         if stopping:  # the stop was read from an earlier step: this step is the one saved, so it is read too
-            for done in outcomes.take(step):
-                problem = report(done)
-                if problem is not None:
-                    stop_on_nonfinite(checkpointer, problem)
+            read_outcomes(outcomes.take(step), report, checkpointer)
         checkpointer.save(step, last_step=is_last, force=stopping)
         if stopping:
             break
@@ -325,6 +318,18 @@ def data_errors_exit():
         yield
     except (ValueError, KeyError, TypeError, FileNotFoundError, UnicodeDecodeError) as e:
         sys.exit(f"data error: {e.args[0] if isinstance(e, KeyError) and e.args else e}")
+
+
+def read_outcomes(done: list[StepOutcome], report: StepReport, checkpointer: CheckpointManager) -> bool:
+    """Report steps' outcomes in step order; exit on a non-finite one beyond the budget. Returns whether any of them
+    asks the run to stop (SIGTERM) after the current step."""
+    stop = False
+    for outcome in done:
+        problem = report(outcome)
+        if problem is not None:
+            stop_on_nonfinite(checkpointer, problem)
+        stop = stop or report.stop_requested(outcome)
+    return stop
 
 
 def stop_on_nonfinite(checkpointer: CheckpointManager, problem: NonFiniteStep) -> None:

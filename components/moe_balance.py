@@ -37,9 +37,15 @@ class MoEBalancer:
         if not self.model_has_moe:
             return None
         ratios = [torch.zeros((), device=self._device())]
+        if self.dp_cp_group is not None and self.layers:
+            # every layer's [E] counts in one all-reduce (one per layer was 30 NCCL launches per step for EP2 on the
+            # hybrid MoE 1B, 26 ms of exposed int64 all-reduces in a profiled step: docs/performance.md, issue 14)
+            counts = torch.cat([moe.tokens_per_expert for moe in self.layers])
+            dist.all_reduce(counts, group=self.dp_cp_group)
+            sizes = [moe.tokens_per_expert.numel() for moe in self.layers]
+            for moe, summed in zip(self.layers, counts.split(sizes), strict=True):
+                moe.tokens_per_expert.copy_(summed)
         for moe in self.layers:
-            if self.dp_cp_group is not None:
-                dist.all_reduce(moe.tokens_per_expert, group=self.dp_cp_group)
             load = moe.tokens_per_expert.float()
             ratios.append(load.max() / load.mean().clamp(min=1))
             if isinstance(skip, torch.Tensor):
