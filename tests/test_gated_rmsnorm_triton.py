@@ -105,6 +105,35 @@ def check_case(M, D, group_size, norm_before_gate, recompute, dtype, w_dtype, se
     return result
 
 
+def check_autograd_op(seed=0) -> dict:
+    """ops.rmsnorm_gated under backend 'triton' (the unfused mixer's norm: context parallel): our kernels as one
+    autograd op on [B, L, D], z a strided slice, against the float64 reference; float32, one and two groups, both
+    gate orders. Relative errors of the output and the three gradients."""
+    from models.kernels import ops
+    from models.kernels.norm_reference import rmsnorm_gated_ref
+
+    g = torch.Generator().manual_seed(seed)
+    errors = {}
+    for group_size, nbg in ((48, False), (24, True)):
+        x = torch.randn(2, 5, 48, generator=g).requires_grad_()
+        z_buf = torch.randn(2, 5, 60, generator=g)
+        z = z_buf[..., 6:54].detach().requires_grad_()  # a slice, as z sits in zxbcdt
+        w = (1 + 0.2 * torch.randn(48, generator=g)).requires_grad_()
+        dout = torch.randn(2, 5, 48, generator=g)
+        out = ops.rmsnorm_gated(x, w, z, eps=EPS, group_size=group_size, norm_before_gate=nbg, backend="triton")
+        assert type(out.grad_fn).__name__ == "_RMSNormGatedBackward", out.grad_fn  # ours, not the reference
+        out.backward(dout)
+        leaves = [t.detach().double().requires_grad_() for t in (x, w, z)]
+        ref = rmsnorm_gated_ref(*leaves, eps=EPS, group_size=group_size, norm_before_gate=nbg)
+        ref.backward(dout.double())
+        for name, a, b in (("out", out, ref), ("dx", x.grad, leaves[0].grad), ("dw", w.grad, leaves[1].grad),
+                           ("dz", z.grad, leaves[2].grad)):  # fmt: skip
+            errors[f"{name}_g{group_size}"] = ((a.double() - b.double()).norm() / b.double().norm()).item()
+    bad = {k: e for k, e in errors.items() if not e <= 1e-5}
+    assert not bad, f"over tolerance: {bad}"
+    return errors
+
+
 def child() -> None:
     """The child process: every case under the interpreter, one JSON object {name: {ok, out}} on stdout."""
     import traceback
@@ -114,9 +143,11 @@ def child() -> None:
 
     _patch_interpreter_scalar_index()
     results = {}
-    for name, args in CASES.items():
+    checks = {name: (lambda args=args: check_case(*args)) for name, args in CASES.items()}
+    checks["autograd_op"] = check_autograd_op
+    for name, check in checks.items():
         try:
-            results[name] = {"ok": True, "out": check_case(*args)}
+            results[name] = {"ok": True, "out": check()}
         except BaseException:  # a failed check or any error: reported under its case, the others still run
             results[name] = {"ok": False, "out": traceback.format_exc()}
     print(json.dumps(results))
@@ -134,6 +165,11 @@ def results():
 @pytest.mark.parametrize("case", list(CASES))
 def test_gated_rmsnorm_against_float64_reference(results, case):
     r = results[case]
+    assert r["ok"], r["out"]
+
+
+def test_autograd_op_through_ops_rmsnorm_gated(results):
+    r = results["autograd_op"]
     assert r["ok"], r["out"]
 
 

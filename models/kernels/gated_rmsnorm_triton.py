@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd"]
+from models.kernels._utils import no_autocast
+
+__all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton"]
 
 # Launch shapes (bench_norm.py --tune times others): backward programs per SM (1 beat 2, 4 and 8 on an H100: 0.292
 # against 0.302+ ms at the 1.3B shape), elements of a row per thread (num_warps follows from the block, at most 16;
@@ -196,3 +198,41 @@ def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm
         NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, BLOCK=block, num_warps=warps,
     )  # fmt: skip
     return dy, dw_part.sum(0).to(weight_D.dtype), out
+
+
+class _RMSNormGated(torch.autograd.Function):
+    """The halves above as one autograd op on [..., D] (the unfused mixer's norm: context parallel, use_fused_path
+    false); the backward writes dz into a fresh buffer and does not recompute the output."""
+
+    @staticmethod
+    def forward(ctx, x, weight, z, eps, group_size, norm_before_gate):
+        shape, D = x.shape, x.shape[-1]
+        x_MD, z_MD = x.reshape(-1, D), z.reshape(-1, D)
+        if x_MD.stride(-1) != 1:
+            x_MD = x_MD.contiguous()
+        if z_MD.stride(-1) != 1:
+            z_MD = z_MD.contiguous()
+        out, rstd = gated_rmsnorm_fwd(x_MD, weight, z_MD, eps, group_size, norm_before_gate)
+        ctx.save_for_backward(x_MD, weight, z_MD, rstd)
+        ctx.args, ctx.shape = (eps, group_size, norm_before_gate), shape
+        return out.view(shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x_MD, weight, z_MD, rstd = ctx.saved_tensors
+        eps, group_size, norm_before_gate = ctx.args
+        dout_MD = dout.reshape(x_MD.shape)
+        if dout_MD.stride(-1) != 1:
+            dout_MD = dout_MD.contiguous()
+        dz = torch.empty_like(z_MD, memory_format=torch.contiguous_format)
+        dx, dw, _ = gated_rmsnorm_bwd(dout_MD, x_MD, weight, z_MD, rstd, eps, group_size, norm_before_gate, dz, False)
+        return dx.view(ctx.shape), dw, dz.view(ctx.shape), None, None, None
+
+
+def rmsnorm_gated_triton(x, weight, z, eps=1e-5, group_size=None, norm_before_gate=False):
+    """rmsnorm_gated_ref's contract (z given) with autograd, through our kernels: [..., D] -> [..., D] in x's dtype."""
+    if z is None or z.shape != x.shape:
+        got = None if z is None else tuple(z.shape)
+        raise ValueError(f"rmsnorm_gated_triton needs z of x's shape {tuple(x.shape)}, got {got}")
+    with no_autocast(x.device):
+        return _RMSNormGated.apply(x, weight.contiguous(), z, float(eps), group_size or x.shape[-1], norm_before_gate)

@@ -161,7 +161,13 @@ def rmsnorm_gated(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Gated, grouped RMSNorm (mamba_ssm RMSNormGated); same shape and dtype as x."""
+    """Gated, grouped RMSNorm (mamba_ssm RMSNormGated); same shape and dtype as x. With z, where the SSD's kernels
+    are ours: our Triton kernels (gated_rmsnorm_triton.py: backward 1.3x faster than mamba_ssm's on an H100,
+    docs/performance.md), else mamba_ssm's where installed, else the reference."""
+    if z is not None and use_triton_ssd(backend, x):
+        from models.kernels.gated_rmsnorm_triton import rmsnorm_gated_triton  # lazy: imports triton
+
+        return rmsnorm_gated_triton(x, weight, z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
     fn = _cuda.rmsnorm_gated_cuda if use_cuda_kernels(backend, x) else rmsnorm_gated_ref
     return fn(x, weight, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
 
