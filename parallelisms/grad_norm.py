@@ -47,8 +47,9 @@ def _grads_by_layout(parameters, counted_only: bool):
         if g is None or (counted_only and getattr(p, _COUNTED_ELSEWHERE, False)):
             continue
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        by_layout[key].append(local_shard(g))
-        device = local_shard(g).device
+        local = local_shard(g)
+        by_layout[key].append(local)
+        device = local.device
     return by_layout, device
 
 
@@ -79,13 +80,10 @@ def global_grad_norm(parameters, pp_group=None) -> torch.Tensor:
 @torch.no_grad()
 def clip_grads_(parameters, max_norm: float, total: torch.Tensor) -> None:
     """Scale every gradient by min(1, max_norm / (total + 1e-6)) in place (nothing for max_norm <= 0), on the local
-    shards (one foreach multiply; the norm already counted every shard)."""
-    if max_norm <= 0:
-        return
-    by_layout, _ = _grads_by_layout(parameters, counted_only=False)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grads in by_layout.values():
-        torch._foreach_mul_(grads, coef)
+    shards (one foreach multiply whatever their layouts; the norm already counted every shard)."""
+    grads = [local_shard(p.grad) for p in parameters if p.grad is not None]
+    if max_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
 
 
 def clip_divisor(max_norm: float, total: torch.Tensor) -> torch.Tensor | None:
