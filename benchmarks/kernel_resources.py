@@ -29,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from models.kernels.fast_launch import FastLaunch  # noqa: E402
 from models.kernels.ssd_triton import (
     bc_bwd,
     bc_finish,
@@ -46,6 +47,8 @@ BF16 = "*bf16"
 
 
 def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int, maxnreg=None) -> dict:
+    if isinstance(kernel, FastLaunch):  # compile the @triton.jit function itself
+        kernel = kernel.kernel
     names = kernel.arg_names
     unit_strides = {n for n in names if re.fullmatch(r"s_\w+_[pn]", n) and n not in consts}
     sig, constexprs = {}, {}

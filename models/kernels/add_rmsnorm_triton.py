@@ -18,10 +18,12 @@ import triton
 import triton.language as tl
 
 from models.kernels._utils import no_autocast
+from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["add_rmsnorm_triton"]
 
 
+@fast_launch
 @triton.jit
 def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D, eps,
                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -38,6 +40,7 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
     tl.store(Y + row * D + cols, (s * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D,
                             rows_per_program, HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr,
@@ -89,7 +92,7 @@ class _AddRMSNorm(torch.autograd.Function):
         y = torch.empty(M, D, device=x.device, dtype=x.dtype)
         s = torch.empty(M, D, device=x.device, dtype=res_dtype)
         rstd = torch.empty(M, device=x.device, dtype=torch.float32)
-        block = triton.next_power_of_2(D)
+        block = next_power_of_2(D)
         _add_rmsnorm_fwd_kernel[(M,)](
             x2, res2 if res2 is not None else x2, weight, y, s, rstd,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, D, eps,
@@ -109,10 +112,10 @@ class _AddRMSNorm(torch.autograd.Function):
         dres = torch.empty(M, D, device=s.device, dtype=s.dtype) if ctx.has_res else None
         programs = _backward_programs(M, s.device)
         dw_part = torch.empty(programs, D, device=s.device, dtype=torch.float32)
-        block = triton.next_power_of_2(D)
+        block = next_power_of_2(D)
         _add_rmsnorm_bwd_kernel[(programs,)](
             dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
-            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, triton.cdiv(M, programs),
+            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, cdiv(M, programs),
             HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
@@ -127,7 +130,7 @@ def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
         raise ValueError(f"weight must be [{D}] (x's last dim), got {tuple(weight.shape)}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if triton.next_power_of_2(D) > 65536 // x.element_size():
+    if next_power_of_2(D) > 65536 // x.element_size():
         raise ValueError(
             f"add_rmsnorm_triton: a row of {D} elements does not fit one program (64 KB); use model.kernels=reference"
         )

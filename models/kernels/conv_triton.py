@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import cdiv, fast_launch
+
 __all__ = ["causal_conv1d_triton", "conv_forward_triton", "conv_backward_triton", "MAX_WIDTH"]
 
 MAX_WIDTH = 4  # causal_conv1d's widths are 2 to 4; the kernels run a narrower conv as width 4 with leading 0 taps
@@ -95,6 +97,7 @@ def _pre(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, HAS_SEQ: tl.const
     return pre
 
 
+@fast_launch
 @triton.jit
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
@@ -131,6 +134,7 @@ def _grad(dout_b, t, offs_d, mask_d, L, s_y_l, pre, SILU: tl.constexpr):
     return g
 
 
+@fast_launch
 @triton.jit
 def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, L, D, N_RANGES,
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
@@ -236,7 +240,7 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
     _check(x_BDL, weight_DW, seq_idx_BL)
     b, d, L = x_BDL.shape
     out_BLD = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype)
-    conv_fwd_kernel[(triton.cdiv(L, _FWD_BLOCK_L), triton.cdiv(d, _FWD_BLOCK_D), b)](
+    conv_fwd_kernel[(cdiv(L, _FWD_BLOCK_L), cdiv(d, _FWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
         out_BLD, L, d, x_BDL.stride(0), x_BDL.stride(2), out_BLD.stride(0), out_BLD.stride(1),
         weight_DW.stride(0), weight_DW.stride(1),
@@ -256,10 +260,10 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         dx_BDL = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype).transpose(1, 2)
     elif dx_BDL.stride(1) != 1:
         raise ValueError(f"dx must be channel-last like x, got strides {dx_BDL.stride()}")
-    n_ranges = triton.cdiv(L, _BWD_RANGE_L)
+    n_ranges = cdiv(L, _BWD_RANGE_L)
     dw_part = torch.empty(b * n_ranges, 4, d, device=x_BDL.device, dtype=torch.float32)
     db_part = torch.empty(b * n_ranges, d, device=x_BDL.device, dtype=torch.float32)
-    conv_bwd_kernel[(n_ranges, triton.cdiv(d, _BWD_BLOCK_D), b)](
+    conv_bwd_kernel[(n_ranges, cdiv(d, _BWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
         dout_BDL, dx_BDL, dw_part, db_part, L, d, n_ranges, x_BDL.stride(0), x_BDL.stride(2),
         dout_BDL.stride(0), dout_BDL.stride(2), dx_BDL.stride(0), dx_BDL.stride(2),

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from models.kernels._utils import no_autocast
+from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton"]
 
@@ -46,6 +47,7 @@ def _sigmoid(z):
     return 1.0 / (1.0 + tl.exp2(z * -1.4426950408889634))
 
 
+@fast_launch
 @triton.jit
 def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_z, M, N, eps,
                               NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
@@ -67,6 +69,7 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_z, M, N, eps,
     tl.store(OUT + row * (N * tl.num_programs(1)) + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_z, stride_dz,
                               M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr, STAGES: tl.constexpr,
@@ -128,12 +131,12 @@ def _launch_shape(M: int, D: int, group_size: int, elem_size: int, device: torch
     """(groups, block, warps for the backward, backward programs along the rows) after the checks."""
     if group_size <= 0 or D % group_size:
         raise ValueError(f"group_size={group_size} must divide the normalized dim {D}")
-    block = triton.next_power_of_2(group_size)
+    block = next_power_of_2(group_size)
     if block > 65536 // elem_size:
         raise ValueError(f"gated RMSNorm: a group of {group_size} channels does not fit one program (64 KB)")
     groups = D // group_size
     warps = min(max(block // (32 * _BWD_ELEMS_PER_THREAD), 1), 16)
-    programs = max(1, min(M, triton.cdiv(_BWD_PROGRAMS_PER_SM * _sm_count(device), groups)))
+    programs = max(1, min(M, cdiv(_BWD_PROGRAMS_PER_SM * _sm_count(device), groups)))
     return groups, block, warps, programs
 
 

@@ -19,8 +19,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize")
 
 
-def _host_calls(trace: Path) -> list[str]:
-    return [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+def _host_calls(trace: Path) -> list[dict]:
+    return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+
+
+def _inside(call: dict, events: list[dict]) -> str:
+    """The host ops a call ran inside, outermost first (where a sync came from: aten::item, a module, ...)."""
+    t0, t1 = call["ts"], call["ts"] + call.get("dur", 0)
+    outer = [
+        e for e in events
+        if e is not call and e.get("tid") == call.get("tid") and e["ts"] <= t0 and e["ts"] + e.get("dur", 0) >= t1
+    ]  # fmt: skip
+    return " > ".join(e["name"] for e in sorted(outer, key=lambda e: -e.get("dur", 0)))
 
 
 @pytest.mark.parametrize("extra", [[], ["--training.document_masking", "false"]], ids=["documents", "rows"])
@@ -33,8 +43,9 @@ def test_a_training_step_does_not_wait_for_the_gpu(tmp_path, extra):
     ]  # fmt: skip
     records = train(args, tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # every step still logged, a step late
-    names = _host_calls(tmp_path / "run" / "profile_trace" / "iteration_3" / "rank0_trace.json")
+    events = _host_calls(tmp_path / "run" / "profile_trace" / "iteration_3" / "rank0_trace.json")
+    names = [e.get("name", "") for e in events]
     assert any(n.startswith("ProfilerStep#3") for n in names)
-    syncs = {s: names.count(s) for s in SYNCS if s in names}
-    assert not syncs, f"step 3 waited for the GPU: {syncs}"
+    syncs = [f"{e['name']} in {_inside(e, events)}" for e in events if e.get("name") in SYNCS]
+    assert not syncs, "step 3 waited for the GPU:\n" + "\n".join(syncs)
     assert "cudaEventSynchronize" in names  # the previous step's outcome, read once this step is queued

@@ -30,9 +30,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from models.kernels._utils import no_autocast
+from models.kernels.fast_launch import cdiv, next_power_of_2
 from models.kernels.ssd_reference import _check_inputs
 from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
@@ -80,11 +80,11 @@ def _ssd_bwd(
     del S_in32, S_lo
 
     # dx, ddt, dD.
-    BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
+    BP, BN = max(16, next_power_of_2(P)), max(16, next_power_of_2(N))
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out[0]
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
-    n_k = triton.cdiv(Q, cfg.dx_k)
+    n_k = cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
@@ -149,7 +149,7 @@ def _ssd_bwd(
     state_split = heads_per_program(hpp, cfg.dcb_state_split) if grouped and cfg.dcb_tiles else 1
     dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
-    n_m = triton.cdiv(Q, cfg.dc_m)
+    n_m = cdiv(Q, cfg.dc_m)
     if grouped:
         # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py).
         R_part = torch.empty(n_m, *dt_p.shape, device=dev, dtype=torch.float32)
@@ -236,7 +236,7 @@ def _ssd_bwd(
             num_stages=cfg.dc_stages,
         )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, triton.cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
+    chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
         dt_p,
@@ -277,7 +277,7 @@ def _ssd_bwd(
         else:
             dB, dC = out[1], out[2]
         bcf_n = min(BN, cfg.bcf_n)
-        bc_finish_kernel[(b * NC * G, triton.cdiv(Q, cfg.dc_m), 2 * triton.cdiv(N, bcf_n))](
+        bc_finish_kernel[(b * NC * G, cdiv(Q, cfg.dc_m), 2 * cdiv(N, bcf_n))](
             dCB_part,
             dC_part,
             dB_part,

@@ -17,9 +17,11 @@ All of P and N are held per program.
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.launch import program_ids
 
 
+@fast_launch
 @triton.jit
 def chunk_scan_bwd_dc_kernel(
     dy_ptr,
@@ -149,6 +151,7 @@ def chunk_scan_bwd_dc_kernel(
     tl.store(out, dC_acc, mask=valid_m[:, None] & mask_n[None, :])
 
 
+@fast_launch
 @triton.jit
 def chunk_state_bwd_db_kernel(
     dy_ptr,

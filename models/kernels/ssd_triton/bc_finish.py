@@ -14,7 +14,10 @@ float32 inputs (dot_precision).
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def bc_finish_kernel(
     dCB_ptr,

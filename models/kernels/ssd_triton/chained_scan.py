@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch, next_power_of_2
 from models.kernels.ssd_triton.chained_states import chain_counters, entering_states, hand_on, take_ticket
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.chunk_scan import scan_store, scan_tile
@@ -33,6 +34,7 @@ from models.kernels.ssd_triton.state_passing import chunk_decay
 __all__ = ["chained_scan"]
 
 
+@fast_launch
 @triton.jit
 def chained_scan_fwd_kernel(
     x_ptr,
@@ -151,7 +153,7 @@ def chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, y_dty
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
-    block_p, block_n = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
+    block_p, block_n = max(16, next_power_of_2(P)), max(16, next_power_of_2(N))
     n_chains = b * H
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)

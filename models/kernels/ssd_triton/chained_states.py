@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy
@@ -141,6 +142,7 @@ def hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, 
         store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
 
 
+@fast_launch
 @triton.jit
 def chained_states_fwd_kernel(
     x_ptr,
@@ -261,6 +263,7 @@ def _store_kept(hi_ptrs, lo_ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
     return h0.to(tl.float32) + l0.to(tl.float32), h1.to(tl.float32) + l1.to(tl.float32)
 
 
+@fast_launch
 @triton.jit
 def chained_dstates_bwd_kernel(
     dy_ptr,
@@ -394,8 +397,8 @@ def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int,
     """The chain layout of one launch: (heads per program, [P, N] tiles per head, tile chains per batch row, the
     kernel's tile constexprs and launch options)."""
     heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
-    block_n = min(want_n, max(16, triton.next_power_of_2(N)))
-    n_tiles = triton.cdiv(P, cfg.state_p) * triton.cdiv(N, block_n)
+    block_n = min(want_n, max(16, next_power_of_2(N)))
+    n_tiles = cdiv(P, cfg.state_p) * cdiv(N, block_n)
     meta = dict(
         EVEN=whole_tiles(L, Q, P, cfg.state_p, cfg.state_k) and N % block_n == 0,
         PREC=dot_precision(x),

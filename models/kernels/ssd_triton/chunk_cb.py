@@ -13,9 +13,12 @@ masks cost the consumers' inner loops more instructions than the products themse
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the inner loops take exp(u) as exp2(u * LOG2E)
 
 
+@fast_launch
 @triton.jit
 def cb_fwd_kernel(
     C_ptr,

@@ -13,10 +13,12 @@ nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a z
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
 
+@fast_launch
 @triton.jit
 def chunk_scan_fwd_kernel(
     CB_ptr,

@@ -19,10 +19,12 @@ mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's inst
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
 
+@fast_launch
 @triton.jit
 def chunk_scan_bwd_dx_kernel(
     CBT_ptr,

@@ -13,7 +13,10 @@ entering the chunk (0 for the first chunk: the initial state belongs to document
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def chunk_state_fwd_kernel(
     x_ptr,
@@ -134,6 +137,7 @@ def _state_tile(acc, b_tile, x_ptrs, dA_head, dt_head, a_last, offs_k, offs_p, v
     return acc + tl.dot(xT, (b_tile * scale_k[:, None]).to(xT.dtype), input_precision=PREC)
 
 
+@fast_launch
 @triton.jit
 def chunk_scan_bwd_dstates_kernel(
     dy_ptr,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import triton
+from models.kernels.fast_launch import next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def heads_per_program(heads_per_group: int, want: int) -> int:
 
 
 def _pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 @functools.cache  # a pure function of three ints, asked for by every layer's forward

@@ -24,10 +24,12 @@ chunk_scan_bwd.py on why the inner loops avoid per-element masks.
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
 
+@fast_launch
 @triton.jit
 def chunk_scan_bwd_dcb_kernel(
     dy_ptr,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+
 
 @triton.jit
 def _log1p(x):
@@ -43,6 +45,7 @@ def _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt
     return u, v
 
 
+@fast_launch
 @triton.jit
 def dt_fwd_kernel(
     dt_ptr,
@@ -81,6 +84,7 @@ def dt_fwd_kernel(
     tl.store(dA_cs_ptr + out, dA_cs, mask=in_q)
 
 
+@fast_launch
 @triton.jit
 def dt_bwd_kernel(
     dt_ptr,
@@ -192,8 +196,8 @@ def _sum_rows(ptr, n_rows, H, offs_h, mask_h, BLOCK_R: tl.constexpr):
 
 
 def _tiles(Q: int, H: int) -> tuple[int, int]:
-    block_q = triton.next_power_of_2(Q)
-    return block_q, min(triton.next_power_of_2(H), max(1, 4096 // block_q))  # ~4k elements per program
+    block_q = next_power_of_2(Q)
+    return block_q, min(next_power_of_2(H), max(1, 4096 // block_q))  # ~4k elements per program
 
 
 def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tuple[float, float]):
@@ -202,7 +206,7 @@ def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tup
     dt_p = torch.empty(b, H, NC, Q, device=dt_BLH.device, dtype=torch.float32)
     dA_cs = torch.empty_like(dt_p)
     block_q, block_h = _tiles(Q, H)
-    dt_fwd_kernel[(b * NC, triton.cdiv(H, block_h))](
+    dt_fwd_kernel[(b * NC, cdiv(H, block_h))](
         dt_BLH,
         dt_bias if dt_bias is not None else dt_p,
         A_H,
@@ -248,8 +252,8 @@ def dt_backward(
     parts = torch.empty(2, b * NC, H, device=dev, dtype=torch.float32)  # dA, d dt_bias per program
     sums = torch.empty(3, H, device=dev, dtype=torch.float32)  # dA, d dt_bias, dD
     block_q, block_h = _tiles(Q, H)
-    done = torch.zeros(triton.cdiv(H, block_h), device=dev, dtype=torch.int32)  # finished programs per head block
-    dt_bwd_kernel[(b * NC, triton.cdiv(H, block_h))](
+    done = torch.zeros(cdiv(H, block_h), device=dev, dtype=torch.int32)  # finished programs per head block
+    dt_bwd_kernel[(b * NC, cdiv(H, block_h))](
         dt_BLH,
         dt_bias if dt_bias is not None else ddt_p,
         A_H,

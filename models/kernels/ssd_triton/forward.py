@@ -15,8 +15,8 @@ and low parts, state_passing.py) and recomputes CB only.
 from __future__ import annotations
 
 import torch
-import triton
 
+from models.kernels.fast_launch import cdiv, next_power_of_2
 from models.kernels.ssd_triton.chained_scan import chained_scan
 from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
@@ -44,7 +44,7 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool =
     G, N = B.shape[2:]
     CB = torch.empty(b, NC, G, Q, Q, device=x.device, dtype=torch.float32)
     CBT = torch.empty_like(CB) if transposed else None
-    grid = (b * NC * G, triton.cdiv(Q, cfg.cb_m), triton.cdiv(Q, cfg.cb_s))
+    grid = (b * NC * G, cdiv(Q, cfg.cb_m), cdiv(Q, cfg.cb_s))
     cb_fwd_kernel[grid](
         C,
         B,
@@ -89,7 +89,7 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
     S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32) if store_s_in else None
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     y_arg = y if with_y else x  # never written without WITH_Y; its strides are just passed along
-    grid = (b * H, triton.cdiv(P, cfg.fused_p))
+    grid = (b * H, cdiv(P, cfg.fused_p))
     fused_scan_fwd_kernel[grid](
         CB,
         x,
@@ -122,7 +122,7 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
         STORE_S_IN=store_s_in,
         PREC=dot_precision(x),
         BLOCK_P=cfg.fused_p,
-        BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_N=max(16, next_power_of_2(N)),
         BLOCK_M=cfg.fused_m,
         BLOCK_K=cfg.fused_k,
         BLOCK_KS=cfg.fused_ks,
@@ -144,7 +144,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     seq_arg = seq if has_seq else dummy(dev)
     states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
     heads = heads_per_program(H // G, min(cfg.state_heads, 2))
-    grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    grid = (b * NC * H // heads, cdiv(P, cfg.state_p), cdiv(N, cfg.state_n))
     chunk_state_fwd_kernel[grid](
         x,
         B,
@@ -177,7 +177,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     S_in32 = torch.empty_like(states) if keep_s32 else None
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     PN = P * N
-    state_passing_fwd_kernel[(b * H, triton.cdiv(PN, cfg.pass_block))](
+    state_passing_fwd_kernel[(b * H, cdiv(PN, cfg.pass_block))](
         states,
         dA_cs,
         seq_arg,
@@ -206,9 +206,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     NC, Q = dt_p.shape[2:]
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
     heads = heads_per_program(H // G, min(cfg.scan_heads, 2))
-    chunk_scan_fwd_kernel[
-        grid(b * NC * H // heads, triton.cdiv(Q, cfg.scan_m), triton.cdiv(P, cfg.scan_p), cfg.inner_first)
-    ](
+    chunk_scan_fwd_kernel[grid(b * NC * H // heads, cdiv(Q, cfg.scan_m), cdiv(P, cfg.scan_p), cfg.inner_first)](
         CB,
         x,
         dt_p,

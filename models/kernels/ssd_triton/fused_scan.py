@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.ssd_triton.config import BlockConfig
 from models.kernels.ssd_triton.launch import dot_precision, dummy
 
@@ -57,6 +58,7 @@ def _store_stateT(base, stateT, P, N, pid_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.
     tl.store(base + at, stateT.to(base.dtype.element_ty), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def fused_scan_fwd_kernel(
     CB_ptr,
@@ -223,6 +225,7 @@ def fused_scan_fwd_kernel(
     _store_stateT(final_ptr + bh * P * N, stateT, P, N, pid_p, BLOCK_P, BLOCK_N)
 
 
+@fast_launch
 @triton.jit
 def fused_state_bwd_kernel(
     dy_ptr,
@@ -319,7 +322,7 @@ def fused_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
     G, N = C.shape[2:]
     NC, Q = dA_cs.shape[2:]
     dev = dy.device
-    n_p = triton.cdiv(P, cfg.fusedb_p)
+    n_p = cdiv(P, cfg.fusedb_p)
     dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)  # rounded as its consumers round it (above)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     dtot = torch.empty(n_p, b, H, NC, device=dev, dtype=torch.float32)
@@ -347,7 +350,7 @@ def fused_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig):
         HAS_DFINAL=dfinal is not None,
         PREC=dot_precision(dy),
         BLOCK_P=cfg.fusedb_p,
-        BLOCK_N=max(16, triton.next_power_of_2(N)),
+        BLOCK_N=max(16, next_power_of_2(N)),
         BLOCK_K=cfg.fusedb_k,
         num_warps=cfg.fusedb_warps,
         num_stages=cfg.fusedb_stages,

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy
@@ -63,6 +64,7 @@ def entering_state32(S32_ptr, S_lo_ptr, offs, mask, SPLIT: tl.constexpr):
     return s
 
 
+@fast_launch
 @triton.jit
 def state_passing_fwd_kernel(
     states_ptr,
@@ -107,6 +109,7 @@ def state_passing_fwd_kernel(
     tl.store(final_ptr + (b.to(tl.int64) * H + h) * PN + offs, state, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def state_passing_bwd_kernel(
     dS_in_ptr,
@@ -164,7 +167,7 @@ def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig, S_lo=None)
     seq_arg = seq if has_seq else dummy(dev)
     dS_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
     heads = heads_per_program(H // G, min(cfg.state_heads, 2))
-    grid = (b * NC * H // heads, triton.cdiv(P, cfg.state_p), triton.cdiv(N, cfg.state_n))
+    grid = (b * NC * H // heads, cdiv(P, cfg.state_p), cdiv(N, cfg.state_n))
     chunk_scan_bwd_dstates_kernel[grid](
         dy,
         C,
@@ -191,7 +194,7 @@ def staged_dstates(dy, dfinal, dA_cs, C, seq, S_in, cfg: BlockConfig, S_lo=None)
         num_stages=cfg.state_stages,
     )
     PN = P * N
-    n_blocks = triton.cdiv(PN, cfg.pass_block)
+    n_blocks = cdiv(PN, cfg.pass_block)
     # dH in dy's dtype: its consumers (dx, dB) round it to that dtype for their products anyway, so storing it
     # rounded changes no result and halves its traffic (and spares them the conversion).
     dH = torch.empty_like(dS_in, dtype=dy.dtype)
