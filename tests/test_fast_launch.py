@@ -109,12 +109,18 @@ def test_falls_back_to_tritons_path_where_the_shortcut_could_differ(cuda_stand_i
     k[(1,)](x, x, [4], 0.0, BLOCK=16)  # an unhashable argument
     monkeypatch.setattr(fl, "_launch_hooks_set", lambda: True)
     k[(1,)](x, x, 4, 0.0, BLOCK=16)  # a launch hook (a profiler) wants Triton's launch metadata
-    assert [e[0] for e in jit.log] == ["triton"] * 3 and jit.specialisations == 0
     monkeypatch.setattr(fl, "_launch_hooks_set", lambda: False)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    k[(1,)](x, x, 4, 0.0, BLOCK=16)  # torch.compile traces the launch: it must see `kernel[grid]`
+    monkeypatch.undo()
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(fl, "_launch_hooks_set", lambda: False)
+    assert [e[0] for e in jit.log] == ["triton"] * 4 and jit.specialisations == 0
     monkeypatch.setattr(fl, "MAX_KEYS", 2)
     for n in range(4):  # a scalar that changes every call: at most MAX_KEYS specialisations are kept
         k[(1,)](x, x, n, 0.0, BLOCK=16)
-    assert [e[0] for e in jit.log[3:]] == ["direct", "direct", "triton", "triton"]
+    assert [e[0] for e in jit.log[4:]] == ["direct", "direct", "triton", "triton"]
 
 
 def test_compile_options_are_in_the_key_not_in_the_launch(cuda_stand_ins):

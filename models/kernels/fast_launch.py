@@ -12,10 +12,11 @@ compiled kernel's launcher with the arguments in the kernel's own order. So a la
 binary `kernel[grid]` would, on the current device and stream.
 
 Falls back to `kernel[grid]` (every call) where the shortcut could differ from Triton's path: Triton's
-interpreter (TRITON_INTERPRET=1: the CPU tests), launch hooks set (a profiler such as proton), a grid given as a
-function, an unhashable argument, or a kernel that has seen more argument patterns than MAX_KEYS (a scalar that
-changes every call). `MAMBATITAN_FAST_LAUNCH=0` in the environment sends every launch through Triton's path (to
-compare the two, or to rule the shortcut out).
+interpreter (TRITON_INTERPRET=1: the CPU tests), launch hooks set (a profiler such as proton), tracing by
+torch.compile (which turns `kernel[grid]` launches into graph nodes of its own), a grid given as a function, an
+unhashable argument, or a kernel that has seen more argument patterns than MAX_KEYS (a scalar that changes every
+call). `MAMBATITAN_FAST_LAUNCH=0` in the environment sends every launch through Triton's path (to compare the two,
+or to rule the shortcut out). Measured: docs/performance.md, "Session 19".
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class FastLaunch:
         return getattr(self.kernel, name)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        if not self.enabled or callable(grid) or _launch_hooks_set():
-            return self.kernel[grid](*args, **kwargs)
+        if torch.compiler.is_compiling() or not self.enabled or callable(grid) or _launch_hooks_set():
+            return self.kernel[grid](*args, **kwargs)  # (torch.compile captures `kernel[grid]` launches itself)
         device = torch._C._cuda_getDevice()
         try:
             key = (

@@ -99,3 +99,17 @@ def test_fast_launch_runs_on_the_current_stream_and_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)
+
+
+def test_torch_compile_captures_the_launch_without_a_graph_break():
+    """Under torch.compile the wrapper hands Dynamo the plain `kernel[grid]` launch, which it turns into a graph node
+    (fullgraph: any graph break fails)."""
+    x, y = torch.randn(512, device="cuda"), torch.randn(512, device="cuda")
+
+    @torch.compile(fullgraph=True)
+    def axpy_then_double(x, y):
+        out = torch.empty_like(x)
+        _fast_axpy[(4,)](x, y, out, 512, 1, 2.0, BLOCK=128)
+        return out * 2
+
+    torch.testing.assert_close(axpy_then_double(x, y), (2.0 * x + y) * 2, rtol=0, atol=0)
