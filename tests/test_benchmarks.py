@@ -641,3 +641,23 @@ def test_bench_norm_shapes_match_the_models_and_cpu_refusal():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             bench_norm.main([])
+
+
+def test_launch_overhead_smoke_run_on_cpu(tmp_path):
+    """benchmarks/launch_overhead.py on the CPU: Triton's interpreter, fast_launch inactive, every row measured.
+    A subprocess, since the script selects the interpreter for its whole process."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "launch.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "benchmarks/launch_overhead.py", "--iters", "3", "--out", str(out)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fast_launch active: False" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["launch"].split(",")[0] for row in rows][:4] == ["kernel[grid]", "fast_launch"] * 2
+    assert all(row["host_us"] > 0 for row in rows)
