@@ -91,6 +91,10 @@ for PHASE in "$@"; do
     want hsdp2x2_1.3b && run hsdp2x2_1.3b 4 "${M13[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
     want pp2_1f1b_1.3b && run pp2_1f1b_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule 1F1B
     want pp2_interleaved_1.3b && run pp2_interleaved_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule Interleaved1F1B
+    # the same with the last stage's LM head + loss counted as ~3.7 layers (-1: from the FLOPs): 26 / 22 layers under
+    # 1F1B, 12 / 14 / 13 / 9 under Interleaved1F1B, against the default split's 24 / 24 and 11 / 13 / 12 / 12
+    want pp2_1f1b_hw_1.3b && run pp2_1f1b_hw_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule 1F1B $P.pipeline_parallel_head_weight -1
+    want pp2_interleaved_hw_1.3b && run pp2_interleaved_hw_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule Interleaved1F1B $P.pipeline_parallel_head_weight -1
     want cp2_32k && run cp2_32k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 32768 $P.context_parallel_degree 2
     want cp2_64k && run cp2_64k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 65536 $P.context_parallel_degree 2
     want ep2_moe && run ep2_moe 2 "${MOE[@]}" $P.expert_parallel_degree 2
@@ -99,11 +103,14 @@ for PHASE in "$@"; do
     ROWS=("FSDP2 1.3B, 4 x 4096 per GPU=fsdp2_1.3b:1gpu_1.3b:0.90" "FSDP2 370M, 8 x 2048 per GPU=fsdp2_370m:1gpu_370m:0.90"
           "PP2 1F1B 1.3B, 8 x (4 x 4096)=pp2_1f1b_1.3b:1gpu_1.3b:0.80"
           "PP2 Interleaved1F1B 1.3B, 8 x (4 x 4096)=pp2_interleaved_1.3b:1gpu_1.3b:0.847"
+          "PP2 1F1B 1.3B, head weighted=pp2_1f1b_hw_1.3b:1gpu_1.3b:0.80"
+          "PP2 Interleaved1F1B 1.3B, head weighted=pp2_interleaved_hw_1.3b:1gpu_1.3b:0.847"
           "CP2 1.3B, 32k tokens, full AC=cp2_32k:cp1_32k:0.75:0.55" "CP2 1.3B, 64k tokens, full AC=cp2_64k:cp1_64k:0.75:0.55"
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
-    B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)'))
+    B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
+       --bubble pp2_1f1b_hw_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_hw_1.3b=$(python3 -c 'print(1/17)'))
     python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
     if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
       for t in "$OUT"/efficiency/*/profile_trace/iteration_14/rank[01]_trace.json; do
