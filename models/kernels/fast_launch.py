@@ -64,7 +64,8 @@ class FastLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._compiled: dict = {}  # key -> (launcher, function, packed_metadata, names of the keyword arguments)
+        self._compiled: dict = {}  # key -> (launcher, function, packed_metadata, (name, default) after the
+        # positional arguments, the compiled kernel)
         params = getattr(kernel, "params", None)
         # Triton's interpreter hands out InterpretedFunctions (no compiled launcher): always its own path.
         self._names = [p.name for p in params] if params is not None and hasattr(kernel, "device_caches") else None
@@ -96,7 +97,7 @@ class FastLaunch:
             hit = self._specialise(key, grid, args, kwargs)
             if hit is None:
                 return self.kernel[grid](*args, **kwargs)
-        run, function, packed_metadata, tail = hit
+        run, function, packed_metadata, tail, _ = hit
         ordered = args + tuple(kwargs[n] if n in kwargs else d for n, d in tail)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
@@ -116,7 +117,8 @@ class FastLaunch:
         defaults = {p.name: p.default for p in self.kernel.params}
         tail = tuple((n, defaults[n]) for n in self._names[len(args) :])
         run = compiled.run  # loads the binary on first access
-        hit = (run, compiled.function, compiled.packed_metadata, tail)
+        # The compiled kernel rides along: the launcher and the function handle must not outlive its module.
+        hit = (run, compiled.function, compiled.packed_metadata, tail, compiled)
         self._compiled[key] = hit
         return hit
 
