@@ -180,3 +180,23 @@ def test_equal_scalars_of_different_types_are_different_patterns(cuda_stand_ins)
     for n in (1, 1.0, True, 1):
         k[(1,)](x, x, n, None, BLOCK=16)
     assert jit.specialisations == 3
+
+
+def test_tensors_are_keyed_by_dtype_and_alignment_never_held(cuda_stand_ins):
+    """New tensors of the same dtype and alignment, positional or keyword, reuse the specialisation, and the cache
+    keeps no tensor alive (a key holding the tensor would pin a step's activations and miss on every call)."""
+    import gc
+    import weakref
+
+    jit = _FakeJIT(_kernel)
+    k = fl.fast_launch(jit)
+    refs = []
+    for _ in range(3):
+        x, y = torch.zeros(8), torch.zeros(8)
+        refs.append(weakref.ref(y))
+        k[(1,)](x, y=y, n=8, eps=0.0, BLOCK=16, MODE="fast")
+    assert jit.specialisations == 1
+    del x, y
+    jit.log.clear()  # the stand-in's own record of the launches holds them
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -51,11 +51,20 @@ def _launch_hooks_set() -> bool:
 
 
 # The key of an argument: an int by its value (Triton's specialisation, == 1, divisibility by 16 and int32 / int64
-# range, follows from it); a float, bool or None by its type and value (1, 1.0 and True are equal keys otherwise,
-# yet Triton types them i32, fp32, i1); anything else is taken for a tensor, keyed by what Triton specialises a
-# tensor on: its dtype and whether its address is 16-byte aligned. Inlined in FastLaunch.launch, since a function
-# call per argument costs more host time than the key itself.
-_TYPED = frozenset((float, bool, type(None)))
+# range, follows from it); a float, bool, str or None by its type and value (1, 1.0 and True are equal keys
+# otherwise, yet Triton types them i32, fp32, i1); anything else positional is taken for a tensor, keyed by what
+# Triton specialises a tensor on: its dtype and whether its address is 16-byte aligned (never the tensor itself,
+# which the cache would keep alive). Inlined in FastLaunch.launch, since a function call per argument costs more
+# host time than the key itself. Keyword arguments (constexprs, compile options, the odd tensor) by _keyword_key.
+_TYPED = frozenset((float, bool, str, type(None)))
+
+
+def _keyword_key(v):
+    if type(v) is int:
+        return v
+    if isinstance(v, torch.Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    return type(v), v
 
 
 class FastLaunch:
@@ -88,7 +97,7 @@ class FastLaunch:
                     a if type(a) is int else (type(a), a) if type(a) in _TYPED else (a.dtype, a.data_ptr() % 16 == 0)
                     for a in args
                 ],
-                *kwargs.items(),
+                *[(k, _keyword_key(v)) for k, v in kwargs.items()],
             )
             hit = self._compiled.get(key)
         except (TypeError, AttributeError):  # an unhashable argument, or neither a scalar nor a tensor
