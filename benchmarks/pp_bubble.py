@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 benchmarks/pp_bubble.py --flavor 370M --seq_len 2048 --microbatches 8
     torchrun --nproc_per_node 2 benchmarks/pp_bubble.py --flavor debug --seq_len 128 --steps 3   # CPU smoke run
+    torchrun --nproc_per_node 2 benchmarks/pp_bubble.py --flavor 1.3B --seq_len 4096 --microbatches 8 \
+        --schedules 1F1B,Interleaved1F1B --head_weight -1       # the LM head weighted into the split
 
 For every schedule: the median step time of schedule.step over --steps steps (after one warm-up step), and the
 bubble fraction 1 - compute / step, where `compute` is the time this rank needs to run the forward and backward of
@@ -80,6 +82,11 @@ def main() -> None:
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="CPU always uses float32")
     ap.add_argument("--json", default="", help="append the records to this JSON-lines file (rank 0)")
+    ap.add_argument(
+        "--head_weight", type=float, default=0.0,
+        help="parallelism.pipeline_parallel_head_weight: the LM head + loss as this many layers more when splitting "
+        "(-1: estimated from the FLOPs, ~3.7 at the 1.3B's width and vocabulary)",
+    )  # fmt: skip
     a = ap.parse_args()
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -111,6 +118,7 @@ def main() -> None:
         p = cfg.parallelism
         p.pipeline_parallel_degree, p.pipeline_parallel_schedule = world, name
         p.pipeline_parallel_microbatch_size, p.pipeline_parallel_pack = a.microbatch_size, a.pack
+        p.pipeline_parallel_head_weight = a.head_weight
         model = build_model_on_meta(model_args)
         errs = validate_pipeline(cfg, pdims, model_args, a.microbatches)
         if errs:
@@ -160,6 +168,8 @@ def main() -> None:
                 microbatch_size=a.microbatch_size,
                 seq_len=a.seq_len,
                 flavor=a.flavor,
+                head_weight=a.head_weight,
+                layers_per_stage=[len(part.layers) for part in parts],
                 step_s=float(worst[0]),
                 bubble=float(worst[1]),
                 compute_s=float(worst[2]),
@@ -168,7 +178,8 @@ def main() -> None:
             )
             print(
                 f"{name:>22}: step {rec['step_s'] * 1e3:9.1f} ms  bubble {rec['bubble']:6.1%}  "
-                f"(textbook {rec['textbook_bubble']:6.1%}, {v} stage(s)/rank)",
+                f"(textbook {rec['textbook_bubble']:6.1%}, {v} stage(s)/rank; rank 0's layers per stage "
+                f"{rec['layers_per_stage']})",
                 flush=True,
             )
             if a.json:
