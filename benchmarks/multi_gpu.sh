@@ -98,6 +98,9 @@ for PHASE in "$@"; do
     want cp2_32k && run cp2_32k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 32768 $P.context_parallel_degree 2
     want cp2_64k && run cp2_64k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 65536 $P.context_parallel_degree 2
     want ep2_moe && run ep2_moe 2 "${MOE[@]}" $P.expert_parallel_degree 2
+    # gradients reduce-scattered in bf16 (training.mixed_precision_reduce): half the bytes of the rows above
+    want fsdp2_370m_bf16reduce && run fsdp2_370m_bf16reduce 2 "${M370[@]}" $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16
+    want ep2_moe_bf16reduce && run ep2_moe_bf16reduce 2 "${MOE[@]}" $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
     ROWS=("FSDP2 1.3B, 4 x 4096 per GPU=fsdp2_1.3b:1gpu_1.3b:0.90" "FSDP2 370M, 8 x 2048 per GPU=fsdp2_370m:1gpu_370m:0.90"
@@ -106,7 +109,9 @@ for PHASE in "$@"; do
           "PP2 1F1B 1.3B, head weighted=pp2_1f1b_hw_1.3b:1gpu_1.3b:0.80"
           "PP2 Interleaved1F1B 1.3B, head weighted=pp2_interleaved_hw_1.3b:1gpu_1.3b:0.847"
           "CP2 1.3B, 32k tokens, full AC=cp2_32k:cp1_32k:0.75:0.55" "CP2 1.3B, 64k tokens, full AC=cp2_64k:cp1_64k:0.75:0.55"
-          "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75")
+          "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75"
+          "FSDP2 370M, bf16 gradient reduction=fsdp2_370m_bf16reduce:1gpu_370m:0.90"
+          "EP2 hybrid MoE 1B, bf16 gradient reduction=ep2_moe_bf16reduce:1gpu_moe:0.75")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')

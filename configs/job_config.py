@@ -125,6 +125,14 @@ class Training:
         "Compute dtype on GPU (autocast / FSDP param dtype). CPU always trains in float32.",
         choices=("bfloat16", "float32"),
     )
+    mixed_precision_reduce: str = doc(
+        "float32",
+        "dtype of FSDP / HSDP's gradient reduction over the data-parallel ranks (reduce-scatter, and all-reduce "
+        "across replicas): float32 sums every rank's gradient exactly to float32; bfloat16 moves half the bytes "
+        "(Megatron's --grad-reduce-in-bf16) at the price of each contribution rounded to bf16. Plain data parallel's "
+        "flat-buffer all-reduce and single-process runs always reduce in the gradients' float32.",
+        choices=("float32", "bfloat16"),
+    )
     seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
     deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
     cuda_graph: bool = doc(

@@ -38,7 +38,8 @@ def parallelize_part(part: nn.Module, cfg, pdims, mesh, param_dtype: torch.dtype
     if cfg.compile.enable:
         apply_compile(part)
     if pdims.fsdp_enabled:
-        apply_fsdp(part, mesh, cfg.parallelism, param_dtype=param_dtype, pdims=pdims)
+        reduce_dtype = torch.bfloat16 if cfg.training.mixed_precision_reduce == "bfloat16" else torch.float32
+        apply_fsdp(part, mesh, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=reduce_dtype, pdims=pdims)
     return part
 
 

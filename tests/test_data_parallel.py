@@ -115,3 +115,34 @@ def test_auto_blocks_per_unit_holds_about_100m_parameters(flavor, blocks):
     assert abs(blocks * per_block - 100e6) <= per_block / 2  # the nearest whole number of blocks
     assert auto_blocks_per_unit(layers, unit_params=1) == 1  # large blocks: one unit each
     assert auto_blocks_per_unit(layers, unit_params=10**12) == len(layers)  # never more than the stage's blocks
+
+
+def _fsdp_gradients(rank, world_size, reduce):
+    """One backward of the debug model under FSDP2 (parallelize_part, as train.py builds it), every rank on its own
+    tokens: the first block's in_proj gradient, gathered whole."""
+    from configs.job_config import JobConfig
+    from models import build_model_args, build_model_on_meta
+    from models.init import init_weights
+    from parallelisms.parallelize import parallelize_part
+
+    cfg = JobConfig()
+    cfg.parallelism.data_parallel_shard_degree = world_size
+    cfg.training.mixed_precision_reduce = reduce
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    args = build_model_args("debug", {"n_layers": 2, "d_model": 32, "headdim": 16, "d_state": 8, "chunk_size": 8})
+    model = build_model_on_meta(args)
+    parallelize_part(model, cfg, dims, dims.build_mesh("cpu"), torch.float32)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7 + rank))
+    model(tokens, labels=tokens).backward()
+    return model.layers["0"].mixer.in_proj.weight.grad.full_tensor().tolist()
+
+
+def test_mixed_precision_reduce_sets_the_dtype_of_fsdps_gradient_reduction():
+    """training.mixed_precision_reduce bfloat16: FSDP2 reduce-scatters the gradients in bf16 (each rank's share
+    rounded, then summed), float32 exactly: the two differ by bf16's rounding, not more."""
+    exact = torch.tensor(run_distributed(_fsdp_gradients, 2, "float32")[0])
+    halved = torch.tensor(run_distributed(_fsdp_gradients, 2, "bfloat16")[0])
+    rel = ((halved - exact).norm() / exact.norm()).item()
+    assert 1e-5 < rel < 1e-2, rel  # bf16 keeps 8 mantissa bits: ~2e-3 relative per element
