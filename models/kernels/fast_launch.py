@@ -84,6 +84,8 @@ class FastLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def __getattr__(self, name):  # the kernel's own attributes (arg_names, fn, warmup, ...) for tools and tests
+        if name == "kernel":  # not yet set (copy / pickle build the object without __init__): no recursion
+            raise AttributeError(name)
         return getattr(self.kernel, name)
 
     def launch(self, grid, args: tuple, kwargs: dict):
