@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.kernels.fast_launch import FastLaunch  # noqa: E402
+from models.kernels.fast_launch import FastLaunch
 from models.kernels.ssd_triton import (
     bc_bwd,
     bc_finish,
