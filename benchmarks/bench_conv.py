@@ -87,76 +87,30 @@ def run(shape_name: str, with_seq: bool) -> dict:
     return rec
 
 
-# --tune: our kernels' block sizes (conv_triton's module constants) tried one set at a time.
-TUNE = [  # forward (BLOCK_D, BLOCK_L, warps), backward (BLOCK_D, BLOCK_L, warps, RANGE_L)
-    dict(
-        _FWD_BLOCK_D=128,
-        _FWD_BLOCK_L=32,
-        _FWD_WARPS=4,
-        _BWD_BLOCK_D=32,
-        _BWD_BLOCK_L=16,
-        _BWD_WARPS=4,
-        _BWD_RANGE_L=512,
-    ),
-    dict(_BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=4),  # the backward's tiles before session 17
-    dict(_BWD_BLOCK_D=64, _BWD_BLOCK_L=16, _BWD_WARPS=8),
-    dict(
-        _FWD_BLOCK_D=128,
-        _FWD_BLOCK_L=32,
-        _FWD_WARPS=4,
-        _BWD_BLOCK_D=64,
-        _BWD_BLOCK_L=32,
-        _BWD_WARPS=8,
-        _BWD_RANGE_L=512,
-    ),
-    dict(
-        _FWD_BLOCK_D=256,
-        _FWD_BLOCK_L=32,
-        _FWD_WARPS=8,
-        _BWD_BLOCK_D=128,
-        _BWD_BLOCK_L=16,
-        _BWD_WARPS=4,
-        _BWD_RANGE_L=512,
-    ),
-    dict(
-        _FWD_BLOCK_D=64,
-        _FWD_BLOCK_L=128,
-        _FWD_WARPS=8,
-        _BWD_BLOCK_D=64,
-        _BWD_BLOCK_L=16,
-        _BWD_WARPS=4,
-        _BWD_RANGE_L=256,
-    ),
-    dict(
-        _FWD_BLOCK_D=64,
-        _FWD_BLOCK_L=32,
-        _FWD_WARPS=2,
-        _BWD_BLOCK_D=64,
-        _BWD_BLOCK_L=16,
-        _BWD_WARPS=4,
-        _BWD_RANGE_L=1024,
-    ),
-    dict(
-        _FWD_BLOCK_D=128,
-        _FWD_BLOCK_L=64,
-        _FWD_WARPS=8,
-        _BWD_BLOCK_D=32,
-        _BWD_BLOCK_L=32,
-        _BWD_WARPS=4,
-        _BWD_RANGE_L=512,
-    ),
+# --tune: our kernels' block sizes (conv_triton's module constants) tried one set at a time; a set names what it
+# changes, the rest stays the module's. Forward: (BLOCK_D, BLOCK_L, warps); backward: (BLOCK_D, ROWS streams of SEG
+# positions, warps, positions loaded ahead).
+TUNE = [
+    dict(),  # the module's defaults
+    dict(_FWD_CHANNELS_FASTEST=False),  # the forward's grid order before session 20
+    dict(_BWD_ROWS=2, _BWD_WARPS=2),
+    dict(_BWD_BLOCK_D=256, _BWD_ROWS=2),
+    dict(_BWD_SEG=32),
+    dict(_BWD_PREFETCH=1),
 ]
+TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
+         "_BWD_WARPS", "_BWD_PREFETCH")  # fmt: skip
 
 
 def tune(shape_name: str) -> None:
     from models.kernels import conv_triton
 
-    default = {k: getattr(conv_triton, k) for k in TUNE[0]}
+    default = {k: getattr(conv_triton, k) for k in TUNED}
     for setting in TUNE:
         for k, v in {**default, **setting}.items():  # a set names what it changes; the rest is the module's
             setattr(conv_triton, k, v)
         r = run(shape_name, True)
-        short = " ".join(f"{k.strip('_').lower()}={v}" for k, v in setting.items())
+        short = " ".join(f"{k.strip('_').lower()}={v}" for k, v in setting.items()) or "defaults"
         print(
             f"tune {shape_name} {short}: fwd {r['ours_fwd_ms']:.3f} ms, bwd {r['ours_bwd_ms']:.3f} ms "
             f"(dx vs causal_conv1d {r.get('diff_dx', float('nan')):.1e}, dw {r.get('diff_dw', float('nan')):.1e})",
@@ -169,13 +123,14 @@ def tune(shape_name: str) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1.3b,370m")
-    ap.add_argument("--tune", action="store_true", help="first time our kernels under each block-size set in TUNE")
+    ap.add_argument("--tune", action="store_true", help="first time our kernels under each set in TUNE (every shape)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_conv.py times GPU kernels: run it on a CUDA machine (bash .gpu/setup.sh first)")
     if a.tune:
-        tune(a.shapes.split(",")[0])
+        for shape in a.shapes.split(","):
+            tune(shape)
     recs = [run(s, q) for s in a.shapes.split(",") for q in (False, True)]
     print("| shape | seq_idx | fwd ours | fwd causal_conv1d | bwd ours | bwd causal_conv1d | ours / theirs (f+b) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

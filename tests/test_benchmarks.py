@@ -435,6 +435,28 @@ def test_bench_conv_documents_and_cpu_refusal():
             bench_conv.main([])
 
 
+def test_bench_conv_tune_sets_name_the_kernels_settings():
+    """Every --tune set changes only settings bench_conv restores (TUNED), and each of those is a module constant
+    conv_triton's launchers read: a renamed or removed constant fails here, not on the GPU machine."""
+    from benchmarks import bench_conv
+    from models.kernels import conv_triton
+
+    for name in bench_conv.TUNED:
+        assert hasattr(conv_triton, name), name
+    for setting in bench_conv.TUNE:
+        assert set(setting) <= set(bench_conv.TUNED), setting
+
+
+def test_bench_optimizer_refuses_without_cuda():
+    """bench_optimizer.py stops before building anything on a machine without CUDA, naming what it needs."""
+    from benchmarks import bench_optimizer
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench_optimizer.main([])
+
+
 def test_ncu_ssd_refuses_bad_shape_and_no_cuda():
     """ncu_ssd.py names a wrong shape and the missing GPU before any work."""
     from benchmarks import ncu_ssd

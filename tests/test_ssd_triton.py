@@ -271,15 +271,19 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
     return errors
 
 
-def check_conv(b, L, D, W, seed, seq_cuts, silu, bias, token_stride, range_l=None, x_dtype="float32"):
+def check_conv(
+    b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True
+):
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
-    row), range_l positions per backward program (several programs' weight-gradient partial sums)."""
+    row), streams = (rows, positions per row) of a backward program (several streams and programs: the windows
+    carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order."""
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
 
-    if range_l is not None:
-        conv_triton._BWD_RANGE_L = range_l
+    if streams is not None:
+        conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams
+    conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)
     buf = torch.randn(b, L, token_stride, generator=g).to(dt)
@@ -886,14 +890,18 @@ def test_conv_kernels_documents_strided_channel_last():
     multiple of the block, and several backward programs along L (partial weight gradients summed)."""
     cuts = [[1, 2, 30, 64, 65], [33]]
     interpret(
-        conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48, range_l=64
+        conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48, streams=(2, 8)
     )
 
 
 def test_conv_kernels_widths_without_documents():
-    """Widths 2 and 3, no documents, no bias, no activation; and float16 x with width 4."""
+    """Widths 2 and 3, no documents, no bias, no activation (and the forward's other grid order); float16 x with
+    width 4."""
     interpret(conv=True, b=1, L=70, D=16, W=2, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17)
-    interpret(conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32)
+    interpret(
+        conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32,
+        fwd_channels_fastest=False,
+    )  # fmt: skip
     interpret(
         conv=True, b=1, L=40, D=8, W=4, seed=4, seq_cuts=[[10]], silu=True, bias=True, token_stride=16,
         x_dtype="float16",

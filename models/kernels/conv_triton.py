@@ -5,24 +5,25 @@ causal_conv1d_ref's contract (conv_reference.py), for widths W <= 4:
 x is [B, D, L] with its channels contiguous (stride(1) == 1: the mixer's view of zxbcdt, any token stride); the
 output is [B, D, L] over a dense [B, L, D] buffer, the same layout.
 
-What it is for (docs/performance.md, sessions 11 and 17): the CUDA conv where causal_conv1d is not installed
-(ops.causal_conv1d prefers causal_conv1d's kernels), and the fused mixer's forward conv with documents (faster than
-causal_conv1d's there: split_conv1d_scan.py). It was written to remove what documents cost causal_conv1d's
-channel-last kernels in the 1.3B step (0.154 / 0.367 ms forward / backward per layer with seq_idx, 0.108 / 0.228
-without); on an H100 its forward with documents is faster (1.3B 0.127 vs 0.157 ms since session 17's tiles),
-without them slower (0.122 vs 0.114), and its backward 1.35-1.6x slower (1.3B 0.491 ms): Triton has no register
-shifts, so each of the four g a position's dx needs is recomputed from x, where causal_conv1d's threads own
-consecutive positions and pass the halo through shared memory (computing each g once and shifting it through
-tl.gather or a scratch tile was slower still: session 17).
+What it is for (docs/performance.md, sessions 11, 17 and 20): the CUDA conv where causal_conv1d is not installed
+(ops.causal_conv1d prefers causal_conv1d's kernels), and the fused mixer's conv with documents, forward and
+backward (split_conv1d_scan.py), where it is faster than causal_conv1d's channel-last kernels, which documents slow
+down. H100, session 20, with documents: forward 1.3B 0.119 ms against 0.158, 370M 0.068 against 0.094; backward
+1.3B 0.277 against 0.364, 370M 0.172 against 0.211. Without documents the forward ties (0.114 / 0.065 both) and the
+backward is slower (1.3B 0.280 against 0.235), so causal_conv1d's stay there.
 
 Backward, for g_t = dout_t act'(pre_t) (pre: the conv before the activation, recomputed here):
     dx[s] = sum_j weight[W-1-j] g[s+j] [seq[s] == seq[s+j]]
     dweight[d, k] = sum_t g_t x[t - (W-1) + k] [seq[t - (W-1) + k] == seq[t]],    dbias[d] = sum_t g_t
-Each program walks RANGE_L positions of one block of channels, loads the seven rows t - 3 ... t + 3 of a tile once,
-and sums its dweight / dbias element-wise in float32, reduced over rows once at the end; the host adds the programs'
-partial sums (deterministic: no atomics). Entry points: causal_conv1d_triton (autograd; ops.causal_conv1d on CUDA
-without causal_conv1d, under model.kernels "auto" / "triton") and the bare halves conv_forward_triton /
-conv_backward_triton (timed by benchmarks/bench_conv.py).
+Triton has no register shifts across a tile's rows, so the backward walks positions one at a time instead: each row
+of a program's tile is a stream over consecutive positions that carries its last three x, g and ids from step to
+step as loop-carried tiles (conv_bwd_kernel), so each x and dout row is loaded once and each g computed once. The
+previous version, tiles of 16 positions that recomputed the four g each dx needs from seven shifted loads, ran
+1.3B 0.491 ms; shifting g between rows with tl.gather or a scratch tile ran 0.97-1.48 (session 17). dweight / dbias
+are summed element-wise in float32 per program and reduced once at the end; the host adds the programs' partial
+sums (deterministic: no atomics). Entry points: causal_conv1d_triton (autograd; ops.causal_conv1d on CUDA without
+causal_conv1d, under model.kernels "auto" / "triton") and the bare halves conv_forward_triton / conv_backward_triton
+(split_conv1d_scan.py's kernel halves, benchmarks/bench_conv.py).
 Imports triton at import time: import this module lazily.
 """
 
@@ -101,9 +102,15 @@ def _pre(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, HAS_SEQ: tl.const
 @triton.jit
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
-                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    pid_l = tl.program_id(0)
-    pid_d = tl.program_id(1)
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):  # fmt: skip
+    # CHANNELS_FASTEST: the programs running at once cover whole rows of x (every channel block of the same
+    # positions), not one channel block of many positions (1.3B shape with documents: 0.118 against 0.127 ms, H100).
+    if CHANNELS_FASTEST:
+        pid_d = tl.program_id(0)
+        pid_l = tl.program_id(1)
+    else:
+        pid_l = tl.program_id(0)
+        pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -125,76 +132,111 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
 
 
 @triton.jit
-def _grad(dout_b, t, offs_d, mask_d, L, s_y_l, pre, SILU: tl.constexpr):
-    """g = dout act'(pre), float32; 0 for positions t >= L."""
-    g = _rows(dout_b, t, offs_d, mask_d, L, s_y_l)
+def _stream_rows(x_b, dout_b, seq_b, u_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ: tl.constexpr):
+    """x and dout at positions u_R ([ROWS, BLOCK_D] in their dtypes, 0 outside [0, L)) and their document ids."""
+    ok = (u_R >= 0) & (u_R < L)
+    m = ok[:, None] & mask_d[None, :]
+    u64 = u_R.to(tl.int64)[:, None]
+    x = tl.load(x_b + u64 * s_x_l + offs_d[None, :], mask=m, other=0.0)
+    dy = tl.load(dout_b + u64 * s_y_l + offs_d[None, :], mask=m, other=0.0)
+    return x, dy, _ids(seq_b, u_R, L, HAS_SEQ)
+
+
+@triton.jit
+def _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ: tl.constexpr,
+                 SILU: tl.constexpr):  # fmt: skip
+    """g at the newest position u of each row (x0 = x[u], xm3 = x[u - 3]): dout act'(pre), float32."""
+    pre = _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ)
+    g = dy.to(tl.float32)
     if SILU:
         sig = tl.sigmoid(pre)
         g = g * sig * (1.0 + pre * (1.0 - sig))
     return g
 
 
+@triton.jit
+def _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ: tl.constexpr):
+    """dx at t = u - 3: w3 g[t] + w2 g[t+1] + w1 g[t+2] + w0 g[t+3], each g in t's document."""
+    dx = gm3 * w3[None, :]
+    dx += _same(gm2, sm2, sm3, HAS_SEQ) * w2[None, :]
+    dx += _same(gm1, sm1, sm3, HAS_SEQ) * w1[None, :]
+    dx += _same(g0, s0, sm3, HAS_SEQ) * w0[None, :]
+    return dx
+
+
 @fast_launch
 @triton.jit
-def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, L, D, N_RANGES,
+def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, L, D, N_PARTS,
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
-                    RANGE_L: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    pid_r = tl.program_id(0)
+                    ROWS: tl.constexpr, SEG: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
+    at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
+    each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
+    step it loads x[u] and dout[u], computes g[u], adds g[u]'s weight- and bias-gradient terms and stores
+    dx[u - 3]. The first three steps only fill the window; three steps past the segment finish its last dx."""
+    pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
     x_b = x_ptr + b * s_x_b
-    seq_b = seq_ptr + b * L
     dout_b = dout_ptr + b * s_y_b
-    # Element-wise partial sums over the program's positions, reduced over rows once at the end.
-    dw0 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-    dw1 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-    dw2 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-    dw3 = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-    db = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
-    for l0 in range(pid_r * RANGE_L, tl.minimum(pid_r * RANGE_L + RANGE_L, L), BLOCK_L):
-        t = l0 + tl.arange(0, BLOCK_L)
-        # The seven rows t - 3 ... t + 3 that the pre-activations of t ... t + 3 read, each loaded once.
-        xm3 = _rows(x_b, t - 3, offs_d, mask_d, L, s_x_l)
-        xm2 = _rows(x_b, t - 2, offs_d, mask_d, L, s_x_l)
-        xm1 = _rows(x_b, t - 1, offs_d, mask_d, L, s_x_l)
-        x0 = _rows(x_b, t, offs_d, mask_d, L, s_x_l)
-        xp1 = _rows(x_b, t + 1, offs_d, mask_d, L, s_x_l)
-        xp2 = _rows(x_b, t + 2, offs_d, mask_d, L, s_x_l)
-        xp3 = _rows(x_b, t + 3, offs_d, mask_d, L, s_x_l)
-        sm3 = _ids(seq_b, t - 3, L, HAS_SEQ)
-        sm2 = _ids(seq_b, t - 2, L, HAS_SEQ)
-        sm1 = _ids(seq_b, t - 1, L, HAS_SEQ)
-        s0 = _ids(seq_b, t, L, HAS_SEQ)
-        sp1 = _ids(seq_b, t + 1, L, HAS_SEQ)
-        sp2 = _ids(seq_b, t + 2, L, HAS_SEQ)
-        sp3 = _ids(seq_b, t + 3, L, HAS_SEQ)
-        # g at t: the weight and bias gradients, and dx's own tap.
-        g = _grad(dout_b, t, offs_d, mask_d, L, s_y_l,
-                  _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ), SILU)  # fmt: skip
-        db += g
-        dw0 += g * _same(xm3, sm3, s0, HAS_SEQ)
-        dw1 += g * _same(xm2, sm2, s0, HAS_SEQ)
-        dw2 += g * _same(xm1, sm1, s0, HAS_SEQ)
-        dw3 += g * x0
-        dx = g * w3[None, :]
-        # g at t + 1 ... t + 3, each where it is in t's document, times the tap that reached it from t.
-        g = _grad(dout_b, t + 1, offs_d, mask_d, L, s_y_l,
-                  _pre(bias, w0, w1, w2, w3, xm2, xm1, x0, xp1, sm2, sm1, s0, sp1, HAS_SEQ), SILU)  # fmt: skip
-        dx += _same(g, sp1, s0, HAS_SEQ) * w2[None, :]
-        g = _grad(dout_b, t + 2, offs_d, mask_d, L, s_y_l,
-                  _pre(bias, w0, w1, w2, w3, xm1, x0, xp1, xp2, sm1, s0, sp1, sp2, HAS_SEQ), SILU)  # fmt: skip
-        dx += _same(g, sp2, s0, HAS_SEQ) * w1[None, :]
-        g = _grad(dout_b, t + 3, offs_d, mask_d, L, s_y_l,
-                  _pre(bias, w0, w1, w2, w3, x0, xp1, xp2, xp3, s0, sp1, sp2, sp3, HAS_SEQ), SILU)  # fmt: skip
-        dx += _same(g, sp3, s0, HAS_SEQ) * w0[None, :]
-        dx_out = dx_ptr + b * s_dx_b + t[:, None] * s_dx_l + offs_d[None, :]
-        tl.store(dx_out, dx.to(dx_ptr.dtype.element_ty), mask=(t < L)[:, None] & mask_d[None, :])
-    # This program's partial sums: [B * N_RANGES, 4, D] (tap k of 4, as _weight numbers them) and [B * N_RANGES, D].
-    part = b * N_RANGES + pid_r
+    seq_b = seq_ptr + b * L
+    dx_b = dx_ptr + b * s_dx_b
+    start_R = (pid_s * ROWS + tl.arange(0, ROWS)) * SEG
+    # The window before the segment: x and ids at start - 3 ... start - 1 (g there is not needed).
+    xm3, _, sm3 = _stream_rows(x_b, dout_b, seq_b, start_R - 3, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+    xm2, _, sm2 = _stream_rows(x_b, dout_b, seq_b, start_R - 2, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+    xm1, _, sm1 = _stream_rows(x_b, dout_b, seq_b, start_R - 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+    xm3 = xm3.to(tl.float32)
+    xm2 = xm2.to(tl.float32)
+    xm1 = xm1.to(tl.float32)
+    dw0 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    dw1 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    dw2 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    dw3 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    db = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    # Three separate zero tiles: Triton carries a variable through the loop only where its value after the body is
+    # another object than before it, so three names sharing one object would make the rotation below look like a
+    # no-op for gm3 / gm2 (a wrong dx compiled; the interpreter would not show it).
+    gm3 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    gm2 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    gm1 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
+    # The rows of the next PREFETCH positions are loaded ahead, so their loads are in flight while this step
+    # computes (Triton does not pipeline this loop: its loads feed no dot).
+    xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+    if PREFETCH == 2:
+        xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, start_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+    for j in range(0, SEG + 3):
+        u_R = start_R + j
+        x0, dy, s0 = xa, dya, sa
+        if PREFETCH == 2:
+            xa, dya, sa = xb, dyb, sb
+            xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, u_R + 2, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+        else:
+            xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, u_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+        x0 = x0.to(tl.float32)
+        g0 = _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ, SILU)
+        # Steps past the segment compute g for the last dx only (their weight terms belong to the next stream), and
+        # the first three store no dx (their t is the previous stream's): selects, not branches, in the loop.
+        g_own = tl.where(j < SEG, g0, 0.0)
+        db += g_own
+        dw0 += g_own * _same(xm3, sm3, s0, HAS_SEQ)
+        dw1 += g_own * _same(xm2, sm2, s0, HAS_SEQ)
+        dw2 += g_own * _same(xm1, sm1, s0, HAS_SEQ)
+        dw3 += g_own * x0
+        t_R = u_R - 3
+        dx = _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ)
+        dx_ptrs = dx_b + t_R.to(tl.int64)[:, None] * s_dx_l + offs_d[None, :]
+        own_t = (t_R >= start_R) & (t_R < L)
+        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=own_t[:, None] & mask_d[None, :])
+        xm3, xm2, xm1 = xm2, xm1, x0
+        sm3, sm2, sm1 = sm2, sm1, s0
+        gm3, gm2, gm1 = gm2, gm1, g0
+    # This program's partial sums: [B * N_PARTS, 4, D] (tap k of 4, as _weight numbers them) and [B * N_PARTS, D].
+    part = b * N_PARTS + pid_s
     dw_base = dw_part_ptr + part * 4 * D + offs_d
     tl.store(dw_base, tl.sum(dw0, axis=0), mask=mask_d)
     tl.store(dw_base + D, tl.sum(dw1, axis=0), mask=mask_d)
@@ -226,13 +268,15 @@ def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
 _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
-# Backward: 32 channels x 16 positions (127 registers per thread on sm_90 against 255 at 64 x 16; H100, session 17,
-# with documents: 1.3B 0.491 ms against 0.590, 370M 0.281 against 0.323; causal_conv1d's 0.364 / 0.208). A version
-# computing each g once and shifting it between rows (tl.gather, or a scratch tile) ran 0.97-1.48 ms: not kept.
-_BWD_BLOCK_D = 32
-_BWD_BLOCK_L = 16
+_FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see conv_fwd_kernel)
+# Backward: ROWS streams of SEG positions per program, BLOCK_D channels (conv_bwd_kernel). H100, session 20, 1.3B
+# with documents: 0.277 ms; 2 streams at 2 warps or 256 channels x 2 streams, or one position prefetched instead of
+# two, within 1%; 32 or 128 positions per stream 0.29; 8 streams at 4 warps (242 registers) 0.31.
+_BWD_BLOCK_D = 128
+_BWD_ROWS = 4
+_BWD_SEG = 64
 _BWD_WARPS = 4
-_BWD_RANGE_L = 512  # positions per backward program (its weight-gradient partial sums)
+_BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
 
 
 def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> torch.Tensor:
@@ -240,12 +284,13 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
     _check(x_BDL, weight_DW, seq_idx_BL)
     b, d, L = x_BDL.shape
     out_BLD = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype)
-    conv_fwd_kernel[(cdiv(L, _FWD_BLOCK_L), cdiv(d, _FWD_BLOCK_D), b)](
+    grid = (cdiv(L, _FWD_BLOCK_L), cdiv(d, _FWD_BLOCK_D), b)
+    conv_fwd_kernel[(grid[1], grid[0], b) if _FWD_CHANNELS_FASTEST else grid](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
         out_BLD, L, d, x_BDL.stride(0), x_BDL.stride(2), out_BLD.stride(0), out_BLD.stride(1),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, num_warps=_FWD_WARPS,
+        BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, CHANNELS_FASTEST=_FWD_CHANNELS_FASTEST, num_warps=_FWD_WARPS,
     )  # fmt: skip
     return out_BLD.transpose(1, 2)
 
@@ -260,19 +305,19 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         dx_BDL = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype).transpose(1, 2)
     elif dx_BDL.stride(1) != 1:
         raise ValueError(f"dx must be channel-last like x, got strides {dx_BDL.stride()}")
-    n_ranges = cdiv(L, _BWD_RANGE_L)
-    dw_part = torch.empty(b * n_ranges, 4, d, device=x_BDL.device, dtype=torch.float32)
-    db_part = torch.empty(b * n_ranges, d, device=x_BDL.device, dtype=torch.float32)
-    conv_bwd_kernel[(n_ranges, cdiv(d, _BWD_BLOCK_D), b)](
+    n_parts = cdiv(L, _BWD_ROWS * _BWD_SEG)
+    dw_part = torch.empty(b * n_parts, 4, d, device=x_BDL.device, dtype=torch.float32)
+    db_part = torch.empty(b * n_parts, d, device=x_BDL.device, dtype=torch.float32)
+    conv_bwd_kernel[(n_parts, cdiv(d, _BWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
-        dout_BDL, dx_BDL, dw_part, db_part, L, d, n_ranges, x_BDL.stride(0), x_BDL.stride(2),
+        dout_BDL, dx_BDL, dw_part, db_part, L, d, n_parts, x_BDL.stride(0), x_BDL.stride(2),
         dout_BDL.stride(0), dout_BDL.stride(2), dx_BDL.stride(0), dx_BDL.stride(2),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        RANGE_L=_BWD_RANGE_L, BLOCK_L=_BWD_BLOCK_L, BLOCK_D=_BWD_BLOCK_D, num_warps=_BWD_WARPS,
+        ROWS=_BWD_ROWS, SEG=_BWD_SEG, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
-    dw = dw_part.sum(0)[4 - W :].t()  # taps 4 - W ... 3 are the weight's columns
+    dw = dw_part.sum(0)[4 - W :].t().contiguous()  # taps 4 - W ... 3 are the weight's columns
     db = db_part.sum(0) if bias_D is not None else None
     return dx_BDL, dw, db
 

@@ -140,8 +140,8 @@ def causal_conv1d(
 ) -> torch.Tensor:
     """Depthwise causal conv1d (causal_conv1d_fn): [B, D, L] -> [B, D, L]; resets at document starts.
     causal_conv1d's CUDA kernels where installed; without them, under "auto" / "triton" on CUDA, our Triton kernels
-    (conv_triton.py: widths <= 4; correct, but backward 1.6-2.1x causal_conv1d's time on an H100, forward 0.9-1.4x:
-    docs/performance.md), else the PyTorch reference."""
+    (conv_triton.py: widths <= 4; on an H100 faster than causal_conv1d's with documents, backward 1.2x slower without
+    them: docs/performance.md), else the PyTorch reference."""
     if use_cuda_kernels(backend, x_BDL):
         return _cuda.causal_conv1d_cuda(x_BDL, weight_DW, bias_D, seq_idx_BL, activation)
     if weight_DW.shape[-1] <= 4 and use_triton_ssd(backend, x_BDL):

@@ -110,15 +110,31 @@ def _runs_kernel_halves(zxbcdt, norm_w, s: _Sizes) -> bool:
 
 def _conv_forward_halves(xBC_in_BLC, conv_w, conv_b, seq, s: _Sizes):
     """The conv's forward as a bare kernel (no autograd): [B, L, conv_dim] -> [B, L, conv_dim]. With documents our
-    Triton kernel (conv_triton.py: 0.127 ms against causal_conv1d's 0.157 at the 1.3B shape, 0.070 against 0.094 at
-    the 370M, H100, docs/performance.md sessions 11 and 17), run twice per layer and step (forward and the backward's
-    recompute); without them causal_conv1d's (0.114 against our 0.122)."""
+    Triton kernel (conv_triton.py: 0.119 ms against causal_conv1d's 0.158 at the 1.3B shape, 0.068 against 0.094 at
+    the 370M, H100, docs/performance.md session 20), run twice per layer and step (forward and the backward's
+    recompute); without them causal_conv1d's (a tie: 0.114 both)."""
     x_BCL = xBC_in_BLC.transpose(1, 2)
     if seq is not None:
         from models.kernels.conv_triton import conv_forward_triton  # lazy: imports triton
 
         return conv_forward_triton(x_BCL, conv_w, conv_b, seq, s.silu).transpose(1, 2)
     return _cuda.conv_forward(x_BCL, conv_w, conv_b, seq, s.silu).transpose(1, 2)
+
+
+def _conv_backward_halves(xBC_in_BLC, conv_w, conv_b, dxBC_BLC, seq, s: _Sizes, dxBC_in_BLC):
+    """The conv's backward as a bare kernel: writes dxBC_in ([B, L, conv_dim], a view of dzxbcdt) and returns
+    (dweight, dbias) in the parameters' dtypes. With documents our Triton kernel (conv_triton.py: 0.277 ms against
+    causal_conv1d's 0.364 at the 1.3B shape, 0.172 against 0.211 at the 370M, H100, docs/performance.md session 20);
+    without them causal_conv1d's (0.235 against our 0.280)."""
+    if seq is not None:
+        from models.kernels.conv_triton import conv_backward_triton  # lazy: imports triton
+
+        x_BCL, dx_BCL = xBC_in_BLC.transpose(1, 2), dxBC_in_BLC.transpose(1, 2)
+        _, dw, db = conv_backward_triton(x_BCL, conv_w, conv_b, dxBC_BLC.transpose(1, 2), seq, s.silu, dx_BCL)
+        return dw.to(conv_w.dtype), None if db is None else db.to(conv_b.dtype)
+    return _cuda.conv_backward(
+        xBC_in_BLC.transpose(1, 2), conv_w, conv_b, dxBC_BLC.transpose(1, 2), seq, s.silu, dxBC_in_BLC.transpose(1, 2)
+    )
 
 
 def _kernel_halves_on(zxbcdt, s: _Sizes) -> bool:
@@ -280,9 +296,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     )
     del xBC, x, B, C
     ddt_out.copy_(ddt)
-    dconv_w, dconv_b = _cuda.conv_backward(
-        xBC_in.transpose(1, 2), conv_w, conv_b, dxBC.transpose(1, 2), seq, s.silu, dxBC_in.transpose(1, 2)
-    )
+    dconv_w, dconv_b = _conv_backward_halves(xBC_in, conv_w, conv_b, dxBC, seq, s, dxBC_in)
     return (
         dzxbcdt,
         dconv_w if needs[1] else None,

@@ -1,0 +1,120 @@
+"""GPU time of the trainer's optimizer phase (gradient norm + fused AdamW with on-device clipping and skipping) on a
+model flavor's parameters, next to what the same bytes cost at the GPU's bandwidth.
+
+    bash .gpu/setup.sh && python3 benchmarks/bench_optimizer.py [--flavor 1.3B] [--iters 20] [--out r.json]
+
+Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
+  grad_norm        parallelisms.grad_norm.global_grad_norm over every gradient (what train.py calls)
+  adamw_step       grad_norm, then components.optimizer.take_optimizer_steps with a device skip flag: torch's
+                   fused AdamW over the parameter lists, gradients divided by the clipping divisor inside its
+                   kernels (train.py's optimizer phase)
+  adamw_flat       torch's fused AdamW on ONE flat tensor of the same element count: the multi-tensor kernel
+                   without per-tensor boundaries
+  copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
+                   parameter and moments: 28 bytes per float32 parameter) as copies of flat buffers: the bandwidth
+                   bound
+The step moves the same bytes in every row; the ratio to copy_bound is how far from the memory bound it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch
+
+from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
+from configs.job_config import Optimizer  # noqa: E402
+from models import build_model_args, build_model_on_meta  # noqa: E402
+from parallelisms.grad_norm import global_grad_norm  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", default="1.3B", help="model flavor whose parameters are stepped (models/flavors)")
+    ap.add_argument("--iters", type=int, default=20, help="repetitions per timed round")
+    ap.add_argument("--out", default="", help="write the rows as JSON here")
+    return ap.parse_args(argv)
+
+
+def gpu_ms(fn, iters: int) -> float:
+    """Median over 3 rounds of the GPU time per call of fn (CUDA events around `iters` calls)."""
+    rounds = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        rounds.append(start.elapsed_time(end) / iters)
+    return sorted(rounds)[1]
+
+
+def main(argv=None) -> list[dict]:
+    a = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_optimizer.py times GPU kernels: run it on a CUDA machine (bash .gpu/setup.sh first)")
+    dev = torch.device("cuda")
+    model = build_model_on_meta(build_model_args(a.flavor))
+    model.to_empty(device=dev)
+    params = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0.0, 0.02, generator=gen)
+            p.grad = torch.randn(p.shape, device=dev, generator=gen) * 1e-3
+    n = sum(p.numel() for p in params)
+    opt = build_optimizer([model], Optimizer(), "cuda")
+    skip = torch.zeros((), device=dev)  # the trainer's flag: 0.0, a finite step
+
+    def step():
+        take_optimizer_steps([opt], params, global_grad_norm(params), 1.0, skip)
+
+    flat = [torch.randn(n, device=dev, generator=gen) * 1e-3 for _ in range(4)]  # parameter, gradient, moments
+    flat_step = torch.zeros((), device=dev)
+
+    def flat_adamw():
+        flat_step.add_(1)
+        torch._fused_adamw_(
+            [flat[0]], [flat[1]], [flat[2]], [flat[3]], [], [flat_step], amsgrad=False, lr=1e-4, beta1=0.9,
+            beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False, grad_scale=None, found_inf=None,
+        )  # fmt: skip
+
+    # 28 bytes per parameter: 4 float32 reads and 3 writes, as 3 copies reading 3 flat buffers (12 B read + 12 B
+    # written per element) plus a read of the fourth (a sum): a bound the step cannot beat.
+    def copy_bound():
+        flat[2].copy_(flat[0])
+        flat[3].copy_(flat[1])
+        flat[0].copy_(flat[2])
+        flat[1].sum()
+
+    for fn in (step, flat_adamw, copy_bound):  # warm-up: moments allocated, kernels loaded
+        fn()
+    torch.cuda.synchronize()
+    rows = [
+        dict(row="grad_norm", ms=gpu_ms(lambda: global_grad_norm(params), a.iters)),
+        dict(row="adamw_step", ms=gpu_ms(step, a.iters)),
+        dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
+        dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
+    ]
+    print(f"{a.flavor}: {n / 1e6:.1f}M parameters in {len(params)} tensors, {torch.cuda.get_device_name()}")
+    print("| row | ms per step | GB/s of 28 B per parameter |")
+    print("| --- | --- | --- |")
+    for r in rows:
+        r["GBps_28B"] = 28 * n / r["ms"] / 1e6
+        print(f"| {r['row']} | {r['ms']:.3f} | {r['GBps_28B']:.0f} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(flavor=a.flavor, params=n, tensors=len(params), rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
