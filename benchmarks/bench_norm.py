@@ -8,6 +8,12 @@ a float32 weight. Times (triton.testing.do_bench, median ms) of the forward and 
 recomputed (as the mixer's backward calls it) for both kernels in the same process, as TB/s of the bytes each pass
 must move (forward: y, z in, out; backward: dout, y, z in, dy, dz, out), and how far apart their outputs are
 (relative norm of the difference; both round to bf16).
+
+Then the blocks' residual add + RMSNorm (models/kernels/add_rmsnorm_triton.py) next to mamba_ssm's rms_norm_fn with
+prenorm, at d_model (half of d_inner): x bf16, the residual float32 (the models' residual_in_fp32), the backward
+given both outputs' gradients (the normed output's in bf16, the new residual's in float32, as the next layer sends
+them) through autograd; bytes: forward x, residual in, normed, new residual out; backward dy, new residual, its
+gradient in, dx, dresidual out.
 """
 
 from __future__ import annotations
@@ -94,6 +100,43 @@ TUNE = [
 ]
 
 
+def run_add(shape_name: str, impls: dict | None = None) -> dict:
+    """Residual add + RMSNorm forward / backward times (ms) and TB/s of each implementation in `impls` (name ->
+    add_rmsnorm_ref's signature; default ours and, where installed, mamba_ssm's), and their outputs' differences."""
+    import triton.testing
+
+    from models.kernels import cuda as kcuda
+    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
+
+    if impls is None:
+        impls = {"ours": add_rmsnorm_triton}
+        if kcuda.cuda_kernels_available():
+            impls["mamba_ssm"] = kcuda.add_rmsnorm_cuda
+    tokens, d_inner, _ = SHAPES[shape_name]
+    D, dev = d_inner // 2, torch.device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, D, generator=gen).to(dev, torch.bfloat16).requires_grad_()
+    res = torch.randn(tokens, D, generator=gen).to(dev).requires_grad_()
+    w = (1 + 0.1 * torch.randn(D, generator=gen)).to(dev).requires_grad_()
+    dy = torch.randn(tokens, D, generator=gen).to(dev, torch.bfloat16)
+    dres = torch.randn(tokens, D, generator=gen).to(dev)
+    n = tokens * D
+    rec, outs = {"shape": shape_name, "d_model": D, "tokens": tokens}, {}
+    for name, fn in impls.items():
+        rec[f"{name}_fwd_ms"] = triton.testing.do_bench(lambda: fn(x, res, w, 1e-5, True), warmup=10, rep=100)
+        normed, new_res = fn(x, res, w, 1e-5, True)
+        grads = lambda: torch.autograd.grad((normed, new_res), (x, res, w), (dy, dres), retain_graph=True)  # noqa: E731
+        rec[f"{name}_bwd_ms"] = triton.testing.do_bench(grads, warmup=10, rep=100)
+        rec[f"{name}_fwd_TBps"] = n * (2 + 4 + 2 + 4) / rec[f"{name}_fwd_ms"] / 1e9
+        rec[f"{name}_bwd_TBps"] = n * (2 + 4 + 4 + 2 + 4) / rec[f"{name}_bwd_ms"] / 1e9
+        outs[name] = (normed.detach(), *grads())
+    first = next(iter(outs))
+    for name in list(outs)[1:]:
+        for i, k in enumerate(("normed", "dx", "dres", "dw")):
+            rec[f"diff_{name}_{k}"] = rel(outs[name][i], outs[first][i])
+    return rec
+
+
 def tune(shape_names: list[str]) -> None:
     from models.kernels import gated_rmsnorm_triton as gn
 
@@ -138,9 +181,16 @@ def main(argv=None):
             theirs = f"; mamba_ssm {r['mamba_ssm_fwd_TBps']:.2f} / {r['mamba_ssm_bwd_TBps']:.2f} TB/s"
         print(f"{r['shape']}: ours {r['ours_fwd_TBps']:.2f} / {r['ours_bwd_TBps']:.2f} TB/s (fwd / bwd, of the bytes "
               f"each must move){theirs}; ours vs mamba_ssm: {diffs}")  # fmt: skip
+    adds = [run_add(s) for s in shapes]
+    print("| shape (add + RMSNorm) | fwd ours | fwd mamba_ssm | bwd ours | bwd mamba_ssm | bwd TB/s ours |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in adds:
+        tf, tb = r.get("mamba_ssm_fwd_ms", float("nan")), r.get("mamba_ssm_bwd_ms", float("nan"))
+        print(f"| {r['shape']} | {r['ours_fwd_ms']:.4f} ms | {tf:.4f} ms | {r['ours_bwd_ms']:.4f} ms | {tb:.4f} ms | "
+              f"{r['ours_bwd_TBps']:.2f} |")  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(recs, f, indent=1)
+            json.dump(dict(gated=recs, add=adds), f, indent=1)
 
 
 if __name__ == "__main__":

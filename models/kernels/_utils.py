@@ -1,8 +1,9 @@
-"""Small helpers shared by the references."""
+"""Small helpers shared by the references and the Triton kernels' launchers."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -20,3 +21,19 @@ def no_autocast(device: torch.device):
 def can_inspect_values(t: torch.Tensor) -> bool:
     """Whether a data-dependent check may read t's values (not on meta tensors, not while tracing for compile)."""
     return t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (4 elsewhere: Triton's interpreter on the CPU), asked once."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def rows_in_flight(row_bytes: int) -> int:
+    """Software-pipelining stages of a loop over rows that loads `row_bytes` per row (the norms' backwards): about
+    72 KB in flight, 2 to 4 rows (H100, gated norm: 3 at the 1.3B's 24 KB rows, 0.292 ms against 0.301 with 4; 4 at
+    the 370M's 12 KB, 0.155 ms against 0.173 with 3; without pipelining ~0.39 ms at the 1.3B), or 1 (none) when two
+    rows would not fit in shared memory."""
+    if 2 * row_bytes > 160 * 1024:
+        return 1
+    return min(4, max(2, 72 * 1024 // row_bytes))

@@ -7,7 +7,8 @@ when there is none yet, else x's); normed = new_residual * rstd * weight in x's 
 Why our own: the block's pre-norm runs once per layer each way, and mamba_ssm's kernel pair cost ~0.87 ms of host
 time per layer and step (autograd Function, autotuner, ~25 launch arguments; H100, docs/performance.md) where the
 370M step is host-bound. These kernels take a handful of arguments, no autotuner: one program per row forward, and
-a fixed number of programs over the rows backward, each summing its rows' weight gradient in float32.
+one program per SM backward, each walking every programs-th row with the next rows' loads in flight and summing its
+rows' weight gradient in float32.
 Imports triton at import time: import this module lazily (ops.add_rmsnorm does).
 """
 
@@ -17,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels._utils import no_autocast
-from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+from models.kernels._utils import no_autocast, rows_in_flight, sm_count
+from models.kernels.fast_launch import fast_launch, next_power_of_2
 
 __all__ = ["add_rmsnorm_triton"]
 
@@ -43,29 +44,31 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
 @fast_launch
 @triton.jit
 def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D,
-                            rows_per_program, HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr,
-                            BLOCK: tl.constexpr):  # fmt: skip
-    """Rows [pid * rows_per_program, ...): dx = rstd (w dy - s_hat mean(s_hat w dy)) (+ the new residual's own
-    gradient), written to DX (x's dtype) and DRES (the residual's); this program's sum of dy * s_hat to DW_PART."""
+                            HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                            STAGES: tl.constexpr):  # fmt: skip
+    """Rows pid, pid + programs, ...: dx = rstd (w dy - s_hat mean(s_hat w dy)) (+ the new residual's own gradient),
+    written to DX (x's dtype) and DRES (the residual's); this program's sum of dy * s_hat to DW_PART. The rows' loads
+    are software-pipelined (STAGES rows in flight), as in the gated norm's backward (gated_rmsnorm_triton.py)."""
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    start = pid * rows_per_program
-    for i in range(0, rows_per_program):
-        row = (start + i).to(tl.int64)
-        if row < M:
-            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-            s_hat = tl.load(S + row * D + cols, mask=mask, other=0.0).to(tl.float32) * tl.load(RSTD + row)
-            wdy = w * dy
-            dx = (wdy - s_hat * (tl.sum(s_hat * wdy, axis=0) / D)) * tl.load(RSTD + row)
-            if HAS_DRES_OUT:
-                dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            if HAS_RES:
-                tl.store(DRES + row * D + cols, dx.to(DRES.dtype.element_ty), mask=mask)
-            dw += dy * s_hat
+    first, step = pid.to(tl.int64), programs.to(tl.int64)  # row offsets in int64: M * D may pass 2^31
+    for i in tl.range(0, tl.cdiv(M - pid, programs), num_stages=STAGES):
+        row = first + i * step
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        s_hat = tl.load(S + row * D + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+        wdy = w * dy
+        dx = (wdy - s_hat * (tl.sum(s_hat * wdy, axis=0) / D)) * rstd
+        if HAS_DRES_OUT:
+            dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_RES:
+            tl.store(DRES + row * D + cols, dx.to(DRES.dtype.element_ty), mask=mask)
+        dw += dy * s_hat
     tl.store(DW_PART + pid * D + cols, dw, mask=mask)
 
 
@@ -75,10 +78,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+# Backward launch shape (benchmarks/bench_norm.py --tune times others): programs per SM, and rows in flight per
+# program (None: from the row's bytes, _utils.rows_in_flight), as the gated norm's backward takes them.
+_BWD_PROGRAMS_PER_SM = 1
+_BWD_STAGES: int | None = None
+
+
 def _backward_programs(M: int, device: torch.device) -> int:
-    """Programs of the backward: a few per SM (each sums its rows' weight gradient), never more than rows."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    return max(1, min(M, 4 * sms))
+    """Programs of the backward (each sums its rows' weight gradient), never more than rows."""
+    return max(1, min(M, _BWD_PROGRAMS_PER_SM * sm_count(device)))
 
 
 class _AddRMSNorm(torch.autograd.Function):
@@ -113,10 +121,12 @@ class _AddRMSNorm(torch.autograd.Function):
         programs = _backward_programs(M, s.device)
         dw_part = torch.empty(programs, D, device=s.device, dtype=torch.float32)
         block = next_power_of_2(D)
+        row_bytes = D * (dy2.element_size() + s.element_size() + (dres2.element_size() if dres2 is not None else 0))
+        stages = _BWD_STAGES if _BWD_STAGES is not None else rows_in_flight(row_bytes)
         _add_rmsnorm_bwd_kernel[(programs,)](
             dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
-            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, cdiv(M, programs),
-            HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block,
+            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D,
+            HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block, STAGES=stages,
             num_warps=min(max(block // 256, 1), 8),
         )  # fmt: skip
         dw = dw_part.sum(0).to(weight.dtype)

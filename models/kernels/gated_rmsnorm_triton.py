@@ -19,13 +19,11 @@ Imports triton at import time: import this module lazily (cuda.kernel_halves doe
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from models.kernels._utils import no_autocast
+from models.kernels._utils import no_autocast, rows_in_flight, sm_count
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton"]
@@ -121,12 +119,6 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
     tl.store(DW_PART + pid * D + cols, dw, mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (4 elsewhere: Triton's interpreter on the CPU), asked once."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _launch_shape(M: int, D: int, group_size: int, elem_size: int, device: torch.device) -> tuple[int, int, int, int]:
     """(groups, block, warps for the backward, backward programs along the rows) after the checks."""
     if group_size <= 0 or D % group_size:
@@ -136,19 +128,13 @@ def _launch_shape(M: int, D: int, group_size: int, elem_size: int, device: torch
         raise ValueError(f"gated RMSNorm: a group of {group_size} channels does not fit one program (64 KB)")
     groups = D // group_size
     warps = min(max(block // (32 * _BWD_ELEMS_PER_THREAD), 1), 16)
-    programs = max(1, min(M, cdiv(_BWD_PROGRAMS_PER_SM * _sm_count(device), groups)))
+    programs = max(1, min(M, cdiv(_BWD_PROGRAMS_PER_SM * sm_count(device), groups)))
     return groups, block, warps, programs
 
 
 def _bwd_stages(row_bytes: int) -> int:
-    """Rows of input (dout, y, z) a backward program has in flight: about 72 KB of them, 2 to 4 rows (H100: 3 at
-    the 1.3B's 24 KB rows, 0.292 ms against 0.301 with 4; 4 at the 370M's 12 KB, 0.155 ms against 0.173 with 3;
-    without pipelining ~0.39 ms at the 1.3B), or 1 (none) when two rows would not fit in shared memory."""
-    if _BWD_STAGES is not None:
-        return _BWD_STAGES
-    if 2 * row_bytes > 160 * 1024:
-        return 1
-    return min(4, max(2, 72 * 1024 // row_bytes))
+    """Rows of input (dout, y, z) a backward program has in flight (_BWD_STAGES, else _utils.rows_in_flight)."""
+    return _BWD_STAGES if _BWD_STAGES is not None else rows_in_flight(row_bytes)
 
 
 def _check_rows(name: str, t: torch.Tensor, M: int, D: int) -> None:
