@@ -7,7 +7,7 @@ when there is none yet, else x's); normed = new_residual * rstd * weight in x's 
 Why our own: the block's pre-norm runs once per layer each way, and mamba_ssm's kernel pair cost ~0.87 ms of host
 time per layer and step (autograd Function, autotuner, ~25 launch arguments; H100, docs/performance.md) where the
 370M step is host-bound. These kernels take a handful of arguments, no autotuner: one program per row forward, and
-one program per SM backward, each walking every programs-th row with the next rows' loads in flight and summing its
+two programs per SM backward, each walking every programs-th row with the next rows' loads in flight and summing its
 rows' weight gradient in float32.
 Imports triton at import time: import this module lazily (ops.add_rmsnorm does).
 """
@@ -78,9 +78,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-# Backward launch shape (benchmarks/bench_norm.py --tune times others): programs per SM, and rows in flight per
-# program (None: from the row's bytes, _utils.rows_in_flight), as the gated norm's backward takes them.
-_BWD_PROGRAMS_PER_SM = 1
+# Backward launch shape: programs per SM, and rows in flight per program (None: from the row's bytes,
+# _utils.rows_in_flight). H100, session 20, 1.3B shape: 2 programs per SM 0.203 ms, 1 program 0.225 (3 rows in
+# flight; 2 rows 0.259, 4 rows 0.211, none 0.295); the previous loop (contiguous rows, 4 programs per SM, no
+# pipelining) 0.245; mamba_ssm's 0.398.
+_BWD_PROGRAMS_PER_SM = 2
 _BWD_STAGES: int | None = None
 
 
