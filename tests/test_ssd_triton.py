@@ -281,8 +281,7 @@ def check_conv(
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
 
-    if streams is not None:
-        conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams
+    conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)

@@ -166,10 +166,10 @@ def _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ: tl
 
 @fast_launch
 @triton.jit
-def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, L, D, N_PARTS,
+def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, L, D, N_PARTS, SEG,
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
-                    ROWS: tl.constexpr, SEG: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
@@ -269,9 +269,11 @@ _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
 _FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see conv_fwd_kernel)
-# Backward: ROWS streams of SEG positions per program, BLOCK_D channels (conv_bwd_kernel). H100, session 20, 1.3B
-# with documents: 0.277 ms; 2 streams at 2 warps or 256 channels x 2 streams, or one position prefetched instead of
-# two, within 1%; 32 or 128 positions per stream 0.29; 8 streams at 4 warps (242 registers) 0.31.
+# Backward: ROWS streams per program, BLOCK_D channels (conv_bwd_kernel). H100, session 20, 1.3B with documents,
+# 64 positions per stream: 0.277 ms; 2 streams at 2 warps or 256 channels x 2 streams, or one position prefetched
+# instead of two, within 1%; 32 or 128 positions per stream 0.29; 8 streams at 4 warps (242 registers) 0.31.
+# 64 positions per stream: a grid of 4.12 waves at the 1.3B (4 programs per SM at 128 registers); a split chosen
+# to fill the last wave (54 positions, 4.9 waves; 370M 47) timed within the calls' noise of it (session 20, call 10).
 _BWD_BLOCK_D = 128
 _BWD_ROWS = 4
 _BWD_SEG = 64
@@ -306,15 +308,16 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
     elif dx_BDL.stride(1) != 1:
         raise ValueError(f"dx must be channel-last like x, got strides {dx_BDL.stride()}")
     n_parts = cdiv(L, _BWD_ROWS * _BWD_SEG)
+    seg = cdiv(L, _BWD_ROWS * n_parts)
     dw_part = torch.empty(b * n_parts, 4, d, device=x_BDL.device, dtype=torch.float32)
     db_part = torch.empty(b * n_parts, d, device=x_BDL.device, dtype=torch.float32)
     conv_bwd_kernel[(n_parts, cdiv(d, _BWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
-        dout_BDL, dx_BDL, dw_part, db_part, L, d, n_parts, x_BDL.stride(0), x_BDL.stride(2),
+        dout_BDL, dx_BDL, dw_part, db_part, L, d, n_parts, seg, x_BDL.stride(0), x_BDL.stride(2),
         dout_BDL.stride(0), dout_BDL.stride(2), dx_BDL.stride(0), dx_BDL.stride(2),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        ROWS=_BWD_ROWS, SEG=_BWD_SEG, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, num_warps=_BWD_WARPS,
+        ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
     dw = dw_part.sum(0)[4 - W :].t().contiguous()  # taps 4 - W ... 3 are the weight's columns
