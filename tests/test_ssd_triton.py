@@ -895,7 +895,7 @@ def test_conv_kernels_documents_strided_channel_last():
 
 def test_conv_kernels_widths_without_documents():
     """Widths 2 and 3, no documents, no bias, no activation (and the forward's other grid order); float16 x with
-    width 4."""
+    width 4; sequences of 2 and 3 tokens."""
     interpret(conv=True, b=1, L=70, D=16, W=2, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17)
     interpret(
         conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32,
@@ -905,6 +905,9 @@ def test_conv_kernels_widths_without_documents():
         conv=True, b=1, L=40, D=8, W=4, seed=4, seq_cuts=[[10]], silu=True, bias=True, token_stride=16,
         x_dtype="float16",
     )  # fmt: skip
+    # sequences shorter than the conv's window, one of them with a document starting at its second position
+    interpret(conv=True, b=2, L=2, D=8, W=4, seed=5, seq_cuts=[[1], []], silu=True, bias=True, token_stride=16)
+    interpret(conv=True, b=1, L=3, D=8, W=4, seed=6, seq_cuts=None, silu=True, bias=True, token_stride=16)
 
 
 def test_fused_path_kernel_halves_final_state_only():
