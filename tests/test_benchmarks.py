@@ -457,6 +457,24 @@ def test_bench_optimizer_refuses_without_cuda():
         bench_optimizer.main([])
 
 
+def test_table_adamw_matches_torch_adamw_in_the_interpreter():
+    """benchmarks/table_adamw.py (bench_optimizer's single-launch prototype) in Triton's interpreter: one clipped
+    AdamW step over tensors of several sizes equals torch's fused AdamW with the same grad_scale, the sum of squares
+    equals the gradients', and a step with found_inf set changes nothing. A subprocess: the interpreter is chosen
+    for the whole process."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = "import json; from benchmarks.table_adamw import check; print(json.dumps(check('cpu')))"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
+    r = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["skipped_step_changed"] == 0.0
+    assert all(out[k] < 1e-6 for k in ("sumsq", "params", "exp_avg", "exp_avg_sq")), out
+
+
 def test_ncu_ssd_refuses_bad_shape_and_no_cuda():
     """ncu_ssd.py names a wrong shape and the missing GPU before any work."""
     from benchmarks import ncu_ssd
