@@ -125,7 +125,10 @@ def run_add(shape_name: str, impls: dict | None = None) -> dict:
     for name, fn in impls.items():
         rec[f"{name}_fwd_ms"] = triton.testing.do_bench(lambda: fn(x, res, w, 1e-5, True), warmup=10, rep=100)
         normed, new_res = fn(x, res, w, 1e-5, True)
-        grads = lambda: torch.autograd.grad((normed, new_res), (x, res, w), (dy, dres), retain_graph=True)  # noqa: E731
+
+        def grads(normed=normed, new_res=new_res):
+            return torch.autograd.grad((normed, new_res), (x, res, w), (dy, dres), retain_graph=True)
+
         rec[f"{name}_bwd_ms"] = triton.testing.do_bench(grads, warmup=10, rep=100)
         rec[f"{name}_fwd_TBps"] = n * (2 + 4 + 2 + 4) / rec[f"{name}_fwd_ms"] / 1e9
         rec[f"{name}_bwd_TBps"] = n * (2 + 4 + 4 + 2 + 4) / rec[f"{name}_bwd_ms"] / 1e9

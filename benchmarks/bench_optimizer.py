@@ -33,6 +33,7 @@ if REPO not in sys.path:
 
 import torch
 
+from benchmarks.table_adamw import TensorTables  # noqa: E402
 from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
 from configs.job_config import Optimizer  # noqa: E402
 from models import build_model_args, build_model_on_meta  # noqa: E402
@@ -106,8 +107,6 @@ def main(argv=None) -> list[dict]:
     for fn in (step, flat_adamw, copy_bound):  # warm-up: moments allocated, kernels loaded
         fn()
     torch.cuda.synchronize()
-    from benchmarks.table_adamw import TensorTables
-
     moments = [[opt.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
     shapes = {f"B{b}_W{w}": TensorTables([params, [p.grad for p in params], *moments], b, w) for b, w in TABLE_SHAPES}
 

@@ -71,7 +71,7 @@ class TensorTables:
             if [t.numel() for t in ts] != sizes or any(t.dtype != torch.float32 or not t.is_contiguous() for t in ts):
                 raise ValueError("TensorTables takes lists of contiguous float32 tensors, tensor i of one size in all")
         dev = roles[0][0].device
-        self.roles, self.block, self.num_warps = roles, block, num_warps
+        self.block, self.num_warps = block, num_warps
         self.tabs = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev) for ts in roles]
         self.numel = torch.tensor(sizes, dtype=torch.int64, device=dev)
         starts = [(i, s) for i, n in enumerate(sizes) for s in range(0, n, block)]

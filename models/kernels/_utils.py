@@ -29,11 +29,13 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def rows_in_flight(row_bytes: int) -> int:
-    """Software-pipelining stages of a loop over rows that loads `row_bytes` per row (the norms' backwards): about
-    72 KB in flight, 2 to 4 rows (H100, gated norm: 3 at the 1.3B's 24 KB rows, 0.292 ms against 0.301 with 4; 4 at
-    the 370M's 12 KB, 0.155 ms against 0.173 with 3; without pipelining ~0.39 ms at the 1.3B), or 1 (none) when two
-    rows would not fit in shared memory."""
+def rows_in_flight(row_bytes: int, fixed: int | None = None) -> int:
+    """Software-pipelining stages of a loop over rows that loads `row_bytes` per row (the norms' backwards): `fixed`
+    where given (a module's tuning override), else about 72 KB in flight, 2 to 4 rows (H100, gated norm: 3 at the
+    1.3B's 24 KB rows, 0.292 ms against 0.301 with 4; 4 at the 370M's 12 KB, 0.155 ms against 0.173 with 3; without
+    pipelining ~0.39 ms at the 1.3B), or 1 (none) when two rows would not fit in shared memory."""
+    if fixed is not None:
+        return fixed
     if 2 * row_bytes > 160 * 1024:
         return 1
     return min(4, max(2, 72 * 1024 // row_bytes))

@@ -124,7 +124,7 @@ class _AddRMSNorm(torch.autograd.Function):
         dw_part = torch.empty(programs, D, device=s.device, dtype=torch.float32)
         block = next_power_of_2(D)
         row_bytes = D * (dy2.element_size() + s.element_size() + (dres2.element_size() if dres2 is not None else 0))
-        stages = _BWD_STAGES if _BWD_STAGES is not None else rows_in_flight(row_bytes)
+        stages = rows_in_flight(row_bytes, _BWD_STAGES)
         _add_rmsnorm_bwd_kernel[(programs,)](
             dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
             dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D,

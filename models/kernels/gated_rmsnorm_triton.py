@@ -9,11 +9,11 @@ rows [M, D] with a contiguous last dim and any row stride (z and dz are slices o
 Why our own: the backward runs once per layer and step over the SSD output, and mamba_ssm's (one program per SM, one
 row at a time) moves its ~805 MB at 2.1 TB/s at the 1.3B shape (0.380 ms, H100). Ours runs one program per SM too,
 each taking every programs-th row with the next rows' loads in flight (cp.async into shared memory: the loop software
-pipelined by Triton, _bwd_stages) while it works on the current one, and summing its rows' weight gradient in float32
-registers into one [programs, D] buffer: 0.292 ms (2.75 TB/s) at the 1.3B shape, 0.155 ms (2.6 TB/s) at the 370M
-(mamba_ssm's 0.219), where a plain copy of the same strided rows takes 0.278 / 0.142 ms (bench_norm.py). The forward
-is one program per (row, group), as fast as mamba_ssm's. A handful of launch arguments and no autotuner: the 370M
-step is host-bound.
+pipelined by Triton, _utils.rows_in_flight) while it works on the current one, and summing its rows' weight gradient
+in float32 registers into one [programs, D] buffer: 0.292 ms (2.75 TB/s) at the 1.3B shape, 0.155 ms (2.6 TB/s) at
+the 370M (mamba_ssm's 0.219), where a plain copy of the same strided rows takes 0.278 / 0.142 ms (bench_norm.py). The
+forward is one program per (row, group), as fast as mamba_ssm's. A handful of launch arguments and no autotuner: the
+370M step is host-bound.
 Imports triton at import time: import this module lazily (cuda.kernel_halves does).
 """
 
@@ -31,7 +31,7 @@ __all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton"]
 # Launch shapes (bench_norm.py --tune times others): backward programs per SM (1 beat 2, 4 and 8 on an H100: 0.292
 # against 0.302+ ms at the 1.3B shape), elements of a row per thread (num_warps follows from the block, at most 16;
 # 4, 8 and 16 within 1%), rows in flight per program (the loop's software-pipelining stages; None: from the row's
-# bytes, _bwd_stages); the forward's elements per thread.
+# bytes, _utils.rows_in_flight); the forward's elements per thread.
 _BWD_PROGRAMS_PER_SM = 1
 _BWD_ELEMS_PER_THREAD = 8
 _BWD_STAGES: int | None = None
@@ -132,11 +132,6 @@ def _launch_shape(M: int, D: int, group_size: int, elem_size: int, device: torch
     return groups, block, warps, programs
 
 
-def _bwd_stages(row_bytes: int) -> int:
-    """Rows of input (dout, y, z) a backward program has in flight (_BWD_STAGES, else _utils.rows_in_flight)."""
-    return _BWD_STAGES if _BWD_STAGES is not None else rows_in_flight(row_bytes)
-
-
 def _check_rows(name: str, t: torch.Tensor, M: int, D: int) -> None:
     if t.shape != (M, D) or t.stride(-1) != 1:
         raise ValueError(f"{name} must be [{M}, {D}] with a contiguous last dim, got {tuple(t.shape)} {t.stride()}")
@@ -180,7 +175,7 @@ def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm
     out = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype) if recompute else None
     dw_part = torch.empty(programs, D, device=y_MD.device, dtype=torch.float32)
     in_bytes = block * (dout_MD.element_size() + y_MD.element_size() + z_MD.element_size())
-    stages = _bwd_stages(in_bytes)
+    stages = rows_in_flight(in_bytes, _BWD_STAGES)
     _gated_rmsnorm_bwd_kernel[(programs, groups)](
         dout_MD, y_MD, z_MD, weight_D, rstd, dy, dz_MD, out if recompute else dy, dw_part,
         dout_MD.stride(0), y_MD.stride(0), z_MD.stride(0), dz_MD.stride(0), M, group_size,
