@@ -457,6 +457,53 @@ def test_bench_optimizer_refuses_without_cuda():
         bench_optimizer.main([])
 
 
+def test_bench_loss_refuses_without_cuda():
+    """bench_loss.py stops before allocating anything on a machine without CUDA, naming what it needs."""
+    from benchmarks import bench_loss
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench_loss.main([])
+
+
+def test_memory_peak_replays_a_snapshot_history():
+    """benchmarks/memory_peak.py on a hand-made snapshot: 100 bytes live before the history (one freed in it), then
+    allocations from two of our frames and a foreign one; the peak is found at the right event, its live blocks are
+    grouped by the innermost repository frame (the foreign block by its own innermost frame), and a block freed before
+    the peak is not counted."""
+    from benchmarks.memory_peak import BEFORE, peak_composition
+
+    repo = "/repo"
+    ours_a = [
+        {"filename": "/usr/lib/torch/x.py", "line": 1, "name": "inner"},
+        {"filename": "/repo/m.py", "line": 7, "name": "f"},
+    ]
+    ours_b = [{"filename": "/repo/n.py", "line": 3, "name": "g"}]
+    foreign = [{"filename": "??", "line": 0, "name": "unwind"}]
+    trace = [
+        {"action": "free_completed", "addr": 900, "size": 40},  # from before the history
+        {"action": "alloc", "addr": 1, "size": 10, "frames": ours_a},
+        {"action": "alloc", "addr": 2, "size": 500, "frames": ours_b},
+        {"action": "free_completed", "addr": 2, "size": 500},  # gone before the peak
+        {"action": "alloc", "addr": 3, "size": 300, "frames": ours_a},
+        {"action": "alloc", "addr": 4, "size": 250, "frames": foreign},
+        {"action": "free_requested", "addr": 4, "size": 250},  # not yet freed: still counts
+        {"action": "free_completed", "addr": 4, "size": 250},
+        {"action": "alloc", "addr": 5, "size": 5, "frames": ours_b},
+    ]
+    # At the dump: the 60 bytes left of the 100 from before, blocks 1, 3 and 5.
+    blocks = [{"size": 60, "state": "active_allocated"}, {"size": 10, "state": "active_allocated"},
+              {"size": 300, "state": "active_allocated"}, {"size": 5, "state": "active_allocated"},
+              {"size": 999, "state": "inactive"}]  # fmt: skip
+    snap = {"device_traces": [trace], "segments": [{"device": 0, "blocks": blocks}]}
+    r = peak_composition(snap, 0, repo)
+    assert (r["start"], r["end"]) == (100, 375)
+    assert r["peak"] == 60 + 10 + 300 + 250  # after block 4, before its free
+    assert dict(r["groups"]) == {BEFORE: [60, 0], "m.py:7 f": [310, 2], "??:0 unwind": [250, 1]}
+    assert dict(r["sizes"]) == {10: [10, 1], 300: [300, 1], 250: [250, 1]}
+
+
 def test_table_adamw_matches_torch_adamw_in_the_interpreter():
     """benchmarks/table_adamw.py (bench_optimizer's single-launch prototype) in Triton's interpreter: one clipped
     AdamW step over tensors of several sizes equals torch's fused AdamW with the same grad_scale, the sum of squares

@@ -13,15 +13,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["autocast_linear", "weight_grad"]
+__all__ = ["autocast_linear", "weight_grad", "mm_float32"]
+
+
+def mm_float32(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """a @ b [M, N] in float32: on CUDA with 16-bit operands cuBLAS accumulates and writes float32 directly (mm's
+    out_dtype: no rounding to 16 bits, no cast kernel); elsewhere the product in the operands' dtype, then cast."""
+    if a_MK.is_cuda and a_MK.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a_MK, b_KN, out_dtype=torch.float32)
+    return (a_MK @ b_KN).float()
 
 
 def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A linear layer's weight gradient dy^T x [O, I] in the weight's `dtype`. On CUDA, for a float32 weight and
-    16-bit operands, cuBLAS writes it in float32 directly (mm's out_dtype): no rounding to 16 bits first and no cast
-    kernel after it. Used by autocast_linear and by the fused mixer's out_proj (split_conv1d_scan.py)."""
-    if dy_MO.is_cuda and dtype == torch.float32 and dy_MO.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(dy_MO.t(), x_MI, out_dtype=torch.float32)
+    """A linear layer's weight gradient dy^T x [O, I] in the weight's `dtype`. For a float32 weight, float32 from
+    cuBLAS (mm_float32). Used by autocast_linear, the fused mixer's out_proj (split_conv1d_scan.py) and the fused
+    loss (cross_entropy_triton.py)."""
+    if dtype == torch.float32:
+        return mm_float32(dy_MO.t(), x_MI)
     return (dy_MO.t() @ x_MI).to(dtype)
 
 

@@ -20,6 +20,7 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
 from models.kernels import cuda as _cuda
 from models.kernels import ssd_triton as _ssd_triton
@@ -31,6 +32,7 @@ from models.kernels.reference import (
     ssd_chunk_scan_ref,
 )
 from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
+from models.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
 
 __all__ = [
     "BACKENDS",
@@ -41,6 +43,7 @@ __all__ = [
     "rmsnorm_gated",
     "add_rmsnorm",
     "mamba_split_conv1d_scan",
+    "linear_cross_entropy_sum",
 ]
 
 BACKENDS = ("auto", "triton", "mamba_ssm", "reference", "cuda")
@@ -266,3 +269,26 @@ def mamba_split_conv1d_scan(
         initial_states=initial_states,
         return_final_states=return_final_states,
     )
+
+
+def linear_cross_entropy_sum(
+    h_BSD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_BS: torch.Tensor,
+    chunk_tokens: int = 0,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """lm_head (no bias) + the summed token cross-entropy, [B, S, D] -> a float32 scalar (labels IGNORE_INDEX don't
+    count). Where the SSD's kernels are ours, one Function that makes the gradients in its forward and never the
+    float32 logits (cross_entropy_triton.py; chunk_tokens > 0 bounds its logits buffer); otherwise, with
+    chunk_tokens > 0, chunks recomputed in the backward (models.loss.chunked_cross_entropy_sum), else lm_head's
+    logits and models.loss.cross_entropy_sum."""
+    if use_triton_ssd(backend, h_BSD):
+        from models.kernels.cross_entropy_triton import linear_cross_entropy_triton  # lazy: imports triton
+
+        h_ND, labels_N = h_BSD.flatten(0, 1), labels_BS.flatten(0, 1)
+        return linear_cross_entropy_triton(h_ND, weight_VD, labels_N, chunk_tokens, IGNORE_INDEX)
+    if chunk_tokens > 0:
+        return chunked_cross_entropy_sum(h_BSD, weight_VD, labels_BS, chunk_tokens)
+    return cross_entropy_sum(F.linear(h_BSD, weight_VD), labels_BS)

@@ -19,7 +19,7 @@ from torch import nn
 
 from models.args import ModelArgs
 from models.inference import InferenceCache, left_padding_seq_idx
-from models.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from models.kernels import ops
 from models.mamba2.block import Block
 from models.mamba2.mixer import Mamba2Mixer
 from models.norms import GatedRMSNorm, RMSNorm
@@ -62,6 +62,7 @@ class Mamba2LM(nn.Module):
         self.args = args
         self.pack_format = "sum"
         self.embeds_tokens = True  # False: tok_embeddings only holds the tied head's weight (see the module doc)
+        self.loss_backend = "auto"  # ops.linear_cross_entropy_sum's backend (model.kernels, set_kernel_backend)
         self.tok_embeddings = nn.Embedding(args.padded_vocab_size, args.d_model)
         self.layers = nn.ModuleDict({str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)})
         self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
@@ -87,8 +88,10 @@ class Mamba2LM(nn.Module):
         """tokens [b, s] (or the packed inter-stage tensor) -> logits [b, s, V] (or the packed tensor).
 
         seq_idx: int32 [b, s], the document id of every position (whole-sequence length under CP).
-        labels: if given (last stage only), return the summed token loss instead of logits, computed over
-        chunks of `loss_chunk_tokens` tokens when > 0 so the full logits never exist.
+        labels: if given (last stage only), return the summed token loss instead of logits
+        (ops.linear_cross_entropy_sum: on CUDA with our kernels the fused loss, its logits buffer bounded to
+        `loss_chunk_tokens` rows when > 0; elsewhere chunks of that many tokens recomputed in the backward, so the
+        full logits never exist, or with 0 one pass).
         """
         if self.tok_embeddings is not None and self.embeds_tokens:
             hidden, residual = self.tok_embeddings(inputs), None
@@ -101,10 +104,11 @@ class Mamba2LM(nn.Module):
         h_BSD, _ = self.norm_f.add_and_norm(hidden, residual, self.args.residual_in_fp32)
         if self.lm_head is None:
             return h_BSD
-        if labels is not None and loss_chunk_tokens > 0:
-            return chunked_cross_entropy_sum(h_BSD, self.lm_head.weight, labels, loss_chunk_tokens)
-        logits_BSV = self.lm_head(h_BSD)
-        return logits_BSV if labels is None else cross_entropy_sum(logits_BSV, labels)
+        if labels is not None:
+            return ops.linear_cross_entropy_sum(
+                h_BSD, self.lm_head.weight, labels, loss_chunk_tokens, backend=self.loss_backend
+            )
+        return self.lm_head(h_BSD)
 
     # ---- recurrent decoding (models.inference: the cache layout and the left-padding rule) ---------------
     def allocate_inference_cache(
@@ -225,11 +229,12 @@ class Mamba2LM(nn.Module):
             )
 
     def set_kernel_backend(self, backend: str) -> None:
-        """'auto', 'triton', 'mamba_ssm' or 'reference' for the Mamba mixers and the norms (see model.kernels; the
-        ops also take 'cuda', the older name of 'mamba_ssm').
+        """'auto', 'triton', 'mamba_ssm' or 'reference' for the Mamba mixers, the norms and the loss (see
+        model.kernels; the ops also take 'cuda', the older name of 'mamba_ssm').
 
         Attention and experts have their own backends (sdpa / flex / flash, grouped_mm / loop) and keep "auto".
         """
         for m in self.modules():
             if isinstance(m, (Mamba2Mixer, RMSNorm, GatedRMSNorm)):
                 m.backend = backend
+        self.loss_backend = backend

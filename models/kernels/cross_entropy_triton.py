@@ -1,0 +1,136 @@
+"""lm_head + summed token cross-entropy as one autograd Function whose forward also makes the gradients (Triton row
+kernel, cuBLAS products): model.kernels "auto" / "triton" on CUDA, through ops.linear_cross_entropy_sum.
+
+Contract: models.loss.cross_entropy_sum(F.linear(h, weight), labels) under the caller's autocast: the logits in the
+compute dtype (autocast's, else h's), each row's log-sum-exp and loss in float32, labels equal to IGNORE_INDEX not
+counted, the sum in float32. Labels must lie in [0, V) (F.cross_entropy asserts on the device; here a label out of
+range reads a clamped column: the data pipeline's vocabulary check is what guards it).
+
+How, per chunk of `chunk_rows` rows (all rows when 0): cuBLAS writes the logits [n, V] in the compute dtype; one
+program per row reads its row twice: first the log-sum-exp (running max and sum in float32) and the row's loss,
+then softmax - onehot (the loss's gradient with respect to the row's logits; 0 on ignored rows) written over the
+logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype), and the backward
+only multiplies them by the incoming gradient (a scalar: the trainer's 1 / tokens). Against lm_head followed by
+F.cross_entropy on float32 logits, this never makes the float32 logits, their log-softmax and its gradient (at the
+1.3B's 16384 tokens x 50288 vocabulary three 3 GiB tensors, the step's memory peak, and ~30 GB of memory traffic),
+nor a 16-bit weight gradient cast to float32. Measured: docs/performance.md, session 21.
+Imports triton at import time: import this module lazily (ops.linear_cross_entropy_sum does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from models.kernels._utils import no_autocast
+from models.kernels.autocast_linear import mm_float32
+from models.kernels.fast_launch import fast_launch
+
+__all__ = ["linear_cross_entropy_triton"]
+
+# Columns per step of a row's loops and warps per program (H100, session 21: bench_loss.py --tune).
+BLOCK_V = 4096
+WARPS = 8
+
+
+@fast_launch
+@triton.jit
+def _cross_entropy_rows_kernel(LOGITS, LABELS, LOSS, stride_row, V, ignore_index,
+                               WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """Row r of LOGITS [n, V]: LOSS[r] = logsumexp(row) - row[label] (0 if the label is ignore_index) in float32;
+    with WRITE_GRAD the row becomes softmax(row) - onehot(label) (0 if ignored), in LOGITS' dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    # Running max m and sum s of exp(x - m), one scalar each: a block's max first, so no lane ever subtracts
+    # -inf from -inf (the masked tail of the last block is -inf, exp(-inf) = 0).
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    label = tl.load(LABELS + row).to(tl.int64)
+    valid = label != ignore_index
+    column = tl.minimum(tl.maximum(label, 0), V - 1)  # in bounds whatever the label (see the module docstring)
+    x_label = tl.load(base + column).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - x_label, 0.0))
+    if WRITE_GRAD:
+        for start in range(0, V, BLOCK_V):
+            c = start + cols
+            x = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) - tl.where(c == label, 1.0, 0.0)
+            tl.store(base + c, tl.where(valid, g, 0.0).to(LOGITS.dtype.element_ty), mask=c < V)
+
+
+def cross_entropy_rows(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_index: int, write_grad: bool):
+    """Each row's float32 loss [N] (see the kernel); with write_grad, logits_NV (last dim contiguous) is overwritten
+    by the loss's gradient with respect to it."""
+    N, V = logits_NV.shape
+    loss_N = torch.empty(N, device=logits_NV.device, dtype=torch.float32)
+    if N:
+        _cross_entropy_rows_kernel[(N,)](
+            logits_NV, labels_N, loss_N, logits_NV.stride(0), V, ignore_index,
+            WRITE_GRAD=write_grad, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(V)), num_warps=WARPS,
+        )  # fmt: skip
+    return loss_N
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, labels_N, chunk_rows, compute_dtype, ignore_index, want_dh, want_dw):
+        N, V = h_ND.shape[0], weight_VD.shape[0]
+        h, w = h_ND.to(compute_dtype), weight_VD.to(compute_dtype)
+        want_grad = want_dh or want_dw
+        rows_per_chunk = min(chunk_rows, N) if chunk_rows > 0 else N
+        logits_buf = torch.empty(rows_per_chunk, V, device=h.device, dtype=compute_dtype)
+        losses, dh_parts, dw32 = [], [], None
+        for start in range(0, N, max(rows_per_chunk, 1)):
+            rows = slice(start, min(N, start + rows_per_chunk))
+            logits = logits_buf[: rows.stop - rows.start]
+            torch.mm(h[rows], w.t(), out=logits)
+            losses.append(cross_entropy_rows(logits, labels_N[rows], ignore_index, want_grad))
+            if want_dh:
+                dh_parts.append(mm_float32(logits, w))  # G w: [n, V] @ [V, D]
+            if want_dw:
+                part = mm_float32(logits.t(), h[rows])  # G^T h: [V, n] @ [n, D]
+                dw32 = part if dw32 is None else dw32.add_(part)
+        del logits_buf
+        dh32 = None
+        if want_dh:
+            dh32 = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts)
+        ctx.save_for_backward(dh32, dw32)
+        ctx.dtypes = (h_ND.dtype, weight_VD.dtype)
+        loss_N = losses[0] if len(losses) == 1 else torch.cat(losses)
+        return loss_N.sum()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        dh32, dw32 = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        dh = None if dh32 is None else (dh32 * dloss).to(h_dtype)
+        dw = None if dw32 is None else (dw32 * dloss).to(w_dtype)
+        return dh, dw, None, None, None, None, None, None
+
+
+def linear_cross_entropy_triton(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, chunk_rows: int, ignore_index: int
+) -> torch.Tensor:
+    """sum over labelled rows of CE(h @ weight^T, label), a float32 scalar; h [N, D], weight [V, D], labels [N]
+    (int). chunk_rows > 0 bounds the logits buffer to [chunk_rows, V]; 0 = all rows at once."""
+    if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1]:
+        raise ValueError(f"h [N, D] and weight [V, D] expected, got {tuple(h_ND.shape)} and {tuple(weight_VD.shape)}")
+    if labels_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"labels must be [N] = [{h_ND.shape[0]}], got {tuple(labels_N.shape)}")
+    dev = h_ND.device
+    autocast = dev.type == "cuda" and torch.is_autocast_enabled("cuda")
+    compute_dtype = torch.get_autocast_dtype("cuda") if autocast else h_ND.dtype
+    grad_on = torch.is_grad_enabled()
+    want_dh, want_dw = grad_on and h_ND.requires_grad, grad_on and weight_VD.requires_grad
+    with no_autocast(dev):
+        return _LinearCrossEntropy.apply(
+            h_ND, weight_VD, labels_N.contiguous(), int(chunk_rows), compute_dtype, int(ignore_index), want_dh, want_dw
+        )

@@ -1,0 +1,157 @@
+"""The fused lm_head + cross-entropy (models/kernels/cross_entropy_triton.py) on the CPU, through Triton's interpreter.
+
+Loss, dh and dweight against F.linear + F.cross_entropy in float64 with autograd (an upstream gradient that is not 1,
+as the trainer's 1 / tokens): a vocabulary that is not a multiple of the row kernel's block (BLOCK_V is lowered to 64
+in the child, so rows take several blocks and a masked tail), ignored labels (and a chunk of only ignored rows),
+logits large enough that exp would overflow without the running max, chunks of rows (several, uneven, and one larger
+than the input), gradients wanted for h only, the weight only, or neither (no_grad: the loss alone), and through
+ops.linear_cross_entropy_sum with backend "triton" against backend "reference". float32: the interpreter computes
+in float32 numpy, tolerance 1e-5. The GPU test (tests/gpu/test_cross_entropy_gpu.py) holds the compiled kernel in
+bfloat16 to the unfused path's errors.
+
+As in test_ssd_triton.py, Triton reads TRITON_INTERPRET when first imported, so the cases run in one child process
+with the variable set; each test reads its case's result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IGNORE = -100
+
+# name -> (N, D, V, chunk_rows, logit scale, rows ignored (indices), grads wanted: "both" / "h" / "w" / "none")
+CASES = {
+    "one_pass": (20, 16, 300, 0, 1.0, (3, 11), "both"),
+    "chunks_uneven": (20, 16, 300, 7, 1.0, (3, 11), "both"),
+    "chunk_larger_than_input": (9, 16, 130, 64, 1.0, (), "both"),
+    "chunk_all_ignored": (12, 8, 70, 4, 1.0, (4, 5, 6, 7), "both"),
+    "large_logits": (10, 16, 200, 0, 60.0, (2,), "both"),
+    "vocab_one_block": (10, 16, 64, 0, 1.0, (), "both"),
+    "h_grad_only": (16, 16, 150, 5, 1.0, (0,), "h"),
+    "weight_grad_only": (16, 16, 150, 5, 1.0, (0,), "w"),
+    "no_grad": (16, 16, 150, 0, 1.0, (0,), "none"),
+}
+
+
+def _inputs(N, D, V, scale, ignored, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g)
+    w = torch.randn(V, D, generator=g) * (scale / D**0.5)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[list(ignored)] = IGNORE
+    return h, w, labels
+
+
+def _rel(a, b) -> float:
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_case(N, D, V, chunk, scale, ignored, wanted) -> dict:
+    """One case in the child (TRITON_INTERPRET=1): relative errors against float64 autograd; raises on a violation."""
+    from models.kernels import cross_entropy_triton as ce
+
+    ce.BLOCK_V = 64  # several blocks per row, and a masked tail, at these small vocabularies
+    h, w, labels = _inputs(N, D, V, scale, ignored)
+    upstream = 0.37
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.cross_entropy(h64 @ w64.t(), labels, ignore_index=IGNORE, reduction="sum")
+    (ref * upstream).backward()
+    h_in, w_in = h.clone().requires_grad_(wanted in ("both", "h")), w.clone().requires_grad_(wanted in ("both", "w"))
+    if wanted == "none":
+        with torch.no_grad():
+            loss = ce.linear_cross_entropy_triton(h_in, w_in, labels, chunk, IGNORE)
+        assert loss.grad_fn is None
+    else:
+        loss = ce.linear_cross_entropy_triton(h_in, w_in, labels, chunk, IGNORE)
+        (loss * upstream).backward()
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    errors = {"loss": abs(loss.item() - ref.item()) / abs(ref.item())}
+    if wanted in ("both", "h"):
+        assert h_in.grad.dtype == h.dtype
+        errors["dh"] = _rel(h_in.grad, h64.grad)
+        assert all(h_in.grad[i].abs().max() == 0 for i in ignored), "an ignored row got a gradient"
+    else:
+        assert h_in.grad is None
+    if wanted in ("both", "w"):
+        errors["dw"] = _rel(w_in.grad, w64.grad)
+    else:
+        assert w_in.grad is None
+    bad = {k: e for k, e in errors.items() if not e <= 1e-5}
+    assert not bad, f"over tolerance: {bad}"
+    return errors
+
+
+def check_ops_dispatch() -> dict:
+    """ops.linear_cross_entropy_sum, [B, S, D] in: backend "triton" (the fused Function under the interpreter) against
+    "reference" (lm_head's logits + cross_entropy_sum), loss and both gradients."""
+    from models.kernels import ops
+
+    h, w, labels = _inputs(24, 16, 100, 1.0, (1, 2, 17))
+    out = {}
+    for backend in ("triton", "reference"):
+        h_in, w_in = h.view(4, 6, 16).clone().requires_grad_(), w.clone().requires_grad_()
+        loss = ops.linear_cross_entropy_sum(h_in, w_in, labels.view(4, 6), 0, backend=backend)
+        (loss * 0.5).backward()
+        out[backend] = (loss.detach(), h_in.grad, w_in.grad)
+    errors = {name: _rel(a, b) for name, a, b in zip(("loss", "dh", "dw"), out["triton"], out["reference"])}
+    bad = {k: e for k, e in errors.items() if not e <= 1e-5}
+    assert not bad, f"over tolerance: {bad}"
+    return errors
+
+
+def child() -> None:
+    """The child process: every case under the interpreter, one JSON object {name: {ok, out}} on stdout."""
+    import traceback
+
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = {}
+    checks = {name: (lambda args=args: check_case(*args)) for name, args in CASES.items()}
+    checks["ops_dispatch"] = check_ops_dispatch
+    for name, check in checks.items():
+        try:
+            results[name] = {"ok": True, "out": check()}
+        except BaseException:  # a failed check or any error: reported under its case, the others still run
+            results[name] = {"ok": False, "out": traceback.format_exc()}
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "import tests.test_cross_entropy_triton as t; t.child()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_loss_against_float64_autograd(results, case):
+    r = results[case]
+    assert r["ok"], r["out"]
+
+
+def test_ops_dispatch_triton_equals_reference(results):
+    r = results["ops_dispatch"]
+    assert r["ok"], r["out"]
+
+
+def test_rejects_mismatched_shapes():
+    """Checked on the host before any launch (no interpreter needed)."""
+    from models.kernels.cross_entropy_triton import linear_cross_entropy_triton
+
+    h, w = torch.randn(6, 8), torch.randn(10, 8)
+    with pytest.raises(ValueError, match=r"weight \[V, D\]"):
+        linear_cross_entropy_triton(h, torch.randn(10, 9), torch.zeros(6, dtype=torch.long), 0, IGNORE)
+    with pytest.raises(ValueError, match="labels must be"):
+        linear_cross_entropy_triton(h, w, torch.zeros(5, dtype=torch.long), 0, IGNORE)
