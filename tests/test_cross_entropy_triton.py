@@ -5,7 +5,8 @@ as the trainer's 1 / tokens): a vocabulary that is not a multiple of the row ker
 in the child, so rows take several blocks and a masked tail), ignored labels (and a chunk of only ignored rows),
 logits large enough that exp would overflow without the running max, chunks of rows (several, uneven, and one larger
 than the input), gradients wanted for h only, the weight only, or neither (no_grad: the loss alone), and through
-ops.linear_cross_entropy_sum with backend "triton" against backend "reference". float32: the interpreter computes
+ops.linear_cross_entropy_sum with backend "triton" against backend "reference", and under FSDP2 on two gloo ranks with
+the head's weight tied to the embedding (the unfused path's gradients). float32: the interpreter computes
 in float32 numpy, tolerance 1e-5. The GPU test (tests/gpu/test_cross_entropy_gpu.py) holds the compiled kernel in
 bfloat16 to the unfused path's errors.
 
@@ -155,3 +156,55 @@ def test_rejects_mismatched_shapes():
         linear_cross_entropy_triton(h, torch.randn(10, 9), torch.zeros(6, dtype=torch.long), 0, IGNORE)
     with pytest.raises(ValueError, match="labels must be"):
         linear_cross_entropy_triton(h, w, torch.zeros(5, dtype=torch.long), 0, IGNORE)
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding tied to its head, a layer between them, and the loss through ops.linear_cross_entropy_sum."""
+
+    def __init__(self, V: int, D: int, backend: str):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(V, D)
+        self.proj = torch.nn.Linear(D, D, bias=False)
+        self.lm_head = torch.nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.tok_embeddings.weight
+        self.backend = backend
+
+    def forward(self, ids, labels):
+        from models.kernels import ops
+
+        h = torch.tanh(self.proj(self.tok_embeddings(ids)))
+        return ops.linear_cross_entropy_sum(h, self.lm_head.weight, labels, 5, backend=self.backend)
+
+
+def _fsdp_grads(rank: int, world: int, backend: str) -> dict:
+    """FSDP2 over `world` gloo ranks (the layer its own unit, the tied embedding / head in the root's): each rank's
+    batch, one backward; the full gradients and this rank's loss."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _TiedLM(90, 12, backend)
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(model.proj, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, 90, (2, 7), generator=g)
+    labels = torch.randint(0, 90, (2, 7), generator=g)
+    labels[0, 3] = IGNORE
+    loss = model(ids, labels)
+    (loss * 0.25).backward()
+    return {"loss": loss.detach(), **{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+
+
+def test_fused_loss_under_fsdp2_with_tied_weights(monkeypatch):
+    """The fused Function under FSDP2 on 2 gloo ranks (the interpreter's kernel), the head's weight tied to the
+    embedding and gathered by the root unit: losses and every reduced gradient equal the unfused path's."""
+    from tests.dist_utils import run_distributed
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import triton fresh, in interpreter mode
+    fused = run_distributed(_fsdp_grads, 2, "triton")
+    plain = run_distributed(_fsdp_grads, 2, "reference")
+    for rank in range(2):
+        assert set(fused[rank]) == set(plain[rank]) == {"loss", "tok_embeddings.weight", "proj.weight"}
+        for name, want in plain[rank].items():
+            assert _rel(fused[rank][name], want) <= 1e-5, (rank, name)
