@@ -8,6 +8,8 @@ Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
   adamw_step       grad_norm, then components.optimizer.take_optimizer_steps with a device skip flag: torch's
                    fused AdamW over the parameter lists, gradients divided by the clipping divisor inside its
                    kernels (train.py's optimizer phase)
+  adamw_step_triton  the same with optimizer.implementation "triton" (components/adamw_triton.py: one launch per
+                   parameter group over address tables, fused AdamW's state)
   adamw_flat       torch's fused AdamW on ONE flat tensor of the same element count: the multi-tensor kernel
                    without per-tensor boundaries
   copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
@@ -81,10 +83,11 @@ def main(argv=None) -> list[dict]:
             p.grad = torch.randn(p.shape, device=dev, generator=gen) * 1e-3
     n = sum(p.numel() for p in params)
     opt = build_optimizer([model], Optimizer(), "cuda")
+    opt_triton = build_optimizer([model], Optimizer(implementation="triton"), "cuda")
     skip = torch.zeros((), device=dev)  # the trainer's flag: 0.0, a finite step
 
-    def step():
-        take_optimizer_steps([opt], params, global_grad_norm(params), 1.0, skip)
+    def step(optimizer=opt):
+        take_optimizer_steps([optimizer], params, global_grad_norm(params), 1.0, skip)
 
     flat = [torch.randn(n, device=dev, generator=gen) * 1e-3 for _ in range(4)]  # parameter, gradient, moments
     flat_step = torch.zeros((), device=dev)
@@ -104,7 +107,7 @@ def main(argv=None) -> list[dict]:
         flat[0].copy_(flat[2])
         flat[1].sum()
 
-    for fn in (step, flat_adamw, copy_bound):  # warm-up: moments allocated, kernels loaded
+    for fn in (step, lambda: step(opt_triton), flat_adamw, copy_bound):  # warm-up: moments allocated, kernels loaded
         fn()
     torch.cuda.synchronize()
     moments = [[opt.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
@@ -121,6 +124,7 @@ def main(argv=None) -> list[dict]:
     rows = [
         dict(row="grad_norm", ms=gpu_ms(lambda: global_grad_norm(params), a.iters)),
         dict(row="adamw_step", ms=gpu_ms(step, a.iters)),
+        dict(row="adamw_step_triton", ms=gpu_ms(lambda: step(opt_triton), a.iters)),
         dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
         dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
     ]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
 
 import torch
 from torch import nn
@@ -23,9 +25,18 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
                 seen.add(id(p))
                 (decay if p.dim() >= 2 else no_decay).append(p)
     impl = cfg.implementation
-    if impl == "auto":  # torch's fused AdamW runs on the CPU too, and only it skips and clips on the device
-        impl = "fused"
-    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[impl]
+    if impl == "auto":  # fused AdamW's update (it alone skips and clips on the device): ours on CUDA, torch's elsewhere
+        impl = "triton" if device_type == "cuda" and importlib.util.find_spec("triton") is not None else "fused"
+    if impl == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"optimizer.implementation 'triton' needs CUDA (this run is on {device_type}); use 'auto' or 'fused'"
+        )
+    flags = {
+        "fused": dict(fused=True),
+        "triton": dict(fused=True, tables=True),  # fused AdamW's state and checkpoints, our single-launch step
+        "foreach": dict(foreach=True),
+        "for-loop": dict(foreach=False),
+    }[impl]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return ShardLocalAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
 
@@ -40,16 +51,40 @@ class ShardLocalAdamW(torch.optim.AdamW):
     pays the same Python), more than the 1-GPU step takes on an H200 (docs/performance.md, issue 14). Plain
     tensors (one GPU, DDP) take the same path unchanged. The moments stay DTensors in the state (lazily created by
     torch's own _init_group), so DCP saves and reshards them as before.
+
+    tables=True (optimizer.implementation "triton", with fused=True): each group's step is components/adamw_triton.py's
+    single launch over tables of addresses instead of torch's multi-tensor kernels: the same update and state.
     """
+
+    def __init__(self, params, *, tables: bool = False, **kwargs):
+        super().__init__(params, **kwargs)
+        self._tables = None
+        if tables:
+            if not self.defaults.get("fused"):
+                raise ValueError("ShardLocalAdamW(tables=True) keeps fused AdamW's state: pass fused=True")
+            from components.adamw_triton import TableAdamW  # lazy: imports triton
+
+            self._tables = TableAdamW()
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        if self._tables is not None:
+            self._tables.reset()  # new moment and step tensors: new addresses
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ShardLocalAdamW.step takes no closure")
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
             has_complex = self._init_group(group, *lists)  # torch's: lazy state, the tensors that have a gradient
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = ([local_shard(t) for t in ts] for ts in lists)
+            if self._tables is not None:
+                if has_complex or group["amsgrad"] or group["maximize"]:
+                    raise ValueError("optimizer.implementation 'triton' has no complex, amsgrad, maximize: use 'fused'")
+                grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+                self._tables.step(index, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf)
+                continue
             beta1, beta2 = group["betas"]
             adamw(
                 params,

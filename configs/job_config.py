@@ -164,9 +164,11 @@ class Optimizer:
     )
     implementation: str = doc(
         "auto",
-        "auto: fused, on GPU and CPU (only fused AdamW skips a non-finite step and clips on the device, so the "
-        "host never waits for the gradient norm; foreach / for-loop read it on the host every step).",
-        choices=("auto", "fused", "foreach", "for-loop"),
+        "auto: triton on CUDA (when triton imports), else fused. fused: torch's fused AdamW (only a fused update "
+        "skips a non-finite step and clips on the device, so the host never waits for the gradient norm; foreach / "
+        "for-loop read it on the host every step). triton (CUDA): fused AdamW's update, state and checkpoints in one "
+        "Triton launch per parameter group (components/adamw_triton.py; 17.6 against 20.3 ms per 1.3B step, H100).",
+        choices=("auto", "fused", "triton", "foreach", "for-loop"),
     )
 
 

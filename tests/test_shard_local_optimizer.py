@@ -45,7 +45,8 @@ def _train(model, opt, rank, steps=3, max_norm=0.5, device_skip=True, norm_fn=gl
 
 def _fsdp_body(rank, world, implementation):
     mesh = init_device_mesh("cpu", (world,))
-    flags = dict(fused=True) if implementation == "fused" else dict(foreach=True)
+    flags = dict(fused=True) if implementation in ("fused", "triton") else dict(foreach=True)
+    tables = implementation == "triton"  # fused AdamW's update in components/adamw_triton.py (interpreter on the CPU)
     ref, ours = _model(), _model()
     for m in (ref, ours):
         for layer in m:
@@ -53,8 +54,8 @@ def _fsdp_body(rank, world, implementation):
                 fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1, **flags)  # torch's, on the DTensors
-    opt = ShardLocalAdamW(ours.parameters(), lr=0.05, weight_decay=0.1, **flags)
-    fused = implementation == "fused"
+    opt = ShardLocalAdamW(ours.parameters(), lr=0.05, weight_decay=0.1, tables=tables, **flags)
+    fused = implementation in ("fused", "triton")
     norm_ref = _train(ref, opt_ref, rank, device_skip=fused, norm_fn=_torch_norm)
     norm = _train(ours, opt, rank, device_skip=fused)
     torch.testing.assert_close(norm, norm_ref, rtol=1e-6, atol=0)
@@ -68,10 +69,14 @@ def _fsdp_body(rank, world, implementation):
     return True
 
 
-@pytest.mark.parametrize("implementation", ["fused", "foreach"])
-def test_shard_local_adamw_equals_torch_adamw_under_fsdp2(implementation):
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "triton"])
+def test_shard_local_adamw_equals_torch_adamw_under_fsdp2(implementation, monkeypatch):
     """Weights and moments after 3 clipped steps equal torch's AdamW on the DTensors (to the rounding of the two
-    norms), and the gradient norm equals torch's get_total_norm over the DTensors."""
+    norms), and the gradient norm equals torch's get_total_norm over the DTensors. "triton": our single-launch step
+    on the local shards (Triton's interpreter in the spawned ranks) against torch's fused AdamW."""
+    if implementation == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the spawned ranks when they import triton
     assert all(run_distributed(_fsdp_body, 2, implementation))
 
 

@@ -1,0 +1,165 @@
+"""torch's fused AdamW step (grad_scale and found_inf included) as ONE Triton launch over every tensor of a parameter
+group, through device tables of the tensors' addresses: optimizer.implementation "triton" (ShardLocalAdamW).
+
+Same update, state and checkpoints as torch's fused AdamW (the optimizer is built with fused=True, so its state,
+per-parameter float32 step tensors on the device, is exactly fused AdamW's): per tensor, unless found_inf is set,
+g = grad / grad_scale, param -= lr * weight_decay * param, exp_avg = beta1 exp_avg + (1 - beta1) g, exp_avg_sq =
+beta2 exp_avg_sq + (1 - beta2) g^2, param -= lr / (1 - beta1^step) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 -
+beta2^step) + eps), step += 1 (torch's _fused_adamw_ formulas; the bias corrections 1 - beta^step in float64, where
+torch's float32 power loses up to ~1e-4 of them at beta2 0.999, and the divisions by grad_scale and sqrt(1 -
+beta2^step) as products with reciprocals). Unlike
+torch's kernel it does not write the unscaled gradient back (the trainer drops the gradients after the step).
+
+Why: torch's multi-tensor kernels launch per group of ~100 tensors with per-launch limits, and at the 1.3B's 435
+tensors the step ran at 2.1 TB/s (17.6 ms) against a 13.4 ms bound; one launch over block tables ran 15.5 ms
+(benchmarks/bench_optimizer.py, docs/performance.md session 21). The tables of parameters, moments and steps are built
+once per set of tensors (rebuilt when an address changes, e.g. after load_state_dict); the gradients, reallocated
+every step, go to the device each step through pinned host buffers (a ring, so the host never waits for the GPU).
+Imports triton at import time: import lazily (components/optimizer.py does).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["TableAdamW"]
+
+BLOCK = 2048  # elements per program (H100, session 21: 2048 x 4 warps 17.3 ms, 4096 x 8 17.8, 8192 x 8 44.5)
+WARPS = 4
+
+
+@triton.jit
+def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, numel_ptr, blk_tensor_ptr, blk_start_ptr, scale_ptr,
+                  skip_ptr, lr, beta1, beta2, eps, decay, HAS_SCALE: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """Program pid updates elements [start, start + BLOCK) of tensor blk_tensor[pid] (see the module docstring)."""
+    # Always a skip flag (a zero one without found_inf): a version compiling the flag away ran at half the speed
+    # (H100, session 21: 30.3 against 16.0 ms at 1.3B).
+    if tl.load(skip_ptr) == 0.0:
+        pid = tl.program_id(0)
+        t = tl.load(blk_tensor_ptr + pid)
+        offs = tl.load(blk_start_ptr + pid) + tl.arange(0, BLOCK)
+        mask = offs < tl.load(numel_ptr + t)
+        p_ptr = tl.load(p_tab + t).to(tl.pointer_type(tl.float32))
+        g_ptr = tl.load(g_tab + t).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(m_tab + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(v_tab + t).to(tl.pointer_type(tl.float32))
+        step = tl.load(tl.load(step_tab + t).to(tl.pointer_type(tl.float32))) + 1.0  # incremented after this kernel
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        # One division per element (m / denom): the scalars' reciprocals are taken once per program. With three
+        # per-element divisions the kernel ran at half the speed (H100, session 21: 33.9 against 15.5 ms at 1.3B).
+        if HAS_SCALE:
+            g = g * (1.0 / tl.load(scale_ptr))
+        p = p - lr * decay * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        # 1 - beta^step in float64 (scalars: free), then float32: no cancellation (beta2 0.999: 1 - beta2^step is
+        # ~1e-3, and a float32 power's last bit would be 1e-4 of it).
+        zero64 = tl.zeros((), dtype=tl.float64)  # + a float32 scalar (or the interpreter's Python float): float64
+        step64 = zero64 + step
+        bc1 = (1.0 - tl.exp(step64 * tl.log(zero64 + beta1))).to(tl.float32)
+        bc2 = (1.0 - tl.exp(step64 * tl.log(zero64 + beta2))).to(tl.float32)
+        step_size = lr / bc1
+        inv_sqrt_bc2 = 1.0 / tl.sqrt(bc2)
+        p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _step_count_kernel(step_tab, n, skip_ptr, BLOCK: tl.constexpr):
+    """step += 1 for every tensor, unless found_inf is set (after _adamw_kernel, which read the old counts)."""
+    if tl.load(skip_ptr) == 0.0:
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ptrs = tl.load(step_tab + i, mask=i < n, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(ptrs, tl.load(ptrs, mask=i < n) + 1.0, mask=i < n)
+
+
+def _addresses(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in tensors)
+
+
+class _GradTable:
+    """The gradients' addresses on the device, refreshed every step from pinned host buffers taken in turn; a buffer
+    is reused only after its copy (`slots` steps ago) has run, which the host checks with an event, not a sync."""
+
+    def __init__(self, n: int, device: torch.device, slots: int = 3):
+        self.device = device
+        self.table = torch.empty(n, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self.host = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(slots)]
+        self.copied: list[torch.cuda.Event | None] = [None] * slots
+        self.turn = 0
+
+    def update(self, addresses: tuple[int, ...]) -> torch.Tensor:
+        k = self.turn % len(self.host)
+        self.turn += 1
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()  # that copy ran steps ago: returns at once unless the GPU is far behind
+        self.host[k].copy_(torch.tensor(addresses, dtype=torch.int64))
+        self.table.copy_(self.host[k], non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            self.copied[k] = torch.cuda.Event()
+            self.copied[k].record()
+        return self.table
+
+
+class _GroupTables:
+    """Tables of one parameter group: addresses of parameters, moments and steps, sizes, and the block map."""
+
+    def __init__(self, params, exp_avgs, exp_avg_sqs, steps):
+        dev = params[0].device
+        for role in (params, exp_avgs, exp_avg_sqs):
+            if any(t.dtype != torch.float32 or not t.is_contiguous() for t in role):
+                raise ValueError(
+                    "optimizer.implementation 'triton' takes float32 contiguous parameters and moments; use 'fused'"
+                )
+        self.key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps))
+        self.tabs = [torch.tensor(k, dtype=torch.int64, device=dev) for k in self.key]
+        sizes = [t.numel() for t in params]
+        self.numel = torch.tensor(sizes, dtype=torch.int64, device=dev)
+        starts = [(i, s) for i, n in enumerate(sizes) for s in range(0, n, BLOCK)]
+        self.blk_tensor = torch.tensor([i for i, _ in starts], dtype=torch.int32, device=dev)
+        self.blk_start = torch.tensor([s for _, s in starts], dtype=torch.int64, device=dev)
+        self.n_blocks = len(starts)
+        self.grads = _GradTable(len(params), dev)
+        self.no_skip = torch.zeros((), device=dev, dtype=torch.float32)  # found_inf when none is given
+
+
+class TableAdamW:
+    """The step of each parameter group of a fused-AdamW optimizer in two launches (see the module docstring)."""
+
+    def __init__(self):
+        self.groups: dict[int, _GroupTables] = {}
+
+    def reset(self) -> None:
+        """Forget every table (the state's tensors were replaced, e.g. by load_state_dict)."""
+        self.groups.clear()
+
+    def step(self, index: int, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf):
+        if not params:
+            return
+        if any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads):
+            raise ValueError("optimizer.implementation 'triton' takes float32 contiguous gradients; use 'fused'")
+        tables = self.groups.get(index)
+        key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps))
+        if tables is None or tables.key != key or len(tables.key[0]) != len(params):
+            tables = self.groups[index] = _GroupTables(params, exp_avgs, exp_avg_sqs, steps)
+        g_tab = tables.grads.update(_addresses(grads))
+        beta1, beta2 = group["betas"]
+        skip = found_inf if found_inf is not None else tables.no_skip
+        scale = grad_scale if grad_scale is not None else tables.no_skip  # any pointer: unused without HAS_SCALE
+        p_tab, m_tab, v_tab, s_tab = tables.tabs
+        _adamw_kernel[(tables.n_blocks,)](
+            p_tab, g_tab, m_tab, v_tab, s_tab, tables.numel, tables.blk_tensor, tables.blk_start, scale, skip,
+            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+            HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=WARPS,
+        )  # fmt: skip
+        n = len(params)
+        _step_count_kernel[(triton.cdiv(n, 1024),)](s_tab, n, skip, BLOCK=1024)
