@@ -15,10 +15,9 @@ Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
   copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
                    parameter and moments: 28 bytes per float32 parameter) as copies of flat buffers: the bandwidth
                    bound
-  triton_norm, triton_step_*
-                   a prototype (benchmarks/table_adamw.py): the gradient norm, then the same clipped AdamW update
-                   over every tensor in one Triton launch each, through tables of their addresses; _B<block>_W<warps>
-                   names its launch shape
+  triton_norm      a prototype (benchmarks/table_norm.py): the gradients' sum of squares in one Triton launch
+                   through a table of their addresses (not in the trainer; the AdamW update it was written with is:
+                   adamw_step_triton)
 The step moves the same bytes in every row; the ratio to copy_bound is how far from the memory bound it runs.
 """
 
@@ -35,7 +34,7 @@ if REPO not in sys.path:
 
 import torch
 
-from benchmarks.table_adamw import TensorTables  # noqa: E402
+from benchmarks.table_norm import SumOfSquares  # noqa: E402
 from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
 from configs.job_config import Optimizer  # noqa: E402
 from models import build_model_args, build_model_on_meta  # noqa: E402
@@ -48,10 +47,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20, help="repetitions per timed round")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     return ap.parse_args(argv)
-
-
-# (elements per program, warps) of the prototype's launches
-TABLE_SHAPES = ((2048, 4), (4096, 8), (8192, 8))
 
 
 def gpu_ms(fn, iters: int) -> float:
@@ -109,17 +104,8 @@ def main(argv=None) -> list[dict]:
 
     for fn in (step, lambda: step(opt_triton), flat_adamw, copy_bound):  # warm-up: moments allocated, kernels loaded
         fn()
-    torch.cuda.synchronize()
-    moments = [[opt.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
-    shapes = {f"B{b}_W{w}": TensorTables([params, [p.grad for p in params], *moments], b, w) for b, w in TABLE_SHAPES}
-
-    def table_step(tables):
-        norm = tables.sum_of_squares(1).sqrt()
-        divisor = ((norm + 1e-6) / 1.0).clamp(min=1.0)  # parallelisms.grad_norm.clip_divisor, max_norm 1.0
-        tables.adamw_step(8e-4, 0.9, 0.95, 1e-8, 0.1, 2, grad_scale=divisor, found_inf=skip)
-
-    for tables in shapes.values():
-        table_step(tables)
+    sumsq = SumOfSquares([p.grad for p in params])
+    sumsq()
     torch.cuda.synchronize()
     rows = [
         dict(row="grad_norm", ms=gpu_ms(lambda: global_grad_norm(params), a.iters)),
@@ -128,10 +114,7 @@ def main(argv=None) -> list[dict]:
         dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
         dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
     ]
-    first = next(iter(shapes.values()))
-    rows.append(dict(row="triton_norm", ms=gpu_ms(lambda: first.sum_of_squares(1), a.iters)))
-    for name, tables in shapes.items():
-        rows.append(dict(row=f"triton_step_{name}", ms=gpu_ms(lambda t=tables: table_step(t), a.iters)))
+    rows.append(dict(row="triton_norm", ms=gpu_ms(sumsq, a.iters)))
     print(f"{a.flavor}: {n / 1e6:.1f}M parameters in {len(params)} tensors, {torch.cuda.get_device_name()}")
     print("| row | ms per step | GB/s of 28 B per parameter |")
     print("| --- | --- | --- |")

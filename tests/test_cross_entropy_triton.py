@@ -16,18 +16,14 @@ with the variable set; each test reads its case's result.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.interpreter_child import child_results, run_checks
+
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IGNORE = -100
 
 # name -> (N, D, V, chunk_rows, logit scale, rows ignored (indices), grads wanted: "both" / "h" / "w" / "none")
@@ -112,28 +108,15 @@ def check_ops_dispatch() -> dict:
 
 
 def child() -> None:
-    """The child process: every case under the interpreter, one JSON object {name: {ok, out}} on stdout."""
-    import traceback
-
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    results = {}
+    """The child process: every case under the interpreter (tests/interpreter_child.py)."""
     checks = {name: (lambda args=args: check_case(*args)) for name, args in CASES.items()}
     checks["ops_dispatch"] = check_ops_dispatch
-    for name, check in checks.items():
-        try:
-            results[name] = {"ok": True, "out": check()}
-        except BaseException:  # a failed check or any error: reported under its case, the others still run
-            results[name] = {"ok": False, "out": traceback.format_exc()}
-    print(json.dumps(results))
+    run_checks(checks)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "import tests.test_cross_entropy_triton as t; t.child()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_results("tests.test_cross_entropy_triton")
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -16,17 +16,13 @@ with the variable set (all of them, once per session, ~10 s); each test reads it
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.interpreter_child import child_results, run_checks
+
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = 1e-5
 
 # name -> (M, D, group_size, norm_before_gate, recompute, dtype, weight dtype). The CPU launch counts 4 SMs, so the
@@ -135,31 +131,18 @@ def check_autograd_op(seed=0) -> dict:
 
 
 def child() -> None:
-    """The child process: every case under the interpreter, one JSON object {name: {ok, out}} on stdout."""
-    import traceback
-
-    assert os.environ.get("TRITON_INTERPRET") == "1"
+    """The child process: every case under the interpreter (tests/interpreter_child.py)."""
     from tests.test_ssd_triton import _patch_interpreter_scalar_index
 
     _patch_interpreter_scalar_index()
-    results = {}
     checks = {name: (lambda args=args: check_case(*args)) for name, args in CASES.items()}
     checks["autograd_op"] = check_autograd_op
-    for name, check in checks.items():
-        try:
-            results[name] = {"ok": True, "out": check()}
-        except BaseException:  # a failed check or any error: reported under its case, the others still run
-            results[name] = {"ok": False, "out": traceback.format_exc()}
-    print(json.dumps(results))
+    run_checks(checks)
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "import tests.test_gated_rmsnorm_triton as t; t.child()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return child_results("tests.test_gated_rmsnorm_triton")
 
 
 @pytest.mark.parametrize("case", list(CASES))
