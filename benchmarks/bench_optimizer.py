@@ -7,9 +7,9 @@ Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
   grad_norm        parallelisms.grad_norm.global_grad_norm over every gradient (what train.py calls)
   adamw_step       grad_norm, then components.optimizer.take_optimizer_steps with a device skip flag: torch's
                    fused AdamW over the parameter lists, gradients divided by the clipping divisor inside its
-                   kernels (train.py's optimizer phase)
+                   kernels (optimizer.implementation "fused": train.py's optimizer phase before session 21)
   adamw_step_triton  the same with optimizer.implementation "triton" (components/adamw_triton.py: one launch per
-                   parameter group over address tables, fused AdamW's state)
+                   parameter group over address tables, fused AdamW's state; what "auto" runs on CUDA)
   adamw_flat       torch's fused AdamW on ONE flat tensor of the same element count: the multi-tensor kernel
                    without per-tensor boundaries
   copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
@@ -77,7 +77,7 @@ def main(argv=None) -> list[dict]:
             p.normal_(0.0, 0.02, generator=gen)
             p.grad = torch.randn(p.shape, device=dev, generator=gen) * 1e-3
     n = sum(p.numel() for p in params)
-    opt = build_optimizer([model], Optimizer(), "cuda")
+    opt = build_optimizer([model], Optimizer(implementation="fused"), "cuda")  # torch's ("auto" is ours on CUDA)
     opt_triton = build_optimizer([model], Optimizer(implementation="triton"), "cuda")
     skip = torch.zeros((), device=dev)  # the trainer's flag: 0.0, a finite step
 
