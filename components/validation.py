@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from data.loader import IGNORE_INDEX, build_loader
-from models.loss import cross_entropy_sum
 from parallelisms.batch_plan import BatchPlan
 from parallelisms.mesh import coords, group
 from parallelisms.sequence_sharding import shard_sequence
@@ -124,11 +123,15 @@ class Validator:
                     if self.pipeline.has_last:  # count each token once: on the stage that has its loss
                         sums[1] += (labels != IGNORE_INDEX).sum()
                 else:
-                    with self._amp():
-                        logits = model(input_ids, seq_idx=seq_idx)
-                    sums[0] += cross_entropy_sum(logits, labels).double()
+                    with self._amp():  # the training loss's path (the fused loss on CUDA: no float32 logits)
+                        loss_sum = model(
+                            input_ids,
+                            seq_idx=seq_idx,
+                            labels=labels,
+                            loss_chunk_tokens=self.cfg.training.loss_chunk_tokens,
+                        )
+                    sums[0] += loss_sum.double()
                     sums[1] += (labels != IGNORE_INDEX).sum()
-                    del logits
                 n += 1
         finally:
             for part, mode in zip(self.model_parts, modes):
