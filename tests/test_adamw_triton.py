@@ -90,5 +90,18 @@ def test_triton_adamw_refused_without_cuda(monkeypatch):
     from configs.job_config import Optimizer
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="needs CUDA.*'auto' or 'fused'"):
+    with pytest.raises(ValueError, match="needs the parameters on CUDA.*'auto' or 'fused'"):
         build_optimizer([torch.nn.Linear(2, 2)], Optimizer(implementation="triton"), "cpu")
+
+
+def test_auto_keeps_torch_fused_for_parameters_off_the_gpu(monkeypatch):
+    """A CUDA run whose parameters stay on the host (FSDP2's CPU offload): "auto" picks torch's fused AdamW, and
+    "triton" is refused with its fix."""
+    from components.optimizer import build_optimizer
+    from configs.job_config import Optimizer
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    opt = build_optimizer([torch.nn.Linear(2, 2)], Optimizer(), "cuda")
+    assert opt._tables is None and opt.defaults["fused"]
+    with pytest.raises(ValueError, match="FSDP's CPU offload"):
+        build_optimizer([torch.nn.Linear(2, 2)], Optimizer(implementation="triton"), "cuda")
