@@ -28,7 +28,8 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
     # Where the parameters (and so the moments) live: FSDP2's CPU offload keeps them on the host of a CUDA run.
     on_gpu = device_type == "cuda" and all(local_shard(p).is_cuda for p in decay + no_decay)
     if impl == "auto":  # fused AdamW's update (it alone skips and clips on the device): ours on CUDA, torch's elsewhere
-        impl = "triton" if on_gpu and importlib.util.find_spec("triton") is not None else "fused"
+        fp32 = all(p.dtype == torch.float32 for p in decay + no_decay)  # what our kernel takes
+        impl = "triton" if on_gpu and fp32 and importlib.util.find_spec("triton") is not None else "fused"
     if impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"optimizer.implementation 'triton' needs the parameters on CUDA (this run: {device_type}, or FSDP's CPU "
