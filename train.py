@@ -387,12 +387,14 @@ def microbatch_steps(
 def pipeline_step(model, input_ids, labels, seq_idx, step_loss: StepLoss, device) -> torch.Tensor:
     """One optimizer step's forward / backward through the pipeline schedule; returns this rank's loss sum.
 
-    Every rank passes seq_idx: the schedule splits each rank's keyword inputs into the same microbatches as
-    the tokens, so every stage sees its own microbatch's document boundaries.
+    Every rank passes seq_idx and labels: the schedule splits each rank's keyword inputs into the same microbatches as
+    the tokens, so every stage sees its own microbatch's document boundaries, and the last stage computes its
+    microbatch's summed token loss itself (the model's loss path: the fused loss on CUDA) for the schedule's loss_fn
+    to scale (StepLoss.pipeline_loss_fn). Other stages ignore the labels.
     """
     losses: list[torch.Tensor] | None = [] if model.has_last_stage else None
     target = labels if model.has_last_stage else None
-    kwargs = {} if seq_idx is None else {"seq_idx": seq_idx}
+    kwargs = {"labels": labels} if seq_idx is None else {"seq_idx": seq_idx, "labels": labels}
     if model.has_first_stage:
         model.schedule.step(input_ids, target=target, losses=losses, **kwargs)
     else:

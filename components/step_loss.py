@@ -13,7 +13,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from models.loss import IGNORE_INDEX, cross_entropy_sum
+from models.loss import IGNORE_INDEX
 
 
 class StepLoss:
@@ -36,11 +36,12 @@ class StepLoss:
         """Multiply a microbatch's summed token loss by this before backward."""
         return self.grad_scale / self.global_tokens
 
-    def pipeline_loss_fn(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """The pipeline schedule's loss_fn (scale_grads=False): the microbatch's scaled token-loss sum, or the plain
-        sum inside `unscaled()` (validation's forward-only pass)."""
-        loss = cross_entropy_sum(logits_BSV, labels_BS)
-        return loss if self._unscaled else loss * self.backward_scale
+    def pipeline_loss_fn(self, loss_sum: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """The pipeline schedule's loss_fn (scale_grads=False), on the last stage's output: the microbatch's summed
+        token loss, which that stage computes itself from the labels it is given as a keyword input (train.py's
+        pipeline_step, validation's PipelineEval; the model's loss path, so the fused loss on CUDA). Returns it
+        scaled, or plain inside `unscaled()` (validation's forward-only pass)."""
+        return loss_sum if self._unscaled else loss_sum * self.backward_scale
 
     def pipeline_loss_sum(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The schedule's per-microbatch scaled losses -> their plain token-loss sum (for logging)."""

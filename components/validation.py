@@ -40,7 +40,7 @@ class PipelineEval:
     def loss_sum(self, input_ids, labels, seq_idx) -> torch.Tensor:
         """Forward-only pass of the whole batch through the pipeline; the summed token loss on the last stage."""
         losses = [] if self.has_last else None
-        kwargs = {} if seq_idx is None else {"seq_idx": seq_idx}
+        kwargs = {"labels": labels} if seq_idx is None else {"seq_idx": seq_idx, "labels": labels}  # as pipeline_step
         args = (input_ids,) if self.has_first else ()
         with self.step_loss.unscaled():
             self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses, **kwargs)

@@ -70,8 +70,9 @@ def build_model_parts(
 ) -> ModelParts:
     """Build, split (pipeline), parallelise, materialise and initialise this rank's model parts.
 
-    Under pipeline parallel `pipeline_loss_fn(logits_BSV, labels_BS)` is the schedule's loss (already scaled, see
-    components/loss_scale.py) and `n_microbatches` its microbatches per step. Parts are left in train mode.
+    Under pipeline parallel `pipeline_loss_fn(last stage's output, labels_BS)` is the schedule's loss (already scaled,
+    see components/step_loss.py; the trainer's stages output their summed token loss) and `n_microbatches` its
+    microbatches per step. Parts are left in train mode.
     """
     model = build_model_on_meta(model_args)
     model.set_kernel_backend(cfg.model.kernels)

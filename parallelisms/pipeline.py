@@ -288,6 +288,7 @@ def build_stage_module(model: nn.Module, layers: range, is_first: bool, is_last:
         part.norm_f = None
         part.lm_head = None
     part.pack_format = pack
+    part.loss_shape = (1,)  # given labels, the last stage outputs its loss sum: one per microbatch to concatenate
     return part
 
 
@@ -381,7 +382,9 @@ def pipeline_model(
     Returns (schedule, model_parts, has_first_stage, has_last_stage). The parts are still on the meta device when
     `parallelize` returned them: the caller materialises (to_empty) and initialises them in place; the stages keep
     references to the same modules and infer the inter-stage shapes at the first step, so they need no real
-    tensors now. loss_fn(logits_BSV, labels_BS) must return the already-scaled loss (scale_grads=False). The
+    tensors now. loss_fn(last stage's output, labels_BS) must return the already-scaled loss (scale_grads=False):
+    the output is the logits, or the summed token loss when the stages are given `labels` as a keyword input (the
+    trainer does: components/step_loss.py). The
     settings are validated beforehand (validate_pipeline, from configs/checks.py).
     """
     # torch.distributed.pipelining imports torch._dynamo (~1 s): only pipeline-parallel runs pay for it.

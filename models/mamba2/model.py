@@ -63,6 +63,9 @@ class Mamba2LM(nn.Module):
         self.pack_format = "sum"
         self.embeds_tokens = True  # False: tok_embeddings only holds the tied head's weight (see the module doc)
         self.loss_backend = "auto"  # ops.linear_cross_entropy_sum's backend (model.kernels, set_kernel_backend)
+        # Shape of the summed loss forward returns: () a scalar; a pipeline's last stage sets (1,), since the schedule
+        # concatenates that stage's outputs over microbatches (parallelisms/pipeline.py).
+        self.loss_shape: tuple[int, ...] = ()
         self.tok_embeddings = nn.Embedding(args.padded_vocab_size, args.d_model)
         self.layers = nn.ModuleDict({str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)})
         self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
@@ -105,9 +108,10 @@ class Mamba2LM(nn.Module):
         if self.lm_head is None:
             return h_BSD
         if labels is not None:
-            return ops.linear_cross_entropy_sum(
+            loss = ops.linear_cross_entropy_sum(
                 h_BSD, self.lm_head.weight, labels, loss_chunk_tokens, backend=self.loss_backend
             )
+            return loss.reshape(self.loss_shape)
         return self.lm_head(h_BSD)
 
     # ---- recurrent decoding (models.inference: the cache layout and the left-padding rule) ---------------
