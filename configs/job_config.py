@@ -110,7 +110,7 @@ class Training:
         "lm_head + cross-entropy over chunks of this many tokens so the full [tokens, vocab] logits never exist; "
         "0 = one pass. With model.kernels auto / triton on CUDA the loss is fused (gradients made in its forward, "
         "no float32 logits) and this only bounds its logits buffer; otherwise chunks are recomputed in backward. "
-        "Not used on pipeline stages.",
+        "Pipeline stages compute the loss in one pass (the fused loss on CUDA).",
     )
     max_norm: float = doc(
         1.0, "Gradient clipping by global L2 norm over all shards (finite, >= 0); 0 disables clipping."
