@@ -29,6 +29,7 @@ if REPO not in sys.path:
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_optimizer import gpu_ms  # noqa: E402
 from models.kernels import ops  # noqa: E402
 from models.loss import chunked_cross_entropy_sum, cross_entropy_sum  # noqa: E402
 
@@ -90,15 +91,7 @@ def bench_shape(name: str, iters: int, tune: bool) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
             run(fn)
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-            rounds = []
-            for _ in range(3):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    run(fn)
-                end.record()
-                end.synchronize()
-                rounds.append(start.elapsed_time(end) / iters)
+            ms = gpu_ms(lambda fn=fn: run(fn), iters)
             if ref is None:
                 ref = result
             errs = {k: _rel(a, b) for k, a, b in zip(("loss", "dh", "dw"), result, ref)}
@@ -106,7 +99,7 @@ def bench_shape(name: str, iters: int, tune: bool) -> list[dict]:
                 dict(
                     shape=name,
                     row=label,
-                    ms=sorted(rounds)[1],
+                    ms=ms,
                     peak_gib=peak,
                     **{f"err_{k}": v for k, v in errs.items()},
                 )

@@ -113,14 +113,14 @@ class _GradTable:
 class _GroupTables:
     """Tables of one parameter group: addresses of parameters, moments and steps, sizes, and the block map."""
 
-    def __init__(self, params, exp_avgs, exp_avg_sqs, steps):
+    def __init__(self, key: tuple[tuple[int, ...], ...], params, exp_avgs, exp_avg_sqs):
         dev = params[0].device
         for role in (params, exp_avgs, exp_avg_sqs):
             if any(t.dtype != torch.float32 or not t.is_contiguous() for t in role):
                 raise ValueError(
                     "optimizer.implementation 'triton' takes float32 contiguous parameters and moments; use 'fused'"
                 )
-        self.key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps))
+        self.key = key  # the addresses of parameters, moments and steps the tables hold
         self.tabs = [torch.tensor(k, dtype=torch.int64, device=dev) for k in self.key]
         sizes = [t.numel() for t in params]
         self.numel = torch.tensor(sizes, dtype=torch.int64, device=dev)
@@ -138,19 +138,17 @@ class TableAdamW:
     def __init__(self):
         self.groups: dict[int, _GroupTables] = {}
 
-    def reset(self) -> None:
-        """Forget every table (the state's tensors were replaced, e.g. by load_state_dict)."""
-        self.groups.clear()
-
     def step(self, index: int, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf):
         if not params:
             return
         if any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads):
             raise ValueError("optimizer.implementation 'triton' takes float32 contiguous gradients; use 'fused'")
         tables = self.groups.get(index)
+        # Rebuilt whenever an address moved (a state reload, a parameter set that changed): the tables stay valid as
+        # long as every address they hold is the same.
         key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps))
-        if tables is None or tables.key != key or len(tables.key[0]) != len(params):
-            tables = self.groups[index] = _GroupTables(params, exp_avgs, exp_avg_sqs, steps)
+        if tables is None or tables.key != key:
+            tables = self.groups[index] = _GroupTables(key, params, exp_avgs, exp_avg_sqs)
         g_tab = tables.grads.update(_addresses(grads))
         beta1, beta2 = group["betas"]
         skip = found_inf if found_inf is not None else tables.no_skip

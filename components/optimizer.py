@@ -27,14 +27,16 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
     impl = cfg.implementation
     # Where the parameters (and so the moments) live: FSDP2's CPU offload keeps them on the host of a CUDA run.
     on_gpu = device_type == "cuda" and all(local_shard(p).is_cuda for p in decay + no_decay)
+    fp32 = all(p.dtype == torch.float32 for p in decay + no_decay)  # what our kernel takes
     if impl == "auto":  # fused AdamW's update (it alone skips and clips on the device): ours on CUDA, torch's elsewhere
-        fp32 = all(p.dtype == torch.float32 for p in decay + no_decay)  # what our kernel takes
         impl = "triton" if on_gpu and fp32 and importlib.util.find_spec("triton") is not None else "fused"
     if impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"optimizer.implementation 'triton' needs the parameters on CUDA (this run: {device_type}, or FSDP's CPU "
             "offload); use 'auto' or 'fused'"
         )
+    if impl == "triton" and not fp32:
+        raise ValueError("optimizer.implementation 'triton' takes float32 parameters only; use 'auto' or 'fused'")
     flags = {
         "fused": dict(fused=True),
         "triton": dict(fused=True, tables=True),  # fused AdamW's state and checkpoints, our single-launch step
@@ -69,11 +71,6 @@ class ShardLocalAdamW(torch.optim.AdamW):
             from components.adamw_triton import TableAdamW  # lazy: imports triton
 
             self._tables = TableAdamW()
-
-    def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
-        if self._tables is not None:
-            self._tables.reset()  # new moment and step tensors: new addresses
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -96,7 +96,7 @@ def test_triton_adamw_refused_without_cuda(monkeypatch):
 
 def test_auto_keeps_torch_fused_for_parameters_off_the_gpu(monkeypatch):
     """A CUDA run whose parameters stay on the host (FSDP2's CPU offload): "auto" picks torch's fused AdamW, and
-    "triton" is refused with its fix."""
+    "triton" is refused with its fix; so are parameters that are not float32."""
     from components.optimizer import build_optimizer
     from configs.job_config import Optimizer
 
@@ -105,3 +105,6 @@ def test_auto_keeps_torch_fused_for_parameters_off_the_gpu(monkeypatch):
     assert opt._tables is None and opt.defaults["fused"]
     with pytest.raises(ValueError, match="FSDP's CPU offload"):
         build_optimizer([torch.nn.Linear(2, 2)], Optimizer(implementation="triton"), "cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check: the dtype check, when built, before a step
+    with pytest.raises(ValueError, match="float32 parameters only"):
+        build_optimizer([torch.nn.Linear(2, 2).to(torch.bfloat16)], Optimizer(implementation="triton"), "cuda")
