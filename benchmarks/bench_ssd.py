@@ -151,6 +151,27 @@ TUNE_VARIANTS = {
     "cap128_s2": dict(
         dx_maxnreg=128, dc_maxnreg=128, db_maxnreg=128, chained_bwd_maxnreg=128, dx_stages=2, dc_stages=2
     ),
+    # Session 22: dx with one accumulator live (state term first) at higher occupancy (kernel_resources.py: one head
+    # 128 registers at 4 warps, 80 at 8; two heads 244 / 202).
+    "dx_sf_h1_w8": dict(dx_state_first=True, dx_heads=1, dx_warps=8),
+    "dx_sf_h1_s2": dict(dx_state_first=True, dx_heads=1, dx_stages=2),
+    "dx_sf_h1_m32": dict(dx_state_first=True, dx_heads=1, dx_m=32),
+    "dx_sf_h1_w8_s2": dict(dx_state_first=True, dx_heads=1, dx_warps=8, dx_stages=2),
+    "dx_sf_m32": dict(dx_state_first=True, dx_m=32),
+    "dx_h1_w8": dict(dx_heads=1, dx_warps=8),
+    # ... around the winner (now the default: one head, state first, inner blocks of 32)
+    "dx_h2_sf_m64": dict(dx_heads=2, dx_state_first=True, dx_m=64),
+    "dx_m16": dict(dx_m=16),
+    "dx_s2": dict(dx_stages=2),
+    "dx_s4": dict(dx_stages=4),
+    "dx_n32": dict(dx_n=32),
+    "dx_n128": dict(dx_n=128),
+    "dx_k128_w8": dict(dx_k=128, dx_warps=8),
+    "scan_h1_k16": dict(scan_heads=1, scan_k=16),
+    "scan_k16": dict(scan_k=16),
+    # dCB's column sums off the diagonal as the row sums of a transposed product, or reduced across warps (default)
+    "dcb_cols_dot": dict(dcb_cols_by_dot=True),
+    "dcb_cols_reduced": dict(dcb_cols_by_dot=False),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

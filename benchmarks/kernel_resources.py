@@ -205,6 +205,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_N=bn,
             INNER_FIRST=cfg.inner_first,
             PAIRS=cfg.dcb_head_pairs,
+            COLS_DOT=cfg.dcb_cols_by_dot,
         ),
         cfg.dc_warps,
         cfg.dc_stages,
@@ -219,11 +220,19 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.db_warps,
         cfg.db_stages,
     )
+    n_hb = max(1, 64 // cfg.heads_per_prog)  # head blocks at the 1.3B shape (64 heads, one group)
     yield (
         "bc_finish",
         bc_finish.bc_finish_kernel,
         ptrs,
-        dict(PREC="tf32", BLOCK_M=cfg.dc_m, BLOCK_K=cfg.dc_m, BLOCK_N=min(bn, cfg.bcf_n)),
+        dict(
+            N_DC=n_hb * cfg.dcb_state_split,
+            N_HB=n_hb,
+            PREC="tf32",
+            BLOCK_M=cfg.dc_m,
+            BLOCK_K=cfg.dc_m,
+            BLOCK_N=min(bn, cfg.bcf_n),
+        ),
         cfg.bcf_warps,
         2,
     )

@@ -630,8 +630,9 @@ def test_documents_initial_states_two_groups_remainder():
 
 def test_odd_heads_per_group_one_head_per_dx_program():
     """3 heads per group (H 6, ngroups 2): dx, the chunk scan and the chunk states (asked for pairs here) cannot pair
-    heads within a group and run one head per program; every other case here has an even count and pairs them
-    (config dx_heads, scan_heads 2). Pairing across groups here fails this test (checked by forcing it)."""
+    heads within a group and run one head per program; every other case here has an even count and pairs them in
+    the chunk scan (config scan_heads 2; dx pairs them in test_dx_term_order_heads_and_chunk_major_grids). Pairing
+    across groups here fails this test (checked by forcing it)."""
     interpret(
         b=1,
         L=40,
@@ -642,7 +643,7 @@ def test_odd_heads_per_group_one_head_per_dx_program():
         seed=6,
         seq_cuts=[[9, 30]],
         call=dict(chunk_size=16),
-        config=dict(state_heads=2, chained_heads=2),
+        config=dict(state_heads=2, chained_heads=2, dx_heads=2),
     )
 
 
@@ -754,12 +755,19 @@ def test_whole_tiles_documents_initial_states():
     )
 
 
-def test_dx_term_order_and_chunk_major_grids():
-    """The non-default orders: dx with its chunk-state term first (config dx_state_first; q comes from that term
-    alone: a wrong q fails, checked by mutation) and the chunk scan / dx / dCB / dB grids with the chunk
-    index first (inner_first False; the default decodes one axis, launch.program_ids), both with documents, initial
-    states and four position blocks per chunk."""
-    for config in (dict(dx_state_first=True), dict(inner_first=False)):
+def test_dx_term_order_heads_and_chunk_major_grids():
+    """dx's non-default forms: its chunk-state term after the intra-chunk loop (config dx_state_first False: the
+    state term in accumulators of its own, q from them) and two heads per program (dx_heads 2: the group's CBᵀ and B
+    tiles shared), each way round (the default, state term first, takes q from that term alone: a wrong q fails,
+    checked by mutation); and the chunk scan / dx / dCB / dB grids with the chunk index first (inner_first False;
+    the default decodes one axis, launch.program_ids). All with documents, initial states and four position blocks
+    per chunk."""
+    for config in (
+        dict(dx_state_first=False),
+        dict(dx_heads=2),
+        dict(dx_heads=2, dx_state_first=False),
+        dict(inner_first=False),
+    ):
         interpret(
             b=2, L=100, H=4, P=16, G=1, N=16, seed=12, seq_cuts=[[30, 70], [50]], call=dict(chunk_size=64),
             config=dict(SMALL_TILES, **config),
@@ -784,8 +792,11 @@ def test_dcb_grid_per_tile_and_per_row_block():
     from (a wrong column block fails: checked by mutation), documents and whole tiles; the column sums reduced per
     pair of heads (the default: the pair's heads swapped, or the first one's sums written at the second's offset,
     fail it) and per head (dcb_head_pairs False); the state term in one slice of the heads (the default) and in two
-    (dcb_state_split 2: partial sums per slice, added in bc_finish)."""
-    for dcb_tiles, pairs, split in ((True, True, 1), (True, True, 2), (False, True, 1), (True, False, 1)):
+    (dcb_state_split 2: partial sums per slice, added in bc_finish); the column sums as row sums of a transposed
+    product (dcb_cols_by_dot) on both grids."""
+    cases = ((True, True, 1, False), (True, True, 2, False), (False, True, 1, False), (True, False, 1, False),
+             (True, True, 1, True), (False, True, 1, True))  # fmt: skip
+    for dcb_tiles, pairs, split, cols_dot in cases:
         interpret(
             b=1,
             L=128,
@@ -796,7 +807,9 @@ def test_dcb_grid_per_tile_and_per_row_block():
             seed=9,
             seq_cuts=[[40, 100]],
             call=dict(chunk_size=64),
-            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split),
+            config=dict(
+                SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split, dcb_cols_by_dot=cols_dot
+            ),
         )
 
 

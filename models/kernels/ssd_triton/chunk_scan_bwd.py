@@ -104,13 +104,13 @@ def chunk_scan_bwd_dx_kernel(
         a2_k1 = tl.load(dA_ptr + head_q1 + offs_k, mask=offs_k < Q, other=0.0) * LOG2E
         dy_chunk1 = dy_chunk0 + s_y_h
 
-    # Both terms go into one float32 accumulator per head, [BLOCK_K, P]. DX_STATE_FIRST (config dx_state_first):
-    # the chunk-state term first (its q stored right away), then the intra-chunk loop adds to the same accumulator,
-    # so one accumulator per head is live at any time; else the intra-chunk loop first and the chunk-state term in
-    # accumulators of its own after it (with two heads, four [64, 64] float32 tiles live: 255 registers and spills
-    # at 4 warps, ncu, session 12). The loop's offsets are int32 within the chunk (bases hold the int64 parts), and
-    # with EVEN (whole tiles everywhere) its loads carry no masks: per element, address and mask arithmetic otherwise
-    # outnumbers the product.
+    # Both terms go into one float32 accumulator per head, [BLOCK_K, P]. DX_STATE_FIRST (config dx_state_first, the
+    # default): the chunk-state term first (its q stored right away), then the intra-chunk loop adds to the same
+    # accumulator, so one accumulator per head is live at any time (one head, 32-wide inner blocks: 128 registers,
+    # four programs per SM, session 22); else the intra-chunk loop first and the chunk-state term in accumulators of
+    # its own after it (with two heads, four [64, 64] float32 tiles live: 255 registers and spills at 4 warps). The
+    # loop's offsets are int32 within the chunk (bases hold the int64 parts), and with EVEN (whole tiles everywhere)
+    # its loads carry no masks: per element, address and mask arithmetic otherwise outnumbers the product.
     dt_k0 = tl.load(dt_ptr + head_q0 + offs_k, mask=offs_k < Q, other=0.0)
     x_base0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
     mask_kp = valid_k[:, None] & mask_p[None, :]

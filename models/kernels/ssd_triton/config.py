@@ -76,8 +76,11 @@ class BlockConfig:
     # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
     bc_mode: str = "grouped"
     # Heads per dx program (1 or 2, consecutive heads of one group): with 2 the group's CBᵀ and B tiles are read once
-    # for both heads (chunk_scan_bwd.py). A value that does not divide the heads per group falls back to 1.
-    dx_heads: int = 2
+    # for both heads (chunk_scan_bwd.py). A value that does not divide the heads per group falls back to 1. One head,
+    # its state term first and inner blocks of 32 (dx_m) take 128 registers at 4 warps (four programs per SM)
+    # against two heads' 255 with spills (two per SM): session 22 (H100), dx 1.3B 0.413 -> 0.366 ms, 370M 0.211 ->
+    # 0.189; one head with 64-wide inner blocks 0.454 / 0.233, two heads state first 0.433 / 0.225, 8 warps slower.
+    dx_heads: int = 1
     # The same for the chunk scan forward (chunk_scan.py): the group's CB and C tiles read once per pair of heads.
     scan_heads: int = 2
     # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Two heads take
@@ -100,6 +103,13 @@ class BlockConfig:
     # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
     # pipeline stages, 0.478 at 2, 0.529 at 1.
     dcb_head_pairs: bool = True
+    # ... or, in the tiles off the diagonal, without a reduction across warps (dcb_bwd.py's COLS_DOT): each head's
+    # tile also computed transposed (a second product, x · dyᵀ, and its element-wise factors again), whose row sums
+    # are the column sums. Session 22 (H100): in every tile, dCB 1.3B 0.428 -> 0.396 ms, 370M 0.221 -> 0.207 (8 warps
+    # 0.621, 2 stages 0.474), but dA's error rose to 1.13x mamba_ssm's without documents (the diagonal's M_jj no
+    # longer cancelled exactly); off the diagonal only 0.427 -> 0.412 and 0.223 -> 0.212, with dA at 1.02x (one
+    # seed 1.10x) where the reduction gives 0.99-1.01x: off, for 0.2% of the 1.3B's step.
+    dcb_cols_by_dot: bool = False
     # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
     # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per
@@ -143,8 +153,9 @@ class BlockConfig:
     inner_first: bool = True
     # dx: the chunk-state term first, then the intra-chunk loop into the same accumulator (chunk_scan_bwd.py), so one
     # [dx_k, P] float32 accumulator per head is live at a time: 242 registers and no spills against 255 and 8 bytes
-    # (two heads, 4 warps), yet 0.439 ms against 0.432 the other way (session 12): off.
-    dx_state_first: bool = False
+    # (two heads, 4 warps), yet 0.439 ms against 0.432 the other way (session 12). With one head per program and
+    # 32-wide inner blocks it is what brings dx to 128 registers (dx_heads above; session 22): on.
+    dx_state_first: bool = True
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
@@ -179,8 +190,9 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
 
     Measured on an H100 at the 1.3B shape (chunk 256, P 64, N 128, bf16; benchmarks/bench_ssd.py --tune,
     docs/performance.md): 64-row tiles, 4 warps and 3 pipeline stages beat 128-wide tiles and 8 warps for every
-    kernel; the inner loops over positions are 64 wide in the backward (dx, dC / dCB, dB: 3.26 ms for the whole
-    forward + backward against 3.54 ms with 32) and 32 wide in the chunk scan (0.40 ms against 0.43); the chunk
+    kernel; the inner loops over positions are 64 wide in the backward (dC / dCB, dB: 3.26 ms for the whole
+    forward + backward against 3.54 ms with 32; dx too until session 22's one head per program, config dx_heads) and
+    32 wide in the chunk scan (0.40 ms against 0.43); the chunk
     states prefer all of N (128) in one tile. The "grouped" dB / dC backward with 8 heads per program beat the
     best "per_head" one (3.905 against 4.443 ms); after the mask-free inner loops, more heads per program won each
     time (whole forward + backward: 8 heads 2.527 ms, 16 2.424, 32 2.363-2.374, 64 2.332): fewer partial sums over
@@ -210,7 +222,7 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
         scan_warps=4,
         scan_stages=3,
         dx_k=q,
-        dx_m=q,
+        dx_m=q_inner,
         dx_n=n,
         dx_warps=4,
         dx_stages=3,

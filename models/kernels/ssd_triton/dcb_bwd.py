@@ -75,6 +75,7 @@ def chunk_scan_bwd_dcb_kernel(
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
     PAIRS: tl.constexpr,
+    COLS_DOT: tl.constexpr,
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
@@ -118,7 +119,7 @@ def chunk_scan_bwd_dcb_kernel(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-            PAIRS=PAIRS,
+            PAIRS=PAIRS, COLS_DOT=COLS_DOT,
         )
         # fmt: on
     elif pid_k == pid_m:  # the diagonal tile (TILE_GRID); pid_k > pid_m, above the diagonal, has nothing to do
@@ -127,7 +128,7 @@ def chunk_scan_bwd_dcb_kernel(
             L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
             s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N, PAIRS=PAIRS,
+            BLOCK_N=BLOCK_N, PAIRS=PAIRS, COLS_DOT=COLS_DOT,
         )  # fmt: skip
 
 
@@ -137,7 +138,7 @@ def _dcb_rows(
     L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
     s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
 ):  # fmt: skip
     """The diagonal block's program: without TILE_GRID, the state term of dC and O and the tiles of its rows below
     the diagonal; then (always) the diagonal tile. Tiles above it are not written (bc_finish never reads them)."""
@@ -156,12 +157,13 @@ def _dcb_rows(
                 dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g,
                 hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
                 HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-                PAIRS=PAIRS,
+                PAIRS=PAIRS, COLS_DOT=COLS_DOT,
             )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
+        COLS_DOT=COLS_DOT,
     )
     # fmt: on
 
@@ -208,11 +210,12 @@ def _dcb_state(
 
 @triton.jit
 def _dcb_head(
-    dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
-    s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr,
+    dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
+    s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr, COLS_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Head h's share of a tile: dCB^h (unmasked), its row sums r of M = dCB^h CB (at offs_m), M itself, and the
-    head's offset into [B, H, NC, Q] arrays."""
+    """Head h's share of a tile: dCB^h (unmasked), its row sums r of M = dCB^h CB (at offs_m), M itself, the
+    head's offset into [B, H, NC, Q] arrays, and with COLS_DOT M's column sums (at offs_k) from the transposed
+    product (cbT: the tile of CB transposed), else 0."""
     head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
     dy_ptrs = dy_chunk + h * s_y_h + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
     x_ptrs = x_chunk + h * s_x_h + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
@@ -234,7 +237,12 @@ def _dcb_head(
     # keeps dcb finite there; the sum over heads is masked once by the caller, not per head.
     dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
     M = dcb * cb
-    return dcb, M, tl.sum(M, axis=1), head_q
+    col = 0.0
+    if COLS_DOT:
+        dyxT = tl.dot(tl.trans(xT), tl.trans(dy_m), input_precision=PREC)  # [s, l]
+        MT = dyxT * tl.exp2(tl.minimum((a_m * LOG2E)[None, :] - (a_k * LOG2E)[:, None], 0.0)) * dt_k[:, None] * cbT
+        col = tl.sum(MT, axis=1)
+    return dcb, M, tl.sum(M, axis=1), head_q, col
 
 
 @triton.jit
@@ -252,14 +260,16 @@ def _dcb_tile(
     dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr,
+    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
     memory, with a barrier): ~0.11 of dCB's 0.45 ms at the 1.3B shape (H100, docs/performance.md, session 14). With
     PAIRS the heads still come one per iteration (so the pipeline's shared memory holds one head's tiles), but the
     odd iterations reduce the previous head's M, kept in registers, together with their own: one reduction per
-    pair."""
+    pair. With COLS_DOT, off the diagonal, the column sums come without a reduction across warps: a second product,
+    x_s · dy_l, gives the tile transposed, [s, l], whose row sums (within each warp) are M's column sums; the same
+    terms, rounded in another order."""
     offs_k = k0 + tl.arange(0, BLOCK)
     offs_p = tl.arange(0, BLOCK_P)
     in_k = offs_k < Q
@@ -282,16 +292,26 @@ def _dcb_tile(
     R_rows = R_ptr + tl.cast(k0 // BLOCK, tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
     R_cols = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # slot m: its column sums (and the diagonal's r - c)
     dcb_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    # Off the diagonal only: on it M_jj enters r_j and c_j, and r_j - c_j cancels it exactly only when both hold the
+    # same float32 value (the transposed product rounds it otherwise: dA's error 1.13x mamba_ssm's in one case,
+    # session 22).
+    BY_DOT: tl.constexpr = COLS_DOT and not DIAG
+    if BY_DOT:
+        cbT = tl.trans(cb)  # [s, l]
+    else:
+        cbT = cb  # unused
     # fmt: off
     M_prev = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     r_prev = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in range(HEADS_PER_PROG):
-        dcb, M, r, q = _dcb_head(
-            dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
-            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC,
+        dcb, M, r, q, col = _dcb_head(
+            dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
+            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT,
         )
         dcb_acc += dcb
-        if PAIRS:
+        if BY_DOT:
+            _store_sums(R_rows, R_cols, q, r, col, offs_m, offs_k, Q, in_k, DIAG)
+        elif PAIRS:
             if i % 2 == 1:
                 col0, col1 = tl.split(tl.sum(tl.join(M_prev, M), axis=0))
                 _store_sums(R_rows, R_cols, q - NC * Q, r_prev, col0,  # q - NC * Q: head h0 + i - 1
