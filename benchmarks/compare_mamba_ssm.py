@@ -318,13 +318,19 @@ def _tail(text: str, n: int = 1500) -> str:
     return text[-n:].strip().replace("\n", " | ")
 
 
-def _run(cmd: list[str], a: argparse.Namespace, parse) -> dict:
-    """Run one side's subprocess; `parse(stdout)` gives its record (or an error record), plus wall_s."""
+def _run(cmd: list[str], a: argparse.Namespace, parse, env: dict | None = None) -> dict:
+    """Run one side's subprocess (in `env`, else this process's environment); `parse(stdout)` gives its record (or an
+    error record), plus wall_s."""
     print("+ " + " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     try:
         r = subprocess.run(
-            cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout, env=dict(os.environ, PYTHONUNBUFFERED="1")
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=a.timeout,
+            env=dict(env or os.environ, PYTHONUNBUFFERED="1"),
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {a.timeout} s"}
@@ -376,7 +382,12 @@ def run_theirs(size: Size, a: argparse.Namespace, profile: bool = True) -> dict:
     if a.profile_step and profile:
         trace = os.path.join(os.path.abspath(a.work_dir), f"{size.name}-theirs", "rank0_trace.json")
         cmd += ["--profile_step", str(a.profile_step), "--_trace", trace]
-    rec = _run(cmd, a, last_result_line)
+    # Their kernels autotune in the process, as in a user's run, never from Triton's on-disk autotuning cache
+    # (TRITON_CACHE_AUTOTUNING=1): its keys are (chunk size, headdim, dstate), so a pick made at another shape (e.g.
+    # by bench_ssd.py earlier in the same session) would be reused. After bench_ssd.py runs, their 1.3B loop ran 30.5k
+    # tokens/s, and 34.0k with a fresh cache on the same machine (docs/performance.md, session 22).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_AUTOTUNING"}
+    rec = _run(cmd, a, last_result_line, env)
     if trace and "error" not in rec and os.path.exists(trace):
         rec["trace"] = trace
     return rec

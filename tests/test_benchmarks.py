@@ -232,6 +232,23 @@ def test_their_baseline_is_the_fastest_of_their_runs(monkeypatch, tmp_path):
     assert "30 (best of 3)" in cmp.format_table(recs)
 
 
+def test_their_loop_autotunes_in_its_own_process(monkeypatch):
+    """Their subprocess never reads Triton's on-disk autotuning picks (TRITON_CACHE_AUTOTUNING dropped from its
+    environment: a pick cached at another shape slowed their loop by 10%), while everything else passes through."""
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
+    monkeypatch.setenv("SOME_SETTING", "kept")
+    seen = {}
+
+    def fake_run(cmd, a, parse, env=None):
+        seen["cmd"], seen["env"] = cmd, env
+        return {"tokens_per_sec": 1.0}
+
+    monkeypatch.setattr(cmp, "_run", fake_run)
+    cmp.run_theirs(cmp.SIZES["debug"], cmp.parse_args(["--sizes", "debug"]))
+    assert "--_worker" in seen["cmd"]
+    assert "TRITON_CACHE_AUTOTUNING" not in seen["env"] and seen["env"]["SOME_SETTING"] == "kept"
+
+
 def test_theirs_worker_loop_on_cpu(monkeypatch):
     seen: dict = {}
     _stand_in_mamba_ssm(monkeypatch, seen)
