@@ -10,7 +10,9 @@ and q_s = dt_s (chunk-state part of acc_s) · x_s, whose exclusive prefix sum ov
 term of the decay gradient (autograd.py).
 One program per (batch, chunk, block of s) and HEADS consecutive heads of one group (1 or 2), holding all of P so
 ddt_s is complete. With 2 heads the group's tiles (CBᵀ, B) are loaded once for both: CBᵀ in float32 is the largest
-stream this kernel reads (every head re-reads it), so pairs halve it. The intra-chunk loop reads
+stream this kernel reads (every head re-reads it), so pairs halve it; yet one head per program (config dx_heads,
+the default), with the state term first and 32-wide inner blocks, fits in 128 registers, four programs per SM, and
+is faster (docs/performance.md, session 22). The intra-chunk loop reads
 CBᵀ (cb_fwd writes it for the backward, zero above the diagonal and across documents) and carries no per-element
 mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's instructions than the product
 (711 SASS instructions per iteration with them, 290 without; docs/performance.md).

@@ -16,7 +16,8 @@ m, columns of block k < m) writes +r at its rows in slot k and -c at its columns
 r - c at its positions in slot m, so every entry is written exactly once (no zero fill) and the host takes
 R = reverse cumsum over positions of the sum over slots (autograd.py). M is float32 and the diagonal M_jj enters
 r_j and c_j as the same float32 value, so the subtraction loses nothing at bf16's scale (the cumulative sums of a
-first version's bf16-rounded terms did; docs/performance.md).
+first version's bf16-rounded terms did; docs/performance.md). The column sums reduce across the program's warps;
+config dcb_cols_by_dot (off) takes them, off the diagonal, as the row sums of the tile computed transposed instead.
 Tiles below the diagonal (k < m) need no causal mask, and with EVEN (whole tiles) no load masks: see
 chunk_scan_bwd.py on why the inner loops avoid per-element masks.
 """
