@@ -5,23 +5,20 @@ groups (weight decay and none), tensors that are not a multiple of the kernel's 
 tensors span several programs), fresh gradient tensors every step (the per-step address table), the trainer's
 clipping divisor as grad_scale, a skipped step (found_inf 1: nothing may change, step counts included), a learning
 rate that changes every step, and a load_state_dict in the middle (new state tensors: the tables must be rebuilt).
-Parameters, both moments and the step counts within 1e-6. As in test_ssd_triton.py, Triton reads TRITON_INTERPRET when
-first imported, so the check runs in a child process with the variable set.
+Parameters, both moments and the step counts within 1e-6. Triton reads TRITON_INTERPRET when first imported, so the
+check runs in a child process with the variable set (tests/interpreter_child.py).
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.interpreter_child import child_results, run_checks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("triton")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,11 +74,14 @@ def check(device: str = "cpu") -> None:
     assert not ours._tables.groups or all(t.grads.turn > 0 for t in ours._tables.groups.values())
 
 
+def child() -> None:
+    """The child process (TRITON_INTERPRET=1): check() on CPU tensors."""
+    run_checks({"adamw": check})
+
+
 def test_triton_adamw_equals_fused_adamw_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = "import tests.test_adamw_triton as t; t.check(); print('ok')"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-6000:]
+    result = child_results("tests.test_adamw_triton")["adamw"]
+    assert result["ok"], result["out"]
 
 
 def test_triton_adamw_refused_without_cuda(monkeypatch):
