@@ -92,15 +92,14 @@ def run(shape_name: str, with_seq: bool) -> dict:
 # positions, warps, positions loaded ahead).
 TUNE = [
     dict(),  # the module's defaults
-    dict(_FWD_CHANNELS_FASTEST=False),  # the forward's grid order before session 20
-    dict(_BWD_SEG=48),
-    dict(_BWD_SEG=56),
+    dict(_BWD_UNROLL=1, _FAST_SIGMOID=False),  # before session 23: a rolled stream loop, tl.sigmoid
+    dict(_BWD_UNROLL=1),
+    dict(_BWD_UNROLL=4),
+    dict(_FAST_SIGMOID=False),
     dict(_BWD_ROWS=2, _BWD_WARPS=2),
-    dict(_BWD_BLOCK_D=256, _BWD_ROWS=2),
-    dict(_BWD_PREFETCH=1),
 ]
 TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
-         "_BWD_WARPS", "_BWD_PREFETCH")  # fmt: skip
+         "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID")  # fmt: skip
 
 
 def tune(shape_name: str) -> None:

@@ -1,10 +1,15 @@
-"""Compile our Triton SSD kernels for Hopper (sm_90) on any machine, GPU or not, and print what ptxas made of them.
+"""Compile our Triton SSD and conv kernels for Hopper (sm_90) on any machine, GPU or not, and print what ptxas made of
+them.
 
     python3 benchmarks/kernel_resources.py                 # the default tiles at the 1.3B shape (bf16)
     python3 benchmarks/kernel_resources.py --set dx_m=32   # other tiles (BlockConfig fields)
+    python3 benchmarks/kernel_resources.py --kernels conv_bwd --loops   # one kernel's loops, instruction by kind
 
 Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
-the widths of the plain global loads. Register pressure and spills are the first thing to read before spending
+the widths of the plain global loads; with --loops, per loop of the machine code (nvdisasm: a branch back to an
+earlier label) its instruction count and the kinds that tell where issue slots go (block barriers, register moves,
+shuffles, MUFU, loads, stores). Session 23 read the conv backward's ~240 instructions per step and dCB's 12
+barriers per head there (docs/performance.md). Register pressure and spills are the first thing to read before spending
 GPU time on a tile change: the chunk scan went from 179 to 139 registers, and from 0.667 to 0.403 ms, when its
 triangular load mask on CB became a rectangular load plus tl.where (docs/performance.md). Triton ships ptxas, so
 nothing but triton is needed. The compile is specialised as the JIT would specialise a run at the benchmark
@@ -46,7 +51,48 @@ from models.kernels.ssd_triton.config import block_config
 BF16 = "*bf16"
 
 
-def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int, maxnreg=None) -> dict:
+def _tool(name: str) -> str:
+    """A CUDA binary tool that Triton ships (ptxas, cuobjdump, nvdisasm)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+# Instruction kinds --loops counts in each loop (the opcode before its first dot), by what they cost: block barriers,
+# register moves, warp shuffles, the special-function unit, tensor-core issues, global and shared memory.
+LOOP_KINDS = ("BAR", "MOV", "SHFL", "MUFU", "HGMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "LDL", "STL")
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The loops of nvdisasm output (a branch to a label at or before it): per loop its instruction count and the
+    counts of LOOP_KINDS, innermost and outermost alike, in the order of their back edges."""
+    labels, ops = {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        ins = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if ins:
+            ops.append(ins.group(1))
+    loops = []
+    for i, text in enumerate(ops):
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = [
+                re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops[labels[target.group(1)] : i + 1]
+            ]
+            if len(body) > 1:  # a lone branch to itself is the kernel's closing trap
+                loops.append(dict(instructions=len(body), **{k: body.count(k) for k in LOOP_KINDS if k in body}))
+    return loops
+
+
+# Integer arguments not divisible by 16 at the benchmark shapes (no divisibility hint): the batch size, and the
+# conv weight's row stride (its width, 4).
+UNALIGNED = frozenset(("BATCH", "s_w_d"))
+
+
+def compile_sm90(
+    kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int, maxnreg=None, loops: bool = False
+) -> dict:
     if isinstance(kernel, FastLaunch):  # compile the @triton.jit function itself
         kernel = kernel.kernel
     names = kernel.arg_names
@@ -58,18 +104,21 @@ def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stag
             constexprs[(i,)] = consts.get(n, 1)
         else:
             sig[n] = ptr_types.get(n, "*fp32") if n.endswith("_ptr") else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n != "BATCH"}
+    attrs = {
+        (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n not in UNALIGNED
+    }
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         src,
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True)
+        sass = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True).stdout if loops else ""
+    usage = usage.stdout
     ptx = compiled.asm["ptx"]
     loads: dict[str, int] = {}
     for m in re.finditer(r"ld\.global(?:\.\w+)*", ptx):
@@ -82,6 +131,7 @@ def compile_sm90(kernel, ptr_types: dict, consts: dict, num_warps: int, num_stag
         mma_sync=ptx.count("mma.sync"),
         shared_bytes=compiled.metadata.shared,
         global_loads=loads,
+        **({"loops": sass_loops(sass)} if loops else {}),
     )
 
 
@@ -258,6 +308,19 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     )
 
 
+def conv_kernels(has_seq: bool):
+    """(name, kernel, pointer dtypes, constexprs, warps, stages) of the causal conv's kernels (conv_triton.py) at its
+    module's tiles: width 4, silu, bias, bf16 data."""
+    from models.kernels import conv_triton as ct
+
+    ptrs = dict(x_ptr=BF16, out_ptr=BF16, dout_ptr=BF16, dx_ptr=BF16, seq_ptr="*i32")
+    common = dict(HAS_BIAS=True, HAS_SEQ=has_seq, SILU=True, W=4, FAST=ct._FAST_SIGMOID, s_w_k=1)
+    fwd = dict(common, BLOCK_L=ct._FWD_BLOCK_L, BLOCK_D=ct._FWD_BLOCK_D, CHANNELS_FASTEST=ct._FWD_CHANNELS_FASTEST)
+    bwd = dict(common, ROWS=ct._BWD_ROWS, BLOCK_D=ct._BWD_BLOCK_D, PREFETCH=ct._BWD_PREFETCH, UNROLL=ct._BWD_UNROLL)
+    yield "conv_fwd", ct.conv_fwd_kernel, ptrs, fwd, ct._FWD_WARPS, 1
+    yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, 1
+
+
 # Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets.
 MAXNREG = {
     "chunk_scan_bwd_dx": "dx_maxnreg",
@@ -283,6 +346,8 @@ def main():
     ap.add_argument("--dstate", type=int, default=128)
     ap.add_argument("--no_seq", action="store_true", help="compile without seq_idx (documents)")
     ap.add_argument("--set", nargs="*", default=[], help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8")
+    ap.add_argument("--kernels", default="", help="only the kernels whose name matches this regular expression")
+    ap.add_argument("--loops", action="store_true", help="also each loop's instructions by kind (nvdisasm)")
     args = ap.parse_args()
     cfg = block_config(args.chunk, args.headdim, args.dstate)
     overrides = {}
@@ -295,8 +360,12 @@ def main():
             )
         overrides[key] = _parse_value(value)
     cfg = dataclasses.replace(cfg, **overrides)
-    for name, kernel, ptrs, consts, warps, stages in kernels(cfg, args.headdim, args.dstate, not args.no_seq):
-        info = compile_sm90(kernel, ptrs, consts, warps, stages, getattr(cfg, MAXNREG.get(name, ""), None))
+    every = [*kernels(cfg, args.headdim, args.dstate, not args.no_seq), *conv_kernels(not args.no_seq)]
+    for name, kernel, ptrs, consts, warps, stages in every:
+        if not re.search(args.kernels, name):
+            continue
+        cap = getattr(cfg, MAXNREG.get(name, ""), None)
+        info = compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=args.loops)
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
 
 

@@ -676,6 +676,34 @@ def test_kernel_resources_register_cap_reaches_ptxas():
     assert capped["registers"] <= 168 < free["registers"], (capped, free)
 
 
+def test_kernel_resources_loops_from_disassembly():
+    """kernel_resources.py --loops: a loop is a branch back to a label at or before it (a forward branch or a lone
+    branch to itself is none); its instructions counted by kind, predicates and modifiers stripped. And on a real
+    compile for sm_90, the conv backward's stream loop is found and carries its loads and stores."""
+    from benchmarks import kernel_resources as kr
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.64 R2, desc[UR4][R4.64] ;
+        /*0020*/              @!P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
+        /*0040*/                   MOV R5, R3 ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+        /*0060*/                   MUFU.EX2 R6, R5 ;
+.L_x_1:
+        /*0070*/                   STG.E desc[UR4][R8.64], R6 ;
+        /*0080*/               @P2 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0090*/                   BRA `(.L_x_2);
+"""
+    assert kr.sass_loops(sass) == [dict(instructions=8, BAR=1, MOV=1, SHFL=1, MUFU=1, LDG=1, STG=1)]
+    for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(True):
+        if name == "conv_bwd":
+            loops = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)["loops"]
+    assert len(loops) == 1 and loops[0]["LDG"] >= 2 and loops[0]["STG"] >= 1, loops
+
+
 def test_bench_ssd_numerics_over_seeds_ratio_of_mean_errors(monkeypatch):
     """bench_ssd.py --numerics_seeds: per output the ratio of the mean errors over the seeds (not the mean of the
     per-seed ratios) and the per-seed ratios' range; one seed gives numerics() as it is."""

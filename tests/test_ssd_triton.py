@@ -272,8 +272,9 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
 
 
 def check_conv(
-    b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True
-):
+    b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
+    unroll=4,
+):  # fmt: skip
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
     row), streams = (rows, positions per row) of a backward program (several streams and programs: the windows
@@ -283,6 +284,7 @@ def check_conv(
 
     conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
+    conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 4)
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)
     buf = torch.randn(b, L, token_stride, generator=g).to(dt)
@@ -904,6 +906,13 @@ def test_conv_kernels_documents_strided_channel_last():
     interpret(
         conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48, streams=(2, 8)
     )
+    # The stream loop rolled (one step per iteration) and at 3 steps per iteration (segments of 8: 11 steps, so one
+    # step past the end whose weight terms must not count; they, or a stale window, fail dw or dx).
+    for unroll in (1, 3):
+        interpret(
+            conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
+            streams=(2, 8), unroll=unroll,
+        )  # fmt: skip
 
 
 def test_conv_kernels_widths_without_documents():

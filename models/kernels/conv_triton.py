@@ -5,12 +5,13 @@ causal_conv1d_ref's contract (conv_reference.py), for widths W <= 4:
 x is [B, D, L] with its channels contiguous (stride(1) == 1: the mixer's view of zxbcdt, any token stride); the
 output is [B, D, L] over a dense [B, L, D] buffer, the same layout.
 
-What it is for (docs/performance.md, sessions 11, 17 and 20): the CUDA conv where causal_conv1d is not installed
+What it is for (docs/performance.md, sessions 11, 17, 20 and 23): the CUDA conv where causal_conv1d is not installed
 (ops.causal_conv1d prefers causal_conv1d's kernels), and the fused mixer's conv with documents, forward and
 backward (split_conv1d_scan.py), where it is faster than causal_conv1d's channel-last kernels, which documents slow
-down. H100, session 20, with documents: forward 1.3B 0.119 ms against 0.158, 370M 0.068 against 0.094; backward
-1.3B 0.277 against 0.364, 370M 0.172 against 0.211. Without documents the forward ties (0.114 / 0.065 both) and the
-backward is slower (1.3B 0.280 against 0.235), so causal_conv1d's stay there.
+down. H100, session 23, with documents: forward 1.3B 0.113 ms against 0.157, 370M 0.064 against 0.094; backward
+1.3B 0.227 against 0.362, 370M 0.143 against 0.209. Without documents both directions are within a few percent of
+causal_conv1d's (1.3B forward 0.109 against 0.114, backward 0.220-0.238 against 0.234), so causal_conv1d's stay
+there.
 
 Backward, for g_t = dout_t act'(pre_t) (pre: the conv before the activation, recomputed here):
     dx[s] = sum_j weight[W-1-j] g[s+j] [seq[s] == seq[s+j]]
@@ -29,6 +30,8 @@ Imports triton at import time: import this module lazily.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -38,6 +41,33 @@ from models.kernels.fast_launch import cdiv, fast_launch
 __all__ = ["causal_conv1d_triton", "conv_forward_triton", "conv_backward_triton", "MAX_WIDTH"]
 
 MAX_WIDTH = 4  # causal_conv1d's widths are 2 to 4; the kernels run a narrower conv as width 4 with leading 0 taps
+
+
+@triton.jit
+def _exp2(x, FAST: tl.constexpr):
+    """2^x in float32: on the GPU with FAST one MUFU.EX2 (ex2.approx.ftz: denormal results flushed to 0, which only a
+    sigmoid's tails see), else tl.exp2 (whose PTX adds a range check and two multiplies around the same MUFU)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return tl.exp2(x)
+
+
+@triton.jit
+def _rcp(x, FAST: tl.constexpr):
+    """1 / x in float32: with FAST one MUFU.RCP (rcp.approx.ftz, 1 ulp), else a division (IEEE rounding)."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return 1.0 / x
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    """1 / (1 + e^-x), float32; the same formula either way (FAST: the approximate MUFU instructions)."""
+    return _rcp(1.0 + _exp2(x * -1.4426950408889634, FAST), FAST)
 
 
 @triton.jit
@@ -102,7 +132,8 @@ def _pre(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, HAS_SEQ: tl.const
 @triton.jit
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
-                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr):  # fmt: skip
+                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
+                    FAST: tl.constexpr):  # fmt: skip
     # CHANNELS_FASTEST: the programs running at once cover whole rows of x (every channel block of the same
     # positions), not one channel block of many positions (1.3B shape with documents: 0.118 against 0.127 ms, H100).
     if CHANNELS_FASTEST:
@@ -126,7 +157,7 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
         _ids(seq_b, t, L, HAS_SEQ), HAS_SEQ,
     )  # fmt: skip
     if SILU:
-        pre = pre * tl.sigmoid(pre)
+        pre = pre * _sigmoid(pre, FAST)
     out = out_ptr + b * s_o_b + t[:, None] * s_o_l + offs_d[None, :]
     tl.store(out, pre.to(out_ptr.dtype.element_ty), mask=(t < L)[:, None] & mask_d[None, :])
 
@@ -144,12 +175,12 @@ def _stream_rows(x_b, dout_b, seq_b, u_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_S
 
 @triton.jit
 def _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ: tl.constexpr,
-                 SILU: tl.constexpr):  # fmt: skip
+                 SILU: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """g at the newest position u of each row (x0 = x[u], xm3 = x[u - 3]): dout act'(pre), float32."""
     pre = _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ)
     g = dy.to(tl.float32)
     if SILU:
-        sig = tl.sigmoid(pre)
+        sig = _sigmoid(pre, FAST)
         g = g * sig * (1.0 + pre * (1.0 - sig))
     return g
 
@@ -169,7 +200,8 @@ def _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ: tl
 def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_ptr, db_part_ptr, L, D, N_PARTS, SEG,
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
+                    FAST: tl.constexpr):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
@@ -209,32 +241,37 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
     if PREFETCH == 2:
         xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, start_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-    for j in range(0, SEG + 3):
-        u_R = start_R + j
-        x0, dy, s0 = xa, dya, sa
-        if PREFETCH == 2:
-            xa, dya, sa = xb, dyb, sb
-            xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, u_R + 2, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-        else:
-            xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, u_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-        x0 = x0.to(tl.float32)
-        g0 = _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ, SILU)
-        # Steps past the segment compute g for the last dx only (their weight terms belong to the next stream), and
-        # the first three store no dx (their t is the previous stream's): selects, not branches, in the loop.
-        g_own = tl.where(j < SEG, g0, 0.0)
-        db += g_own
-        dw0 += g_own * _same(xm3, sm3, s0, HAS_SEQ)
-        dw1 += g_own * _same(xm2, sm2, s0, HAS_SEQ)
-        dw2 += g_own * _same(xm1, sm1, s0, HAS_SEQ)
-        dw3 += g_own * x0
-        t_R = u_R - 3
-        dx = _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ)
-        dx_ptrs = dx_b + t_R.to(tl.int64)[:, None] * s_dx_l + offs_d[None, :]
-        own_t = (t_R >= start_R) & (t_R < L)
-        tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=own_t[:, None] & mask_d[None, :])
-        xm3, xm2, xm1 = xm2, xm1, x0
-        sm3, sm2, sm1 = sm2, sm1, s0
-        gm3, gm2, gm1 = gm2, gm1, g0
+    # UNROLL steps per iteration of the loop, unrolled (tl.static_range): the window's rotation is then a renaming at
+    # compile time; in a rolled loop it costs a register move per carried value and step (~35 of the step's ~250
+    # instructions at the defaults; ptxas, sm_90). Steps past SEG + 3 (when UNROLL does not divide it) do nothing.
+    for j0 in range(0, SEG + 3, UNROLL):
+        for jj in tl.static_range(UNROLL):
+            j = j0 + jj
+            u_R = start_R + j
+            x0, dy, s0 = xa, dya, sa
+            if PREFETCH == 2:
+                xa, dya, sa = xb, dyb, sb
+                xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, u_R + 2, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+            else:
+                xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, u_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+            x0 = x0.to(tl.float32)
+            g0 = _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ, SILU, FAST)
+            # Steps past the segment compute g for the last dx only (their weight terms belong to the next stream),
+            # and the first three store no dx (their t is the previous stream's): selects, not branches, in the loop.
+            g_own = tl.where(j < SEG, g0, 0.0)
+            db += g_own
+            dw0 += g_own * _same(xm3, sm3, s0, HAS_SEQ)
+            dw1 += g_own * _same(xm2, sm2, s0, HAS_SEQ)
+            dw2 += g_own * _same(xm1, sm1, s0, HAS_SEQ)
+            dw3 += g_own * x0
+            t_R = u_R - 3
+            dx = _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ)
+            dx_ptrs = dx_b + t_R.to(tl.int64)[:, None] * s_dx_l + offs_d[None, :]
+            own_t = (t_R >= start_R) & (t_R < start_R + SEG) & (t_R < L)
+            tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=own_t[:, None] & mask_d[None, :])
+            xm3, xm2, xm1 = xm2, xm1, x0
+            sm3, sm2, sm1 = sm2, sm1, s0
+            gm3, gm2, gm1 = gm2, gm1, g0
     # This program's partial sums: [B * N_PARTS, 4, D] (tap k of 4, as _weight numbers them) and [B * N_PARTS, D].
     part = b * N_PARTS + pid_s
     dw_base = dw_part_ptr + part * 4 * D + offs_d
@@ -269,7 +306,11 @@ _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
 _FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see conv_fwd_kernel)
-# Backward: ROWS streams per program, BLOCK_D channels (conv_bwd_kernel). H100, session 20, 1.3B with documents,
+# Backward: ROWS streams per program, BLOCK_D channels (conv_bwd_kernel). H100, session 23, 1.3B / 370M with
+# documents: two steps per loop iteration and the fast sigmoid 0.227 / 0.143 ms, against 0.280 / 0.175 rolled with
+# tl.sigmoid; rolled with the fast sigmoid 0.278 / 0.173; two steps with tl.sigmoid 0.251 / 0.156; four steps 0.268 /
+# 0.153 (134 registers: three programs per SM instead of four); loading 3 or 4 positions ahead instead of 2 0.31-0.33
+# (the loop is bound by its instructions, ~250 per step rolled, not by memory latency). Session 20, 1.3B with documents,
 # 64 positions per stream: 0.277 ms; 2 streams at 2 warps or 256 channels x 2 streams, or one position prefetched
 # instead of two, within 1%; 32 or 128 positions per stream 0.29; 8 streams at 4 warps (242 registers) 0.31.
 # 64 positions per stream: a grid of 4.12 waves at the 1.3B (4 programs per SM at 128 registers); a split chosen
@@ -279,6 +320,16 @@ _BWD_ROWS = 4
 _BWD_SEG = 64
 _BWD_WARPS = 4
 _BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
+_BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
+# The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
+# (tl.sigmoid's PTX wraps each in range checks: ~18 of a rolled step's ~237 instructions); the interpreter (the CPU
+# tests) runs the same formula with tl.exp2 and a division. Outputs against causal_conv1d's unchanged at bf16
+# (relative differences out 1.5e-5, dx 1.7e-5, dw 2.5e-7, session 23).
+_FAST_SIGMOID = True
+
+
+def _fast() -> bool:
+    return _FAST_SIGMOID and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> torch.Tensor:
@@ -292,7 +343,8 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
         out_BLD, L, d, x_BDL.stride(0), x_BDL.stride(2), out_BLD.stride(0), out_BLD.stride(1),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, CHANNELS_FASTEST=_FWD_CHANNELS_FASTEST, num_warps=_FWD_WARPS,
+        BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, CHANNELS_FASTEST=_FWD_CHANNELS_FASTEST, FAST=_fast(),
+        num_warps=_FWD_WARPS,
     )  # fmt: skip
     return out_BLD.transpose(1, 2)
 
@@ -317,7 +369,8 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         dout_BDL.stride(0), dout_BDL.stride(2), dx_BDL.stride(0), dx_BDL.stride(2),
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
-        ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, num_warps=_BWD_WARPS,
+        ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, UNROLL=_BWD_UNROLL, FAST=_fast(),
+        num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
     dw = dw_part.sum(0)[4 - W :].t().contiguous()  # taps 4 - W ... 3 are the weight's columns

@@ -110,9 +110,9 @@ def _runs_kernel_halves(zxbcdt, norm_w, s: _Sizes) -> bool:
 
 def _conv_forward_halves(xBC_in_BLC, conv_w, conv_b, seq, s: _Sizes):
     """The conv's forward as a bare kernel (no autograd): [B, L, conv_dim] -> [B, L, conv_dim]. With documents our
-    Triton kernel (conv_triton.py: 0.119 ms against causal_conv1d's 0.158 at the 1.3B shape, 0.068 against 0.094 at
-    the 370M, H100, docs/performance.md session 20), run twice per layer and step (forward and the backward's
-    recompute); without them causal_conv1d's (a tie: 0.114 both)."""
+    Triton kernel (conv_triton.py: 0.113 ms against causal_conv1d's 0.157 at the 1.3B shape, 0.064 against 0.094 at
+    the 370M, H100, docs/performance.md session 23), run twice per layer and step (forward and the backward's
+    recompute); without them causal_conv1d's (a tie: 0.109 against 0.114)."""
     x_BCL = xBC_in_BLC.transpose(1, 2)
     if seq is not None:
         from models.kernels.conv_triton import conv_forward_triton  # lazy: imports triton
@@ -123,9 +123,9 @@ def _conv_forward_halves(xBC_in_BLC, conv_w, conv_b, seq, s: _Sizes):
 
 def _conv_backward_halves(xBC_in_BLC, conv_w, conv_b, dxBC_BLC, seq, s: _Sizes, dxBC_in_BLC):
     """The conv's backward as a bare kernel: writes dxBC_in ([B, L, conv_dim], a view of dzxbcdt) and returns
-    (dweight, dbias) in the parameters' dtypes. With documents our Triton kernel (conv_triton.py: 0.277 ms against
-    causal_conv1d's 0.364 at the 1.3B shape, 0.172 against 0.211 at the 370M, H100, docs/performance.md session 20);
-    without them causal_conv1d's (0.235 against our 0.280)."""
+    (dweight, dbias) in the parameters' dtypes. With documents our Triton kernel (conv_triton.py: 0.227 ms against
+    causal_conv1d's 0.362 at the 1.3B shape, 0.143 against 0.209 at the 370M, H100, docs/performance.md session 23);
+    without them causal_conv1d's (0.234 against our 0.220-0.238: a tie)."""
     if seq is not None:
         from models.kernels.conv_triton import conv_backward_triton  # lazy: imports triton
 

@@ -9,6 +9,7 @@ tolerances apply: mamba_ssm's dots run in tf32 there, ours in full fp32.
 """
 
 import functools
+import itertools
 import math
 
 import pytest
@@ -86,10 +87,39 @@ def make(dtype, b, L, H, P, N, G, variant, gen):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ngroups", [1, 2])
-@pytest.mark.parametrize("chunk_size", [64, 256, 48])
-@pytest.mark.parametrize("variant", ["seq", "seq_init_final", "noseq_Dhdim_z", "seq_init_final_whole"])
+def grid(quick, **axes):
+    """pytest.params of every combination of the axes' values; those not in `quick` marked slow (run with --runslow):
+    every case compiles its own kernels and, in bf16, autotunes mamba_ssm's, ~15-35 s each on a fresh H100 machine,
+    so the default run takes a subset that still reaches every feature (docs/performance.md, session 23)."""
+    names, values = list(axes), list(axes.values())
+    out = []
+    for combo in itertools.product(*values):
+        out.append(pytest.param(*combo, marks=() if combo in quick else pytest.mark.slow))
+    return ",".join(names), out
+
+
+BF, F32 = torch.bfloat16, torch.float32
+# Documents at the model's chunk, initial and final states with and without whole tiles, two groups with D [H, P] and
+# z, a chunk that is not a power of two, and float32's own tolerances.
+QUICK_CASES = {
+    (BF, 1, 256, "seq"),
+    (BF, 1, 256, "seq_init_final"),
+    (BF, 1, 256, "seq_init_final_whole"),
+    (BF, 2, 64, "noseq_Dhdim_z"),
+    (F32, 2, 48, "seq_init_final"),
+    (F32, 1, 64, "seq_init_final_whole"),
+}
+
+
+@pytest.mark.parametrize(
+    *grid(
+        QUICK_CASES,
+        dtype=(F32, BF),
+        ngroups=(1, 2),
+        chunk_size=(64, 256, 48),
+        variant=("seq", "seq_init_final", "noseq_Dhdim_z", "seq_init_final_whole"),
+    )
+)
 def test_ssd_triton_matches_reference(dtype, ngroups, chunk_size, variant):
     gen = torch.Generator().manual_seed(chunk_size + ngroups)
     # "_whole": a length chunks 64 and 256 divide, so the kernels take their mask-free (EVEN) loads.
@@ -116,8 +146,13 @@ def test_ssd_triton_matches_reference(dtype, ngroups, chunk_size, variant):
     assert not bad, f"{dtype}: {bad} over tolerance; all: {errs}{theirs_note}"
 
 
-@pytest.mark.parametrize("chunk_size", [64, 256])
-@pytest.mark.parametrize("variant", ["seq_init_final", "seq_init_final_whole", "noseq_Dhdim_z"])
+@pytest.mark.parametrize(
+    *grid(
+        {(256, "seq_init_final_whole"), (64, "noseq_Dhdim_z")},
+        chunk_size=(64, 256),
+        variant=("seq_init_final", "seq_init_final_whole", "noseq_Dhdim_z"),
+    )
+)
 def test_kept_states_match_recomputed(chunk_size, variant):
     """keep_states (model.ssd_keep_states: the entering states kept from forward to backward as bf16 high + low
     parts, the chains handing states on through them): in bf16 every output and gradient as close to the float64
