@@ -172,6 +172,9 @@ TUNE_VARIANTS = {
     # dCB's column sums off the diagonal as the row sums of a transposed product, or reduced across warps (default)
     "dcb_cols_dot": dict(dcb_cols_by_dot=True),
     "dcb_cols_reduced": dict(dcb_cols_by_dot=False),
+    "dcb_heads_s2": dict(dcb_heads_stages=2),
+    "dcb_heads_s3": dict(dcb_heads_stages=3),
+    "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_head_pairs=False),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -256,6 +256,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             INNER_FIRST=cfg.inner_first,
             PAIRS=cfg.dcb_head_pairs,
             COLS_DOT=cfg.dcb_cols_by_dot,
+            HEADS_STAGES=cfg.dcb_heads_stages,
         ),
         cfg.dc_warps,
         cfg.dc_stages,

@@ -813,6 +813,12 @@ def test_dcb_grid_per_tile_and_per_row_block():
                 SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split, dcb_cols_by_dot=cols_dot
             ),
         )
+    # The heads loop as tl.range with its own pipeline depth (dcb_heads_stages): the same code to the interpreter,
+    # which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
+    interpret(
+        b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
+        config=dict(SMALL_TILES, dcb_heads_stages=3, dcb_head_pairs=False),
+    )  # fmt: skip
 
 
 def test_no_kernel_reads_unwritten_memory():

@@ -196,6 +196,7 @@ def _ssd_bwd(
             INNER_FIRST=cfg.inner_first,
             PAIRS=cfg.dcb_head_pairs and hpp % 2 == 0,
             COLS_DOT=cfg.dcb_cols_by_dot,
+            HEADS_STAGES=cfg.dcb_heads_stages,
             num_warps=cfg.dc_warps,
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,

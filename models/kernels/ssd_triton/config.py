@@ -110,6 +110,12 @@ class BlockConfig:
     # longer cancelled exactly); off the diagonal only 0.427 -> 0.412 and 0.223 -> 0.212, with dA at 1.02x (one
     # seed 1.10x) where the reduction gives 0.99-1.01x: off, for 0.2% of the 1.3B's step.
     dcb_cols_by_dot: bool = False
+    # dCB's heads loop software-pipelined over this many stages for all of its loads (tl.range's num_stages), the
+    # per-head vectors of the decay (a_m, a_k, dt_k) included: Triton pipelines only loads that feed a product
+    # otherwise, so each head waits for those (18 plain global loads per head in Triton 3.6's sm_90 code; with 3
+    # stages none, but 96 bytes of spills instead of 72: kernel_resources.py --kernels dcb --loops). None: as Triton
+    # decides. Untimed when added (session 23): bench_ssd.py's variants dcb_heads_s2 / dcb_heads_s3.
+    dcb_heads_stages: int | None = None
     # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
     # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per

@@ -77,6 +77,7 @@ def chunk_scan_bwd_dcb_kernel(
     INNER_FIRST: tl.constexpr,
     PAIRS: tl.constexpr,
     COLS_DOT: tl.constexpr,
+    HEADS_STAGES: tl.constexpr = None,
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
@@ -120,7 +121,7 @@ def chunk_scan_bwd_dcb_kernel(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-            PAIRS=PAIRS, COLS_DOT=COLS_DOT,
+            PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES,
         )
         # fmt: on
     elif pid_k == pid_m:  # the diagonal tile (TILE_GRID); pid_k > pid_m, above the diagonal, has nothing to do
@@ -129,7 +130,7 @@ def chunk_scan_bwd_dcb_kernel(
             L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
             s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N, PAIRS=PAIRS, COLS_DOT=COLS_DOT,
+            BLOCK_N=BLOCK_N, PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES,
         )  # fmt: skip
 
 
@@ -140,6 +141,7 @@ def _dcb_rows(
     s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
+    HEADS_STAGES: tl.constexpr,
 ):  # fmt: skip
     """The diagonal block's program: without TILE_GRID, the state term of dC and O and the tiles of its rows below
     the diagonal; then (always) the diagonal tile. Tiles above it are not written (bc_finish never reads them)."""
@@ -158,13 +160,13 @@ def _dcb_rows(
                 dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g,
                 hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
                 HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-                PAIRS=PAIRS, COLS_DOT=COLS_DOT,
+                PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES,
             )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
-        COLS_DOT=COLS_DOT,
+        COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES,
     )
     # fmt: on
 
@@ -261,7 +263,7 @@ def _dcb_tile(
     dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
+    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr, HEADS_STAGES: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
@@ -270,7 +272,9 @@ def _dcb_tile(
     odd iterations reduce the previous head's M, kept in registers, together with their own: one reduction per
     pair. With COLS_DOT, off the diagonal, the column sums come without a reduction across warps: a second product,
     x_s · dy_l, gives the tile transposed, [s, l], whose row sums (within each warp) are M's column sums; the same
-    terms, rounded in another order."""
+    terms, rounded in another order. HEADS_STAGES (not None): the heads loop software-pipelined over that many
+    stages for every load in it, the per-head vectors a_m, a_k, dt_k too (through shared memory; Triton pipelines
+    only the loads that feed a product otherwise, so each head waits for those three plain loads)."""
     offs_k = k0 + tl.arange(0, BLOCK)
     offs_p = tl.arange(0, BLOCK_P)
     in_k = offs_k < Q
@@ -304,7 +308,7 @@ def _dcb_tile(
     # fmt: off
     M_prev = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     r_prev = tl.zeros((BLOCK,), dtype=tl.float32)
-    for i in range(HEADS_PER_PROG):
+    for i in tl.range(HEADS_PER_PROG, num_stages=HEADS_STAGES):
         dcb, M, r, q, col = _dcb_head(
             dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
             valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT,
