@@ -8,12 +8,15 @@ them.
 Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
 the widths of the plain global loads; with --loops, per loop of the machine code (nvdisasm: a branch back to an
 earlier label) its instruction count and the kinds that tell where issue slots go (block barriers, register moves,
-shuffles, MUFU, loads, stores). Session 23 read the conv backward's ~240 instructions per step and dCB's 12
-barriers per head there (docs/performance.md). Register pressure and spills are the first thing to read before spending
-GPU time on a tile change: the chunk scan went from 179 to 139 registers, and from 0.667 to 0.403 ms, when its
-triangular load mask on CB became a rectangular load plus tl.where (docs/performance.md). Triton ships ptxas, so
-nothing but triton is needed. The compile is specialised as the JIT would specialise a run at the benchmark
-shapes: innermost strides are the constant 1, every other integer and pointer divisible by 16.
+shuffles, MUFU, loads, stores). Session 23 read the conv backward's ~240 instructions per step and dCB's barriers
+per head there (docs/performance.md). The code is the installed Triton's: to read what the GPU machines' Triton 3.6
+makes, `pip install --target /tmp/t36 --no-deps triton==3.6.0` and run this with `PYTHONPATH=/tmp/t36`.
+
+Register pressure and spills are the first thing to read before spending GPU time on a tile change: the chunk scan
+went from 179 to 139 registers, and from 0.667 to 0.403 ms, when its triangular load mask on CB became a rectangular
+load plus tl.where (docs/performance.md). Triton ships ptxas, so nothing but triton is needed. The compile is
+specialised as the JIT would specialise a run at the benchmark shapes: innermost strides are the constant 1, every
+other integer and pointer divisible by 16 (but UNALIGNED's).
 """
 
 from __future__ import annotations
