@@ -215,10 +215,13 @@ def _dcb_state(
 def _dcb_head(
     dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
     s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr, COLS_DOT: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):  # fmt: skip
     """Head h's share of a tile: dCB^h (unmasked), its row sums r of M = dCB^h CB (at offs_m), M itself, the
     head's offset into [B, H, NC, Q] arrays, and with COLS_DOT M's column sums (at offs_k) from the transposed
-    product (cbT: the tile of CB transposed), else 0."""
+    product (cbT: the tile of CB transposed), else 0. CLAMP: the decay's exponent clamped at 0, which a whole tile
+    below the diagonal does not need (a falls along the chunk: a_l <= a_s for l > s, up to the cumsum's rounding),
+    saving an instruction per element and head (859 against 891 per head in Triton 3.6's loop, the same registers)."""
     head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
     dy_ptrs = dy_chunk + h * s_y_h + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
     x_ptrs = x_chunk + h * s_x_h + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
@@ -238,7 +241,10 @@ def _dcb_head(
     dyx = tl.dot(dy_m, xT, input_precision=PREC)
     # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
     # keeps dcb finite there; the sum over heads is masked once by the caller, not per head.
-    dcb = dyx * tl.exp2(tl.minimum(a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :], 0.0)) * dt_k[None, :]
+    log2_decay = a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :]
+    if CLAMP:  # on the diagonal (pairs above it) or with load masks (rows past the chunk read a = 0)
+        log2_decay = tl.minimum(log2_decay, 0.0)
+    dcb = dyx * tl.exp2(log2_decay) * dt_k[None, :]
     M = dcb * cb
     col = 0.0
     if COLS_DOT:
@@ -311,7 +317,7 @@ def _dcb_tile(
     for i in tl.range(HEADS_PER_PROG, num_stages=HEADS_STAGES):
         dcb, M, r, q, col = _dcb_head(
             dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
-            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT,
+            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT, DIAG or not EVEN,
         )
         dcb_acc += dcb
         if BY_DOT:
