@@ -64,9 +64,14 @@ def _tool(name: str) -> str:
 LOOP_KINDS = ("BAR", "MOV", "SHFL", "MUFU", "HGMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "LDL", "STL")
 
 
+def _kinds(body: list[str]) -> dict:
+    return dict(instructions=len(body), **{k: body.count(k) for k in LOOP_KINDS if k in body})
+
+
 def sass_loops(sass: str) -> list[dict]:
     """The loops of nvdisasm output (a branch to a label at or before it): per loop its instruction count and the
-    counts of LOOP_KINDS, innermost and outermost alike, in the order of their back edges."""
+    counts of LOOP_KINDS, innermost and outermost alike, in the order of their back edges; then the whole kernel's
+    (as "kernel": for kernels without a loop, such as the conv's forward)."""
     labels, ops = {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -76,16 +81,15 @@ def sass_loops(sass: str) -> list[dict]:
         ins = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
         if ins:
             ops.append(ins.group(1))
+    names = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops]
     loops = []
     for i, text in enumerate(ops):
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
         if target and labels.get(target.group(1), i + 1) <= i:
-            body = [
-                re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops[labels[target.group(1)] : i + 1]
-            ]
+            body = names[labels[target.group(1)] : i + 1]
             if len(body) > 1:  # a lone branch to itself is the kernel's closing trap
-                loops.append(dict(instructions=len(body), **{k: body.count(k) for k in LOOP_KINDS if k in body}))
-    return loops
+                loops.append(_kinds(body))
+    return loops + [{"kernel": _kinds(names)}]
 
 
 # Integer arguments not divisible by 16 at the benchmark shapes (no divisibility hint): the batch size, and the

@@ -697,11 +697,15 @@ def test_kernel_resources_loops_from_disassembly():
 .L_x_2:
         /*0090*/                   BRA `(.L_x_2);
 """
-    assert kr.sass_loops(sass) == [dict(instructions=8, BAR=1, MOV=1, SHFL=1, MUFU=1, LDG=1, STG=1)]
+    assert kr.sass_loops(sass) == [
+        dict(instructions=8, BAR=1, MOV=1, SHFL=1, MUFU=1, LDG=1, STG=1),
+        {"kernel": dict(instructions=10, BAR=1, MOV=2, SHFL=1, MUFU=1, LDG=1, STG=1)},
+    ]
     for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(True):
         if name == "conv_bwd":
             loops = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)["loops"]
-    assert len(loops) == 1 and loops[0]["LDG"] >= 2 and loops[0]["STG"] >= 1, loops
+    assert len(loops) == 2 and loops[0]["LDG"] >= 2 and loops[0]["STG"] >= 1, loops
+    assert loops[1]["kernel"]["instructions"] > loops[0]["instructions"], loops
 
 
 def test_bench_ssd_numerics_over_seeds_ratio_of_mean_errors(monkeypatch):
