@@ -273,7 +273,7 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
 
 def check_conv(
     b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
-    unroll=4,
+    unroll=2, fwd_stream=False,
 ):  # fmt: skip
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
@@ -284,7 +284,11 @@ def check_conv(
 
     conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
-    conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 4)
+    conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
+    # the forward as streams (conv_fwd_stream_kernel), with the backward's stream shape and unrolling
+    conv_triton._FWD_STREAM = fwd_stream
+    conv_triton._FWD_ROWS, conv_triton._FWD_SEG = conv_triton._BWD_ROWS, conv_triton._BWD_SEG
+    conv_triton._FWD_UNROLL = unroll
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)
     buf = torch.randn(b, L, token_stride, generator=g).to(dt)
@@ -914,17 +918,28 @@ def test_conv_kernels_documents_strided_channel_last():
     )
     # The stream loop rolled (one step per iteration) and at 3 steps per iteration (segments of 8: 11 steps, so one
     # step past the end whose weight terms must not count; they, or a stale window, fail dw or dx).
+    # The forward as streams too (conv_fwd_stream_kernel: window carried across its steps, a stream's first
+    # positions reading the previous stream's rows, steps past its end storing nothing).
     for unroll in (1, 3):
-        interpret(
-            conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
-            streams=(2, 8), unroll=unroll,
-        )  # fmt: skip
+        for fwd_stream in (False, True):
+            interpret(
+                conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
+                streams=(2, 8), unroll=unroll, fwd_stream=fwd_stream,
+            )  # fmt: skip
+    interpret(
+        conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48,
+        streams=(2, 8), fwd_stream=True,
+    )  # fmt: skip
 
 
 def test_conv_kernels_widths_without_documents():
     """Widths 2 and 3, no documents, no bias, no activation (and the forward's other grid order); float16 x with
     width 4; sequences of 2 and 3 tokens."""
     interpret(conv=True, b=1, L=70, D=16, W=2, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17)
+    interpret(
+        conv=True, b=1, L=70, D=16, W=3, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17,
+        streams=(2, 16), fwd_stream=True,
+    )  # fmt: skip
     interpret(
         conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32,
         fwd_channels_fastest=False,
