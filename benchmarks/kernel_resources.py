@@ -359,6 +359,10 @@ def main():
     ap.add_argument("--kernels", default="", help="only the kernels whose name matches this regular expression")
     ap.add_argument("--loops", action="store_true", help="also each loop's instructions by kind (nvdisasm)")
     args = ap.parse_args()
+    try:
+        re.compile(args.kernels)
+    except re.error as e:
+        ap.error(f"--kernels {args.kernels!r} is no regular expression ({e}); e.g. --kernels 'dcb|conv'")
     cfg = block_config(args.chunk, args.headdim, args.dstate)
     overrides = {}
     for item in args.set:

@@ -178,6 +178,18 @@ def _stream_rows(x_b, dout_b, seq_b, u_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_S
     return x, dy, _ids(seq_b, u_R, L, HAS_SEQ)
 
 
+@triton.jit
+def _stream_window(x_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, HAS_SEQ: tl.constexpr):
+    """The window before each stream's first position: x at start - 3, - 2, - 1 (float32) and their ids."""
+    xm3 = _stream_row(x_b, start_R - 3, offs_d, mask_d, L, s_x_l).to(tl.float32)
+    xm2 = _stream_row(x_b, start_R - 2, offs_d, mask_d, L, s_x_l).to(tl.float32)
+    xm1 = _stream_row(x_b, start_R - 1, offs_d, mask_d, L, s_x_l).to(tl.float32)
+    sm3 = _ids(seq_b, start_R - 3, L, HAS_SEQ)
+    sm2 = _ids(seq_b, start_R - 2, L, HAS_SEQ)
+    sm1 = _ids(seq_b, start_R - 1, L, HAS_SEQ)
+    return xm3, xm2, xm1, sm3, sm2, sm1
+
+
 @fast_launch
 @triton.jit
 def conv_fwd_stream_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, SEG, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d,
@@ -198,12 +210,7 @@ def conv_fwd_stream_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, SEG, 
     seq_b = seq_ptr + b * L
     out_b = out_ptr + b * s_o_b
     start_R = (pid_s * ROWS + tl.arange(0, ROWS)) * SEG
-    xm3 = _stream_row(x_b, start_R - 3, offs_d, mask_d, L, s_x_l).to(tl.float32)
-    xm2 = _stream_row(x_b, start_R - 2, offs_d, mask_d, L, s_x_l).to(tl.float32)
-    xm1 = _stream_row(x_b, start_R - 1, offs_d, mask_d, L, s_x_l).to(tl.float32)
-    sm3 = _ids(seq_b, start_R - 3, L, HAS_SEQ)
-    sm2 = _ids(seq_b, start_R - 2, L, HAS_SEQ)
-    sm1 = _ids(seq_b, start_R - 1, L, HAS_SEQ)
+    xm3, xm2, xm1, sm3, sm2, sm1 = _stream_window(x_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, HAS_SEQ)
     xa = _stream_row(x_b, start_R, offs_d, mask_d, L, s_x_l)
     sa = _ids(seq_b, start_R, L, HAS_SEQ)
     for j0 in range(0, SEG, UNROLL):  # unrolled by UNROLL, as conv_bwd_kernel's loop; steps past SEG store nothing
@@ -269,12 +276,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     dx_b = dx_ptr + b * s_dx_b
     start_R = (pid_s * ROWS + tl.arange(0, ROWS)) * SEG
     # The window before the segment: x and ids at start - 3 ... start - 1 (g there is not needed).
-    xm3, _, sm3 = _stream_rows(x_b, dout_b, seq_b, start_R - 3, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-    xm2, _, sm2 = _stream_rows(x_b, dout_b, seq_b, start_R - 2, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-    xm1, _, sm1 = _stream_rows(x_b, dout_b, seq_b, start_R - 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-    xm3 = xm3.to(tl.float32)
-    xm2 = xm2.to(tl.float32)
-    xm1 = xm1.to(tl.float32)
+    xm3, xm2, xm1, sm3, sm2, sm1 = _stream_window(x_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, HAS_SEQ)
     dw0 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     dw1 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     dw2 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
