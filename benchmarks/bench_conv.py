@@ -97,14 +97,9 @@ TUNE = [
     dict(_BWD_UNROLL=4),
     dict(_FAST_SIGMOID=False),
     dict(_BWD_ROWS=2, _BWD_WARPS=2),
-    dict(_FWD_STREAM=True),  # the forward as streams (conv_fwd_stream_kernel), untimed when added
-    dict(_FWD_STREAM=True, _FWD_UNROLL=4),
-    dict(_FWD_STREAM=True, _FWD_ROWS=2, _FWD_SEG=128),
-    dict(_FWD_STREAM=True, _FWD_ROWS=8, _FWD_SEG=32),
 ]
 TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
-         "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID", "_FWD_STREAM", "_FWD_ROWS", "_FWD_SEG",
-         "_FWD_UNROLL")  # fmt: skip
+         "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID")  # fmt: skip
 
 
 def tune(shape_name: str) -> None:

@@ -175,6 +175,10 @@ TUNE_VARIANTS = {
     "dcb_heads_s2": dict(dcb_heads_stages=2),
     "dcb_heads_s3": dict(dcb_heads_stages=3),
     "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_head_pairs=False),
+    "dcb_heads_s2_per_head": dict(dcb_heads_stages=2, dcb_head_pairs=False),
+    "dcb_heads_s4_per_head": dict(dcb_heads_stages=4, dcb_head_pairs=False),
+    "dcb_per_head": dict(dcb_head_pairs=False),
+    "dcb_heads_s3_per_head_cols_dot": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_cols_by_dot=True),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -326,8 +326,6 @@ def conv_kernels(has_seq: bool):
     fwd = dict(common, BLOCK_L=ct._FWD_BLOCK_L, BLOCK_D=ct._FWD_BLOCK_D, CHANNELS_FASTEST=ct._FWD_CHANNELS_FASTEST)
     bwd = dict(common, ROWS=ct._BWD_ROWS, BLOCK_D=ct._BWD_BLOCK_D, PREFETCH=ct._BWD_PREFETCH, UNROLL=ct._BWD_UNROLL)
     yield "conv_fwd", ct.conv_fwd_kernel, ptrs, fwd, ct._FWD_WARPS, 1
-    stream = dict(common, ROWS=ct._FWD_ROWS, BLOCK_D=ct._FWD_BLOCK_D, UNROLL=ct._FWD_UNROLL)
-    yield "conv_fwd_stream", ct.conv_fwd_stream_kernel, ptrs, stream, ct._FWD_WARPS, 1
     yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, 1
 
 

@@ -273,7 +273,7 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
 
 def check_conv(
     b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
-    unroll=2, fwd_stream=False,
+    unroll=2,
 ):  # fmt: skip
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
@@ -285,10 +285,6 @@ def check_conv(
     conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
     conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
-    # the forward as streams (conv_fwd_stream_kernel), with the backward's stream shape and unrolling
-    conv_triton._FWD_STREAM = fwd_stream
-    conv_triton._FWD_ROWS, conv_triton._FWD_SEG = conv_triton._BWD_ROWS, conv_triton._BWD_SEG
-    conv_triton._FWD_UNROLL = unroll
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)
     buf = torch.randn(b, L, token_stride, generator=g).to(dt)
@@ -796,10 +792,10 @@ def test_dcb_grid_per_tile_and_per_row_block():
     """dCB's two grids (config dcb_tiles): one program per tile of [l, s] (the default) and one per block of rows
     walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose
     from (a wrong column block fails: checked by mutation), documents and whole tiles; the column sums reduced per
-    pair of heads (the default: the pair's heads swapped, or the first one's sums written at the second's offset,
-    fail it) and per head (dcb_head_pairs False); the state term in one slice of the heads (the default) and in two
-    (dcb_state_split 2: partial sums per slice, added in bc_finish); the column sums as row sums of a transposed
-    product (dcb_cols_by_dot) on both grids."""
+    pair of heads (dcb_head_pairs: the pair's heads swapped, or the first one's sums written at the second's
+    offset, fail it) and per head (the default since session 24); the state term in one slice of the heads (the
+    default) and in two (dcb_state_split 2: partial sums per slice, added in bc_finish); the column sums as row sums
+    of a transposed product (dcb_cols_by_dot) on both grids."""
     cases = ((True, True, 1, False), (True, True, 2, False), (False, True, 1, False), (True, False, 1, False),
              (True, True, 1, True), (False, True, 1, True))  # fmt: skip
     for dcb_tiles, pairs, split, cols_dot in cases:
@@ -817,11 +813,11 @@ def test_dcb_grid_per_tile_and_per_row_block():
                 SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split, dcb_cols_by_dot=cols_dot
             ),
         )
-    # The heads loop as tl.range with its own pipeline depth (dcb_heads_stages): the same code to the interpreter,
-    # which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
+    # The heads loop pipelined as Triton decides (dcb_heads_stages None; the default is 3): the same code to the
+    # interpreter, which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
     interpret(
         b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
-        config=dict(SMALL_TILES, dcb_heads_stages=3, dcb_head_pairs=False),
+        config=dict(SMALL_TILES, dcb_heads_stages=None),
     )  # fmt: skip
 
 
@@ -918,18 +914,11 @@ def test_conv_kernels_documents_strided_channel_last():
     )
     # The stream loop rolled (one step per iteration) and at 3 steps per iteration (segments of 8: 11 steps, so one
     # step past the end whose weight terms must not count; they, or a stale window, fail dw or dx).
-    # The forward as streams too (conv_fwd_stream_kernel: window carried across its steps, a stream's first
-    # positions reading the previous stream's rows, steps past its end storing nothing).
     for unroll in (1, 3):
-        for fwd_stream in (False, True):
-            interpret(
-                conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
-                streams=(2, 8), unroll=unroll, fwd_stream=fwd_stream,
-            )  # fmt: skip
-    interpret(
-        conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48,
-        streams=(2, 8), fwd_stream=True,
-    )  # fmt: skip
+        interpret(
+            conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
+            streams=(2, 8), unroll=unroll,
+        )  # fmt: skip
 
 
 def test_conv_kernels_widths_without_documents():
@@ -938,7 +927,7 @@ def test_conv_kernels_widths_without_documents():
     interpret(conv=True, b=1, L=70, D=16, W=2, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17)
     interpret(
         conv=True, b=1, L=70, D=16, W=3, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17,
-        streams=(2, 16), fwd_stream=True,
+        streams=(2, 16),
     )  # fmt: skip
     interpret(
         conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32,

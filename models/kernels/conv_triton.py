@@ -190,46 +190,6 @@ def _stream_window(x_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, HAS_SEQ: tl.co
     return xm3, xm2, xm1, sm3, sm2, sm1
 
 
-@fast_launch
-@triton.jit
-def conv_fwd_stream_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, SEG, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d,
-                           s_w_k, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-                           W: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr,
-                           FAST: tl.constexpr):  # fmt: skip
-    """The forward as conv_bwd_kernel walks positions: row r of program p's tile is a stream over SEG consecutive
-    positions from (p * ROWS + r) * SEG that carries its last three x rows and ids, so each x row is loaded once (the
-    tiled conv_fwd_kernel loads four shifted copies of its tile, the three later ones from L1 / L2), and the next
-    position's row is loaded while this one computes."""
-    pid_s = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
-    x_b = x_ptr + b * s_x_b
-    seq_b = seq_ptr + b * L
-    out_b = out_ptr + b * s_o_b
-    start_R = (pid_s * ROWS + tl.arange(0, ROWS)) * SEG
-    xm3, xm2, xm1, sm3, sm2, sm1 = _stream_window(x_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, HAS_SEQ)
-    xa = _stream_row(x_b, start_R, offs_d, mask_d, L, s_x_l)
-    sa = _ids(seq_b, start_R, L, HAS_SEQ)
-    for j0 in range(0, SEG, UNROLL):  # unrolled by UNROLL, as conv_bwd_kernel's loop; steps past SEG store nothing
-        for jj in tl.static_range(UNROLL):
-            u_R = start_R + j0 + jj
-            x0 = xa.to(tl.float32)
-            s0 = sa
-            xa = _stream_row(x_b, u_R + 1, offs_d, mask_d, L, s_x_l)
-            sa = _ids(seq_b, u_R + 1, L, HAS_SEQ)
-            pre = _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ)
-            if SILU:
-                pre = pre * _sigmoid(pre, FAST)
-            own = (u_R < start_R + SEG) & (u_R < L)
-            out_ptrs = out_b + u_R.to(tl.int64)[:, None] * s_o_l + offs_d[None, :]
-            tl.store(out_ptrs, pre.to(out_ptr.dtype.element_ty), mask=own[:, None] & mask_d[None, :])
-            xm3, xm2, xm1 = xm2, xm1, x0
-            sm3, sm2, sm1 = sm2, sm1, s0
-
-
 @triton.jit
 def _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ: tl.constexpr,
                  SILU: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
@@ -358,12 +318,9 @@ _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
 _FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see conv_fwd_kernel)
-# ... or the forward as streams (conv_fwd_stream_kernel: each x row loaded once), of _FWD_ROWS rows x _FWD_SEG
-# positions per program. Off: untimed when added (session 23; bench_conv.py --tune's fwd_stream sets).
-_FWD_STREAM = False
-_FWD_ROWS = 4
-_FWD_SEG = 64
-_FWD_UNROLL = 2
+# A forward as streams (the backward's layout: each x row loaded once, the window carried; 64 registers) was slower
+# (session 24, H100, 1.3B / 370M with documents: 0.129-0.160 / 0.080-0.096 ms against this tiled one's 0.113 /
+# 0.064) and was removed.
 # Backward: ROWS streams per program, BLOCK_D channels (conv_bwd_kernel). H100, session 23, 1.3B / 370M with
 # documents: two steps per loop iteration and the fast sigmoid 0.227 / 0.143 ms, against 0.280 / 0.175 rolled with
 # tl.sigmoid; rolled with the fast sigmoid 0.278 / 0.173; two steps with tl.sigmoid 0.251 / 0.156; four steps 0.268 /
@@ -395,17 +352,6 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
     _check(x_BDL, weight_DW, seq_idx_BL)
     b, d, L = x_BDL.shape
     out_BLD = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype)
-    if _FWD_STREAM:
-        n_parts = cdiv(L, _FWD_ROWS * _FWD_SEG)
-        conv_fwd_stream_kernel[(n_parts, cdiv(d, _FWD_BLOCK_D), b)](
-            x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW,
-            seq_idx_BL if seq_idx_BL is not None else x_BDL, out_BLD, L, d, cdiv(L, _FWD_ROWS * n_parts),
-            x_BDL.stride(0), x_BDL.stride(2), out_BLD.stride(0), out_BLD.stride(1), weight_DW.stride(0),
-            weight_DW.stride(1), HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu,
-            W=weight_DW.shape[1], ROWS=_FWD_ROWS, BLOCK_D=_FWD_BLOCK_D, UNROLL=_FWD_UNROLL, FAST=_fast(),
-            num_warps=_FWD_WARPS,
-        )  # fmt: skip
-        return out_BLD.transpose(1, 2)
     grid = (cdiv(L, _FWD_BLOCK_L), cdiv(d, _FWD_BLOCK_D), b)
     conv_fwd_kernel[(grid[1], grid[0], b) if _FWD_CHANNELS_FASTEST else grid](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,

@@ -101,8 +101,9 @@ class BlockConfig:
     # dCB's tiles reduce the column sums of the decay terms (across warps) once per pair of heads, not per head
     # (dcb_bwd.py; needs an even number of heads per program, else per head). Session 14 (H100, 1.3B): dCB 0.449 ->
     # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
-    # pipeline stages, 0.478 at 2, 0.529 at 1.
-    dcb_head_pairs: bool = True
+    # pipeline stages, 0.478 at 2, 0.529 at 1. Off since session 24: with dcb_heads_stages 3 (below) per head is the
+    # faster (H100, 1.3B dCB: pairs 0.421-0.423 ms, pairs + 3 stages 0.474, per head + 3 stages 0.404-0.406).
+    dcb_head_pairs: bool = False
     # ... or, in the tiles off the diagonal, without a reduction across warps (dcb_bwd.py's COLS_DOT): each head's
     # tile also computed transposed (a second product, x · dyᵀ, and its element-wise factors again), whose row sums
     # are the column sums. Session 22 (H100): in every tile, dCB 1.3B 0.428 -> 0.396 ms, 370M 0.221 -> 0.207 (8 warps
@@ -113,9 +114,12 @@ class BlockConfig:
     # dCB's heads loop software-pipelined over this many stages for all of its loads (tl.range's num_stages), the
     # per-head vectors of the decay (a_m, a_k, dt_k) included: Triton pipelines only loads that feed a product
     # otherwise, so each head waits for those (18 plain global loads per head in Triton 3.6's sm_90 code; with 3
-    # stages none, but 96 bytes of spills instead of 72: kernel_resources.py --kernels dcb --loops). None: as Triton
-    # decides. Untimed when added (session 23): bench_ssd.py's variants dcb_heads_s2 / dcb_heads_s3.
-    dcb_heads_stages: int | None = None
+    # stages none, but 96 bytes of spills instead of 72, 64 per head: kernel_resources.py --kernels dcb --loops).
+    # None: as Triton decides. Session 24 (H100, bench_ssd.py --tune, two calls; dCB ms at 1.3B / 370M): pairs, as
+    # Triton decides 0.421-0.423 / 0.219-0.221; pairs at 2 / 3 stages 0.520 / 0.474, 0.263 / 0.246; per head as
+    # Triton decides 0.434 / 0.228; per head at 2 / 3 / 4 stages 0.489 / 0.404-0.406 / 0.402, 0.249 / 0.208-0.212 /
+    # 0.210; per head at 3 stages with dcb_cols_by_dot 0.443 / 0.228.
+    dcb_heads_stages: int | None = 3
     # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
     # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per
