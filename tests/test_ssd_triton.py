@@ -813,6 +813,14 @@ def test_dcb_grid_per_tile_and_per_row_block():
                 SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split, dcb_cols_by_dot=cols_dot
             ),
         )
+    # Per-head column sums below the diagonal as one sum reduced across the warps (dcb_col_parts 1) and as two
+    # partial sums over row groups (the default is 4: a part written to another block's extra slot, or dt_bwd adding
+    # an extra slot at the positions of its own block or later, fails: checked by mutation), on both grids.
+    for dcb_tiles, parts in ((True, 1), (False, 2), (True, 2)):
+        interpret(
+            b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
+            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_col_parts=parts),
+        )  # fmt: skip
     # The heads loop pipelined as Triton decides (dcb_heads_stages None; the default is 3): the same code to the
     # interpreter, which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
     interpret(

@@ -151,9 +151,13 @@ def _ssd_bwd(
     dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = cdiv(Q, cfg.dc_m)
+    pairs = cfg.dcb_head_pairs and hpp % 2 == 0
+    # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
+    col_parts = cfg.dcb_col_parts if grouped and not pairs and not cfg.dcb_cols_by_dot else 1
     if grouped:
-        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py).
-        R_part = torch.empty(n_m, *dt_p.shape, device=dev, dtype=torch.float32)
+        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
+        # column sums' extra partial-sum slots.
+        R_part = torch.empty(n_m + (n_m - 1) * (col_parts - 1), *dt_p.shape, device=dev, dtype=torch.float32)
     else:
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
@@ -194,9 +198,10 @@ def _ssd_bwd(
             BLOCK_P=BP,
             BLOCK_N=BN,
             INNER_FIRST=cfg.inner_first,
-            PAIRS=cfg.dcb_head_pairs and hpp % 2 == 0,
+            PAIRS=pairs,
             COLS_DOT=cfg.dcb_cols_by_dot,
             HEADS_STAGES=cfg.dcb_heads_stages,
+            COL_PARTS=col_parts,
             num_warps=cfg.dc_warps,
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
@@ -317,8 +322,10 @@ def _ssd_bwd(
     # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
     # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
     # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
-    rev_parts, add_parts = (R_part, None) if grouped else (None, R_part)
-    return dx, ddt, (O, rev_parts, add_parts, q, dtot), dB, dC, (dD, dD_parts), dinit
+    # The column sums' extra slots (col_parts > 1) go as (slots, extra slots per row block, rows per block).
+    rev_parts, add_parts = (R_part[:n_m], None) if grouped else (None, R_part)
+    col_extra = (R_part[n_m:], col_parts - 1, cfg.dc_m) if col_parts > 1 and n_m > 1 else None
+    return dx, ddt, (O, rev_parts, add_parts, q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit
 
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):

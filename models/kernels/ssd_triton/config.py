@@ -120,6 +120,13 @@ class BlockConfig:
     # Triton decides 0.434 / 0.228; per head at 2 / 3 / 4 stages 0.489 / 0.404-0.406 / 0.402, 0.249 / 0.208-0.212 /
     # 0.210; per head at 3 stages with dcb_cols_by_dot 0.443 / 0.228.
     dcb_heads_stages: int | None = 3
+    # dCB's tiles below the diagonal (per-head sums: not with dcb_head_pairs or dcb_cols_by_dot) write each head's
+    # column sums of M as this many partial sums over groups of dc_m / dcb_col_parts rows (at 4 warps, 4 parts: one
+    # per warp, so no reduction across warps, no barrier or shared memory per head), into extra slots of R_part that
+    # dt_bwd_kernel adds (dcb_bwd.py). 1: one sum, reduced across the warps, as before. Session 24 (H100, 4 parts,
+    # first as a timing-only variant that wrote the parts to scratch slots: dCB 1.3B 0.407 -> 0.371 ms, with documents
+    # 0.425 -> 0.387, 370M 0.212 -> 0.192; Triton 3.6's per-head loop 654 -> 585 instructions, 7 -> 3 barriers).
+    dcb_col_parts: int = 4
     # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
     # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per

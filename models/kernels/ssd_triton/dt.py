@@ -93,6 +93,7 @@ def dt_bwd_kernel(
     ddt_p_ptr,
     rev_ptr,
     rev_parts_ptr,
+    col_extra_ptr,
     add_parts_ptr,
     q_ptr,
     dtot_ptr,
@@ -111,6 +112,9 @@ def dt_bwd_kernel(
     BATCH,
     n_dtot,
     n_rev_parts,
+    n_col_extra,
+    col_extra_per_block,
+    col_block,
     n_add_parts,
     n_dD_parts,
     s_dt_b,
@@ -148,6 +152,11 @@ def dt_bwd_kernel(
     rev = tl.load(rev_ptr + at, mask=in_q, other=0.0)
     for i in range(n_rev_parts):
         rev += tl.load(rev_parts_ptr + i * slot + at, mask=in_q, other=0.0)
+    # dCB's extra column-sum slots (config dcb_col_parts): the i-th holds a partial sum from the tiles of row block
+    # 1 + i // col_extra_per_block, written (and read) only at the positions of the blocks before it.
+    for i in range(n_col_extra):
+        before = (offs_q // col_block < 1 + i // col_extra_per_block)[:, None]
+        rev += tl.load(col_extra_ptr + i * slot + at, mask=in_q & before, other=0.0)
     g = tl.cumsum(rev, axis=0, reverse=True)
     for i in range(n_add_parts):
         g += tl.load(add_parts_ptr + i * slot + at, mask=in_q, other=0.0)
@@ -237,14 +246,16 @@ def dt_backward(
     add_parts,
     q,
     dtot,
+    col_extra,
     softplus: bool,
     limit: tuple[float, float],
     dD_parts=None,
 ):
     """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
     SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
-    add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; dD_parts: D's partial sums [n, H] (float32)
-    to sum, or None."""
+    add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: None or dCB's extra column-sum
+    slots (dcb_bwd.py) as (slots [n, b, H, NC, Q], slots per row block, rows per block); dD_parts: D's partial sums
+    [n, H] (float32) to sum, or None."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
     dev = dt_BLH.device
@@ -260,6 +271,7 @@ def dt_backward(
         ddt_p,
         rev,
         rev if rev_parts is None else rev_parts,
+        rev if col_extra is None else col_extra[0],
         rev if add_parts is None else add_parts,
         q,
         dtot,
@@ -278,6 +290,9 @@ def dt_backward(
         b,
         dtot.shape[0],
         0 if rev_parts is None else rev_parts.shape[0],
+        0 if col_extra is None else col_extra[0].shape[0],
+        1 if col_extra is None else col_extra[1],
+        Q if col_extra is None else col_extra[2],
         0 if add_parts is None else add_parts.shape[0],
         0 if dD_parts is None else dD_parts.shape[0],
         *dt_BLH.stride(),
