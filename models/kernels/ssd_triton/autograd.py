@@ -154,6 +154,8 @@ def _ssd_bwd(
     pairs = cfg.dcb_head_pairs and hpp % 2 == 0
     # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
     col_parts = cfg.dcb_col_parts if grouped and not pairs and not cfg.dcb_cols_by_dot else 1
+    if col_parts < 1 or col_parts & (col_parts - 1) or cfg.dc_m % col_parts:
+        raise ValueError(f"BlockConfig.dcb_col_parts {col_parts} must be a power of two dividing dc_m {cfg.dc_m}")
     if grouped:
         # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
         # column sums' extra partial-sum slots.
