@@ -180,6 +180,7 @@ TUNE_VARIANTS = {
     "dcb_per_head": dict(dcb_head_pairs=False),
     "dcb_col_parts_1": dict(dcb_col_parts=1),  # per-head column sums reduced across warps (before session 24)
     "dcb_col_parts_2": dict(dcb_col_parts=2),
+    "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # untimed when added (session 24)
     "dcb_heads_s3_per_head_cols_dot": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_cols_by_dot=True),
 }
 # Kernel groups -> the config fields that only they use.

@@ -816,10 +816,19 @@ def test_dcb_grid_per_tile_and_per_row_block():
     # Per-head column sums below the diagonal as one sum reduced across the warps (dcb_col_parts 1) and as two
     # partial sums over row groups (the default is 4: a part written to another block's extra slot, or dt_bwd adding
     # an extra slot at the positions of its own block or later, fails: checked by mutation), on both grids.
-    for dcb_tiles, parts in ((True, 1), (False, 2), (True, 2)):
+    # On the diagonal too (dcb_diag_col_parts: r alone, the parts in slots of their own), also at one block per
+    # chunk (chunk 16: no tiles below the diagonal, only the diagonal's slots).
+    for dcb_tiles, parts, diag, chunk in (
+        (True, 1, False, 64),
+        (False, 2, False, 64),
+        (True, 2, False, 64),
+        (True, 4, True, 64),
+        (False, 2, True, 64),
+        (True, 4, True, 16),
+    ):
         interpret(
-            b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
-            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_col_parts=parts),
+            b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=chunk),
+            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_col_parts=parts, dcb_diag_col_parts=diag),
         )  # fmt: skip
     # The heads loop pipelined as Triton decides (dcb_heads_stages None; the default is 3): the same code to the
     # interpreter, which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).

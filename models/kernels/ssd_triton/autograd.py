@@ -159,7 +159,9 @@ def _ssd_bwd(
     if grouped:
         # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
         # column sums' extra partial-sum slots.
-        R_part = torch.empty(n_m + (n_m - 1) * (col_parts - 1), *dt_p.shape, device=dev, dtype=torch.float32)
+        n_diag = col_parts if cfg.dcb_diag_col_parts and col_parts > 1 else 0  # the diagonal's parts
+        n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
+        R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
     else:
         R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
     if grouped:
@@ -204,6 +206,7 @@ def _ssd_bwd(
             COLS_DOT=cfg.dcb_cols_by_dot,
             HEADS_STAGES=cfg.dcb_heads_stages,
             COL_PARTS=col_parts,
+            DIAG_PARTS=cfg.dcb_diag_col_parts,
             num_warps=cfg.dc_warps,
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
@@ -324,9 +327,12 @@ def _ssd_bwd(
     # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
     # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
     # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
-    # The column sums' extra slots (col_parts > 1) go as (slots, extra slots per row block, rows per block).
+    # The column sums' extra slots (col_parts > 1) go as (slots, extra slots per row block, rows per block, how many
+    # of them, last, are the diagonal's, written at every position).
     rev_parts, add_parts = (R_part[:n_m], None) if grouped else (None, R_part)
-    col_extra = (R_part[n_m:], col_parts - 1, cfg.dc_m) if col_parts > 1 and n_m > 1 else None
+    col_extra = None
+    if grouped and R_part.shape[0] > n_m:
+        col_extra = (R_part[n_m:], col_parts - 1, cfg.dc_m, n_diag)
     return dx, ddt, (O, rev_parts, add_parts, q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit
 
 

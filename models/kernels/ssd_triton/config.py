@@ -127,6 +127,10 @@ class BlockConfig:
     # first as a timing-only variant that wrote the parts to scratch slots: dCB 1.3B 0.407 -> 0.371 ms, with documents
     # 0.425 -> 0.387, 370M 0.212 -> 0.192; Triton 3.6's per-head loop 654 -> 585 instructions, 7 -> 3 barriers).
     dcb_col_parts: int = 4
+    # ... and on the diagonal too: r alone in its slot, the column sums' parts in dcb_col_parts slots more
+    # (dcb_bwd.py; Triton 3.6: the diagonal's per-head loop 667 -> 615 instructions, 7 -> 3 barriers, spills 64 -> 24
+    # bytes). Off: untimed when added (session 24; bench_ssd.py's variant dcb_diag_parts).
+    dcb_diag_col_parts: bool = False
     # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
     # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per

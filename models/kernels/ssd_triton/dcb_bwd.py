@@ -21,7 +21,8 @@ config dcb_cols_by_dot (off) takes them, off the diagonal, as the row sums of th
 Below the diagonal, with per-head sums, config dcb_col_parts (4) splits each column sum into partial sums over
 groups of rows, one per warp, so no head waits for a reduction across warps: group 0's goes to slot m as above, the
 others to extra slots after the n_m slots, (n_m - 1) (parts - 1) of them, which dt_bwd_kernel adds only at the
-positions they were written (blocks before m): no zero fill there either.
+positions they were written (blocks before m): no zero fill there either. Config dcb_diag_col_parts (off) does the
+same on the diagonal, with r and the parts in slots of their own (parts more, written at every position).
 Tiles below the diagonal (k < m) need no causal mask, and with EVEN (whole tiles) no load masks: see
 chunk_scan_bwd.py on why the inner loops avoid per-element masks.
 """
@@ -83,6 +84,7 @@ def chunk_scan_bwd_dcb_kernel(
     COLS_DOT: tl.constexpr,
     HEADS_STAGES: tl.constexpr = None,
     COL_PARTS: tl.constexpr = 1,
+    DIAG_PARTS: tl.constexpr = False,
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
@@ -126,7 +128,7 @@ def chunk_scan_bwd_dcb_kernel(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-            PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
+            PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS,
         )
         # fmt: on
     elif pid_k == pid_m:  # the diagonal tile (TILE_GRID); pid_k > pid_m, above the diagonal, has nothing to do
@@ -136,6 +138,7 @@ def chunk_scan_bwd_dcb_kernel(
             s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
             BLOCK_N=BLOCK_N, PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
+            DIAG_PARTS=DIAG_PARTS,
         )  # fmt: skip
 
 
@@ -146,7 +149,7 @@ def _dcb_rows(
     s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
-    HEADS_STAGES: tl.constexpr, COL_PARTS: tl.constexpr,
+    HEADS_STAGES: tl.constexpr, COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr,
 ):  # fmt: skip
     """The diagonal block's program: without TILE_GRID, the state term of dC and O and the tiles of its rows below
     the diagonal; then (always) the diagonal tile. Tiles above it are not written (bc_finish never reads them)."""
@@ -166,12 +169,13 @@ def _dcb_rows(
                 hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
                 HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
                 PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
+                DIAG_PARTS=DIAG_PARTS,
             )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
-        COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=1,
+        COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS,
     )
     # fmt: on
 
@@ -270,16 +274,24 @@ def _store_sums(R_rows, R_cols, head_q, r, col, offs_m, offs_k, Q, in_k, DIAG: t
 
 
 @triton.jit
-def _store_sums_in_parts(R_ptr, R_rows, head_q, r, M, pid_m, offs_m, offs_k, Q, in_k, slot,
-                         PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """A tile below the diagonal: the row sums r as _store_sums writes them, and M's column sums as PARTS partial
-    sums over groups of BLOCK // PARTS rows (with one group per warp, each a reduction within its warp: no shared
-    memory, no barrier), the first group's into slot pid_m as in _store_sums, group j > 0's into R_part's extra slot
-    n_m + (pid_m - 1) (PARTS - 1) + j - 1, which dt_bwd_kernel adds at the positions of blocks before pid_m."""
-    tl.store(R_rows + head_q + offs_m, r, mask=offs_m < Q)
+def _store_sums_in_parts(R_ptr, R_rows, R_cols, head_q, r, M, pid_m, offs_m, offs_k, Q, in_k, slot,
+                         PARTS: tl.constexpr, BLOCK: tl.constexpr, DIAG: tl.constexpr):  # fmt: skip
+    """M's column sums as PARTS partial sums over groups of BLOCK // PARTS rows (with one group per warp, each a
+    reduction within its warp: no shared memory, no barrier). Below the diagonal: the row sums r as _store_sums
+    writes them, the first group's column sums into slot pid_m as _store_sums does, group j > 0's into R_part's
+    extra slot n_m + (pid_m - 1) (PARTS - 1) + j - 1, which dt_bwd_kernel adds at the positions of the blocks before
+    pid_m. On the diagonal (config dcb_diag_col_parts): r alone into slot pid_m and group j's sums into the extra
+    slot n_m + (n_m - 1) (PARTS - 1) + j, which every block's diagonal tile writes at its own positions; M_jj still
+    enters r_j and one group's sum as the same float32 value."""
     cols = tl.sum(tl.reshape(M, (PARTS, BLOCK // PARTS, BLOCK)), axis=1)  # [PARTS, BLOCK]
     part = tl.arange(0, PARTS)
-    slot_of = tl.where(part == 0, pid_m, tl.cdiv(Q, BLOCK) + (pid_m - 1) * (PARTS - 1) + part - 1)
+    n_m = tl.cdiv(Q, BLOCK)
+    if DIAG:
+        tl.store(R_cols + head_q + offs_m, r, mask=offs_m < Q)
+        slot_of = n_m + (n_m - 1) * (PARTS - 1) + part
+    else:
+        tl.store(R_rows + head_q + offs_m, r, mask=offs_m < Q)
+        slot_of = tl.where(part == 0, pid_m, n_m + (pid_m - 1) * (PARTS - 1) + part - 1)
     tl.store(R_ptr + slot_of.to(tl.int64)[:, None] * slot + head_q + offs_k[None, :], -cols, mask=in_k[None, :])
 
 
@@ -289,7 +301,7 @@ def _dcb_tile(
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr, HEADS_STAGES: tl.constexpr,
-    COL_PARTS: tl.constexpr,
+    COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
@@ -301,7 +313,8 @@ def _dcb_tile(
     terms, rounded in another order. HEADS_STAGES (not None): the heads loop software-pipelined over that many
     stages for every load in it, the per-head vectors a_m, a_k, dt_k too (through shared memory; Triton pipelines
     only the loads that feed a product otherwise, so each head waits for those three plain loads). COL_PARTS > 1
-    (per-head sums, off the diagonal): the column sums as partial sums over row groups (_store_sums_in_parts)."""
+    (per-head sums, below the diagonal, and on it too with DIAG_PARTS): the column sums as partial sums over row
+    groups (_store_sums_in_parts)."""
     offs_k = k0 + tl.arange(0, BLOCK)
     offs_p = tl.arange(0, BLOCK_P)
     in_k = offs_k < Q
@@ -351,9 +364,9 @@ def _dcb_tile(
                 _store_sums(R_rows, R_cols, q, r, col1, offs_m, offs_k, Q, in_k, DIAG)
             M_prev = M
             r_prev = r
-        elif COL_PARTS > 1 and not DIAG:
-            _store_sums_in_parts(R_ptr, R_rows, q, r, M, pid_m, offs_m, offs_k, Q, in_k,
-                                 tl.cast(BATCH, tl.int64) * H * NC * Q, COL_PARTS, BLOCK)
+        elif COL_PARTS > 1 and (DIAG_PARTS or not DIAG):
+            _store_sums_in_parts(R_ptr, R_rows, R_cols, q, r, M, pid_m, offs_m, offs_k, Q, in_k,
+                                 tl.cast(BATCH, tl.int64) * H * NC * Q, COL_PARTS, BLOCK, DIAG)
         else:
             _store_sums(R_rows, R_cols, q, r, tl.sum(M, axis=0), offs_m, offs_k, Q, in_k, DIAG)
     # fmt: on

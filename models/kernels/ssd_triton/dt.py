@@ -113,6 +113,7 @@ def dt_bwd_kernel(
     n_dtot,
     n_rev_parts,
     n_col_extra,
+    n_col_diag,
     col_extra_per_block,
     col_block,
     n_add_parts,
@@ -157,6 +158,8 @@ def dt_bwd_kernel(
     for i in range(n_col_extra):
         before = (offs_q // col_block < 1 + i // col_extra_per_block)[:, None]
         rev += tl.load(col_extra_ptr + i * slot + at, mask=in_q & before, other=0.0)
+    for i in range(n_col_diag):  # the diagonal tiles' parts (config dcb_diag_col_parts), written at every position
+        rev += tl.load(col_extra_ptr + (n_col_extra + i) * slot + at, mask=in_q, other=0.0)
     g = tl.cumsum(rev, axis=0, reverse=True)
     for i in range(n_add_parts):
         g += tl.load(add_parts_ptr + i * slot + at, mask=in_q, other=0.0)
@@ -254,7 +257,8 @@ def dt_backward(
     """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
     SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
     add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: None or dCB's extra column-sum
-    slots (dcb_bwd.py) as (slots [n, b, H, NC, Q], slots per row block, rows per block); dD_parts: D's partial sums
+    slots (dcb_bwd.py) as (slots [n, b, H, NC, Q], slots per row block, rows per block, how many of the n, last,
+    are the diagonal's); dD_parts: D's partial sums
     [n, H] (float32) to sum, or None."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
@@ -290,8 +294,9 @@ def dt_backward(
         b,
         dtot.shape[0],
         0 if rev_parts is None else rev_parts.shape[0],
-        0 if col_extra is None else col_extra[0].shape[0],
-        1 if col_extra is None else col_extra[1],
+        0 if col_extra is None else col_extra[0].shape[0] - col_extra[3],
+        0 if col_extra is None else col_extra[3],
+        1 if col_extra is None else max(col_extra[1], 1),
         Q if col_extra is None else col_extra[2],
         0 if add_parts is None else add_parts.shape[0],
         0 if dD_parts is None else dD_parts.shape[0],
