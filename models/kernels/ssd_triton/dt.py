@@ -258,8 +258,7 @@ def dt_backward(
     SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
     add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: None or dCB's extra column-sum
     slots (dcb_bwd.py) as (slots [n, b, H, NC, Q], slots per row block, rows per block, how many of the n, last,
-    are the diagonal's); dD_parts: D's partial sums
-    [n, H] (float32) to sum, or None."""
+    are the diagonal's); dD_parts: D's partial sums [n, H] (float32) to sum, or None."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
     dev = dt_BLH.device
