@@ -172,12 +172,14 @@ TUNE_VARIANTS = {
     # dCB's column sums off the diagonal as the row sums of a transposed product, or reduced across warps (default)
     "dcb_cols_dot": dict(dcb_cols_by_dot=True),
     "dcb_cols_reduced": dict(dcb_cols_by_dot=False),
-    "dcb_heads_s2": dict(dcb_heads_stages=2),
-    "dcb_heads_s3": dict(dcb_heads_stages=3),
-    "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_head_pairs=False),
-    "dcb_heads_s2_per_head": dict(dcb_heads_stages=2, dcb_head_pairs=False),
-    "dcb_heads_s4_per_head": dict(dcb_heads_stages=4, dcb_head_pairs=False),
-    "dcb_per_head": dict(dcb_head_pairs=False),
+    # Session 24's dCB variants, pinned to what they measured then (docs/performance.md), whatever the defaults now:
+    # pairs or per head, the heads loop's stages, per-head column sums in one sum (dcb_col_parts 1) or in parts.
+    "dcb_heads_s2": dict(dcb_heads_stages=2, dcb_head_pairs=True),
+    "dcb_heads_s3": dict(dcb_heads_stages=3, dcb_head_pairs=True),
+    "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_col_parts=1),
+    "dcb_heads_s2_per_head": dict(dcb_heads_stages=2, dcb_head_pairs=False, dcb_col_parts=1),
+    "dcb_heads_s4_per_head": dict(dcb_heads_stages=4, dcb_head_pairs=False, dcb_col_parts=1),
+    "dcb_per_head": dict(dcb_heads_stages=None, dcb_head_pairs=False, dcb_col_parts=1),
     "dcb_col_parts_1": dict(dcb_col_parts=1),  # per-head column sums reduced across warps (before session 24)
     "dcb_col_parts_2": dict(dcb_col_parts=2),
     "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # untimed when added (session 24)

@@ -264,7 +264,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             PAIRS=cfg.dcb_head_pairs,
             COLS_DOT=cfg.dcb_cols_by_dot,
             HEADS_STAGES=cfg.dcb_heads_stages,
-            COL_PARTS=1 if cfg.dcb_head_pairs or cfg.dcb_cols_by_dot else cfg.dcb_col_parts,
+            COL_PARTS=cfg.dcb_parts(cfg.dcb_head_pairs),
             DIAG_PARTS=cfg.dcb_diag_col_parts,
         ),
         cfg.dc_warps,

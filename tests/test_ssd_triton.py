@@ -838,6 +838,22 @@ def test_dcb_grid_per_tile_and_per_row_block():
     )  # fmt: skip
 
 
+def test_dcb_col_parts_refused_unless_a_power_of_two_dividing_the_rows():
+    """BlockConfig.dcb_col_parts splits dc_m rows into equal groups: 3, 0 or more parts than rows are refused where
+    the config is made, naming the field and what to set; 1 and 4 are taken."""
+    import dataclasses
+
+    from models.kernels.ssd_triton.config import block_config
+
+    cfg = block_config(256, 64, 128)
+    for bad in (3, 0, 2 * cfg.dc_m):
+        with pytest.raises(ValueError, match="dcb_col_parts .* must be a power of two dividing dc_m"):
+            dataclasses.replace(cfg, dcb_col_parts=bad)
+    assert dataclasses.replace(cfg, dcb_col_parts=1).dcb_parts(pairs=False) == 1
+    assert cfg.dcb_parts(pairs=False) == 4 and cfg.dcb_parts(pairs=True) == 1
+    assert dataclasses.replace(cfg, dcb_cols_by_dot=True).dcb_parts(pairs=False) == 1
+
+
 def test_no_kernel_reads_unwritten_memory():
     """Every float buffer allocated empty starts as NaN (poison_empty): CB's tiles past its consumers' diagonal
     blocks are not stored (chunk_cb.py), so a consumer reading one, or any kernel reading what no kernel wrote,

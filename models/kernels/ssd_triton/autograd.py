@@ -41,7 +41,7 @@ from models.kernels.ssd_triton.chained_states import chained_dstates
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
-from models.kernels.ssd_triton.dt import dt_backward, dt_forward
+from models.kernels.ssd_triton.dt import ColumnParts, dt_backward, dt_forward
 from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, ssd_forward
 from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
@@ -153,9 +153,7 @@ def _ssd_bwd(
     n_m = cdiv(Q, cfg.dc_m)
     pairs = cfg.dcb_head_pairs and hpp % 2 == 0
     # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
-    col_parts = cfg.dcb_col_parts if grouped and not pairs and not cfg.dcb_cols_by_dot else 1
-    if col_parts < 1 or col_parts & (col_parts - 1) or cfg.dc_m % col_parts:
-        raise ValueError(f"BlockConfig.dcb_col_parts {col_parts} must be a power of two dividing dc_m {cfg.dc_m}")
+    col_parts = cfg.dcb_parts(pairs) if grouped else 1
     if grouped:
         # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
         # column sums' extra partial-sum slots.
@@ -327,12 +325,10 @@ def _ssd_bwd(
     # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
     # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
     # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
-    # The column sums' extra slots (col_parts > 1) go as (slots, extra slots per row block, rows per block, how many
-    # of them, last, are the diagonal's, written at every position).
     rev_parts, add_parts = (R_part[:n_m], None) if grouped else (None, R_part)
-    col_extra = None
+    col_extra = None  # the column sums' extra slots (col_parts > 1)
     if grouped and R_part.shape[0] > n_m:
-        col_extra = (R_part[n_m:], col_parts - 1, cfg.dc_m, n_diag)
+        col_extra = ColumnParts(R_part[n_m:], col_parts - 1, cfg.dc_m, n_diag)
     return dx, ddt, (O, rev_parts, add_parts, q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit
 
 

@@ -187,6 +187,19 @@ class BlockConfig:
     db_maxnreg: int | None = 168
     chained_bwd_maxnreg: int | None = None
 
+    def __post_init__(self):
+        parts = self.dcb_col_parts
+        if parts < 1 or parts & (parts - 1) or self.dc_m % parts:
+            raise ValueError(
+                f"BlockConfig.dcb_col_parts {parts} must be a power of two dividing dc_m {self.dc_m}: 1 for one "
+                "column sum per tile, dc_warps (4) for one per warp"
+            )
+
+    def dcb_parts(self, pairs: bool) -> int:
+        """The column parts dCB's tiles use (dcb_bwd.py): dcb_col_parts with per-head sums, 1 (one sum reduced across
+        the warps) with per-pair sums (`pairs`: dcb_head_pairs and an even number of heads) or dcb_cols_by_dot."""
+        return 1 if pairs or self.dcb_cols_by_dot else self.dcb_col_parts
+
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:
     """True when every tile lies wholly inside the data: whole chunks (L a multiple of Q), chunk-position blocks that

@@ -15,6 +15,8 @@ dD's took 0.013 ms per layer, H100, docs/performance.md session 16). The program
 sums over the dx kernel's blocks (D of [H]; that kernel ran before this one).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -82,6 +84,15 @@ def dt_fwd_kernel(
     out = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
     tl.store(dt_p_ptr + out, dt_p, mask=in_q)
     tl.store(dA_cs_ptr + out, dA_cs, mask=in_q)
+
+
+class ColumnParts(NamedTuple):
+    """dCB's extra column-sum slots (dcb_bwd.py, config dcb_col_parts), which dt_bwd_kernel adds to R's."""
+
+    slots: torch.Tensor  # [n, b, H, NC, Q] float32: those of the tiles below the diagonal first, the diagonal's last
+    per_block: int  # slots per row block below the diagonal (parts - 1): slot i belongs to row block 1 + i // this
+    block: int  # rows per block (dc_m): slot i holds values at the positions of the blocks before its own
+    n_diag: int  # the diagonal tiles' slots (config dcb_diag_col_parts), written at every position
 
 
 @fast_launch
@@ -249,16 +260,15 @@ def dt_backward(
     add_parts,
     q,
     dtot,
-    col_extra,
+    col_extra: ColumnParts | None,
     softplus: bool,
     limit: tuple[float, float],
     dD_parts=None,
 ):
     """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
     SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
-    add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: None or dCB's extra column-sum
-    slots (dcb_bwd.py) as (slots [n, b, H, NC, Q], slots per row block, rows per block, how many of the n, last,
-    are the diagonal's); dD_parts: D's partial sums [n, H] (float32) to sum, or None."""
+    add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: dCB's extra column-sum slots
+    or None; dD_parts: D's partial sums [n, H] (float32) to sum, or None."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
     dev = dt_BLH.device
@@ -274,7 +284,7 @@ def dt_backward(
         ddt_p,
         rev,
         rev if rev_parts is None else rev_parts,
-        rev if col_extra is None else col_extra[0],
+        rev if col_extra is None else col_extra.slots,
         rev if add_parts is None else add_parts,
         q,
         dtot,
@@ -293,10 +303,10 @@ def dt_backward(
         b,
         dtot.shape[0],
         0 if rev_parts is None else rev_parts.shape[0],
-        0 if col_extra is None else col_extra[0].shape[0] - col_extra[3],
-        0 if col_extra is None else col_extra[3],
-        1 if col_extra is None else max(col_extra[1], 1),
-        Q if col_extra is None else col_extra[2],
+        0 if col_extra is None else col_extra.slots.shape[0] - col_extra.n_diag,
+        0 if col_extra is None else col_extra.n_diag,
+        1 if col_extra is None else max(col_extra.per_block, 1),
+        Q if col_extra is None else col_extra.block,
         0 if add_parts is None else add_parts.shape[0],
         0 if dD_parts is None else dD_parts.shape[0],
         *dt_BLH.stride(),
