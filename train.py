@@ -107,7 +107,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # 4. Optimizer and LR schedule: one per model part (a pipeline rank may hold several stages), so that the
     #    checkpoint's optimizer state is keyed by parameter names whatever the split.
-    optimizers = [build_optimizer([part], cfg.optimizer, device.type) for part in model_parts]
+    # Autocast runs the products in compute_dtype where the weights stay float32 (one GPU, DDP; FSDP2 casts itself).
+    autocast_dtype = compute_dtype if on_gpu and compute_dtype != torch.float32 and not pdims.fsdp_enabled else None
+    # Under autocast our AdamW can keep the weights' copies in its dtype (optimizer.weight_copies); a captured CUDA
+    # graph casts inside itself (models/kernels/weight_copies.py), so it keeps none.
+    copies_dtype = autocast_dtype if not cfg.training.cuda_graph else None
+    optimizers = [build_optimizer([part], cfg.optimizer, device.type, copies_dtype) for part in model_parts]
     lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps) for opt in optimizers]
 
     # 5. Data: every dp rank reads its slice of the one global batch; cp / pp ranks of a dp rank share it.
@@ -151,11 +156,7 @@ def main(argv: list[str] | None = None) -> None:
             f"world {world_size} = pp {pdims.pp} x dp_replicate {pdims.dp_replicate} x dp_shard {pdims.dp_shard} "
             f"x cp {pdims.cp} (ep {pdims.ep}), device {device}, compute {compute_dtype}"
         )
-    amp = (
-        torch.autocast("cuda", dtype=compute_dtype)
-        if on_gpu and compute_dtype != torch.float32 and not pdims.fsdp_enabled
-        else contextlib.nullcontext()
-    )
+    amp = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     params = [p for part in model_parts for p in part.parameters()]
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
     # DDP: after the checkpoint load, which needs .grad unset: every .grad becomes a view of one buffer.

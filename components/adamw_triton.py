@@ -15,6 +15,9 @@ tensors the step ran at 2.1 TB/s (17.6 ms) against a 13.4 ms bound; one launch o
 (benchmarks/bench_optimizer.py, docs/performance.md session 21). The tables of parameters, moments and steps are built
 once per set of tensors (rebuilt when an address changes, e.g. after load_state_dict); the gradients, reallocated
 every step, go to the device each step through pinned host buffers (a ring, so the host never waits for the GPU).
+With weight copies (optimizer.weight_copies), the same launch writes each updated weight's current bf16 copy
+(models/kernels/weight_copies.py), so that the next step's products need no cast kernels; the tables hold the
+copies' addresses too (0 for a weight without a current copy, which is then left alone).
 Imports triton at import time: import lazily (components/optimizer.py does).
 """
 
@@ -24,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from models.kernels import weight_copies
+
 __all__ = ["TableAdamW"]
 
 BLOCK = 2048  # elements per program (H100, session 21: 2048 x 4 warps 17.3 ms, 4096 x 8 17.8, 8192 x 8 44.5)
@@ -31,10 +36,11 @@ WARPS = 4
 
 
 @triton.jit
-def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, numel_ptr, blk_tensor_ptr, blk_start_ptr, scale_ptr,
-                  skip_ptr, lr, beta1, beta2, eps, decay, HAS_SCALE: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    """Program pid updates elements [start, start + BLOCK) of tensor blk_tensor[pid] (see the module docstring)."""
+def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, c_tab, numel_ptr, blk_tensor_ptr, blk_start_ptr, scale_ptr,
+                  skip_ptr, lr, beta1, beta2, eps, decay, HAS_SCALE: tl.constexpr, HAS_COPIES: tl.constexpr,
+                  COPY_DTYPE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program pid updates elements [start, start + BLOCK) of tensor blk_tensor[pid] (see the module docstring), and
+    with HAS_COPIES the tensor's 16-bit copy where c_tab holds one (address 0: none)."""
     # Always a skip flag (a zero one without found_inf): a version compiling the flag away ran at half the speed
     # (H100, session 21: 30.3 against 16.0 ms at 1.3B).
     if tl.load(skip_ptr) == 0.0:
@@ -70,6 +76,10 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, numel_ptr, blk_tensor_pt
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_COPIES:  # models/kernels/weight_copies.py: the weight in the compute dtype, rounded to nearest even
+            c_addr = tl.load(c_tab + t)
+            if c_addr != 0:
+                tl.store(c_addr.to(tl.pointer_type(COPY_DTYPE)) + offs, p.to(COPY_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -120,7 +130,7 @@ class _GroupTables:
                 raise ValueError(
                     "optimizer.implementation 'triton' takes float32 contiguous parameters and moments; use 'fused'"
                 )
-        self.key = key  # the addresses of parameters, moments and steps the tables hold
+        self.key = key  # the addresses of parameters, moments, steps and weight copies (0: none) the tables hold
         self.tabs = [torch.tensor(k, dtype=torch.int64, device=dev) for k in self.key]
         sizes = [t.numel() for t in params]
         self.numel = torch.tensor(sizes, dtype=torch.int64, device=dev)
@@ -133,10 +143,14 @@ class _GroupTables:
 
 
 class TableAdamW:
-    """The step of each parameter group of a fused-AdamW optimizer in two launches (see the module docstring)."""
+    """The step of each parameter group of a fused-AdamW optimizer in two launches (see the module docstring).
+    copies_dtype: also write the weights' current 16-bit copies (models/kernels/weight_copies.py, switched on here)."""
 
-    def __init__(self):
+    def __init__(self, copies_dtype: torch.dtype | None = None):
         self.groups: dict[int, _GroupTables] = {}
+        self.copies_dtype = copies_dtype
+        if copies_dtype is not None:
+            weight_copies.enable(copies_dtype)
 
     def step(self, index: int, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf):
         if not params:
@@ -146,18 +160,22 @@ class TableAdamW:
         tables = self.groups.get(index)
         # Rebuilt whenever an address moved (a state reload, a parameter set that changed): the tables stay valid as
         # long as every address they hold is the same.
-        key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps))
+        # The weights' copies that are current now (a stale one is remade by its next use, not written here).
+        copies = weight_copies.current_copies(params) if self.copies_dtype is not None else [None] * len(params)
+        copy_addresses = tuple(0 if c is None else c.data_ptr() for c in copies)
+        key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps), copy_addresses)
         if tables is None or tables.key != key:
             tables = self.groups[index] = _GroupTables(key, params, exp_avgs, exp_avg_sqs)
         g_tab = tables.grads.update(_addresses(grads))
         beta1, beta2 = group["betas"]
         skip = found_inf if found_inf is not None else tables.no_skip
         scale = grad_scale if grad_scale is not None else tables.no_skip  # any pointer: unused without HAS_SCALE
-        p_tab, m_tab, v_tab, s_tab = tables.tabs
+        p_tab, m_tab, v_tab, s_tab, c_tab = tables.tabs
         _adamw_kernel[(tables.n_blocks,)](
-            p_tab, g_tab, m_tab, v_tab, s_tab, tables.numel, tables.blk_tensor, tables.blk_start, scale, skip,
+            p_tab, g_tab, m_tab, v_tab, s_tab, c_tab, tables.numel, tables.blk_tensor, tables.blk_start, scale, skip,
             float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
-            HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=WARPS,
+            HAS_SCALE=grad_scale is not None, HAS_COPIES=any(copy_addresses),
+            COPY_DTYPE=tl.float16 if self.copies_dtype == torch.float16 else tl.bfloat16, BLOCK=BLOCK, num_warps=WARPS,
         )  # fmt: skip
         n = len(params)
         _step_count_kernel[(triton.cdiv(n, 1024),)](s_tab, n, skip, BLOCK=1024)

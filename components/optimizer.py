@@ -15,8 +15,13 @@ from configs.job_config import LRScheduler, Optimizer
 from parallelisms.grad_norm import clip_divisor, clip_grads_, local_shard
 
 
-def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: str) -> torch.optim.Optimizer:
-    """One AdamW over every model part of this rank. Vectors (biases, norms, A_log, D, dt_bias) get no decay."""
+def build_optimizer(
+    model_parts: list[nn.Module], cfg: Optimizer, device_type: str, copies_dtype: torch.dtype | None = None
+) -> torch.optim.Optimizer:
+    """One AdamW over every model part of this rank. Vectors (biases, norms, A_log, D, dt_bias) get no decay.
+    copies_dtype: the 16-bit dtype autocast runs the products in over float32 weights, where the weights' copies
+    may be kept (None: none); with implementation triton and cfg.weight_copies, the optimizer keeps them current
+    (models/kernels/weight_copies.py)."""
     decay, no_decay = [], []
     seen: set[int] = set()
     for part in model_parts:
@@ -43,6 +48,8 @@ def build_optimizer(model_parts: list[nn.Module], cfg: Optimizer, device_type: s
         "foreach": dict(foreach=True),
         "for-loop": dict(foreach=False),
     }[impl]
+    if impl == "triton" and cfg.weight_copies and copies_dtype in (torch.bfloat16, torch.float16):
+        flags["weight_copies"] = copies_dtype
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return ShardLocalAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
 
@@ -60,17 +67,21 @@ class ShardLocalAdamW(torch.optim.AdamW):
 
     tables=True (optimizer.implementation "triton", with fused=True): each group's step is components/adamw_triton.py's
     single launch over tables of addresses instead of torch's multi-tensor kernels: the same update and state.
+    weight_copies (a 16-bit dtype, with tables): the same launch also writes the current copies of the weights that
+    models/kernels/weight_copies.py keeps in that dtype for the products (switched on here, for the process).
     """
 
-    def __init__(self, params, *, tables: bool = False, **kwargs):
+    def __init__(self, params, *, tables: bool = False, weight_copies: torch.dtype | None = None, **kwargs):
         super().__init__(params, **kwargs)
         self._tables = None
+        if weight_copies is not None and not tables:
+            raise ValueError("ShardLocalAdamW(weight_copies=...) needs tables=True: only that kernel writes them")
         if tables:
             if not self.defaults.get("fused"):
                 raise ValueError("ShardLocalAdamW(tables=True) keeps fused AdamW's state: pass fused=True")
             from components.adamw_triton import TableAdamW  # lazy: imports triton
 
-            self._tables = TableAdamW()
+            self._tables = TableAdamW(weight_copies)
 
     @torch.no_grad()
     def step(self, closure=None):

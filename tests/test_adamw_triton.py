@@ -74,14 +74,90 @@ def check(device: str = "cpu") -> None:
     assert not ours._tables.groups or all(t.grads.turn > 0 for t in ours._tables.groups.values())
 
 
+def check_weight_copies(device: str = "cpu") -> None:
+    """optimizer.weight_copies: the same launch writes each weight's current bf16 copy as the updated weight rounded
+    to nearest even (bit for bit torch's cast on the GPU), writes nothing on a skipped step, and leaves a copy alone
+    once the weight changed under it (a torch op bumped its version): the next use remakes it, at the same address."""
+    from components import adamw_triton
+    from components.optimizer import build_optimizer
+    from configs.job_config import Optimizer
+    from models.kernels import weight_copies
+
+    bf16 = torch.bfloat16
+    if device == "cpu":
+        adamw_triton.BLOCK = 64
+    torch.manual_seed(2)
+    m = torch.nn.Module()
+    m.ps = torch.nn.ParameterList(
+        [torch.nn.Parameter(torch.randn(s, device=device)) for s in [(33, 5), (300,), (7, 9)]]
+    )
+    params = list(m.parameters())
+    opt = build_optimizer([m], Optimizer(lr=1e-2, weight_decay=0.1, implementation="triton"), device, bf16)
+    assert opt._tables.copies_dtype == bf16 and weight_copies.copies_dtype() == bf16
+    off = build_optimizer([m], Optimizer(implementation="triton", weight_copies=False), device, bf16)
+    assert off._tables.copies_dtype is None
+
+    def make_copy(p):  # what a product's compute_weight does on CUDA (the CPU keeps no copies of its own)
+        if device == "cuda":
+            return weight_copies.copy_of(p, bf16)
+        weight_copies._COPIES[p] = (p.detach().to(bf16), p._version)
+        return weight_copies._COPIES[p][0]
+
+    def bits(t):
+        return t.view(torch.int16).clone()
+
+    def is_cast_of(c, p):  # bit for bit on the GPU; Triton's interpreter truncates to bf16 (one unit in the last place)
+        d = (bits(c).int() - bits(p.detach().to(bf16)).int()).abs().max().item()
+        return d == 0 if device == "cuda" else d <= 1
+
+    try:
+        copies = [make_copy(p) for p in params[:2]]  # the third weight has none
+        assert weight_copies.current_copies(params)[:2] == copies and weight_copies.current_copies(params)[2] is None
+
+        def step(skip: bool) -> None:
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.found_inf = torch.tensor(1.0 if skip else 0.0, device=device)
+            opt.step()
+
+        before = [p.detach().clone() for p in params]
+        step(skip=False)
+        for p, c, b in zip(params, copies, before):
+            assert not torch.equal(p, b), "the step did not update the weight"
+            assert is_cast_of(c, p), "the copy is not the updated weight's bf16 cast"
+        kept = [bits(c) for c in copies]
+        step(skip=True)  # a non-finite step: no weight, moment or copy changes
+        assert all(torch.equal(bits(c), k) for c, k in zip(copies, kept))
+        with torch.no_grad():
+            params[0].add_(1.0)  # changed by a torch op: its copy is stale from now on
+        stale = bits(copies[0])
+        step(skip=False)
+        assert weight_copies.current_copies(params)[0] is None
+        assert torch.equal(bits(copies[0]), stale), "a stale copy was written"
+        assert is_cast_of(copies[1], params[1])
+        if device == "cuda":  # the next use remakes it in place: the tables keep its address
+            remade = weight_copies.compute_weight(params[0], bf16)
+            assert remade is copies[0] and is_cast_of(remade, params[0])
+    finally:
+        weight_copies.enable(None)
+
+
 def child() -> None:
-    """The child process (TRITON_INTERPRET=1): check() on CPU tensors."""
-    run_checks({"adamw": check})
+    """The child process (TRITON_INTERPRET=1): check() and check_weight_copies() on CPU tensors."""
+    run_checks({"adamw": check, "weight_copies": check_weight_copies})
 
 
-def test_triton_adamw_equals_fused_adamw_in_the_interpreter():
-    result = child_results("tests.test_adamw_triton")["adamw"]
-    assert result["ok"], result["out"]
+@pytest.fixture(scope="module")
+def interpreted():
+    return child_results("tests.test_adamw_triton")
+
+
+def test_triton_adamw_equals_fused_adamw_in_the_interpreter(interpreted):
+    assert interpreted["adamw"]["ok"], interpreted["adamw"]["out"]
+
+
+def test_triton_adamw_writes_current_weight_copies_in_the_interpreter(interpreted):
+    assert interpreted["weight_copies"]["ok"], interpreted["weight_copies"]["out"]
 
 
 def test_triton_adamw_refused_without_cuda(monkeypatch):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.kernels.weight_copies import compute_weight
+
 __all__ = ["autocast_linear", "weight_grad", "mm_float32"]
 
 
@@ -49,7 +51,7 @@ def _float32_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor, bias) ->
 class _AutocastLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, dtype):
-        x16, w16 = x.to(dtype), weight.to(dtype)
+        x16, w16 = x.to(dtype), compute_weight(weight, dtype)  # the weight's current copy, else a cast
         ctx.save_for_backward(x16, w16)
         ctx.x_dtype = x.dtype
         return F.linear(x16, w16)

@@ -26,6 +26,7 @@ import triton.language as tl
 from models.kernels._utils import no_autocast
 from models.kernels.autocast_linear import mm_float32
 from models.kernels.fast_launch import fast_launch
+from models.kernels.weight_copies import compute_weight
 
 __all__ = ["linear_cross_entropy_triton"]
 
@@ -83,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, weight_VD, labels_N, chunk_rows, compute_dtype, ignore_index, want_dh, want_dw):
         N, V = h_ND.shape[0], weight_VD.shape[0]
-        h, w = h_ND.to(compute_dtype), weight_VD.to(compute_dtype)
+        h, w = h_ND.to(compute_dtype), compute_weight(weight_VD, compute_dtype)  # a current copy, else a cast
         want_grad = want_dh or want_dw
         rows_per_chunk = min(chunk_rows, N) if chunk_rows > 0 else N
         logits_buf = torch.empty(rows_per_chunk, V, device=h.device, dtype=compute_dtype)

@@ -22,6 +22,7 @@ from models.kernels import cuda as _cuda
 from models.kernels._utils import no_autocast
 from models.kernels.autocast_linear import weight_grad
 from models.kernels.reference import split_zxbcdt_sizes
+from models.kernels.weight_copies import compute_weight
 
 __all__ = ["mamba_split_conv1d_scan_triton"]
 
@@ -183,7 +184,11 @@ class _MixerFunction(torch.autograd.Function):
             h = h.view(y_BLD.shape)
         else:
             h = _gate_norm(y_BLD, z, zx0, norm_w, s)
-        out = h if out_w is None else F.linear(h, out_w.to(h.dtype), None if out_b is None else out_b.to(h.dtype))
+        out = (
+            h
+            if out_w is None
+            else F.linear(h, compute_weight(out_w, h.dtype), None if out_b is None else out_b.to(h.dtype))
+        )
         dt_p, dA_cs, S_kept = saved[4], saved[5], saved[-1]  # S_kept: None unless config keep_states
         ctx.save_for_backward(
             zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd,
@@ -220,7 +225,7 @@ class _MixerFunction(torch.autograd.Function):
             dh = dout
         else:
             dout_2d = dout.reshape(-1, dout.shape[-1]).to(h.dtype)
-            dh = (dout_2d @ out_w.to(h.dtype)).view(h.shape)
+            dh = (dout_2d @ compute_weight(out_w, h.dtype)).view(h.shape)
             if needs[7]:
                 dout_w = weight_grad(dout_2d, h.detach().reshape(-1, h.shape[-1]), out_w.dtype)
             if out_b is not None and needs[8]:
@@ -276,7 +281,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
         dh = dout.to(y_BLD.dtype).contiguous()
     else:
         dout_2d = dout.reshape(-1, dout.shape[-1]).to(y_BLD.dtype)
-        dh = (dout_2d @ out_w.to(y_BLD.dtype)).view(y_BLD.shape)
+        dh = (dout_2d @ compute_weight(out_w, y_BLD.dtype)).view(y_BLD.shape)
         if out_b is not None and needs[8]:
             dout_b = dout_2d.sum(0).to(out_b.dtype)
     recompute = dout is not None and out_w is not None and needs[7]

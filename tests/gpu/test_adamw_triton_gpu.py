@@ -15,3 +15,9 @@ def test_triton_adamw_equals_fused_adamw_on_cuda():
     from tests.test_adamw_triton import check
 
     check("cuda")
+
+
+def test_triton_adamw_writes_current_weight_copies_on_cuda():
+    from tests.test_adamw_triton import check_weight_copies
+
+    check_weight_copies("cuda")
