@@ -181,8 +181,10 @@ TUNE_VARIANTS = {
     "dcb_heads_s4_per_head": dict(dcb_heads_stages=4, dcb_head_pairs=False, dcb_col_parts=1),
     "dcb_per_head": dict(dcb_heads_stages=None, dcb_head_pairs=False, dcb_col_parts=1),
     "dcb_col_parts_1": dict(dcb_col_parts=1),  # per-head column sums reduced across warps (before session 24)
-    "dcb_col_parts_2": dict(dcb_col_parts=2),
-    "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # untimed when added (session 24)
+    "dcb_col_parts_2": dict(dcb_col_parts=2, dcb_diag_col_parts=False),
+    "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # the default since session 25
+    "dcb_no_diag_parts": dict(dcb_diag_col_parts=False),  # session 24's default: the diagonal's sums reduced
+    "dx_sums_1d": dict(dx_row_sums_2d=False),  # dx's row sums as 1-D tensors (before session 25)
     "dcb_heads_s3_per_head_cols_dot": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_cols_by_dot=True),
 }
 # Kernel groups -> the config fields that only they use.

@@ -4,6 +4,7 @@ them.
     python3 benchmarks/kernel_resources.py                 # the default tiles at the 1.3B shape (bf16)
     python3 benchmarks/kernel_resources.py --set dx_m=32   # other tiles (BlockConfig fields)
     python3 benchmarks/kernel_resources.py --kernels conv_bwd --loops   # one kernel's loops, instruction by kind
+    python3 benchmarks/kernel_resources.py --kernels dx --converts      # its layout conversions (via shared memory)
 
 Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
 the widths of the plain global loads; with --loops, per loop of the machine code (nvdisasm: a branch back to an
@@ -97,8 +98,22 @@ def sass_loops(sass: str) -> list[dict]:
 UNALIGNED = frozenset(("BATCH", "s_w_d"))
 
 
+def layout_conversions(ttgir: str) -> list[str]:
+    """Each `ttg.convert_layout` of the Triton GPU IR as 'type -> type': a tile that crosses shared memory between
+    two register layouts (session 25 found dx converting whole float32 products before reducing them)."""
+    found = re.findall(r"ttg\.convert_layout %\S+ : (.*?) loc\(", ttgir)
+    return [re.sub(r"\s+", " ", f) for f in found]
+
+
 def compile_sm90(
-    kernel, ptr_types: dict, consts: dict, num_warps: int, num_stages: int, maxnreg=None, loops: bool = False
+    kernel,
+    ptr_types: dict,
+    consts: dict,
+    num_warps: int,
+    num_stages: int,
+    maxnreg=None,
+    loops: bool = False,
+    converts: bool = False,
 ) -> dict:
     if isinstance(kernel, FastLaunch):  # compile the @triton.jit function itself
         kernel = kernel.kernel
@@ -139,6 +154,7 @@ def compile_sm90(
         shared_bytes=compiled.metadata.shared,
         global_loads=loads,
         **({"loops": sass_loops(sass)} if loops else {}),
+        **({"layout_conversions": layout_conversions(compiled.asm["ttgir"])} if converts else {}),
     )
 
 
@@ -245,6 +261,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_N=cfg.dx_n,
             INNER_FIRST=cfg.inner_first,
             DX_STATE_FIRST=cfg.dx_state_first,
+            SUMS_2D=cfg.dx_row_sums_2d,
         ),
         cfg.dx_warps,
         cfg.dx_stages,
@@ -358,6 +375,7 @@ def main():
     ap.add_argument("--set", nargs="*", default=[], help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8")
     ap.add_argument("--kernels", default="", help="only the kernels whose name matches this regular expression")
     ap.add_argument("--loops", action="store_true", help="also each loop's instructions by kind (nvdisasm)")
+    ap.add_argument("--converts", action="store_true", help="also the IR's layout conversions (via shared memory)")
     args = ap.parse_args()
     try:
         re.compile(args.kernels)
@@ -379,7 +397,7 @@ def main():
         if not re.search(args.kernels, name):
             continue
         cap = getattr(cfg, MAXNREG.get(name, ""), None)
-        info = compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=args.loops)
+        info = compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=args.loops, converts=args.converts)
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
 
 

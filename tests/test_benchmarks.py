@@ -474,6 +474,18 @@ def test_bench_optimizer_refuses_without_cuda():
         bench_optimizer.main([])
 
 
+def test_bench_mixer_refuses_without_cuda_and_unknown_shapes():
+    """bench_mixer.py names the shapes it knows for an unknown one, and stops without CUDA, naming what it needs."""
+    from benchmarks import bench_mixer
+
+    with pytest.raises(SystemExit):
+        bench_mixer.main(["--shapes", "7b"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench_mixer.main(["--shapes", "370m"])
+
+
 def test_bench_loss_refuses_without_cuda():
     """bench_loss.py stops before allocating anything on a machine without CUDA, naming what it needs."""
     from benchmarks import bench_loss
@@ -674,6 +686,27 @@ def test_kernel_resources_register_cap_reaches_ptxas():
             free = kr.compile_sm90(kernel, ptrs, consts, warps, stages, None)
             break
     assert capped["registers"] <= 168 < free["registers"], (capped, free)
+
+
+def test_kernel_resources_layout_conversions_of_dx_sums():
+    """kernel_resources.py --converts lists the IR's convert_layout ops; compiled for sm_90, dx with its row sums kept
+    2-D (config dx_row_sums_2d, the default) converts no float32 [dx_k, P] tile, and with 1-D sums it converts two
+    (the products Triton 3.6 moves through shared memory before reducing: chunk_scan_bwd.py)."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    ir = "%y = ttg.convert_layout %x : tensor<64x64xf32, #mma> -> tensor<64x64xf32, #blocked> loc(#loc3)"
+    assert kr.layout_conversions(ir) == ["tensor<64x64xf32, #mma> -> tensor<64x64xf32, #blocked>"]
+    tiles = []
+    for sums_2d in (True, False):
+        cfg = dataclasses.replace(block_config(256, 64, 128), dx_row_sums_2d=sums_2d)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name == "chunk_scan_bwd_dx":
+                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, converts=True)
+                tiles.append([c for c in info["layout_conversions"] if c.startswith("tensor<64x64xf32, #mma")])
+    assert len(tiles[0]) == 0 and len(tiles[1]) == 2, tiles
 
 
 def test_kernel_resources_loops_from_disassembly():

@@ -762,13 +762,16 @@ def test_dx_term_order_heads_and_chunk_major_grids():
     state term in accumulators of its own, q from them) and two heads per program (dx_heads 2: the group's CBᵀ and B
     tiles shared), each way round (the default, state term first, takes q from that term alone: a wrong q fails,
     checked by mutation); and the chunk scan / dx / dCB / dB grids with the chunk index first (inner_first False;
-    the default decodes one axis, launch.program_ids). All with documents, initial states and four position blocks
+    the default decodes one axis, launch.program_ids); dx's row sums (q, ddt) as 1-D tensors (dx_row_sums_2d False,
+    the form before session 25), with each term order. All with documents, initial states and four position blocks
     per chunk."""
     for config in (
         dict(dx_state_first=False),
         dict(dx_heads=2),
         dict(dx_heads=2, dx_state_first=False),
         dict(inner_first=False),
+        dict(dx_row_sums_2d=False),
+        dict(dx_row_sums_2d=False, dx_state_first=False, dx_heads=2),
     ):
         interpret(
             b=2, L=100, H=4, P=16, G=1, N=16, seed=12, seq_cuts=[[30, 70], [50]], call=dict(chunk_size=64),

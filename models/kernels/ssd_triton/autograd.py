@@ -125,6 +125,7 @@ def _ssd_bwd(
         BLOCK_N=cfg.dx_n,
         INNER_FIRST=cfg.inner_first,
         DX_STATE_FIRST=cfg.dx_state_first,
+        SUMS_2D=cfg.dx_row_sums_2d,
         PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
         maxnreg=cfg.dx_maxnreg,

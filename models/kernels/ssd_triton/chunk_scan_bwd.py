@@ -79,6 +79,7 @@ def chunk_scan_bwd_dx_kernel(
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
     DX_STATE_FIRST: tl.constexpr,
+    SUMS_2D: tl.constexpr,
 ):
     n_k = tl.cdiv(Q, BLOCK_K)
     pid_bch, pid_k, _ = program_ids(n_k, 1, INNER_FIRST)
@@ -123,10 +124,10 @@ def chunk_scan_bwd_dx_kernel(
                                  s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
         # x is loaded for q here and again for the outputs: held through the loop it costs registers.
         x_k = tl.load(x_base0, mask=mask_kp, other=0.0).to(tl.float32)
-        acc0 = _fold_state(acc0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q)
+        acc0 = _fold_state(acc0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q, SUMS_2D)
         if HEADS == 2:
             x_k = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0).to(tl.float32)
-            acc1 = _fold_state(acc1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q)
+            acc1 = _fold_state(acc1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q, SUMS_2D)
     else:
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
@@ -158,21 +159,22 @@ def chunk_scan_bwd_dx_kernel(
     # Per head: x once for q (when the state term comes last) and the outputs.
     x_k = tl.load(x_base0, mask=mask_kp, other=0.0).to(tl.float32)
     if not DX_STATE_FIRST:
-        acc0 += _fold_state(acc_h0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q)
+        acc0 += _fold_state(acc_h0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q, SUMS_2D)
     # fmt: off
     _dx_outputs(
         acc0, x_k, dt_k0, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
         offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
-        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
+        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
     )
     if HEADS == 2:
         x_k = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0).to(tl.float32)
         if not DX_STATE_FIRST:
-            acc1 += _fold_state(acc_h1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q)
+            acc1 += _fold_state(acc_h1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q,
+                                SUMS_2D)
         _dx_outputs(
             acc1, x_k, dt_k1, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
             mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l,
-            s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM,
+            s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
         )
     # fmt: on
 
@@ -216,12 +218,34 @@ def _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H,
 
 
 @triton.jit
-def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q):
+def _row_sums(prod, SUMS_2D: tl.constexpr):
+    """The row sums of prod (an accumulator-layout [BLOCK_K, P] float32 tile): [BLOCK_K, 1] with SUMS_2D, else
+    [BLOCK_K]. Kept 2-D and stored through [BLOCK_K, 1] pointers (_rows), the sums stay in the accumulator's layout;
+    for a 1-D result Triton 3.6 first converts the whole float32 tile to a blocked layout through shared memory (dx's
+    machine code: 1960 -> 1832 instructions, 30 -> 22 barriers, 124 -> 116 registers; kernel_resources.py)."""
+    if SUMS_2D:
+        return tl.sum(prod, axis=1, keep_dims=True)
+    else:
+        return tl.sum(prod, axis=1)
+
+
+@triton.jit
+def _rows(v_k, SUMS_2D: tl.constexpr):
+    """A [BLOCK_K] vector (pointers, mask, scale) shaped like _row_sums' result."""
+    if SUMS_2D:
+        return v_k[:, None]
+    else:
+        return v_k
+
+
+@triton.jit
+def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q, SUMS_2D: tl.constexpr):
     """One head's chunk-state term scaled by [kept] exp(a_last - a_s), returned, with its q_s = dt_s (term · x_s)
     stored (x_k: the head's x rows in float32)."""
     a2_last = tl.load(dA_head + Q - 1) * LOG2E
     acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
-    tl.store(q_head + offs_k, dt_k * tl.sum(acc_h * x_k, axis=1), mask=offs_k < Q)
+    q = _rows(dt_k, SUMS_2D) * _row_sums(acc_h * x_k, SUMS_2D)
+    tl.store(_rows(q_head + offs_k, SUMS_2D), q, mask=_rows(offs_k < Q, SUMS_2D))
     return acc_h
 
 
@@ -229,11 +253,11 @@ def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q):
 def _dx_outputs(
     acc, x_k, dt_k, dy_ptr, D_ptr, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
     t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr,
-    D_HAS_HDIM: tl.constexpr,
+    D_HAS_HDIM: tl.constexpr, SUMS_2D: tl.constexpr,
 ):  # fmt: skip
     """One head's outputs from its accumulator (both terms) and its x rows (float32): ddt, dx (+ D dy) and dD's
     partial sums."""
-    tl.store(ddt_head + offs_k, tl.sum(acc * x_k, axis=1), mask=offs_k < Q)
+    tl.store(_rows(ddt_head + offs_k, SUMS_2D), _row_sums(acc * x_k, SUMS_2D), mask=_rows(offs_k < Q, SUMS_2D))
     dx = acc * dt_k[:, None]
     if HAS_D:
         dy_k = tl.load(

@@ -129,8 +129,9 @@ class BlockConfig:
     dcb_col_parts: int = 4
     # ... and on the diagonal too: r alone in its slot, the column sums' parts in dcb_col_parts slots more
     # (dcb_bwd.py; Triton 3.6: the diagonal's per-head loop 667 -> 615 instructions, 7 -> 3 barriers, spills 64 -> 24
-    # bytes). Off: untimed when added (session 24; bench_ssd.py's variant dcb_diag_parts).
-    dcb_diag_col_parts: bool = False
+    # bytes). Session 25 (H100, bench_ssd.py --tune, one process; dCB / dt_bwd ms, 1.3B: 0.364 / 0.039 -> 0.335 /
+    # 0.045, with documents 0.385 -> 0.351; 370M 0.191 -> 0.175, 0.201 -> 0.184; whole SSD 1.3B 1.702 -> 1.679 ms).
+    dcb_diag_col_parts: bool = True
     # The forward's entering states S_in kept for the backward (as high + low parts in x's dtype, state_passing.py),
     # which then recomputes only CB instead of CB and the chained (or staged) states; the forward's chain hands its
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per
@@ -177,6 +178,12 @@ class BlockConfig:
     # (two heads, 4 warps), yet 0.439 ms against 0.432 the other way (session 12). With one head per program and
     # 32-wide inner blocks it is what brings dx to 128 registers (dx_heads above; session 22): on.
     dx_state_first: bool = True
+    # dx's row sums (q and ddt) kept [dx_k, 1] in the accumulator's layout and stored through [dx_k, 1] pointers:
+    # with 1-D sums Triton 3.6 converts each [dx_k, P] float32 product to a blocked layout through shared memory
+    # before reducing it (chunk_scan_bwd.py). Session 25 (kernel_resources.py, 1.3B tiles): 1960 -> 1832
+    # instructions, 30 -> 22 barriers, 124 -> 116 registers. On, untimed (no device time left; bench_ssd.py's
+    # variant dx_sums_1d is the old code).
+    dx_row_sums_2d: bool = True
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.

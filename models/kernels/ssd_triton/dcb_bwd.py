@@ -21,7 +21,7 @@ config dcb_cols_by_dot (off) takes them, off the diagonal, as the row sums of th
 Below the diagonal, with per-head sums, config dcb_col_parts (4) splits each column sum into partial sums over
 groups of rows, one per warp, so no head waits for a reduction across warps: group 0's goes to slot m as above, the
 others to extra slots after the n_m slots, (n_m - 1) (parts - 1) of them, which dt_bwd_kernel adds only at the
-positions they were written (blocks before m): no zero fill there either. Config dcb_diag_col_parts (off) does the
+positions they were written (blocks before m): no zero fill there either. Config dcb_diag_col_parts (on) does the
 same on the diagonal, with r and the parts in slots of their own (parts more, written at every position).
 Tiles below the diagonal (k < m) need no causal mask, and with EVEN (whole tiles) no load masks: see
 chunk_scan_bwd.py on why the inner loops avoid per-element masks.
