@@ -17,16 +17,14 @@ import argparse
 import json
 import os
 import sys
-from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.bench_ssd import SHAPES, make_inputs
+from benchmarks.bench_ssd import SHAPES, make_inputs, stage_times
 from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 from models.kernels.ssd_triton import ssd_chunk_scan_triton
 
@@ -34,19 +32,10 @@ D_MODEL = {"1.3b": 2048, "370m": 1024}
 
 
 def kernel_times(step, iters: int) -> dict[str, float]:
-    """Device ms per iteration of each kernel name (first 60 characters), after 3 untimed iterations."""
-    for _ in range(3):
+    """Device ms per iteration of each kernel name, after 3 untimed iterations (bench_ssd.stage_times)."""
+    for _ in range(2):
         step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    for e in prof.key_averages():
-        if e.self_device_time_total > 0:
-            times[e.key[:60]] += e.self_device_time_total / 1000.0 / iters
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+    return stage_times(step, iters)
 
 
 def steps(shape_name: str, docs: bool):
