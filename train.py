@@ -9,6 +9,7 @@ schedule, clip, step, log, save).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 def main(argv: list[str] | None = None) -> None:
     t_run_start = time.perf_counter()
     setup_logging()  # `[rankN] time message` lines; INFO on rank 0 and the LOG_RANK ranks (components/log.py)
+    if sys.__stderr__ is not None:  # a fatal signal (SIGSEGV, SIGABRT: a C++ abort) prints every thread's Python stack
+        faulthandler.enable(file=sys.__stderr__, all_threads=True)
     # 1. Config: TOML + overrides, resolved and validated once (configs/checks.py), before any process group.
     cfg = load_config_or_exit(argv)
     if cfg is None:

@@ -15,7 +15,8 @@ alone by it and remade (in place) by the next `compute_weight`. So a stale copy 
 
 Copies are made only after `enable(dtype)` (the optimizer that keeps them current calls it: with any other optimizer
 a copy would be remade every step and only cost memory), for float32 nn.Parameters on CUDA, outside CUDA-graph
-capture (a captured graph keeps its own casts: a copy remade after capture would not be seen by the replays).
+capture (a captured graph keeps its own casts: a copy remade after capture would not be seen by the replays) and
+outside torch.compile's tracing (the compiled block keeps the cast it traced; the version check is host Python).
 The copies hold 2 bytes per weight element for the life of the run (2.5 GB at 1.3B), against casts that lived from a
 product's forward to its backward.
 """
@@ -53,6 +54,7 @@ def _wants_copy(w: torch.Tensor, dtype: torch.dtype) -> bool:
         and type(w) is torch.nn.Parameter
         and w.dtype == torch.float32
         and w.is_cuda
+        and not torch.compiler.is_compiling()
         and not torch.cuda.is_current_stream_capturing()
     )
 
