@@ -185,6 +185,12 @@ TUNE_VARIANTS = {
     "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # the default since session 25
     "dcb_no_diag_parts": dict(dcb_diag_col_parts=False),  # session 24's default: the diagonal's sums reduced
     "dx_sums_1d": dict(dx_row_sums_2d=False),  # dx's row sums as 1-D tensors (before session 25)
+    "uncapped": dict(dx_maxnreg=None, chained_fwd_maxnreg=None),  # ptxas's registers (before session 26)
+    "dx_uncapped": dict(dx_maxnreg=None),
+    "chained_fwd_uncapped": dict(chained_fwd_maxnreg=None),
+    "scan_s2": dict(scan_stages=2),  # the chunk scan's forward in 2 stages (48 KB of shared memory) ...
+    "scan_s2_cap": dict(scan_stages=2, scan_maxnreg=128),  # ... and at <= 128 registers: four programs per SM
+    "scan_cap": dict(scan_maxnreg=128),
     "dcb_heads_s3_per_head_cols_dot": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_cols_by_dot=True),
 }
 # Kernel groups -> the config fields that only they use.

@@ -114,11 +114,14 @@ def compile_sm90(
     maxnreg=None,
     loops: bool = False,
     converts: bool = False,
+    ones=frozenset(),
 ) -> dict:
     if isinstance(kernel, FastLaunch):  # compile the @triton.jit function itself
         kernel = kernel.kernel
     names = kernel.arg_names
-    unit_strides = {n for n in names if re.fullmatch(r"s_\w+_[pn]", n) and n not in consts}
+    # Triton specialises an integer argument equal to 1 as the constant 1: the innermost strides, and `ones` (the
+    # group count G at ngroups 1, which changed dx's registers from 116 to 132 with documents: session 26).
+    unit_strides = {n for n in names if (re.fullmatch(r"s_\w+_[pn]", n) or n in ones) and n not in consts}
     sig, constexprs = {}, {}
     for i, n in enumerate(names):
         if n in consts or n in unit_strides:
@@ -354,6 +357,8 @@ MAXNREG = {
     "chunk_scan_bwd_dcb": "dc_maxnreg",
     "chunk_state_bwd_db": "db_maxnreg",
     "chained_dstates_bwd": "chained_bwd_maxnreg",
+    "chained_states_fwd": "chained_fwd_maxnreg",
+    "chunk_scan_fwd": "scan_maxnreg",
 }
 
 
@@ -371,6 +376,12 @@ def main():
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--headdim", type=int, default=64)
     ap.add_argument("--dstate", type=int, default=128)
+    ap.add_argument(
+        "--ngroups",
+        type=int,
+        default=1,
+        help="B / C groups (1 at every config's shape: Triton then compiles G as the constant 1)",
+    )
     ap.add_argument("--no_seq", action="store_true", help="compile without seq_idx (documents)")
     ap.add_argument("--set", nargs="*", default=[], help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8")
     ap.add_argument("--kernels", default="", help="only the kernels whose name matches this regular expression")
@@ -397,7 +408,8 @@ def main():
         if not re.search(args.kernels, name):
             continue
         cap = getattr(cfg, MAXNREG.get(name, ""), None)
-        info = compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=args.loops, converts=args.converts)
+        ones = frozenset({"G"} if args.ngroups == 1 else ())
+        info = compile_sm90(kernel, ptrs, consts, warps, stages, cap, args.loops, args.converts, ones)
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)
 
 

@@ -460,6 +460,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
         CARRY_IS_KEPT=store_lo,
+        maxnreg=cfg.chained_fwd_maxnreg,
         **meta,
     )
     return S_in, final, carry if keep_s32 else kept

@@ -181,18 +181,27 @@ class BlockConfig:
     # dx's row sums (q and ddt) kept [dx_k, 1] in the accumulator's layout and stored through [dx_k, 1] pointers:
     # with 1-D sums Triton 3.6 converts each [dx_k, P] float32 product to a blocked layout through shared memory
     # before reducing it (chunk_scan_bwd.py). Session 25 (kernel_resources.py, 1.3B tiles): 1960 -> 1832
-    # instructions, 30 -> 22 barriers, 124 -> 116 registers. On, untimed (no device time left; bench_ssd.py's
-    # variant dx_sums_1d is the old code).
+    # instructions, 30 -> 22 barriers, 124 -> 116 registers. Timed in session 26 (H100, bench_ssd.py variant
+    # dx_sums_1d is the old code): without documents dx 0.365 -> 0.331 ms at the 1.3B shape, 0.187 -> 0.173 at the
+    # 370M; with documents it pays only under dx_maxnreg (below).
     dx_row_sums_2d: bool = True
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
     # Session 13 (H100, 1.3B, ms): capped at 168, dx 0.416 -> 0.597, dCB 0.454 -> 0.467 (0.575 with 2 stages),
     # chained dstates 0.204 -> 0.239, dB 0.112 -> 0.103 (16 bytes of spills): only dB's cap is on.
-    dx_maxnreg: int | None = None
+    # dx and the chained states' forward at 128: with documents and ngroups 1 (Triton specialises G == 1) ptxas gave
+    # them 132 and 130-132 registers, over the 128 that lets four 4-warp programs share an SM (ncu, session 26: 3 per
+    # SM). Capped, they compile to 115 / 128 registers without spills (Triton 3.6), and with documents at the 1.3B
+    # shape dx takes 0.327 ms against 0.368 uncapped, the chained states 0.363 against 0.407 (fwd + bwd launches;
+    # H100, bench_ssd.py variant `uncapped`); without documents nothing changes. The chunk scan's forward (158-160
+    # registers, 72 KB of shared memory: 3 per SM) was slower capped with 2 stages (scan_maxnreg, None).
+    dx_maxnreg: int | None = 128
     dc_maxnreg: int | None = None
     db_maxnreg: int | None = 168
     chained_bwd_maxnreg: int | None = None
+    chained_fwd_maxnreg: int | None = 128
+    scan_maxnreg: int | None = None
 
     def __post_init__(self):
         parts = self.dcb_col_parts

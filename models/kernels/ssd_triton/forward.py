@@ -239,6 +239,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         PREC=dot_precision(x),
         num_warps=cfg.scan_warps,
         num_stages=cfg.scan_stages,
+        maxnreg=cfg.scan_maxnreg,
     )
     return y
 
