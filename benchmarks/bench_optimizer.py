@@ -10,6 +10,8 @@ Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
                    kernels (optimizer.implementation "fused": train.py's optimizer phase before session 21)
   adamw_step_triton  the same with optimizer.implementation "triton" (components/adamw_triton.py: one launch per
                    parameter group over address tables, fused AdamW's state; what "auto" runs on CUDA)
+  adamw_step_triton_scalar  the same with the kernel's ALIGNED off: 4-byte loads, as for tensors whose addresses or
+                   sizes do not allow 16-byte ones (the kernel before session 26)
   adamw_flat       torch's fused AdamW on ONE flat tensor of the same element count: the multi-tensor kernel
                    without per-tensor boundaries
   copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
@@ -111,6 +113,11 @@ def main(argv=None) -> list[dict]:
         dict(row="grad_norm", ms=gpu_ms(lambda: global_grad_norm(params), a.iters)),
         dict(row="adamw_step", ms=gpu_ms(step, a.iters)),
         dict(row="adamw_step_triton", ms=gpu_ms(lambda: step(opt_triton), a.iters)),
+    ]
+    for tables in opt_triton._tables.groups.values():
+        tables.aligned = False  # as if some address or size were not: the kernel's scalar loads (before session 26)
+    rows += [
+        dict(row="adamw_step_triton_scalar", ms=gpu_ms(lambda: step(opt_triton), a.iters)),
         dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
         dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
     ]

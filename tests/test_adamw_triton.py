@@ -27,12 +27,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check(device: str = "cpu") -> None:
     """In the child (TRITON_INTERPRET=1), or on a GPU (tests/gpu/test_adamw_triton_gpu.py, the kernel's own block and
-    a tensor of many blocks); raises AssertionError on a difference."""
+    a tensor of many blocks); raises AssertionError on a difference. Once with sizes that are not all multiples of 4
+    (the kernel's scalar loads), once with sizes that are (its ALIGNED vector loads)."""
+    # matrices decay, vectors do not (build_optimizer's groups)
+    check_shapes([(33, 5), (300,), (7, 9), (130,), (12,)], device, aligned=False)
+    check_shapes([(32, 8), (300,), (8, 12), (132,), (12,)], device, aligned=True)
+
+
+def check_shapes(shapes, device: str, aligned: bool) -> None:
     from components import adamw_triton
     from components.optimizer import build_optimizer
     from configs.job_config import Optimizer
 
-    shapes = [(33, 5), (300,), (7, 9), (130,), (12,)]  # matrices decay, vectors do not (build_optimizer's groups)
     if device == "cpu":
         adamw_triton.BLOCK = 64
     else:
@@ -72,6 +78,7 @@ def check(device: str = "cpu") -> None:
         if step == 3:  # a checkpoint round trip: the state's tensors are replaced
             ours.load_state_dict(copy.deepcopy(ours.state_dict()))  # (a copy: load_state_dict keeps given tensors)
     assert not ours._tables.groups or all(t.grads.turn > 0 for t in ours._tables.groups.values())
+    assert [t.aligned for t in ours._tables.groups.values()] == [aligned] * 2, "the case meant for the other path"
 
 
 def check_weight_copies(device: str = "cpu") -> None:
