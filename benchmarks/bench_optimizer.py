@@ -4,7 +4,9 @@ model flavor's parameters, next to what the same bytes cost at the GPU's bandwid
     bash .gpu/setup.sh && python3 benchmarks/bench_optimizer.py [--flavor 1.3B] [--iters 20] [--out r.json]
 
 Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
-  grad_norm        parallelisms.grad_norm.global_grad_norm over every gradient (what train.py calls)
+  grad_norm        parallelisms.grad_norm.global_grad_norm over every gradient (what train.py calls: on CUDA one
+                   Triton launch over a table of the gradients, components/sumsq_triton.py, since session 26)
+  grad_norm_foreach  the same sum of squares from torch's _foreach_norm (the trainer's before session 26)
   adamw_step       grad_norm, then components.optimizer.take_optimizer_steps with a device skip flag: torch's
                    fused AdamW over the parameter lists, gradients divided by the clipping divisor inside its
                    kernels (optimizer.implementation "fused": train.py's optimizer phase before session 21)
@@ -17,9 +19,6 @@ Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
   copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
                    parameter and moments: 28 bytes per float32 parameter) as copies of flat buffers: the bandwidth
                    bound
-  triton_norm      a prototype (benchmarks/table_norm.py): the gradients' sum of squares in one Triton launch
-                   through a table of their addresses (not in the trainer; the AdamW update it was written with is:
-                   adamw_step_triton)
 The step moves the same bytes in every row; the ratio to copy_bound is how far from the memory bound it runs.
 """
 
@@ -36,7 +35,7 @@ if REPO not in sys.path:
 
 import torch
 
-from benchmarks.table_norm import SumOfSquares  # noqa: E402
+from components import adamw_triton  # noqa: E402
 from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
 from configs.job_config import Optimizer  # noqa: E402
 from models import build_model_args, build_model_on_meta  # noqa: E402
@@ -48,6 +47,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--flavor", default="1.3B", help="model flavor whose parameters are stepped (models/flavors)")
     ap.add_argument("--iters", type=int, default=20, help="repetitions per timed round")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
+    ap.add_argument(
+        "--adamw_tiles",
+        default="",
+        help="also adamw_step_triton at these elements-per-program x warps, e.g. 4096x8,8192x8 (rows "
+        "adamw_step_triton_<block>x<warps>; components/adamw_triton.py's BLOCK, WARPS)",
+    )
     return ap.parse_args(argv)
 
 
@@ -106,14 +111,27 @@ def main(argv=None) -> list[dict]:
 
     for fn in (step, lambda: step(opt_triton), flat_adamw, copy_bound):  # warm-up: moments allocated, kernels loaded
         fn()
-    sumsq = SumOfSquares([p.grad for p in params])
-    sumsq()
+    grads = [p.grad for p in params]
+    block0, warps0 = adamw_triton.BLOCK, adamw_triton.WARPS
     torch.cuda.synchronize()
     rows = [
         dict(row="grad_norm", ms=gpu_ms(lambda: global_grad_norm(params), a.iters)),
+        dict(
+            row="grad_norm_foreach",
+            ms=gpu_ms(lambda: torch.stack(torch._foreach_norm(grads, 2.0)).square().sum().sqrt(), a.iters),
+        ),
         dict(row="adamw_step", ms=gpu_ms(step, a.iters)),
         dict(row="adamw_step_triton", ms=gpu_ms(lambda: step(opt_triton), a.iters)),
     ]
+    for tile in filter(None, a.adamw_tiles.split(",")):
+        block, warps = (int(v) for v in tile.split("x"))
+        adamw_triton.BLOCK, adamw_triton.WARPS = block, warps
+        opt_triton._tables.groups.clear()  # block maps rebuilt at the next step
+        step(opt_triton)
+        rows.append(dict(row=f"adamw_step_triton_{tile}", ms=gpu_ms(lambda: step(opt_triton), a.iters)))
+    adamw_triton.BLOCK, adamw_triton.WARPS = block0, warps0
+    opt_triton._tables.groups.clear()
+    step(opt_triton)
     for tables in opt_triton._tables.groups.values():
         tables.aligned = False  # as if some address or size were not: the kernel's scalar loads (before session 26)
     rows += [
@@ -121,7 +139,6 @@ def main(argv=None) -> list[dict]:
         dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
         dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
     ]
-    rows.append(dict(row="triton_norm", ms=gpu_ms(sumsq, a.iters)))
     print(f"{a.flavor}: {n / 1e6:.1f}M parameters in {len(params)} tensors, {torch.cuda.get_device_name()}")
     print("| row | ms per step | GB/s of 28 B per parameter |")
     print("| --- | --- | --- |")

@@ -53,6 +53,26 @@ def _grads_by_layout(parameters, counted_only: bool):
     return by_layout, device
 
 
+_table_sumsq = None  # components.sumsq_triton.TableSumOfSquares, made at the first CUDA call
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 0-d float32 sum of every element of `grads` squared: on CUDA float32 contiguous tensors one Triton launch
+    over them all (components/sumsq_triton.py: 1.8 against 2.4-3.0 ms at the 1.3B), else torch's per-tensor norms
+    squared and summed."""
+    global _table_sumsq
+    if grads[0].is_cuda:
+        try:
+            from components import sumsq_triton  # lazy: imports triton
+        except ImportError:  # no Triton: torch's norms
+            sumsq_triton = None
+        if sumsq_triton is not None and sumsq_triton.applies(grads):
+            if _table_sumsq is None:
+                _table_sumsq = sumsq_triton.TableSumOfSquares()
+            return _table_sumsq(grads)
+    return torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+
+
 @torch.no_grad()
 def global_grad_norm(parameters, pp_group=None) -> torch.Tensor:
     """The L2 norm of every gradient of the model: a 0-d float32 device tensor, the same on every rank; no host sync.
@@ -66,7 +86,7 @@ def global_grad_norm(parameters, pp_group=None) -> torch.Tensor:
     by_layout, device = _grads_by_layout(parameters, counted_only=True)
     total_sq = torch.zeros((), dtype=torch.float32, device=device)
     for layout, grads in by_layout.items():
-        local_sq = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+        local_sq = _sum_of_squares(grads)
         if layout is not None:
             mesh, placements = layout
             partial = [Partial() if p.is_shard() else Replicate() for p in placements]

@@ -533,20 +533,6 @@ def test_memory_peak_replays_a_snapshot_history():
     assert dict(r["sizes"]) == {10: [10, 1], 300: [300, 1], 250: [250, 1]}
 
 
-def test_table_norm_matches_torch_in_the_interpreter():
-    """benchmarks/table_norm.py (bench_optimizer's single-launch sum of squares) in Triton's interpreter equals torch's
-    over tensors of several sizes. A subprocess: the interpreter is chosen for the whole process."""
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    code = "from benchmarks.table_norm import check; print(check('cpu'))"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo))
-    r = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert float(r.stdout.strip().splitlines()[-1]) < 1e-6
-
-
 def test_ncu_ssd_refuses_bad_shape_and_no_cuda():
     """ncu_ssd.py names a wrong shape and the missing GPU before any work."""
     from benchmarks import ncu_ssd
