@@ -115,7 +115,10 @@ TUNE_VARIANTS = {
     "chained": dict(chained=True),
     "chained_h2": dict(chained_heads=2),
     "chained_n128": dict(chained_fwd_n=128),
-    "chained_bwd_n64": dict(chained_bwd_n=64),
+    "chained_bwd_n128": dict(chained_bwd_n=128, chained_bwd_maxnreg=None),  # before session 26: 2 programs per SM
+    "chained_bwd_n64": dict(chained_bwd_n=64, chained_bwd_maxnreg=None),
+    # N tiles of 64 in the chained dstates at <= 128 registers: four programs per SM instead of two (session 26)
+    "chained_bwd_n64_cap": dict(chained_bwd_n=64, chained_bwd_maxnreg=128),
     "chained_s2": dict(chained_stages=2),
     "chained_s4": dict(chained_stages=4),
     "chained_w8": dict(state_warps=8),

@@ -158,7 +158,10 @@ class BlockConfig:
     chained: bool = True
     chained_heads: int = 1  # 1 or 2 (as state_heads): 1 gives twice the chains, so a predecessor is more often done
     chained_fwd_n: int = 64
-    chained_bwd_n: int = 128
+    # The chained dstates in N tiles of 64 at <= 128 registers (chained_bwd_maxnreg): twice the chains, four programs
+    # per SM instead of two (255 registers with tiles of 128). Session 26 (H100, with documents, ms): 1.3B 0.208 ->
+    # 0.190, 370M 0.109 -> 0.103; tiles of 64 uncapped (168 registers, 3 per SM) 0.209 / 0.112.
+    chained_bwd_n: int = 64
     chained_stages: int = 3
     # The forward's chained states and the chunk scan in one kernel (chained_scan.py: one program per chunk, batch and
     # head, S_in never written); False: chained_states.py, then chunk_scan.py. Needs ``chained``. Session 13 (H100,
@@ -199,7 +202,7 @@ class BlockConfig:
     dx_maxnreg: int | None = 128
     dc_maxnreg: int | None = None
     db_maxnreg: int | None = 168
-    chained_bwd_maxnreg: int | None = None
+    chained_bwd_maxnreg: int | None = 128  # with chained_bwd_n 64 (above): no spills (Triton 3.6)
     chained_fwd_maxnreg: int | None = 128
     scan_maxnreg: int | None = None
 
