@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from components.address_table import DeviceAddressTable, addresses
 from models.kernels import weight_copies
 
 __all__ = ["TableAdamW"]
@@ -106,35 +107,6 @@ def _step_count_kernel(step_tab, n, skip_ptr, BLOCK: tl.constexpr):
         tl.store(ptrs, tl.load(ptrs, mask=i < n) + 1.0, mask=i < n)
 
 
-def _addresses(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(t.data_ptr() for t in tensors)
-
-
-class _GradTable:
-    """The gradients' addresses on the device, refreshed every step from pinned host buffers taken in turn; a buffer
-    is reused only after its copy (`slots` steps ago) has run, which the host checks with an event, not a sync."""
-
-    def __init__(self, n: int, device: torch.device, slots: int = 3):
-        self.device = device
-        self.table = torch.empty(n, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self.host = [torch.empty(n, dtype=torch.int64, pin_memory=pin) for _ in range(slots)]
-        self.copied: list[torch.cuda.Event | None] = [None] * slots
-        self.turn = 0
-
-    def update(self, addresses: tuple[int, ...]) -> torch.Tensor:
-        k = self.turn % len(self.host)
-        self.turn += 1
-        if self.copied[k] is not None:
-            self.copied[k].synchronize()  # that copy ran steps ago: returns at once unless the GPU is far behind
-        self.host[k].copy_(torch.tensor(addresses, dtype=torch.int64))
-        self.table.copy_(self.host[k], non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda":
-            self.copied[k] = torch.cuda.Event()
-            self.copied[k].record()
-        return self.table
-
-
 class _GroupTables:
     """Tables of one parameter group: addresses of parameters, moments and steps, sizes, and the block map."""
 
@@ -153,7 +125,7 @@ class _GroupTables:
         self.blk_tensor = torch.tensor([i for i, _ in starts], dtype=torch.int32, device=dev)
         self.blk_start = torch.tensor([s for _, s in starts], dtype=torch.int64, device=dev)
         self.n_blocks = len(starts)
-        self.grads = _GradTable(len(params), dev)
+        self.grads = DeviceAddressTable(len(params), dev)
         # _adamw_kernel's ALIGNED, but for the gradients (new tensors every step, checked per step): every address in
         # the tables 16-byte aligned (a copy's address 0 means none) and every size a multiple of 4.
         # (The step counts, read as scalars, need no alignment.)
@@ -185,10 +157,10 @@ class TableAdamW:
         # The weights' copies that are current now (a stale one is remade by its next use, not written here).
         copies = weight_copies.current_copies(params) if self.copies_dtype is not None else [None] * len(params)
         copy_addresses = tuple(0 if c is None else c.data_ptr() for c in copies)
-        key = (_addresses(params), _addresses(exp_avgs), _addresses(exp_avg_sqs), _addresses(steps), copy_addresses)
+        key = (addresses(params), addresses(exp_avgs), addresses(exp_avg_sqs), addresses(steps), copy_addresses)
         if tables is None or tables.key != key:
             tables = self.groups[index] = _GroupTables(key, params, exp_avgs, exp_avg_sqs, self.copies_dtype)
-        grad_addresses = _addresses(grads)
+        grad_addresses = addresses(grads)
         g_tab = tables.grads.update(grad_addresses)
         aligned = tables.aligned and all(a % 16 == 0 for a in grad_addresses)
         beta1, beta2 = group["betas"]

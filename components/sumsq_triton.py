@@ -9,7 +9,7 @@ at ~3.1 TB/s.
 Each program sums BLOCK elements of one tensor into its own float32 partial sum; the partial sums are then summed by
 torch (deterministic: no atomics). The block map (tensor and start of every program) is built once per pattern of
 sizes and kept; the addresses, new tensors every step, go to the device every call through pinned host buffers taken
-in turn (adamw_triton._GradTable: the host never waits for the GPU). Tensors are addressed from a typed base by
+in turn (address_table.py: the host never waits for the GPU). Tensors are addressed from a typed base by
 their element offsets, so that with every address 16-byte aligned and every size a multiple of 4 (ALIGNED, checked
 on the host) the loads are 16 bytes wide (adamw_triton.py says why).
 Imports triton at import time: import lazily.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from components.adamw_triton import _GradTable
+from components.address_table import DeviceAddressTable, addresses
 
 __all__ = ["TableSumOfSquares", "applies"]
 
@@ -61,7 +61,7 @@ class _BlockMap:
         self.blk_start = torch.tensor([s for _, s in starts], dtype=torch.int64, device=device)
         self.partials = torch.empty(len(starts), dtype=torch.float32, device=device)
         self.sizes_aligned = all(n % 4 == 0 for n in sizes)
-        self.addresses = _GradTable(len(sizes), device)
+        self.addresses = DeviceAddressTable(len(sizes), device)
 
 
 class TableSumOfSquares:
@@ -82,9 +82,9 @@ class TableSumOfSquares:
             m = self.maps[key] = _BlockMap(sizes, tensors[0].device, self.block)
         if len(m.partials) == 0:  # only empty tensors
             return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
-        addresses = tuple(t.data_ptr() for t in tensors)
-        table = m.addresses.update(addresses)
-        aligned = m.sizes_aligned and all(a % 16 == 0 for a in addresses)
+        current = addresses(tensors)
+        table = m.addresses.update(current)
+        aligned = m.sizes_aligned and all(a % 16 == 0 for a in current)
         _sumsq_kernel[(len(m.partials),)](
             table, m.numel, m.blk_tensor, m.blk_start, tensors[0], m.partials, BLOCK=self.block, ALIGNED=aligned,
             num_warps=self.num_warps,
