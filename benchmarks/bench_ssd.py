@@ -188,7 +188,8 @@ TUNE_VARIANTS = {
     "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # the default since session 25
     "dcb_no_diag_parts": dict(dcb_diag_col_parts=False),  # session 24's default: the diagonal's sums reduced
     "dx_sums_1d": dict(dx_row_sums_2d=False),  # dx's row sums as 1-D tensors (before session 25)
-    "uncapped": dict(dx_maxnreg=None, chained_fwd_maxnreg=None),  # ptxas's registers (before session 26)
+    # ptxas's registers and the chained dstates' N tiles of 128: the SSD's config before session 26
+    "uncapped": dict(dx_maxnreg=None, chained_fwd_maxnreg=None, chained_bwd_n=128, chained_bwd_maxnreg=None),
     "dx_uncapped": dict(dx_maxnreg=None),
     "chained_fwd_uncapped": dict(chained_fwd_maxnreg=None),
     "scan_s2": dict(scan_stages=2),  # the chunk scan's forward in 2 stages (48 KB of shared memory) ...

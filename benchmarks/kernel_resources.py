@@ -392,6 +392,8 @@ def main():
         re.compile(args.kernels)
     except re.error as e:
         ap.error(f"--kernels {args.kernels!r} is no regular expression ({e}); e.g. --kernels 'dcb|conv'")
+    if args.ngroups < 1:
+        ap.error(f"--ngroups {args.ngroups}: the number of B / C groups is at least 1")
     cfg = block_config(args.chunk, args.headdim, args.dstate)
     overrides = {}
     for item in args.set:

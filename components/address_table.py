@@ -27,12 +27,13 @@ class DeviceAddressTable:
         self.copied: list[torch.cuda.Event | None] = [None] * slots
         self.turn = 0
 
-    def update(self, addresses: tuple[int, ...]) -> torch.Tensor:
+    def update(self, values: tuple[int, ...]) -> torch.Tensor:
+        """Writes `values` (the tensors' addresses, in table order) and returns the device table."""
         k = self.turn % len(self.host)
         self.turn += 1
         if self.copied[k] is not None:
             self.copied[k].synchronize()  # that copy ran calls ago: returns at once unless the GPU is far behind
-        self.host[k].copy_(torch.tensor(addresses, dtype=torch.int64))
+        self.host[k].copy_(torch.tensor(values, dtype=torch.int64))
         self.table.copy_(self.host[k], non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             self.copied[k] = torch.cuda.Event()

@@ -61,7 +61,7 @@ class _BlockMap:
         self.blk_start = torch.tensor([s for _, s in starts], dtype=torch.int64, device=device)
         self.partials = torch.empty(len(starts), dtype=torch.float32, device=device)
         self.sizes_aligned = all(n % 4 == 0 for n in sizes)
-        self.addresses = DeviceAddressTable(len(sizes), device)
+        self.address_table = DeviceAddressTable(len(sizes), device)
 
 
 class TableSumOfSquares:
@@ -83,7 +83,7 @@ class TableSumOfSquares:
         if len(m.partials) == 0:  # only empty tensors
             return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
         current = addresses(tensors)
-        table = m.addresses.update(current)
+        table = m.address_table.update(current)
         aligned = m.sizes_aligned and all(a % 16 == 0 for a in current)
         _sumsq_kernel[(len(m.partials),)](
             table, m.numel, m.blk_tensor, m.blk_start, tensors[0], m.partials, BLOCK=self.block, ALIGNED=aligned,
