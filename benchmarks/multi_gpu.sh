@@ -29,6 +29,7 @@
 #   pp370m   PP2 (1F1B, GPipe; 8 microbatches) trains the 48-layer 370M on 2 GPUs vs 1 GPU, 12 steps
 #            env: PP_SCHEDULES, PP_MB (microbatch size, default 1), SKIP_REF=1 (no 1-GPU run)
 # Each phase prints a table (benchmarks/compare_runs.py) and leaves metrics.jsonl + logs under $OUT/<phase>/.
+# On 4+ GPUs the efficiency phase runs two 2-GPU runs at once (gpu_pool: every run on GPUs of its own).
 # Dry run of the plumbing on a CPU (gloo, a tiny model; no figures): NG=4 EXTRA="$(cat benchmarks/tiny_overrides.txt)"
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -47,6 +48,24 @@ run() {  # run NAME NGPU CONFIG [overrides...]
     --checkpoint.enable false --metrics.enable_tensorboard false "$@" "${EXTRA_ARGS[@]}" > "$dir/log.txt" 2>&1
   echo "$name: rc=$? $((SECONDS - t0))s $(tail -1 "$dir/metrics.jsonl" 2>/dev/null | cut -c1-160)"
   [ -s "$dir/metrics.jsonl" ] || tail -20 "$dir/log.txt"
+}
+
+gpu_pool() {  # gpu_pool "NAME NGPU CONFIG [overrides...]" ...: each run (those `want` takes) on GPUs of its own, started
+  # in the order given as soon as enough GPUs are free; returns when all have ended. Arguments split on spaces.
+  local -a free a gpus; local -A held=(); local spec pid n
+  read -r -a free <<< "$(seq -s ' ' 0 $((NG - 1)))"
+  for spec in "$@"; do
+    read -r -a a <<< "$spec"; n=${a[1]}
+    want "${a[0]}" || continue
+    [ "$n" -gt "$NG" ] && { echo "skip ${a[0]}: needs $n GPUs"; continue; }
+    while [ "${#free[@]}" -lt "$n" ]; do  # wait for a run to end and take its GPUs back
+      wait -n -p pid; read -r -a gpus <<< "${held[$pid]}"; free+=("${gpus[@]}"); unset "held[$pid]"
+    done
+    gpus=("${free[@]:0:n}"); free=("${free[@]:n}")
+    CUDA_VISIBLE_DEVICES=$(IFS=,; echo "${gpus[*]}") run "${a[0]}" "$n" "${a[@]:2}" &
+    held[$!]="${gpus[*]}"
+  done
+  wait
 }
 
 for PHASE in "$@"; do
@@ -78,36 +97,41 @@ for PHASE in "$@"; do
     PP=(configs/mamba2_1.3b.toml "${S[@]}" --training.seq_len 4096 --training.global_batch_size 32
         $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.data_parallel_shard_degree 1)
     want() { [ -z "${EFF_ROWS:-}" ] || [[ " $EFF_ROWS " == *" $1 "* ]]; }
-    side_by_side() {  # side_by_side "NAME ARGS..." "NAME ARGS...": two 1-GPU runs at once, one per GPU
-      local i=0 spec; for spec in "$@"; do
-        read -r -a a <<< "$spec"; want "${a[0]}" || continue
-        if [ "$NG" -ge 2 ]; then CUDA_VISIBLE_DEVICES=$i run "${a[0]}" 1 "${a[@]:1}" & i=$((i + 1)); else run "${a[0]}" 1 "${a[@]:1}"; fi
-      done; wait; }
-    side_by_side "1gpu_1.3b ${M13[*]}" "1gpu_370m ${M370[*]}"
-    side_by_side "cp1_32k configs/mamba2_1.3b.toml ${S[*]} ${L[*]} --training.seq_len 32768" "1gpu_moe ${MOE[*]}"
-    side_by_side "cp1_64k configs/mamba2_1.3b.toml ${S[*]} ${L[*]} --training.seq_len 65536"
-    want fsdp2_1.3b && run fsdp2_1.3b 2 "${M13[@]}" $P.data_parallel_shard_degree 2
-    want fsdp2_370m && run fsdp2_370m 2 "${M370[@]}" $P.data_parallel_shard_degree 2
-    want hsdp2x2_1.3b && run hsdp2x2_1.3b 4 "${M13[@]}" $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2
-    want pp2_1f1b_1.3b && run pp2_1f1b_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule 1F1B
-    want pp2_interleaved_1.3b && run pp2_interleaved_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule Interleaved1F1B
-    # the same with the last stage's LM head + loss counted as ~3.7 layers (-1: from the FLOPs): 26 / 22 layers under
-    # 1F1B, 12 / 14 / 13 / 9 under Interleaved1F1B, against the default split's 24 / 24 and 11 / 13 / 12 / 12
-    want pp2_1f1b_hw_1.3b && run pp2_1f1b_hw_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule 1F1B $P.pipeline_parallel_head_weight -1
-    want pp2_interleaved_hw_1.3b && run pp2_interleaved_hw_1.3b 2 "${PP[@]}" $P.pipeline_parallel_schedule Interleaved1F1B $P.pipeline_parallel_head_weight -1
-    want cp2_32k && run cp2_32k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 32768 $P.context_parallel_degree 2
-    want cp2_64k && run cp2_64k 2 configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}" --training.seq_len 65536 $P.context_parallel_degree 2
-    want ep2_moe && run ep2_moe 2 "${MOE[@]}" $P.expert_parallel_degree 2
-    # gradients reduce-scattered in bf16 (training.mixed_precision_reduce): half the bytes of the rows above
-    want fsdp2_370m_bf16reduce && run fsdp2_370m_bf16reduce 2 "${M370[@]}" $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16
-    want ep2_moe_bf16reduce && run ep2_moe_bf16reduce 2 "${MOE[@]}" $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16
+    N13=(configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}")  # the long-context runs
+    # pp2_*_bal: stages balanced with the LM head + loss counted as ~3.7 layers (-1: from the FLOPs) and the embedding
+    # as none: 26 / 22 layers under 1F1B, 13 / 13 / 13 / 9 under Interleaved1F1B (default split: 24 / 24, 11 / 13 / 12 / 12)
+    BAL=($P.pipeline_parallel_head_weight -1 $P.pipeline_parallel_first_last_stage_weight 0)
+    ONE=($P.fsdp_blocks_per_unit 48 $P.fsdp_reshard_after_forward never)  # fsdp2_370m_oneunit*: all blocks one unit
+    # Every run of the table, longest first within each size, as "NAME NGPU CONFIG ARGS...". gpu_pool runs them on
+    # the host's GPUs, each as soon as enough are free (2 GPUs: the 1-GPU references two at a time as before; 4 GPUs:
+    # also two 2-GPU runs at once, on GPUs 0-1 and 2-3).
+    gpu_pool \
+      "cp1_64k 1 ${N13[*]} --training.seq_len 65536" "cp1_32k 1 ${N13[*]} --training.seq_len 32768" \
+      "1gpu_1.3b 1 ${M13[*]}" "1gpu_moe 1 ${MOE[*]}" "1gpu_370m 1 ${M370[*]}" \
+      "pp2_1f1b_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B" \
+      "pp2_interleaved_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B" \
+      "cp2_64k 2 ${N13[*]} --training.seq_len 65536 $P.context_parallel_degree 2" \
+      "cp2_32k 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2" \
+      "fsdp2_1.3b 2 ${M13[*]} $P.data_parallel_shard_degree 2" \
+      "ep2_moe 2 ${MOE[*]} $P.expert_parallel_degree 2" \
+      "fsdp2_370m 2 ${M370[*]} $P.data_parallel_shard_degree 2" \
+      "pp2_1f1b_bal_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B ${BAL[*]}" \
+      "pp2_interleaved_bal_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B ${BAL[*]}" \
+      "fsdp2_370m_oneunit 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${ONE[*]}" \
+      "fsdp2_370m_oneunit_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${ONE[*]} --training.mixed_precision_reduce bfloat16" \
+      "fsdp2_370m_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16" \
+      "ep2_moe_bf16reduce 2 ${MOE[*]} $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16" \
+      "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2"
+    # *_bf16reduce: gradients reduce-scattered in bf16 (training.mixed_precision_reduce), half the bytes.
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
     ROWS=("FSDP2 1.3B, 4 x 4096 per GPU=fsdp2_1.3b:1gpu_1.3b:0.90" "FSDP2 370M, 8 x 2048 per GPU=fsdp2_370m:1gpu_370m:0.90"
           "PP2 1F1B 1.3B, 8 x (4 x 4096)=pp2_1f1b_1.3b:1gpu_1.3b:0.80"
           "PP2 Interleaved1F1B 1.3B, 8 x (4 x 4096)=pp2_interleaved_1.3b:1gpu_1.3b:0.847"
-          "PP2 1F1B 1.3B, head weighted=pp2_1f1b_hw_1.3b:1gpu_1.3b:0.80"
-          "PP2 Interleaved1F1B 1.3B, head weighted=pp2_interleaved_hw_1.3b:1gpu_1.3b:0.847"
+          "PP2 1F1B 1.3B, balanced stages=pp2_1f1b_bal_1.3b:1gpu_1.3b:0.80"
+          "PP2 Interleaved1F1B 1.3B, balanced stages=pp2_interleaved_bal_1.3b:1gpu_1.3b:0.847"
+          "FSDP2 370M, one unit, no reshard=fsdp2_370m_oneunit:1gpu_370m:0.90"
+          "FSDP2 370M, one unit, no reshard, bf16 reduce=fsdp2_370m_oneunit_bf16reduce:1gpu_370m:0.90"
           "CP2 1.3B, 32k tokens, full AC=cp2_32k:cp1_32k:0.75:0.55" "CP2 1.3B, 64k tokens, full AC=cp2_64k:cp1_64k:0.75:0.55"
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75"
           "FSDP2 370M, bf16 gradient reduction=fsdp2_370m_bf16reduce:1gpu_370m:0.90"
@@ -115,7 +139,7 @@ for PHASE in "$@"; do
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
-       --bubble pp2_1f1b_hw_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_hw_1.3b=$(python3 -c 'print(1/17)'))
+       --bubble pp2_1f1b_bal_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_bal_1.3b=$(python3 -c 'print(1/17)'))
     python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
     if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
       for t in "$OUT"/efficiency/*/profile_trace/iteration_14/rank[01]_trace.json; do

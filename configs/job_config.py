@@ -229,12 +229,16 @@ class Parallelism:
         [], "Explicit split: the first layer index of every stage but the first, e.g. [6, 12, 18]."
     )
     pipeline_parallel_first_last_stage_weight: float = doc(
-        1.0, "The embedding / head stages count as this many layers fewer when splitting evenly (0 = plain count)."
+        0.0,
+        "The embedding / head stages count as this many layers more when splitting evenly (so they get fewer). 0: the "
+        "embedding costs about nothing; the head has pipeline_parallel_head_weight (1 before 2026-11-28).",
     )
     pipeline_parallel_head_weight: float = doc(
-        0.0,
+        -1.0,
         "The last stage's LM head + loss count as this many layers more when splitting evenly; -1 = estimated from "
-        "the FLOPs (6 x d_model x vocab against a layer's: ~3.7 at 1.3B with a 50k vocabulary). 0 until measured.",
+        "the FLOPs (6 x d_model x vocab against a layer's: ~3.7 at 1.3B with a 50k vocabulary). With -1 and the "
+        "embedding at 0, PP2 at 1.3B gave 0.90 (1F1B, 26 / 22 layers) and 0.91 (Interleaved1F1B, 13 / 13 / 13 / 9) of "
+        "one GPU against 0.87 / 0.85 with the old even split (docs/performance.md, 2 x H200, 2026-11-28).",
     )
     pipeline_parallel_pack: str = doc(
         "sum",

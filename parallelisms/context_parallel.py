@@ -176,6 +176,52 @@ def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
     return _HeadsToSeq.apply(x_BSd, group)
 
 
+class _RowBlocksLinear(torch.autograd.Function):
+    """u [T, D] @ W [K, d, D]^T (+ bias [K, d]) -> [K, T, d]: a linear layer's output as K blocks of its rows, each
+    block contiguous (the all-to-all's send order). One product per block, written in place (torch.mm's out=, the
+    transposes as cuBLAS flags): no copy of the activations either way. (torch.matmul of [T, D] by [K, D, d], tried
+    first, added six copy kernels per layer and step on the GPU at 32k tokens, ~0.35 ms each: the broadcast u and the
+    transposed gradient are made contiguous for the batched product.) Under autocast it computes in the autocast
+    dtype, as F.linear would."""
+
+    @staticmethod
+    def forward(ctx, u_TD, W_KdD, bias_Kd):
+        device_type = u_TD.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            u_TD, W_KdD = u_TD.to(dtype), W_KdD.to(dtype)
+            bias_Kd = None if bias_Kd is None else bias_Kd.to(dtype)
+        K, d, _ = W_KdD.shape
+        out_KTd = u_TD.new_empty(K, u_TD.shape[0], d)
+        with torch.autocast(device_type, enabled=False):  # out= products: the dtypes are set above
+            for k in range(K):
+                if bias_Kd is None:
+                    torch.mm(u_TD, W_KdD[k].t(), out=out_KTd[k])
+                else:
+                    torch.addmm(bias_Kd[k], u_TD, W_KdD[k].t(), out=out_KTd[k])
+        ctx.save_for_backward(u_TD, W_KdD)
+        ctx.has_bias = bias_Kd is not None
+        return out_KTd
+
+    @staticmethod
+    def backward(ctx, grad_KTd):
+        u_TD, W_KdD = ctx.saved_tensors
+        grad_KTd = grad_KTd.to(u_TD.dtype)
+        K = W_KdD.shape[0]
+        grad_u = grad_W = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_u = torch.mm(grad_KTd[0], W_KdD[0])  # the sum over the blocks, accumulated in place
+            for k in range(1, K):
+                grad_u.addmm_(grad_KTd[k], W_KdD[k])
+        if ctx.needs_input_grad[1]:
+            grad_W = torch.empty_like(W_KdD)
+            for k in range(K):
+                torch.mm(grad_KTd[k].t(), u_TD, out=grad_W[k])  # [d, T] @ [T, D]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_KTd.sum(1)
+        return grad_u, grad_W, grad_bias
+
+
 # ----------------------------------------------------------------------------------------------------
 # Mamba mixer CP
 # ----------------------------------------------------------------------------------------------------
@@ -332,25 +378,43 @@ class MambaContextParallel:
 
         u [b, s/cp, d_model] (this rank's tokens) -> (z [b, s/cp, d_inner], this rank's tokens;
         xBCdt [b, s, conv1d_channels + nheads_local], as pre_conv_ssm returns it). in_proj's output rows are
-        [z (d_inner) | x B C dt]: the x B C dt rows are multiplied first, their all-to-all is started, and the z rows
-        (about half of in_proj's FLOPs) are multiplied while it runs; the result is waited for at its first use.
-        The same values as in_proj(u) split in two (each output column is the same dot product).
+        [z (d_inner) | x B C dt]: the x B C dt rows are multiplied first, straight into the all-to-all's send buffer
+        (their rows taken in send order, _send_rows: no copy of the activations), the all-to-all is started, and the
+        z rows (about half of in_proj's FLOPs) are multiplied while it runs; the result is waited for before its
+        first use. The same values as in_proj(u) split in two (each output column is the same dot product).
         """
         W, bias = in_proj.weight, in_proj.bias
-        zdim = self.d_inner
-        xBCdt_local = F.linear(u_BSD, W[zdim:], None if bias is None else bias[zdim:])
-        # [cp, b, s/cp, d] -> [cp, b, s/cp, d]: an async all-to-all (autograd: its backward is the inverse one)
-        recv_KBSd = funcol.all_to_all_single(self._send_order(xBCdt_local), None, None, self.cp_group)
+        zdim, cp = self.d_inner, self.cp_size
+        b, s_local, D = u_BSD.shape
+        rows = self._send_rows(W.device)  # [cp * d]: in_proj rows of x B C dt, in send order
+        W_KdD = W[zdim:].index_select(0, rows).view(cp, -1, D)
+        bias_Kd = None if bias is None else bias[zdim:].index_select(0, rows).view(cp, -1)
+        # [b * s/cp, D] -> [cp, b, s/cp, d]: send[k] = channel slice k (rank k's heads) of this rank's tokens
+        send_KBSd = _RowBlocksLinear.apply(u_BSD.reshape(b * s_local, D), W_KdD, bias_Kd).view(cp, b, s_local, -1)
+        # [cp, b, s/cp, d] -> [cp, b, s/cp, d], recv[j] = rank j's tokens of our slice: async (autograd: its
+        # backward is the inverse all-to-all)
+        recv_KBSd = funcol.all_to_all_single(send_KBSd, None, None, self.cp_group)
         z_BSE = F.linear(u_BSD, W[:zdim], None if bias is None else bias[:zdim])
-        cp, b, s_local, d = recv_KBSd.shape
-        out_BSd = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)  # waits for the all-to-all (a copy)
+        d = recv_KBSd.shape[-1]
+        out_BSd = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)  # a copy (which waits) unless b == 1
         if isinstance(out_BSd, funcol.AsyncCollectiveTensor):
             # b == 1: the reshape is a view, which AsyncCollectiveTensor passes on without waiting; a Triton kernel
-            # reading its data pointer would then fail ("invalid python storage"). clone waits, under autograd.
-            out_BSd = out_BSd.clone()
+            # reading its data pointer would then fail ("invalid python storage"). wait_tensor waits (no copy),
+            # under autograd.
+            out_BSd = funcol.wait_tensor(out_BSd)
         if self.load_balance:
             out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
         return z_BSE, out_BSd
+
+    def _send_rows(self, device: torch.device) -> torch.Tensor:
+        """[cp * (conv1d_channels + nheads_local)] int64: the rows of in_proj's x B C dt part (row 0 = x's first) in
+        the all-to-all's send order, so that rows[k*d : (k+1)*d] are what _send_order puts in send[k] (a group's B / C
+        rows repeat when groups are replicated). Made by _send_order itself, from the row numbers."""
+        if getattr(self, "_rows", None) is None or self._rows.device != device:
+            n = self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
+            rows = torch.arange(n, device=device).view(1, 1, n)
+            self._rows = self._send_order(rows).reshape(-1)
+        return self._rows
 
     def _send_order(self, xBCdt_BSD: torch.Tensor) -> torch.Tensor:
         """[b, s/cp, conv_dim + nheads] -> the all-to-all's send buffer [cp, b, s/cp, conv1d_channels + nheads_local]:

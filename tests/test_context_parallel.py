@@ -217,6 +217,32 @@ class _Mixer(nn.Module):
         self.D = nn.Parameter(torch.randn(self.d_ssm if D_has_hdim else nheads))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_row_blocks_linear_matches_linear_without_copies(with_bias):
+    """in_proj's x B C dt rows straight into the send buffer: [K, T, d] contiguous (a transposed view would be copied
+    by the all-to-all: GPU session 27 measured it), the same values and gradients as F.linear on the selected rows."""
+    from parallelisms.context_parallel import _RowBlocksLinear
+
+    g = torch.Generator().manual_seed(5)
+    T, D, K, d = 12, 8, 3, 5
+    u = torch.randn(T, D, dtype=torch.float64, generator=g, requires_grad=True)
+    W = torch.randn(K * d + 2, D, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(K * d + 2, dtype=torch.float64, generator=g, requires_grad=True) if with_bias else None
+    rows = torch.tensor([4, 0, 1, 9, 2, 3, 3, 5, 6, 7, 8, 10, 11, 12, 16])  # a repeat, as replicated B / C rows
+    W_KdD = W.index_select(0, rows).view(K, d, D)
+    b_Kd = None if bias is None else bias.index_select(0, rows).view(K, d)
+    out = _RowBlocksLinear.apply(u, W_KdD, b_Kd)
+    assert out.shape == (K, T, d) and out.is_contiguous()
+    ref = F.linear(u, W, bias)[:, rows].view(T, K, d).transpose(0, 1)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn(K, T, d, dtype=torch.float64, generator=g)
+    leaves = [u, W] + ([bias] if with_bias else [])
+    mine = torch.autograd.grad(out, leaves, grad)
+    theirs = torch.autograd.grad(ref, leaves, grad)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b)
+
+
 def test_construction_errors_name_sizes():
     m = _Mixer(nheads=12, headdim=2, ngroups=3)
     with pytest.raises(ValueError, match="nheads=12, ngroups=3, cp=2"):

@@ -76,7 +76,7 @@ def test_head_weight_gives_the_last_stage_fewer_layers():
     # cost 48 + 2*1 + 4 = 54: two stages of 27 = 26 + 1 (embedding) and 22 + 1 + 4 (head)
     assert sizes(split_layers(48, 2, first_last_weight=1.0, head_weight=4)) == [26, 22]
     assert sizes(split_layers(48, 4, first_last_weight=1.0, head_weight=4)) == [12, 14, 13, 9]
-    assert sizes(split_layers(48, 2, first_last_weight=1.0, head_weight=0)) == [24, 24]  # the default: as before
+    assert sizes(split_layers(48, 2, first_last_weight=1.0, head_weight=0)) == [24, 24]  # the default before 2026-11-28
     assert sizes(split_layers(7, 1, head_weight=5)) == [7]
     with pytest.raises(ValueError, match="pipeline_parallel_head_weight"):
         split_layers(8, 2, head_weight=-2)
@@ -92,6 +92,19 @@ def test_head_weight_gives_the_last_stage_fewer_layers():
         best = min(worst(c, n, s, w, hw) for c in itertools.combinations(range(1, n), s - 1))
         rs = split_layers(n, s, w, hw)
         assert worst([r.start for r in rs[1:]], n, s, w, hw) <= best + 1, (n, s, w, hw, sizes(rs))
+
+
+def test_default_split_balances_the_head_at_1_3b():
+    """The defaults (embedding 0, head -1: estimated) give the splits that measured best on 2 x H200 (2026-11-28):
+    26 / 22 under 1F1B and 13 / 13 / 13 / 9 under Interleaved1F1B, against 24 / 24 and 11 / 13 / 12 / 12 before."""
+    from models.args import build_model_args
+    from parallelisms.pipeline import head_weight_in_layers
+
+    p = JobConfig().parallelism
+    head = head_weight_in_layers(build_model_args("1.3B"), 4096, p.pipeline_parallel_head_weight)
+    w = p.pipeline_parallel_first_last_stage_weight
+    assert sizes(split_layers(48, 2, w, head)) == [26, 22]
+    assert sizes(split_layers(48, 4, w, head)) == [13, 13, 13, 9]
 
 
 def test_head_weight_estimate():
