@@ -5,7 +5,7 @@
 #   efficiency  every layout against one GPU running the same model, as one table (issue 14): FSDP2 at 1.3B
 #            (4 x 4096 per GPU) and 370M (8 x 2048), PP2 1F1B and Interleaved1F1B at 1.3B (8 microbatches of 4 x 4096),
 #            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
-#            The 1-GPU references run two at a time, one per GPU. env: EFF_ROWS (names to run, default all),
+#            Runs share the GPUs (gpu_pool: 1-GPU references side by side, on 4 GPUs also two 2-GPU runs). env: EFF_ROWS (names to run, default all),
 #            EFF_PROFILE=1 (also profile step 14 of every run and summarise rank 0 / 1's traces; the table uses 4-12)
 #   eight_efficiency  issue 20 on one 8-GPU host, as one table: FSDP8 and HSDP 2x4 at 1.3B / 2.7B (4 x 4096 per GPU),
 #            and PP2 x CP2 x FSDP2 at 64k tokens (1.3B; hybrid MoE with EP2), 20 steps, against one GPU running the
@@ -98,10 +98,13 @@ for PHASE in "$@"; do
         $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.data_parallel_shard_degree 1)
     want() { [ -z "${EFF_ROWS:-}" ] || [[ " $EFF_ROWS " == *" $1 "* ]]; }
     N13=(configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}")  # the long-context runs
-    # pp2_*_bal: stages balanced with the LM head + loss counted as ~3.7 layers (-1: from the FLOPs) and the embedding
-    # as none: 26 / 22 layers under 1F1B, 13 / 13 / 13 / 9 under Interleaved1F1B (default split: 24 / 24, 11 / 13 / 12 / 12)
-    BAL=($P.pipeline_parallel_head_weight -1 $P.pipeline_parallel_first_last_stage_weight 0)
-    ONE=($P.fsdp_blocks_per_unit 48 $P.fsdp_reshard_after_forward never)  # fsdp2_370m_oneunit*: all blocks one unit
+    # pp2_*_even: the split before 2026-11-28 (the head not weighed, the embedding as a layer): 24 / 24 under 1F1B and
+    # 11 / 13 / 12 / 12 under Interleaved1F1B, against the default's 26 / 22 and 13 / 13 / 13 / 9
+    EVEN=($P.pipeline_parallel_head_weight 0 $P.pipeline_parallel_first_last_stage_weight 1)
+    # fsdp2_370m_units: 4 units of 15 blocks resharded after forward (the default before 2026-11-28, which kept the last
+    # unit gathered; "always" reshards it too), against the
+    # default's one unit of 48 (the 370M's gathered parameters take < 2 GiB)
+    UNITS=($P.fsdp_blocks_per_unit 15)
     # Every run of the table, longest first within each size, as "NAME NGPU CONFIG ARGS...". gpu_pool runs them on
     # the host's GPUs, each as soon as enough are free (2 GPUs: the 1-GPU references two at a time as before; 4 GPUs:
     # also two 2-GPU runs at once, on GPUs 0-1 and 2-3).
@@ -115,10 +118,9 @@ for PHASE in "$@"; do
       "fsdp2_1.3b 2 ${M13[*]} $P.data_parallel_shard_degree 2" \
       "ep2_moe 2 ${MOE[*]} $P.expert_parallel_degree 2" \
       "fsdp2_370m 2 ${M370[*]} $P.data_parallel_shard_degree 2" \
-      "pp2_1f1b_bal_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B ${BAL[*]}" \
-      "pp2_interleaved_bal_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B ${BAL[*]}" \
-      "fsdp2_370m_oneunit 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${ONE[*]}" \
-      "fsdp2_370m_oneunit_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${ONE[*]} --training.mixed_precision_reduce bfloat16" \
+      "pp2_1f1b_even_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B ${EVEN[*]}" \
+      "pp2_interleaved_even_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B ${EVEN[*]}" \
+      "fsdp2_370m_units 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${UNITS[*]} $P.fsdp_reshard_after_forward always" \
       "fsdp2_370m_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16" \
       "ep2_moe_bf16reduce 2 ${MOE[*]} $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16" \
       "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2"
@@ -128,10 +130,9 @@ for PHASE in "$@"; do
     ROWS=("FSDP2 1.3B, 4 x 4096 per GPU=fsdp2_1.3b:1gpu_1.3b:0.90" "FSDP2 370M, 8 x 2048 per GPU=fsdp2_370m:1gpu_370m:0.90"
           "PP2 1F1B 1.3B, 8 x (4 x 4096)=pp2_1f1b_1.3b:1gpu_1.3b:0.80"
           "PP2 Interleaved1F1B 1.3B, 8 x (4 x 4096)=pp2_interleaved_1.3b:1gpu_1.3b:0.847"
-          "PP2 1F1B 1.3B, balanced stages=pp2_1f1b_bal_1.3b:1gpu_1.3b:0.80"
-          "PP2 Interleaved1F1B 1.3B, balanced stages=pp2_interleaved_bal_1.3b:1gpu_1.3b:0.847"
-          "FSDP2 370M, one unit, no reshard=fsdp2_370m_oneunit:1gpu_370m:0.90"
-          "FSDP2 370M, one unit, no reshard, bf16 reduce=fsdp2_370m_oneunit_bf16reduce:1gpu_370m:0.90"
+          "PP2 1F1B 1.3B, even split (before)=pp2_1f1b_even_1.3b:1gpu_1.3b:0.80"
+          "PP2 Interleaved1F1B 1.3B, even split (before)=pp2_interleaved_even_1.3b:1gpu_1.3b:0.847"
+          "FSDP2 370M, 4 resharded units (before)=fsdp2_370m_units:1gpu_370m:0.90"
           "CP2 1.3B, 32k tokens, full AC=cp2_32k:cp1_32k:0.75:0.55" "CP2 1.3B, 64k tokens, full AC=cp2_64k:cp1_64k:0.75:0.55"
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75"
           "FSDP2 370M, bf16 gradient reduction=fsdp2_370m_bf16reduce:1gpu_370m:0.90"
@@ -139,7 +140,7 @@ for PHASE in "$@"; do
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
-       --bubble pp2_1f1b_bal_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_bal_1.3b=$(python3 -c 'print(1/17)'))
+       --bubble pp2_1f1b_even_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_even_1.3b=$(python3 -c 'print(1/17)'))
     python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
     if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
       for t in "$OUT"/efficiency/*/profile_trace/iteration_14/rank[01]_trace.json; do

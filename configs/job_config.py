@@ -200,16 +200,18 @@ class Parallelism:
     data_parallel_shard_degree: int = doc(-1, "FSDP shard degree (dp_shard); -1 = whatever the others leave.")
     fsdp_reshard_after_forward: str = doc(
         "default",
-        "default: reshard except the last block, and not at all under pipeline parallel; always; never.",
+        "default: reshard except the last unit, and not at all under pipeline parallel or for a part whose gathered "
+        "parameters take <= 2 GiB in param_dtype (parallelisms/fsdp.py: SMALL_PART_BYTES); always; never.",
         choices=("default", "always", "never"),
     )
     fsdp_cpu_offload: bool = doc(False, "Keep sharded parameters and optimizer state in CPU memory.")
     fsdp_blocks_per_unit: int = doc(
         0,
         "Consecutive blocks sharded as one FSDP unit: fewer, larger collectives and fewer hooks (less host time "
-        "per step, which limits small models) for more gathered parameters in memory at once. 0 (auto): as many "
-        "blocks as make about 100M parameters (the 1.3B's 26M-parameter blocks: 4 per unit, measured best on 2 "
-        "H200s; blocks of 100M and more: 1).",
+        "per step, which limits small models) for more gathered parameters in memory at once. 0 (auto): one unit "
+        "when the part's gathered parameters take <= 2 GiB in param_dtype (the 370M: 78.3k against 63.1k tok/s per "
+        "GPU on 2 H200s), else as many blocks as make about 100M parameters (the 1.3B's 26M-parameter blocks: 4 per "
+        "unit, measured best on 2 H200s; blocks of 100M and more: 1).",
     )
     context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")
     context_parallel_load_balance: bool = doc(

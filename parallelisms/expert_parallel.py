@@ -21,16 +21,25 @@ Gradients: each rank's loss is multiplied by dp_cp (train.py) so that an FSDP av
 exact sum. An expert's local gradient already sums the token gradients of all ep ranks of its group (the
 backward all-to-all brings them home); FSDP then averages it over the efsdp x dp_replicate = dp_cp / ep replicas
 of that expert, which would leave a factor ep too many. The forward therefore hands the experts their local
-weights through `_ScaleGrad` (identity forward, gradient x 1/ep). Doing it in autograd rather than with FSDP's
-set_gradient_divide_factor keeps gloo working (that uses ReduceOp.PREMUL_SUM, which gloo lacks).
+weights through `_LocalWeights` (DTensor.to_local of w1 / w2 / w3 in one autograd node, gradient x 1/ep). Doing
+it in autograd rather than with FSDP's set_gradient_divide_factor keeps gloo working (that uses
+ReduceOp.PREMUL_SUM, which gloo lacks).
+
+Host cost per MoE layer (the step of a model of ~1B waits for the host): one device -> host copy in forward (the
+counts of step 1, read once for the splits, the regrouping of step 3 and the local experts' loop), none in
+backward; step 3 is one concatenation of row blocks each way (sizes known on the host), not a gather by a device
+index; the weights cost one autograd node, not a to_local and a scale per weight.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_global_tensor_info
 
 from models.hybrid.moe import GroupedExperts, MoE
 
@@ -59,17 +68,40 @@ def validate_expert_parallel(model_args, pdims) -> list[str]:
     return errs
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; backward multiplies the gradient by `scale` (the 1/ep of the module docstring)."""
+class _LocalWeights(torch.autograd.Function):
+    """weights (DTensors on the ep mesh, or plain tensors) -> their local tensors, in one autograd node: what
+    DTensor.to_local() does for each (a fresh view of the local tensor; the gradient goes back as a DTensor of the
+    same spec) and backward multiplies every gradient by `scale` (the 1/ep of the module docstring). One node
+    for the three weights, and the gradient's DTensor reuses the forward's spec instead of building one."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, scale: float, *weights: torch.Tensor):
         ctx.scale = scale
-        return w.view_as(w)
+        ctx.set_materialize_grads(False)
+        ctx.specs = [w._spec if isinstance(w, DTensor) else None for w in weights]
+        locals_ = [w._local_tensor if isinstance(w, DTensor) else w for w in weights]
+        ctx.local_strides = [t.stride() for t in locals_]
+        return tuple(t.view_as(t) for t in locals_)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+    def backward(ctx, *grads):
+        out = [None]
+        for grad, spec, stride in zip(grads, ctx.specs, ctx.local_strides, strict=True):
+            if grad is not None:
+                grad = grad * ctx.scale
+                if spec is not None:
+                    grad = _grad_as_dtensor(grad, spec, stride)
+            out.append(grad)
+        return tuple(out)
+
+
+def _grad_as_dtensor(grad: torch.Tensor, spec, local_stride) -> DTensor:
+    """The local gradient of a DTensor with `spec` as a DTensor (as DTensor.to_local's backward builds it)."""
+    if grad.stride() == local_stride and not any(p.is_partial() for p in spec.placements):
+        return DTensor(grad, copy.copy(spec), requires_grad=False)
+    _, stride = compute_global_tensor_info(grad, spec.mesh, spec.placements)
+    placements = [Replicate() if p.is_partial() else p for p in spec.placements]
+    return DTensor.from_local(grad, spec.mesh, placements, run_check=False, shape=spec.shape, stride=tuple(stride))
 
 
 # ------------------------------------------------------------------------------------------------ all-to-all
@@ -112,8 +144,8 @@ def exchange_counts(counts_E: torch.Tensor, ep: int, group) -> torch.Tensor:
 
 def _source_major_to_expert_major(recv_counts_IE: torch.Tensor, total: int) -> torch.Tensor:
     """Row indices that reorder the received rows (blocks (source i, local expert e), i-major) into e-major
-    order (stable within a block): x_by_expert = x_recv[index]. `total` = recv_counts_IE.sum(), known on the host
-    already (the all-to-all's split sizes), so that building the index needs no second host sync."""
+    order (stable within a block): x_by_expert = x_recv[index]. (The reference for `_PermuteBlocks`, which does
+    the same reordering from block sizes known on the host.)"""
     ep, n_local = recv_counts_IE.shape
     flat = recv_counts_IE.reshape(-1)
     start = flat.cumsum(0) - flat  # block (i, e) starts here in the received buffer
@@ -122,6 +154,31 @@ def _source_major_to_expert_major(recv_counts_IE: torch.Tensor, total: int) -> t
     block_of_row = torch.repeat_interleave(torch.arange(order.numel(), device=flat.device), sizes, output_size=total)
     offset_in_block = torch.arange(total, device=flat.device) - (sizes.cumsum(0) - sizes)[block_of_row]
     return starts[block_of_row] + offset_in_block
+
+
+def _permute_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    """x's consecutive row blocks of `sizes`, concatenated in `order` (one copy kernel, no index)."""
+    blocks = x_TD.split(sizes)
+    return torch.cat([blocks[j] for j in order])
+
+
+class _PermuteBlocks(torch.autograd.Function):
+    """y = x's row blocks (host sizes `sizes`) in `order`; backward puts the gradient's blocks back (the inverse
+    permutation, again one concatenation). One autograd node, no device index and no scatter in backward."""
+
+    @staticmethod
+    def forward(ctx, x_TD, sizes: list[int], order: list[int]):
+        ctx.sizes, ctx.order = sizes, order
+        return _permute_blocks(x_TD, sizes, order)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        return _permute_blocks(grad_TD, [ctx.sizes[j] for j in ctx.order], _inverse(ctx.order)), None, None
+
+
+def permute_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    """Autograd-aware: x's row blocks of `sizes` (on the host), concatenated in `order`."""
+    return _PermuteBlocks.apply(x_TD, sizes, order)
 
 
 class ExpertParallelGroupedExperts(GroupedExperts):
@@ -133,7 +190,7 @@ class ExpertParallelGroupedExperts(GroupedExperts):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (w1, w2, w3) [E/ep, ...], their gradient scaled by 1/ep (see the module docstring)."""
-        return tuple(_ScaleGrad.apply(w, 1.0 / self.ep_size) for w in super().local_weights())
+        return _LocalWeights.apply(1.0 / self.ep_size, self.w1, self.w2, self.w3)
 
     def forward(self, x_sorted_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         ep, group = self.ep_size, self.ep_group
@@ -142,19 +199,33 @@ class ExpertParallelGroupedExperts(GroupedExperts):
             raise ValueError(
                 f"expert parallel: got counts for {counts_E.numel()} experts, expected the global {self.num_experts}"
             )
+        n_local = self.num_experts // ep
         recv_counts_IE = exchange_counts(counts_E, ep, group)
-        splits = torch.cat([counts_E.view(ep, -1).sum(1), recv_counts_IE.sum(1)]).tolist()  # one host sync
-        send_splits, recv_splits = splits[:ep], splits[ep:]
+        # the one host sync of the layer: this rank's counts and the received ones, [E] + [ep * E/ep]
+        host = torch.cat([counts_E, recv_counts_IE.reshape(-1)]).tolist()
+        sent, recv = host[: self.num_experts], host[self.num_experts :]  # recv: (source i, local expert e), i-major
+        send_splits = [sum(sent[i * n_local : (i + 1) * n_local]) for i in range(ep)]
+        recv_splits = [sum(recv[i * n_local : (i + 1) * n_local]) for i in range(ep)]
+        local_counts = [sum(recv[i * n_local + e] for i in range(ep)) for e in range(n_local)]
         # [T*K, D] -> [sum recv_splits, D]: rows from every ep rank for this rank's experts, by source rank
         x_recv_TD = all_to_all_tokens(x_sorted_TD, send_splits, recv_splits, group)
-        if recv_counts_IE.shape[1] > 1 and ep > 1:
-            index = _source_major_to_expert_major(recv_counts_IE, sum(recv_splits))
-            y_local_TD = super().forward(x_recv_TD[index], recv_counts_IE.sum(0))
-            y_recv_TD = torch.empty_like(y_local_TD).index_copy(0, index, y_local_TD)
+        local_counts_dev = recv_counts_IE.sum(0)
+        if n_local > 1 and ep > 1:
+            # blocks (i, e) i-major -> e-major (by expert, then source rank), run the experts, and back
+            by_expert = [i * n_local + e for e in range(n_local) for i in range(ep)]
+            y_local_TD = self._forward_local(permute_blocks(x_recv_TD, recv, by_expert), local_counts_dev, local_counts)
+            y_recv_TD = permute_blocks(y_local_TD, [recv[j] for j in by_expert], _inverse(by_expert))
         else:
-            y_recv_TD = super().forward(x_recv_TD, recv_counts_IE.sum(0))
+            y_recv_TD = self._forward_local(x_recv_TD, local_counts_dev, local_counts)
         # [sum recv_splits, D] -> [T*K, D]: outputs back to the ranks (and rows) their tokens came from
         return all_to_all_tokens(y_recv_TD, recv_splits, send_splits, group)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for pos, j in enumerate(order):
+        inverse[j] = pos
+    return inverse
 
 
 # --------------------------------------------------------------------------------------------------- apply

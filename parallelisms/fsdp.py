@@ -2,8 +2,9 @@
 
 Parameters are sharded over "dp_shard_cp" (dp_shard x cp: CP ranks hold the same parameters, so they
 shard them too) and replicated over "dp_replicate". Each run of `fsdp_blocks_per_unit` consecutive
-blocks is one FSDP unit (one all-gather and one reduce-scatter for all of them; by default as many blocks as hold
-about 100M parameters, see auto_blocks_per_unit); the root unit holds the
+blocks is one FSDP unit (one all-gather and one reduce-scatter for all of them; by default all blocks of a small
+part, SMALL_PART_BYTES, else as many blocks as hold about 100M parameters, see auto_blocks_per_unit); the root unit
+holds the
 embedding, norm_f and lm_head (tied embeddings must stay in one unit). Under expert parallel, the routed experts
 of a MoE block are their own unit, sharded over the EP mesh's ("dp_replicate", "efsdp") instead.
 """
@@ -31,27 +32,59 @@ def apply_fsdp(
     kw = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype))
     if p.fsdp_cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    # Blocks take their inputs as they come (block_kw): FSDP's default casts every floating-point input of a unit to
+    # param_dtype, which would round the float32 residual stream (model.residual_in_fp32) to bf16 at each unit's
+    # first block, after which add_and_norm keeps it in bf16 (a residual comes back in the dtype it came in): the
+    # float32 residual that one GPU's autocast keeps would end at the second unit (at every block since torch 2.13,
+    # whose grouped units run the pre-forward hook per module). The hidden stream is already in param_dtype (the
+    # bf16 embedding, the mixers' outputs); the root unit still casts its inputs (a pipeline stage's packed
+    # hidden / residual), and so do routed experts' units. Also one pytree walk of the inputs less per unit.
+    block_kw = dict(
+        kw,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
+    )
     expert_kw = None
     if pdims is not None and pdims.ep > 1:
         expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
     layers = list(model.layers.values())
-    k = p.fsdp_blocks_per_unit or auto_blocks_per_unit(layers)  # >= 0 (configs/checks.py); 0 = auto
+    small = gathered_bytes(model, param_dtype) <= SMALL_PART_BYTES
+    # >= 0 (configs/checks.py); 0 = auto: one unit for a small part, else units of ~AUTO_UNIT_PARAMS
+    k = p.fsdp_blocks_per_unit or (max(len(layers), 1) if small else auto_blocks_per_unit(layers))
     units = [layers[i : i + k] for i in range(0, len(layers), k)]
     pipelined = pdims is not None and pdims.pp > 1
     for i, unit in enumerate(units):
-        # default: reshard, except the last unit (its parameters are needed again first in backward) and
-        # except under pipeline parallel, where every microbatch would all-gather the stage's blocks again.
-        default = not pipelined and i < len(units) - 1
-        reshard = {"always": True, "never": False}.get(p.fsdp_reshard_after_forward, default)
+        reshard = unit_reshards(p.fsdp_reshard_after_forward, i, len(units), pipelined, small)
         if expert_kw is not None:
             for layer in unit:
                 _shard_experts(layer, reshard, expert_kw)
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **kw)
+        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **block_kw)
     fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", **kw)
     return model
 
 
 AUTO_UNIT_PARAMS = 100_000_000
+
+# A part whose parameters, gathered in param_dtype, take at most this much is one FSDP unit by default
+# (fsdp_blocks_per_unit 0), kept gathered from its forward to its backward (fsdp_reshard_after_forward "default"):
+# one all-gather and one reduce-scatter per step and the fewest hooks. Such models wait for the host, and FSDP2's hooks
+# cost host time per unit and parameter: on 2 H200s the 370M (0.74 GB in bf16) ran 63.1k tok/s per GPU in units of
+# 15 blocks resharded after forward and 78.3k as one unit (separate calls, 2026-11-28, docs/performance.md). The 1.3B
+# (2.7 GB) keeps units of ~100M parameters, resharded (0.93 of one GPU per GPU).
+SMALL_PART_BYTES = 2 << 30
+
+
+def unit_reshards(policy: str, index: int, n_units: int, pipelined: bool, small: bool) -> bool:
+    """fsdp_reshard_after_forward for block unit `index` of `n_units`. "default": reshard, except the last unit (its
+    parameters are needed again first in backward), except under pipeline parallel (every microbatch would
+    all-gather the stage's blocks again) and except for a small part (SMALL_PART_BYTES)."""
+    default = not pipelined and not small and index < n_units - 1
+    return {"always": True, "never": False}.get(policy, default)
+
+
+def gathered_bytes(model: nn.Module, param_dtype: torch.dtype) -> int:
+    """The bytes of `model`'s parameters when all-gathered in param_dtype (the experts' too)."""
+    itemsize = torch.empty((), dtype=param_dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * itemsize
 
 
 def auto_blocks_per_unit(layers: list[nn.Module], unit_params: int = AUTO_UNIT_PARAMS) -> int:

@@ -18,6 +18,7 @@ from models.args import build_model_args
 from models.hybrid.moe import MoE
 from parallelisms.expert_parallel import (
     _source_major_to_expert_major,
+    permute_blocks,
     validate_expert_parallel,
 )
 from parallelisms.mesh import ParallelDims
@@ -41,6 +42,29 @@ def test_regroup_index_matches_naive():
     offsets = recv.flatten().cumsum(0) - recv.flatten()
     naive = [int(offsets[i * 3 + e]) + j for e in range(3) for i in range(3) for j in range(int(recv[i, e]))]
     assert _source_major_to_expert_major(recv, int(recv.sum())).tolist() == naive
+
+
+def test_permute_blocks_matches_regroup_index_forward_and_backward():
+    """The EP forward regroups by host block sizes (one cat each way); it must equal the device-index gather
+    (rows and gradients), empty blocks included."""
+    recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
+    ep, n_local = recv.shape
+    sizes = recv.flatten().tolist()
+    by_expert = [i * n_local + e for e in range(n_local) for i in range(ep)]
+    x = torch.randn(int(recv.sum()), 5, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    index = _source_major_to_expert_major(recv, int(recv.sum()))
+    y = permute_blocks(x, sizes, by_expert)
+    y_ref = x_ref[index]
+    assert torch.equal(y, y_ref)
+    inverse = [by_expert.index(j) for j in range(len(by_expert))]
+    back = permute_blocks(y * 3, [sizes[j] for j in by_expert], inverse)  # the undo of the EP forward
+    back_ref = torch.empty_like(y_ref).index_copy(0, index, y_ref * 3)
+    assert torch.equal(back, back_ref)
+    g = torch.randn_like(back)
+    back.backward(g)
+    back_ref.backward(g)
+    assert torch.equal(x.grad, x_ref.grad)
 
 
 def test_validate_expert_parallel_messages():
@@ -85,8 +109,17 @@ def _experts_vs_full(rank, world, ep):
     ep_experts.backend = "loop"
 
     x = xs[rank].clone().requires_grad_(True)
-    y = ep_experts(x, rows_per_rank[rank])
-    y.backward(torch.ones_like(y) * (rank + 1))
+    syncs = []  # device -> host reads: at most one per forward (the split sizes), none in backward
+    tolist, item = torch.Tensor.tolist, torch.Tensor.item
+    torch.Tensor.tolist = lambda t: syncs.append("tolist") or tolist(t)
+    torch.Tensor.item = lambda t: syncs.append("item") or item(t)
+    try:
+        y = ep_experts(x, rows_per_rank[rank])
+        n_forward = len(syncs)
+        y.backward(torch.ones_like(y) * (rank + 1))
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = tolist, item
+    assert (n_forward, len(syncs)) == (1, 1), syncs
     grads = {n: p.grad.full_tensor() for n, p in ep_experts.named_parameters()}
     for g in grads.values():
         # Each rank's grad is its ep group's token sum / ep (the EP scale; FSDP's mean over efsdp supplies the

@@ -122,14 +122,21 @@ class GroupedExperts(nn.Module):
         return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
 
     def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        if self._use_grouped_mm(x_TD):
-            return self._forward_grouped_mm(x_TD, num_tokens_per_expert_E)
-        return self._forward_loop(x_TD, num_tokens_per_expert_E)
+        return self._forward_local(x_TD, num_tokens_per_expert_E)
 
-    def _forward_loop(self, x_TD, counts_E):
+    def _forward_local(
+        self, x_TD: torch.Tensor, counts_E: torch.Tensor, counts_host: list[int] | None = None
+    ) -> torch.Tensor:
+        """forward with the counts also on the host when the caller knows them already (expert parallel reads
+        them for its all-to-all): the loop path then needs no device -> host copy of its own."""
+        if self._use_grouped_mm(x_TD):
+            return self._forward_grouped_mm(x_TD, counts_E)
+        return self._forward_loop(x_TD, counts_E, counts_host)
+
+    def _forward_loop(self, x_TD, counts_E, counts_host: list[int] | None = None):
         w1, w2, w3 = (w.to(x_TD.dtype) for w in self.local_weights())
         out, start = [], 0
-        for e, n in enumerate(counts_E.tolist()):
+        for e, n in enumerate(counts_E.tolist() if counts_host is None else counts_host):
             x = x_TD[start : start + n]
             start += n
             out.append((F.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e])
