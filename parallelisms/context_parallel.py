@@ -328,6 +328,7 @@ class MambaContextParallel:
         self.d_inner_local = self.d_inner // cp
         self.ngroups_local = max(self.ngroups // cp, 1)
         self.conv1d_channels = self.d_inner_local + 2 * self.ngroups_local * d_state
+        self._rows: torch.Tensor | None = None  # in_proj's x B C dt rows in send order (_send_rows), per device
 
     @classmethod
     def from_mixer(cls, mixer: nn.Module, cp_group, load_balance: bool = False) -> "MambaContextParallel":
@@ -410,7 +411,7 @@ class MambaContextParallel:
         """[cp * (conv1d_channels + nheads_local)] int64: the rows of in_proj's x B C dt part (row 0 = x's first) in
         the all-to-all's send order, so that rows[k*d : (k+1)*d] are what _send_order puts in send[k] (a group's B / C
         rows repeat when groups are replicated). Made by _send_order itself, from the row numbers."""
-        if getattr(self, "_rows", None) is None or self._rows.device != device:
+        if self._rows is None or self._rows.device != device:
             n = self.d_inner + 2 * self.ngroups * self.d_state + self.nheads
             rows = torch.arange(n, device=device).view(1, 1, n)
             self._rows = self._send_order(rows).reshape(-1)
