@@ -6,7 +6,10 @@ blocks is one FSDP unit (one all-gather and one reduce-scatter for all of them; 
 part, SMALL_PART_BYTES, else as many blocks as hold about 100M parameters, see auto_blocks_per_unit); the root unit
 holds the
 embedding, norm_f and lm_head (tied embeddings must stay in one unit). Under expert parallel, the routed experts
-of a MoE block are their own unit, sharded over the EP mesh's ("dp_replicate", "efsdp") instead.
+of a MoE block are their own unit, sharded over the EP mesh's ("dp_replicate", "efsdp") instead; where that mesh is
+one rank (ep = dp_shard x cp, no HSDP) each expert has one replica and FSDP leaves the experts alone (ignored_params):
+their weights stay float32 DTensors on the "ep" mesh, cast to bf16 by the experts' products, their gradients
+reduced by nothing (the 1/ep scale and the loss's dp_cp factor cancel: parallelisms/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -43,9 +46,14 @@ def apply_fsdp(
         kw,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False),
     )
-    expert_kw = None
+    expert_kw, ignored = None, None
     if pdims is not None and pdims.ep > 1:
-        expert_kw = dict(kw, mesh=pdims.ep_mesh["dp_replicate", "efsdp"])
+        expert_mesh = pdims.ep_mesh["dp_replicate", "efsdp"]
+        if expert_mesh.size() > 1:
+            expert_kw = dict(kw, mesh=expert_mesh)
+        else:  # one replica of each expert (ep = dp_shard x cp): nothing to gather or reduce, and FSDP's hooks on
+            # the experts' units would cost host time for nothing; the blocks' units and the root leave them out
+            ignored = {param for experts in expert_modules(model) for param in experts.parameters()}
     layers = list(model.layers.values())
     small = gathered_bytes(model, param_dtype) <= SMALL_PART_BYTES
     # >= 0 (configs/checks.py); 0 = auto: one unit for a small part, else units of ~AUTO_UNIT_PARAMS
@@ -57,8 +65,10 @@ def apply_fsdp(
         if expert_kw is not None:
             for layer in unit:
                 _shard_experts(layer, reshard, expert_kw)
-        fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **block_kw)
-    fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", **kw)
+        fully_shard(
+            unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, ignored_params=ignored, **block_kw
+        )
+    fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", ignored_params=ignored, **kw)
     return model
 
 

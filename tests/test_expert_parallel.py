@@ -139,13 +139,14 @@ def _experts_vs_full(rank, world, ep):
 def _model_grads_vs_single(rank, world, layouts):
     """train.py's build (EP before FSDP, meta init, loss x dp_cp / global tokens) vs one unsharded model."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from configs.job_config import Parallelism
     from models import build_model_on_meta
     from models.init import init_weights
     from models.loss import cross_entropy_sum
-    from parallelisms.expert_parallel import apply_expert_parallel
+    from parallelisms.expert_parallel import apply_expert_parallel, expert_modules
     from parallelisms.fsdp import apply_fsdp
     from parallelisms.grad_norm import clip_grad_norm_
 
@@ -178,6 +179,12 @@ def _model_grads_vs_single(rank, world, layouts):
         init_weights(model, seed=7)
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=0, msg=f"init {n}")
+        # experts get FSDP units only where they have replicas to reduce over (efsdp x dp_replicate > 1); else FSDP
+        # leaves them out (no hooks) and they stay DTensors on the "ep" mesh
+        replicated = dp_replicate * dp_shard // ep > 1
+        for experts in expert_modules(model):
+            assert isinstance(experts, FSDPModule) == replicated, (dp_replicate, dp_shard, ep)
+            assert all((p.device_mesh.mesh_dim_names == ("ep",)) != replicated for p in experts.parameters())
 
         dp_rank = mesh["dp"].get_local_rank()
         rows = slice(dp_rank * B // pdims.dp, (dp_rank + 1) * B // pdims.dp)
