@@ -142,20 +142,6 @@ def exchange_counts(counts_E: torch.Tensor, ep: int, group) -> torch.Tensor:
     return recv.view(ep, -1)
 
 
-def _source_major_to_expert_major(recv_counts_IE: torch.Tensor, total: int) -> torch.Tensor:
-    """Row indices that reorder the received rows (blocks (source i, local expert e), i-major) into e-major
-    order (stable within a block): x_by_expert = x_recv[index]. (The reference for `_PermuteBlocks`, which does
-    the same reordering from block sizes known on the host.)"""
-    ep, n_local = recv_counts_IE.shape
-    flat = recv_counts_IE.reshape(-1)
-    start = flat.cumsum(0) - flat  # block (i, e) starts here in the received buffer
-    order = torch.arange(ep * n_local, device=flat.device).view(ep, n_local).t().reshape(-1)  # e-major blocks
-    sizes, starts = flat[order], start[order]
-    block_of_row = torch.repeat_interleave(torch.arange(order.numel(), device=flat.device), sizes, output_size=total)
-    offset_in_block = torch.arange(total, device=flat.device) - (sizes.cumsum(0) - sizes)[block_of_row]
-    return starts[block_of_row] + offset_in_block
-
-
 def _permute_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
     """x's consecutive row blocks of `sizes`, concatenated in `order` (one copy kernel, no index)."""
     blocks = x_TD.split(sizes)

@@ -93,8 +93,7 @@ def unit_reshards(policy: str, index: int, n_units: int, pipelined: bool, small:
 
 def gathered_bytes(model: nn.Module, param_dtype: torch.dtype) -> int:
     """The bytes of `model`'s parameters when all-gathered in param_dtype (the experts' too)."""
-    itemsize = torch.empty((), dtype=param_dtype).element_size()
-    return sum(p.numel() for p in model.parameters()) * itemsize
+    return sum(p.numel() for p in model.parameters()) * param_dtype.itemsize
 
 
 def auto_blocks_per_unit(layers: list[nn.Module], unit_params: int = AUTO_UNIT_PARAMS) -> int:

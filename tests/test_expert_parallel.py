@@ -16,11 +16,7 @@ import torch
 
 from models.args import build_model_args
 from models.hybrid.moe import MoE
-from parallelisms.expert_parallel import (
-    _source_major_to_expert_major,
-    permute_blocks,
-    validate_expert_parallel,
-)
+from parallelisms.expert_parallel import permute_blocks, validate_expert_parallel
 from parallelisms.mesh import ParallelDims
 from tests.dist_utils import run_distributed
 
@@ -37,15 +33,18 @@ TINY = {
 }
 
 
-def test_regroup_index_matches_naive():
-    recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
+def _regroup_index(recv: torch.Tensor) -> torch.Tensor:
+    """Row indices taking the received rows (blocks (source i, local expert e), i-major) to e-major order, stable
+    within a block: x_by_expert = x_recv[index] (written out row by row)."""
+    ep, n_local = recv.shape
     offsets = recv.flatten().cumsum(0) - recv.flatten()
-    naive = [int(offsets[i * 3 + e]) + j for e in range(3) for i in range(3) for j in range(int(recv[i, e]))]
-    assert _source_major_to_expert_major(recv, int(recv.sum())).tolist() == naive
+    blocks = [(i, e) for e in range(n_local) for i in range(ep)]  # e-major
+    rows = [int(offsets[i * n_local + e]) + j for i, e in blocks for j in range(int(recv[i, e]))]
+    return torch.tensor(rows, dtype=torch.int64)
 
 
 def test_permute_blocks_matches_regroup_index_forward_and_backward():
-    """The EP forward regroups by host block sizes (one cat each way); it must equal the device-index gather
+    """The EP forward regroups by host block sizes (one cat each way); it must equal the gather by the row index
     (rows and gradients), empty blocks included."""
     recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
     ep, n_local = recv.shape
@@ -53,7 +52,7 @@ def test_permute_blocks_matches_regroup_index_forward_and_backward():
     by_expert = [i * n_local + e for e in range(n_local) for i in range(ep)]
     x = torch.randn(int(recv.sum()), 5, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
-    index = _source_major_to_expert_major(recv, int(recv.sum()))
+    index = _regroup_index(recv)
     y = permute_blocks(x, sizes, by_expert)
     y_ref = x_ref[index]
     assert torch.equal(y, y_ref)
