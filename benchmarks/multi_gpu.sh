@@ -123,7 +123,9 @@ for PHASE in "$@"; do
       "fsdp2_370m_units 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${UNITS[*]} $P.fsdp_reshard_after_forward always" \
       "fsdp2_370m_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16" \
       "ep2_moe_bf16reduce 2 ${MOE[*]} $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16" \
-      "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2"
+      "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2" \
+      "1gpu_370m_graph 1 ${M370[*]} --training.cuda_graph true" \
+      "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true"
     # *_bf16reduce: gradients reduce-scattered in bf16 (training.mixed_precision_reduce), half the bytes.
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
@@ -136,7 +138,8 @@ for PHASE in "$@"; do
           "CP2 1.3B, 32k tokens, full AC=cp2_32k:cp1_32k:0.75:0.55" "CP2 1.3B, 64k tokens, full AC=cp2_64k:cp1_64k:0.75:0.55"
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75"
           "FSDP2 370M, bf16 gradient reduction=fsdp2_370m_bf16reduce:1gpu_370m:0.90"
-          "EP2 hybrid MoE 1B, bf16 gradient reduction=ep2_moe_bf16reduce:1gpu_moe:0.75")
+          "EP2 hybrid MoE 1B, bf16 gradient reduction=ep2_moe_bf16reduce:1gpu_moe:0.75"
+          "DDP2 370M + CUDA graph (1 GPU with the graph)=ddp2_370m_graph:1gpu_370m_graph:0.90")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
