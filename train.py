@@ -40,6 +40,7 @@ from configs.parser import ConfigError, load_config_or_exit, to_dict
 from data.loader import build_loader
 from models import build_model_on_meta
 from parallelisms.data_parallel import FlatGradients
+from parallelisms.distributed_optimizer import ShardedDataParallel
 from parallelisms.grad_norm import global_grad_norm
 from parallelisms.mesh import coords, group
 from parallelisms.parallelize import build_model_parts
@@ -114,8 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     autocast_dtype = compute_dtype if on_gpu and compute_dtype != torch.float32 and not pdims.fsdp_enabled else None
     # Under autocast our AdamW can keep the weights' copies in its dtype (optimizer.weight_copies); a captured CUDA
     # graph casts inside itself (models/kernels/weight_copies.py), so it keeps none.
-    copies_dtype = autocast_dtype if not cfg.training.cuda_graph else None
+    # The distributed optimizer updates each rank's rows of the weights, whose other rows arrive by an all-gather.
+    distributed_optimizer = pdims.ddp_enabled and cfg.parallelism.distributed_optimizer
+    copies_dtype = autocast_dtype if not (cfg.training.cuda_graph or distributed_optimizer) else None
     optimizers = [build_optimizer([part], cfg.optimizer, device.type, copies_dtype) for part in model_parts]
+    # parallelism.distributed_optimizer: the weights re-homed in padded storage, the moments sharded over the dp ranks
+    # (parallelisms/distributed_optimizer.py); before the checkpoint load, which fills them.
+    sharded_dp = ShardedDataParallel(list(model_parts[0].parameters()), mesh["dp"]) if distributed_optimizer else None
+    if sharded_dp is not None:
+        sharded_dp.shard_optimizer_state(optimizers[0])
     lr_schedulers = [build_lr_scheduler(opt, cfg.lr_scheduler, cfg.training.steps) for opt in optimizers]
 
     # 5. Data: every dp rank reads its slice of the one global batch; cp / pp ranks of a dp rank share it.
@@ -162,8 +170,11 @@ def main(argv: list[str] | None = None) -> None:
     amp = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
     params = [p for part in model_parts for p in part.parameters()]
     profiler = StepProfiler(cfg.profiling, cfg.job.dump_folder, rank, device)
-    # DDP: after the checkpoint load, which needs .grad unset: every .grad becomes a view of one buffer.
-    flat_grads = FlatGradients(params, group(mesh, "dp")) if pdims.ddp_enabled else None
+    # DDP: after the checkpoint load, which needs .grad unset: every .grad becomes a view of one buffer (of padded
+    # storage under the distributed optimizer).
+    flat_grads = FlatGradients(params, group(mesh, "dp")) if pdims.ddp_enabled and sharded_dp is None else None
+    if sharded_dp is not None:
+        sharded_dp.make_gradient_views()
     # training.cuda_graph: one microbatch's forward + backward replayed as one CUDA graph.
     graphed = (
         GraphedMicrobatch(model_parts[0], compute_dtype, cfg.training.loss_chunk_tokens)
@@ -218,8 +229,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         if flat_grads is not None:
             flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
+        if sharded_dp is not None:
+            sharded_dp.reduce_scatter_gradients()  # the distributed optimizer: this rank's rows of the mean gradient
         sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient
-        grad_norm = global_grad_norm(params, pp_group)  # equal on every rank
+        # equal on every rank
+        grad_norm = sharded_dp.grad_norm() if sharded_dp is not None else global_grad_norm(params, pp_group)
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches). A SIGTERM
         # rides on the same all-reduce, so that every rank agrees to stop after the same step.
         loss_and_stop = torch.stack([loss_sum.float(), loss_sum.new_full((), float(stop.requested))])
@@ -230,9 +244,11 @@ def main(argv: list[str] | None = None) -> None:
         if not skip_on_device:  # foreach / for-loop AdamW: the host decides (a sync), before any update
             skip = bool(skip.item())
         take_optimizer_steps(optimizers, params, grad_norm, cfg.training.max_norm, skip)  # clipped, or skipped
+        if sharded_dp is not None:
+            sharded_dp.all_gather_weights()  # every rank's updated rows -> the whole weights on every rank
         for opt in optimizers:
-            # a CUDA graph and the DDP buffer both hold on to the same .grad tensors
-            opt.zero_grad(set_to_none=graphed is None and flat_grads is None)
+            # a CUDA graph and the DDP buffers all hold on to the same .grad tensors
+            opt.zero_grad(set_to_none=graphed is None and flat_grads is None and sharded_dp is None)
         worst_expert_load = moe.after_step(skip=skip)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:
@@ -410,3 +426,11 @@ def pipeline_step(model, input_ids, labels, seq_idx, step_loss: StepLoss, device
 
 if __name__ == "__main__":
     main()
+    # A finished run leaves the interpreter without its teardown: every file is closed and every process group
+    # destroyed by now, and the teardown's C++ static destructors have aborted finished runs ("terminate called
+    # without an active exception", exit -6 after the end-of-run line: sessions 8, 9, 25 and 2026-11-28's FSDP2
+    # 370M run), which torchrun and SLURM then report as failed jobs.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

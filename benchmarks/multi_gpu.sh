@@ -105,6 +105,10 @@ for PHASE in "$@"; do
     # unit gathered; "always" reshards it too), against the
     # default's one unit of 48 (the 370M's gathered parameters take < 2 GiB)
     UNITS=($P.fsdp_blocks_per_unit 15)
+    # distopt2_*: plain data parallel with the distributed optimizer (the moments sharded over the 2 ranks, gradients
+    # reduce-scattered and weights all-gathered once per step; parallelisms/distributed_optimizer.py), with and
+    # without the CUDA graph, against one GPU run the same way
+    DISTOPT=($P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 $P.distributed_optimizer true)
     # Every run of the table, longest first within each size, as "NAME NGPU CONFIG ARGS...". gpu_pool runs them on
     # the host's GPUs, each as soon as enough are free (2 GPUs: the 1-GPU references two at a time as before; 4 GPUs:
     # also two 2-GPU runs at once, on GPUs 0-1 and 2-3).
@@ -125,7 +129,9 @@ for PHASE in "$@"; do
       "ep2_moe_bf16reduce 2 ${MOE[*]} $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16" \
       "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2" \
       "1gpu_370m_graph 1 ${M370[*]} --training.cuda_graph true" \
-      "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true"
+      "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true" \
+      "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
+      "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}"
     # *_bf16reduce: gradients reduce-scattered in bf16 (training.mixed_precision_reduce), half the bytes.
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
@@ -139,7 +145,9 @@ for PHASE in "$@"; do
           "EP2 hybrid MoE 1B, 4 x 4096 per GPU=ep2_moe:1gpu_moe:0.75"
           "FSDP2 370M, bf16 gradient reduction=fsdp2_370m_bf16reduce:1gpu_370m:0.90"
           "EP2 hybrid MoE 1B, bf16 gradient reduction=ep2_moe_bf16reduce:1gpu_moe:0.75"
-          "DDP2 370M + CUDA graph (1 GPU with the graph)=ddp2_370m_graph:1gpu_370m_graph:0.90")
+          "DDP2 370M + CUDA graph (1 GPU with the graph)=ddp2_370m_graph:1gpu_370m_graph:0.90"
+          "DDP2 + distributed optimizer 370M + CUDA graph (1 GPU with the graph)=distopt2_370m_graph:1gpu_370m_graph:0.90"
+          "DDP2 + distributed optimizer 370M, eager=distopt2_370m:1gpu_370m:0.90")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')

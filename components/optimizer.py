@@ -74,6 +74,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
     def __init__(self, params, *, tables: bool = False, weight_copies: torch.dtype | None = None, **kwargs):
         super().__init__(params, **kwargs)
         self._tables = None
+        self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         if weight_copies is not None and not tables:
             raise ValueError("ShardLocalAdamW(weight_copies=...) needs tables=True: only that kernel writes them")
         if tables:
@@ -83,6 +84,12 @@ class ShardLocalAdamW(torch.optim.AdamW):
 
             self._tables = TableAdamW(weight_copies)
 
+    def use_shards(self, shards: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The distributed optimizer (parallelisms/distributed_optimizer.py): each step updates, for the parameter
+        p, shards[id(p)] = (this rank's rows of p, of its averaged gradient) instead of p and p.grad (whole on every
+        rank); the moments are already shards (DTensors)."""
+        self._shards = shards
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
@@ -91,6 +98,8 @@ class ShardLocalAdamW(torch.optim.AdamW):
             lists: tuple[list[torch.Tensor], ...] = ([], [], [], [], [], [])
             has_complex = self._init_group(group, *lists)  # torch's: lazy state, the tensors that have a gradient
             params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = ([local_shard(t) for t in ts] for ts in lists)
+            if self._shards is not None:
+                params, grads = [self._shards[id(p)][0] for p in lists[0]], [self._shards[id(p)][1] for p in lists[0]]
             if self._tables is not None:
                 if has_complex or group["amsgrad"] or group["maximize"]:
                     raise ValueError("optimizer.implementation 'triton' has no complex, amsgrad, maximize: use 'fused'")

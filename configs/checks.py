@@ -86,6 +86,8 @@ def job_errors(
             f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 0 "
             "(1 = one FSDP unit per block, 0 = units of about 100M parameters)"
         )
+    if cfg.parallelism.distributed_optimizer:
+        errs += distributed_optimizer_errors(cfg, pdims)
     if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():
         errs.append(
             "parallelism.fsdp_cpu_offload needs GPUs (without CUDA the parameters already live in CPU "
@@ -106,6 +108,25 @@ def job_errors(
         errs += validate_pipeline(cfg, pdims, model_args, batch.n_microbatches)
     if pdims.ep_enabled:
         errs += validate_expert_parallel(model_args, pdims)
+    return errs
+
+
+def distributed_optimizer_errors(cfg: JobConfig, pdims: ParallelDims) -> list[str]:
+    """What parallelism.distributed_optimizer needs (parallelisms/distributed_optimizer.py), each with its fix."""
+    errs = []
+    if pdims.world_size > 1 and not pdims.ddp_enabled:
+        errs.append(
+            f"parallelism.distributed_optimizer shards plain data parallel's optimizer (data_parallel_replicate_degree "
+            f"= NGPU, no other parallelism); this job is pp {pdims.pp} x dp_replicate {pdims.dp_replicate} x dp_shard "
+            f"{pdims.dp_shard} x cp {pdims.cp}: set --parallelism.data_parallel_replicate_degree {pdims.world_size} "
+            "--parallelism.data_parallel_shard_degree 1 (and no PP / CP / EP), or distributed_optimizer false (FSDP "
+            "already shards the optimizer)"
+        )
+    if cfg.optimizer.implementation not in ("auto", "fused", "triton"):
+        errs.append(
+            f"parallelism.distributed_optimizer needs the fused AdamW (it clips the gradient shards inside its "
+            f"kernel); optimizer.implementation is {cfg.optimizer.implementation!r}: use auto, fused or triton"
+        )
     return errs
 
 

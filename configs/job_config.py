@@ -198,6 +198,14 @@ class Parallelism:
         1, "HSDP replicas (dp_replicate); the only degree > 1 (no shard / CP / PP): plain data parallel (DDP)."
     )
     data_parallel_shard_degree: int = doc(-1, "FSDP shard degree (dp_shard); -1 = whatever the others leave.")
+    distributed_optimizer: bool = doc(
+        False,
+        "With plain data parallel (data_parallel_replicate_degree = NGPU and no other parallelism): the moments of "
+        "AdamW sharded over the ranks, the gradients reduce-scattered and the weights all-gathered once per step "
+        "(Megatron's distributed optimizer, ZeRO-2: parallelisms/distributed_optimizer.py). Nothing distributed runs "
+        "inside forward / backward, so it composes with training.cuda_graph. For models whose weights and gradients "
+        "fit whole on each GPU (<= ~1B); needs the fused AdamW (optimizer.implementation auto, fused or triton).",
+    )
     fsdp_reshard_after_forward: str = doc(
         "default",
         "default: reshard except the last unit, and not at all under pipeline parallel or for a part whose gathered "

@@ -159,3 +159,24 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
     assert "this job has 2 processes with FSDP" in msgs
     assert not [e for e in errors(["--parallelism.data_parallel_replicate_degree", "2"], 2) if "processes" in e]
     assert "compile.enable are exclusive" in msgs and "['*', 'E']" in msgs
+
+
+def test_distributed_optimizer_names_the_layout_and_optimizer_it_needs():
+    """parallelism.distributed_optimizer shards plain data parallel's optimizer with the fused AdamW: any other
+    layout or optimizer implementation is refused before compute, with the flags that fix it."""
+    from configs.checks import distributed_optimizer_errors
+    from configs.parser import load_config
+    from parallelisms.mesh import ParallelDims
+
+    def errors(argv, world):
+        cfg = load_config(
+            ["--job.config_file", "configs/debug.toml", "--parallelism.distributed_optimizer", "true", *argv]
+        )
+        return distributed_optimizer_errors(cfg, ParallelDims.from_config(cfg.parallelism, world))
+
+    ddp2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    assert errors(ddp2, 2) == [] and errors([], 1) == []  # one process: nothing to shard, nothing to refuse
+    (fsdp,) = errors([], 2)
+    assert "dp_shard 2" in fsdp and "--parallelism.data_parallel_replicate_degree 2" in fsdp
+    (impl,) = errors([*ddp2, "--optimizer.implementation", "foreach"], 2)
+    assert "'foreach'" in impl and "auto, fused or triton" in impl

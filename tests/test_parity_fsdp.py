@@ -69,16 +69,31 @@ def test_ddp2_with_gradient_accumulation(reference, tmp_path):
     assert_same_losses(reference, run_training(2, PARITY_ARGS + DDP2, tmp_path))
 
 
+DISTOPT2 = DDP2 + ["--parallelism.distributed_optimizer", "true"]
+
+
+def test_distributed_optimizer2_with_gradient_accumulation(reference, tmp_path):
+    """DDP with the moments sharded over the ranks (parallelisms/distributed_optimizer.py): gradients reduce-scattered
+    after two microbatches, each rank's rows updated, the weights all-gathered: the single process's losses."""
+    assert_same_losses(reference, run_training(2, PARITY_ARGS + DISTOPT2, tmp_path))
+
+
 @pytest.mark.parametrize(
     "save, resume",
-    [pytest.param(2, 0, marks=pytest.mark.slow), (0, 2)],  # one direction by default: the same save / load code
-    ids=["ddp2-to-fsdp2", "fsdp2-to-ddp2"],
+    [
+        pytest.param("ddp2", "fsdp2", marks=pytest.mark.slow),
+        ("fsdp2", "ddp2"),  # one direction by default: the same save / load code
+        ("distopt2", "fsdp2"),  # the distributed optimizer's moments are DTensors of rows, as FSDP2's
+        pytest.param("fsdp2", "distopt2", marks=pytest.mark.slow),
+        pytest.param("distopt2", "ddp2", marks=pytest.mark.slow),
+    ],
+    ids=["ddp2-to-fsdp2", "fsdp2-to-ddp2", "distopt2-to-fsdp2", "fsdp2-to-distopt2", "distopt2-to-ddp2"],
 )
 def test_checkpoint_between_ddp_and_fsdp(reference, tmp_path, save, resume):
     """DDP saves whole (replicated) tensors, FSDP shards: a step-2 checkpoint of one resumes under the other."""
     import shutil
 
-    layout = {2: DDP2, 0: ["--parallelism.data_parallel_shard_degree", "2"]}
+    layout = {"ddp2": DDP2, "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"], "distopt2": DISTOPT2}
     args = PARITY_ARGS + ["--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     run_training(2, args + layout[save], tmp_path / "first")
     shutil.copytree(tmp_path / "first" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")
