@@ -31,12 +31,15 @@ from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
-import torch.nn.functional as F
 
 from models.hybrid.attention import Attention
 from models.mamba2.mixer import Mamba2Mixer
+from parallelisms.cp_mamba_autograd import (
+    _RowBlocksLinear,  # noqa: F401  (here since it began here: tests use it)
+    in_proj_seq_to_heads,
+    local_params,
+)
 from parallelisms.sequence_sharding import redo_load_balance, undo_load_balance
 
 __all__ = [
@@ -176,52 +179,6 @@ def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
     return _HeadsToSeq.apply(x_BSd, group)
 
 
-class _RowBlocksLinear(torch.autograd.Function):
-    """u [T, D] @ W [K, d, D]^T (+ bias [K, d]) -> [K, T, d]: a linear layer's output as K blocks of its rows, each
-    block contiguous (the all-to-all's send order). One product per block, written in place (torch.mm's out=, the
-    transposes as cuBLAS flags): no copy of the activations either way. (torch.matmul of [T, D] by [K, D, d], tried
-    first, added six copy kernels per layer and step on the GPU at 32k tokens, ~0.35 ms each: the broadcast u and the
-    transposed gradient are made contiguous for the batched product.) Under autocast it computes in the autocast
-    dtype, as F.linear would."""
-
-    @staticmethod
-    def forward(ctx, u_TD, W_KdD, bias_Kd):
-        device_type = u_TD.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            u_TD, W_KdD = u_TD.to(dtype), W_KdD.to(dtype)
-            bias_Kd = None if bias_Kd is None else bias_Kd.to(dtype)
-        K, d, _ = W_KdD.shape
-        out_KTd = u_TD.new_empty(K, u_TD.shape[0], d)
-        with torch.autocast(device_type, enabled=False):  # out= products: the dtypes are set above
-            for k in range(K):
-                if bias_Kd is None:
-                    torch.mm(u_TD, W_KdD[k].t(), out=out_KTd[k])
-                else:
-                    torch.addmm(bias_Kd[k], u_TD, W_KdD[k].t(), out=out_KTd[k])
-        ctx.save_for_backward(u_TD, W_KdD)
-        ctx.has_bias = bias_Kd is not None
-        return out_KTd
-
-    @staticmethod
-    def backward(ctx, grad_KTd):
-        u_TD, W_KdD = ctx.saved_tensors
-        grad_KTd = grad_KTd.to(u_TD.dtype)
-        K = W_KdD.shape[0]
-        grad_u = grad_W = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_u = torch.mm(grad_KTd[0], W_KdD[0])  # the sum over the blocks, accumulated in place
-            for k in range(1, K):
-                grad_u.addmm_(grad_KTd[k], W_KdD[k])
-        if ctx.needs_input_grad[1]:
-            grad_W = torch.empty_like(W_KdD)
-            for k in range(K):
-                torch.mm(grad_KTd[k].t(), u_TD, out=grad_W[k])  # [d, T] @ [T, D]
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_KTd.sum(1)
-        return grad_u, grad_W, grad_bias
-
-
 # ----------------------------------------------------------------------------------------------------
 # Mamba mixer CP
 # ----------------------------------------------------------------------------------------------------
@@ -329,6 +286,7 @@ class MambaContextParallel:
         self.ngroups_local = max(self.ngroups // cp, 1)
         self.conv1d_channels = self.d_inner_local + 2 * self.ngroups_local * d_state
         self._rows: torch.Tensor | None = None  # in_proj's x B C dt rows in send order (_send_rows), per device
+        self._param_index: tuple | None = None  # (positions, sizes) of the local parameters (_local_param_index)
 
     @classmethod
     def from_mixer(cls, mixer: nn.Module, cp_group, load_balance: bool = False) -> "MambaContextParallel":
@@ -381,30 +339,18 @@ class MambaContextParallel:
         xBCdt [b, s, conv1d_channels + nheads_local], as pre_conv_ssm returns it). in_proj's output rows are
         [z (d_inner) | x B C dt]: the x B C dt rows are multiplied first, straight into the all-to-all's send buffer
         (their rows taken in send order, _send_rows: no copy of the activations), the all-to-all is started, and the
-        z rows (about half of in_proj's FLOPs) are multiplied while it runs; the result is waited for before its
-        first use. The same values as in_proj(u) split in two (each output column is the same dot product).
+        z rows (about half of in_proj's FLOPs) are multiplied while it runs; its backward overlaps the same way. One
+        autograd node (cp_mamba_autograd.in_proj_seq_to_heads). The same values as in_proj(u) split in two (each
+        output column is the same dot product).
         """
-        W, bias = in_proj.weight, in_proj.bias
-        zdim, cp = self.d_inner, self.cp_size
-        b, s_local, D = u_BSD.shape
-        rows = self._send_rows(W.device)  # [cp * d]: in_proj rows of x B C dt, in send order
-        W_KdD = W[zdim:].index_select(0, rows).view(cp, -1, D)
-        bias_Kd = None if bias is None else bias[zdim:].index_select(0, rows).view(cp, -1)
-        # [b * s/cp, D] -> [cp, b, s/cp, d]: send[k] = channel slice k (rank k's heads) of this rank's tokens
-        send_KBSd = _RowBlocksLinear.apply(u_BSD.reshape(b * s_local, D), W_KdD, bias_Kd).view(cp, b, s_local, -1)
-        # [cp, b, s/cp, d] -> [cp, b, s/cp, d], recv[j] = rank j's tokens of our slice: async (autograd: its
-        # backward is the inverse all-to-all)
-        recv_KBSd = funcol.all_to_all_single(send_KBSd, None, None, self.cp_group)
-        z_BSE = F.linear(u_BSD, W[:zdim], None if bias is None else bias[:zdim])
-        d = recv_KBSd.shape[-1]
-        out_BSd = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)  # a copy (which waits) unless b == 1
-        if isinstance(out_BSd, funcol.AsyncCollectiveTensor):
-            # b == 1: the reshape is a view, which AsyncCollectiveTensor passes on without waiting; a Triton kernel
-            # reading its data pointer would then fail ("invalid python storage"). wait_tensor waits (no copy),
-            # under autograd.
-            out_BSd = funcol.wait_tensor(out_BSd)
+        if self.cp_size == 1:
+            return in_proj(u_BSD).split([self.d_inner, self.conv1d_channels + self.nheads_local], dim=-1)
+        rows = self._send_rows(in_proj.weight.device)  # [cp * d]: in_proj rows of x B C dt, in send order
+        z_BSE, out_BSd = in_proj_seq_to_heads(
+            u_BSD, in_proj.weight, in_proj.bias, rows, self.d_inner, self.group_repeat_count == 1, self.cp_group
+        )
         if self.load_balance:
-            out_BSd = undo_load_balance(out_BSd, cp, seq_dim=1)
+            out_BSd = undo_load_balance(out_BSd, self.cp_size, seq_dim=1)
         return z_BSE, out_BSd
 
     def _send_rows(self, device: torch.device) -> torch.Tensor:
@@ -465,7 +411,46 @@ class MambaContextParallel:
 
     def get_D(self) -> torch.Tensor:
         """[nheads_local], or [d_inner_local] / [nheads_local, headdim] when D_has_hdim (same layout as D)."""
-        D = _resolve(self.D_cp1)
+        return self._slice_D(_resolve(self.D_cp1))
+
+    def local_params(self) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's (conv1d weight [conv1d_channels, d_conv], conv1d bias [conv1d_channels] or None, dt_bias
+        [nheads_local], A = -exp(A_log) [nheads_local] float32, D [nheads_local] or [nheads_local, headdim] when
+        D_has_hdim), what the conv and the SSD take. One autograd node (cp_mamba_autograd.local_params: one gather
+        forward, one scatter backward) instead of a slice node per parameter and part; the same values as the get_*
+        slices."""
+        w, b = self.conv1d_cp1.weight, self.conv1d_cp1.bias
+        params = (w, b, _resolve(self.dt_bias_cp1), _resolve(self.A_log_cp1), _resolve(self.D_cp1))
+        d_shape = (self.nheads_local, self.headdim) if self.D_has_hdim else (self.nheads_local,)
+        conv_shape = (self.conv1d_channels, w.shape[-1])
+        if self.cp_size == 1 or not all(p is None or p.dtype == w.dtype for p in params):
+            # one concatenation needs one dtype; otherwise (and without CP) slice each parameter
+            A = -torch.exp(self.get_A_log().float())
+            conv_b = self.get_conv1d_bias()
+            return self.get_conv1d_weight().view(conv_shape), conv_b, self.get_dt_bias(), A, self.get_D().view(d_shape)
+        index, sizes = self._local_param_index(params)
+        return local_params(index, sizes, conv_shape, d_shape, *params)
+
+    def _local_param_index(self, params) -> tuple[torch.Tensor, list[int]]:
+        """(index [n] int64, the local parameters' sizes): where this rank's slices of the parameters (conv1d weight,
+        bias if any, dt_bias, A_log, D) lie in their flattened concatenation, in that order. Made once per device by
+        the get_* slicing itself, applied to the positions."""
+        device = params[0].device
+        if self._param_index is None or self._param_index[0].device != device:
+            pos, offset = [], 0
+            for p in (p for p in params if p is not None):
+                pos.append(torch.arange(offset, offset + p.numel(), device=device).view(p.shape))
+                offset += p.numel()
+            w, rest = pos[0], pos[1:]
+            b = rest.pop(0) if params[1] is not None else None
+            dt_bias, A_log, D = rest
+            local = [self._slice_conv_param(w), None if b is None else self._slice_conv_param(b)]
+            local += [self._slice_heads(dt_bias), self._slice_heads(A_log), self._slice_D(D)]
+            local = [t.reshape(-1) for t in local if t is not None]
+            self._param_index = (torch.cat(local), [t.numel() for t in local])
+        return self._param_index
+
+    def _slice_D(self, D: torch.Tensor) -> torch.Tensor:
         if self.cp_size == 1:
             return D
         if self.D_has_hdim and D.dim() == 1:

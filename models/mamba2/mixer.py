@@ -89,25 +89,25 @@ class Mamba2Mixer(nn.Module):
         if self.cp is not None:
             conv_channels, nheads = self.cp.conv1d_channels, self.cp.nheads_local
             d_inner, ngroups = self.cp.d_inner_local, self.cp.ngroups_local
-            conv_w, conv_b = self.cp.get_conv1d_weight(), self.cp.get_conv1d_bias()
-            dt_bias, A_log, D = self.cp.get_dt_bias(), self.cp.get_A_log(), self.cp.get_D()
+            # this rank's slices, A = -exp(A_log) and D in the SSD's layout, as one autograd node
+            conv_w_CW, conv_b, dt_bias, A_H, D_ssd = self.cp.local_params()
         else:
             conv_channels, nheads, d_inner, ngroups = self.conv_dim, self.nheads, self.d_inner, self.ngroups
-            conv_w, conv_b = self.conv1d.weight, self.conv1d.bias
-            dt_bias, A_log, D = self.dt_bias, self.A_log, self.D
+            conv_w_CW, conv_b = self.conv1d.weight.squeeze(1), self.conv1d.bias
+            dt_bias, A_H = self.dt_bias, -torch.exp(self.A_log.float())
+            D_ssd = self.D.view(-1, self.headdim) if self.args.D_has_hdim else self.D
         xBC_BSC, dt_BSH = xBCdt.split([conv_channels, nheads], dim=-1)
         # causal_conv1d takes [b, c, s]; the transposed view is channel-last, which its seq_idx path needs.
         xBC_BSC = ops.causal_conv1d(
-            xBC_BSC.transpose(1, 2), conv_w.squeeze(1), conv_b, seq_idx, activation="silu", backend=self.backend
+            xBC_BSC.transpose(1, 2), conv_w_CW, conv_b, seq_idx, activation="silu", backend=self.backend
         ).transpose(1, 2)
         gn = ngroups * self.d_state
         x_BSI, B_BSG, C_BSG = xBC_BSC.split([d_inner, gn, gn], dim=-1)
         b, s = x_BSI.shape[:2]
-        D_ssd = D.view(-1, self.headdim) if self.args.D_has_hdim else D
         y_BSHP = ops.ssd_chunk_scan(
             x_BSI.reshape(b, s, -1, self.headdim),
             dt_BSH,
-            -torch.exp(A_log.float()),
+            A_H,
             B_BSG.reshape(b, s, ngroups, self.d_state),
             C_BSG.reshape(b, s, ngroups, self.d_state),
             self.args.chunk_size,
