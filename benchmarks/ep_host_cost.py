@@ -5,15 +5,15 @@ layer pattern at a tiny width, built as train.py builds it (expert parallel, the
     python3 benchmarks/ep_host_cost.py --loop --profile 25
 
 What it prints per forward + backward, each rank (the optimizer is left out: the MoE work is all in forward and
-backward): the median wall time; the least CPU time of the main thread (over the steps) less the CPU time inside the all-to-alls
-(what the host spends, without gloo's work, its waiting for the other rank or other processes of a shared machine;
-the backward runs on this thread for CPU tensors; FSDP's collectives stay in); Python calls (cProfile); torch ops
-reaching the dispatcher below autograd (a TorchDispatchMode: every aten op of forward and backward, on DTensors
-their local ops not counted); host reads of device values (Tensor.tolist / item: one per MoE layer is the
-dropless all-to-all's split sizes) and other ops that sync on CUDA (SYNCING_OPS). On the CPU the experts'
-grouped-GEMM path (`torch._grouped_mm`, the CUDA path for bf16) runs through torch's CPU fallback unless --loop,
-so that the op counts are those of the GPU path. CPU timings show neither a GPU's launch cost nor the overlap of
-a device -> host copy; the op and call counts are what carry over.
+backward): the median wall time; the least CPU time of the main thread over the steps, less the CPU time inside the
+all-to-alls (what the host spends, without gloo's work, its waiting for the other rank or other processes of a
+shared machine; the backward runs on this thread for CPU tensors; FSDP's collectives stay in); Python calls
+(cProfile); torch ops reaching the dispatcher below autograd (a TorchDispatchMode: every aten op of forward and
+backward, on DTensors their local ops not counted); host reads of device values (Tensor.tolist / item: one per MoE
+layer is the dropless all-to-all's split sizes) and other ops that sync on CUDA (SYNCING_OPS). On the CPU the
+experts' grouped-GEMM path (`torch._grouped_mm`, the CUDA path for bf16) runs through torch's CPU fallback unless
+--loop, so that the op counts are those of the GPU path. CPU timings show neither a GPU's launch cost nor the
+overlap of a device -> host copy; the op and call counts are what carry over.
 """
 
 from __future__ import annotations
