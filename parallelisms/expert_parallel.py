@@ -6,14 +6,17 @@ all-to-all carries each token copy to the rank that owns its expert. Rank r of t
 experts [r*E/ep, (r+1)*E/ep).
 
 The seam is `MoE.experts` (models/hybrid/moe.py), called once per forward as
-    experts(x_sorted_TD [T*K, D], counts_E [E] int64) -> y_sorted_TD [T*K, D].
+    experts(x_sorted_TD [T*K, D], counts_E [E] int64, prefetched) -> y_sorted_TD [T*K, D].
 apply_expert_parallel keeps that module (and so its parameter names: checkpoints do not depend on ep), turns
 w1 / w2 / w3 into DTensors on the ep mesh with Shard(0) (each rank stores E/ep experts; DCP reshards them to any
 other ep, and models/init.py's full-tensor init gives every layout the same experts), and swaps its class for
-ExpertParallelGroupedExperts, whose forward is
-    1. all-to-all the counts: counts_E [E] -> recv_counts [ep, E/ep] (rows from source rank i for local expert e);
+ExpertParallelGroupedExperts, whose prefetch_counts (called by MoE.forward right after routing) and forward are
+    1. all-to-all the counts: counts_E [E] -> recv_counts [ep, E/ep] (rows from source rank i for local expert e),
+       and start copying both to the host (HostCounts: pinned memory, non_blocking, an event); MoE.forward then
+       queues the shared expert and the sort, which need no count, and forward waits for the copy;
     2. all-to-all the token copies: x_sorted [T*K, D] -> x_recv [sum recv_counts, D], grouped by source rank;
-    3. regroup by local expert, run the local experts, undo the regrouping;
+    3. regroup by local expert (each group padded to GROUP_ALIGN rows for the grouped GEMM), run the local
+       experts, undo the regrouping (padding dropped);
     4. all-to-all the outputs back: [sum recv_counts, D] -> [T*K, D], the caller's order.
 Dropless: splits are the true counts (one host sync per layer for the split sizes).
 
@@ -26,9 +29,12 @@ it in autograd rather than with FSDP's set_gradient_divide_factor keeps gloo wor
 ReduceOp.PREMUL_SUM, which gloo lacks).
 
 Host cost per MoE layer (the step of a model of ~1B waits for the host): one device -> host copy in forward (the
-counts of step 1, read once for the splits, the regrouping of step 3 and the local experts' loop), none in
-backward; step 3 is one concatenation of row blocks each way (sizes known on the host), not a gather by a device
-index; the weights cost one autograd node, not a to_local and a scale per weight.
+counts of step 1, read once for the splits, the regrouping of step 3, the grouped GEMM's offsets and the local
+experts' loop), waited for on its event after the shared expert is queued, so the device is not idle while the host
+waits; none in backward. Step 3 is one concatenation of row blocks each way (sizes and zero padding known on the
+host), not a gather by a device index, and the grouped GEMM's offsets are one host -> device copy, not the ~25
+small ops that build them from device counts (GroupedExperts._forward_grouped_mm, the path without host counts);
+the weights and their bf16 casts cost one autograd node.
 """
 
 from __future__ import annotations
@@ -69,26 +75,29 @@ def validate_expert_parallel(model_args, pdims) -> list[str]:
 
 
 class _LocalWeights(torch.autograd.Function):
-    """weights (DTensors on the ep mesh, or plain tensors) -> their local tensors, in one autograd node: what
-    DTensor.to_local() does for each (a fresh view of the local tensor; the gradient goes back as a DTensor of the
-    same spec) and backward multiplies every gradient by `scale` (the 1/ep of the module docstring). One node
-    for the three weights, and the gradient's DTensor reuses the forward's spec instead of building one."""
+    """weights (DTensors on the ep mesh, or plain tensors) -> their local tensors in `dtype` (None: as stored), in
+    one autograd node: what DTensor.to_local() and .to(dtype) do for each (the gradient goes back in the stored
+    dtype, as a DTensor of the same spec) and backward multiplies every gradient by `scale` (the 1/ep of the
+    module docstring). One node for the three weights and their casts, and the gradient's DTensor reuses the
+    forward's spec instead of building one."""
 
     @staticmethod
-    def forward(ctx, scale: float, *weights: torch.Tensor):
+    def forward(ctx, scale: float, dtype: torch.dtype | None, *weights: torch.Tensor):
         ctx.scale = scale
         ctx.set_materialize_grads(False)
         ctx.specs = [w._spec if isinstance(w, DTensor) else None for w in weights]
         locals_ = [w._local_tensor if isinstance(w, DTensor) else w for w in weights]
         ctx.local_strides = [t.stride() for t in locals_]
-        return tuple(t.view_as(t) for t in locals_)
+        ctx.local_dtypes = [t.dtype for t in locals_]
+        return tuple(t.view_as(t) if dtype in (None, t.dtype) else t.to(dtype) for t in locals_)
 
     @staticmethod
     def backward(ctx, *grads):
-        out = [None]
-        for grad, spec, stride in zip(grads, ctx.specs, ctx.local_strides, strict=True):
+        out = [None, None]
+        for grad, spec, stride, dtype in zip(grads, ctx.specs, ctx.local_strides, ctx.local_dtypes, strict=True):
             if grad is not None:
-                grad = grad * ctx.scale
+                # upcast first, then scale (as the cast's and the scale's nodes did apart)
+                grad = grad.to(dtype).mul_(ctx.scale) if grad.dtype != dtype else grad * ctx.scale
                 if spec is not None:
                     grad = _grad_as_dtensor(grad, spec, stride)
             out.append(grad)
@@ -142,29 +151,94 @@ def exchange_counts(counts_E: torch.Tensor, ep: int, group) -> torch.Tensor:
     return recv.view(ep, -1)
 
 
-def _permute_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
-    """x's consecutive row blocks of `sizes`, concatenated in `order` (one copy kernel, no index)."""
+def _row_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int], pads: list[int]) -> torch.Tensor:
+    """[sum(sizes), D] -> [sum of the chosen blocks' sizes, D]: x's consecutive row blocks of `sizes` (block j,
+    j < len(sizes)) and zero blocks of `pads` rows (block len(sizes) + p), concatenated in `order` (each block at
+    most once; a block left out is dropped). One copy kernel, no device index."""
     blocks = x_TD.split(sizes)
+    if pads:
+        blocks += x_TD.new_zeros(sum(pads), *x_TD.shape[1:]).split(pads)
     return torch.cat([blocks[j] for j in order])
 
 
-class _PermuteBlocks(torch.autograd.Function):
-    """y = x's row blocks (host sizes `sizes`) in `order`; backward puts the gradient's blocks back (the inverse
-    permutation, again one concatenation). One autograd node, no device index and no scatter in backward."""
+def _inverse_plan(sizes: list[int], order: list[int], pads: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """The (sizes, order, pads) of _row_blocks that takes its output back to its input: each of x's blocks from
+    where `order` put it, a zero block for a block it dropped, the added zero blocks dropped."""
+    all_sizes = [*sizes, *pads]
+    out_sizes = [all_sizes[j] for j in order]
+    position = dict(zip(order, range(len(order))))
+    dropped = [j for j in range(len(sizes)) if j not in position]
+    position.update(zip(dropped, range(len(order), len(order) + len(dropped))))
+    return out_sizes, [position[j] for j in range(len(sizes))], [sizes[j] for j in dropped]
+
+
+Plan = tuple[list[int], list[int], list[int]]  # (sizes, order, pads) of _row_blocks
+
+
+class _RowBlocks(torch.autograd.Function):
+    """y = _row_blocks(x, *plan) (host sizes); backward applies `inverse` (the plan taking y back to x) to the
+    gradient: again one concatenation (blocks back in place, zeros for dropped blocks). One autograd node, no
+    device index, no scatter in backward."""
 
     @staticmethod
-    def forward(ctx, x_TD, sizes: list[int], order: list[int]):
-        ctx.sizes, ctx.order = sizes, order
-        return _permute_blocks(x_TD, sizes, order)
+    def forward(ctx, x_TD, plan: Plan, inverse: Plan):
+        ctx.inverse = inverse
+        return _row_blocks(x_TD, *plan)
 
     @staticmethod
     def backward(ctx, grad_TD):
-        return _permute_blocks(grad_TD, [ctx.sizes[j] for j in ctx.order], _inverse(ctx.order)), None, None
+        return _row_blocks(grad_TD, *ctx.inverse), None, None
+
+
+def row_blocks(x_TD: torch.Tensor, plan: Plan, inverse: Plan | None = None) -> torch.Tensor:
+    """Autograd-aware _row_blocks(x, *plan): x's row blocks of plan's sizes and zero blocks of its pads, in its
+    order; `inverse`: _inverse_plan(*plan) when the caller has it already."""
+    return _RowBlocks.apply(x_TD, plan, inverse or _inverse_plan(*plan))
 
 
 def permute_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
-    """Autograd-aware: x's row blocks of `sizes` (on the host), concatenated in `order`."""
-    return _PermuteBlocks.apply(x_TD, sizes, order)
+    """Autograd-aware: x's row blocks of `sizes` (on the host), concatenated in `order` (a permutation)."""
+    return row_blocks(x_TD, (list(sizes), list(order), []))
+
+
+def expert_major_plan(recv: list[int], n_local: int, align: int) -> tuple[Plan, list[int]]:
+    """recv [ep * n_local] rows received per (source rank i, local expert e), i-major -> the _row_blocks plan
+    that orders them e-major (by expert, then source rank), each expert's group followed by zero rows up to a
+    multiple of `align` (the grouped GEMM's; 1: none), and each group's padded size."""
+    order, pads, group_sizes = [], [], []
+    for e in range(n_local):
+        n = sum(recv[e::n_local])  # expert e's rows from every source rank
+        pad = -n % align
+        order += range(e, len(recv), n_local)
+        if pad:
+            order.append(len(recv) + len(pads))
+            pads.append(pad)
+        group_sizes.append(n + pad)
+    return (recv, order, pads), group_sizes
+
+
+class HostCounts:
+    """Counts on their way to the host: `counts` (any int64 device tensor, flattened) copied into pinned memory by
+    a non_blocking copy on the current stream, with an event after it; `wait()` blocks on that event only, so the
+    work queued after the copy keeps the device busy while the host waits (`.tolist()` of a device tensor would
+    wait for the whole stream, then copy). On the CPU (gloo) the values are read directly."""
+
+    def __init__(self, counts: torch.Tensor):
+        counts = counts.reshape(-1)
+        self._event = None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = counts
+
+    def wait(self) -> list[int]:
+        """The counts as Python ints, once the copy has landed (the layer's one host sync)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
 
 
 class ExpertParallelGroupedExperts(GroupedExperts):
@@ -174,44 +248,45 @@ class ExpertParallelGroupedExperts(GroupedExperts):
     ep_group = None
     ep_size = 1
 
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's (w1, w2, w3) [E/ep, ...], their gradient scaled by 1/ep (see the module docstring)."""
-        return _LocalWeights.apply(1.0 / self.ep_size, self.w1, self.w2, self.w3)
+    def local_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's (w1, w2, w3) [E/ep, ...] in `dtype`, their gradient scaled by 1/ep (see the module
+        docstring)."""
+        return _LocalWeights.apply(1.0 / self.ep_size, dtype, self.w1, self.w2, self.w3)
 
-    def forward(self, x_sorted_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        ep, group = self.ep_size, self.ep_group
+    def prefetch_counts(self, num_tokens_per_expert_E: torch.Tensor) -> HostCounts:
+        """Steps 1 and the host read: all-to-all the counts and start copying this rank's and the received counts
+        ([E] + [ep * E/ep] int64) to the host; forward waits for them (MoE.forward queues other work between)."""
         counts_E = num_tokens_per_expert_E.to(torch.int64)
         if counts_E.numel() != self.num_experts:
             raise ValueError(
                 f"expert parallel: got counts for {counts_E.numel()} experts, expected the global {self.num_experts}"
             )
-        n_local = self.num_experts // ep
-        recv_counts_IE = exchange_counts(counts_E, ep, group)
-        # the one host sync of the layer: this rank's counts and the received ones, [E] + [ep * E/ep]
-        host = torch.cat([counts_E, recv_counts_IE.reshape(-1)]).tolist()
+        recv_counts_IE = exchange_counts(counts_E, self.ep_size, self.ep_group)
+        return HostCounts(torch.cat([counts_E, recv_counts_IE.reshape(-1)]))
+
+    def forward(
+        self, x_sorted_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, prefetched: HostCounts | None = None
+    ) -> torch.Tensor:
+        ep, group, n_local = self.ep_size, self.ep_group, self.num_experts // self.ep_size
+        if prefetched is None:
+            prefetched = self.prefetch_counts(num_tokens_per_expert_E)
+        host = prefetched.wait()  # the one host sync of the layer
         sent, recv = host[: self.num_experts], host[self.num_experts :]  # recv: (source i, local expert e), i-major
         send_splits = [sum(sent[i * n_local : (i + 1) * n_local]) for i in range(ep)]
         recv_splits = [sum(recv[i * n_local : (i + 1) * n_local]) for i in range(ep)]
-        local_counts = [sum(recv[i * n_local + e] for i in range(ep)) for e in range(n_local)]
         # [T*K, D] -> [sum recv_splits, D]: rows from every ep rank for this rank's experts, by source rank
         x_recv_TD = all_to_all_tokens(x_sorted_TD, send_splits, recv_splits, group)
-        local_counts_dev = recv_counts_IE.sum(0)
-        if n_local > 1 and ep > 1:
-            # blocks (i, e) i-major -> e-major (by expert, then source rank), run the experts, and back
-            by_expert = [i * n_local + e for e in range(n_local) for i in range(ep)]
-            y_local_TD = self._forward_local(permute_blocks(x_recv_TD, recv, by_expert), local_counts_dev, local_counts)
-            y_recv_TD = permute_blocks(y_local_TD, [recv[j] for j in by_expert], _inverse(by_expert))
+        # blocks (i, e) i-major -> e-major (by expert, then source rank), each expert's group padded for the
+        # grouped GEMM, in one copy; the experts; and back (padding dropped) in one copy
+        plan, group_sizes = expert_major_plan(recv, n_local, self.grouped_mm_align(x_recv_TD))
+        if plan[1] == list(range(len(recv))):  # already grouped by expert (n_local or ep 1), nothing to pad
+            y_recv_TD = self.forward_host_groups(x_recv_TD, group_sizes)
         else:
-            y_recv_TD = self._forward_local(x_recv_TD, local_counts_dev, local_counts)
+            back = _inverse_plan(*plan)
+            y_local_TD = self.forward_host_groups(row_blocks(x_recv_TD, plan, back), group_sizes)
+            y_recv_TD = row_blocks(y_local_TD, back, plan)
         # [sum recv_splits, D] -> [T*K, D]: outputs back to the ranks (and rows) their tokens came from
         return all_to_all_tokens(y_recv_TD, recv_splits, send_splits, group)
-
-
-def _inverse(order: list[int]) -> list[int]:
-    inverse = [0] * len(order)
-    for pos, j in enumerate(order):
-        inverse[j] = pos
-    return inverse
 
 
 # --------------------------------------------------------------------------------------------------- apply

@@ -66,6 +66,36 @@ def test_permute_blocks_matches_regroup_index_forward_and_backward():
     assert torch.equal(x.grad, x_ref.grad)
 
 
+def test_row_blocks_with_zero_pads_and_their_inverse():
+    """The expert-major plan with padding (what the grouped GEMM gets): rows equal the gather by the regroup index
+    with zero rows after each expert's group up to a multiple of `align`; the inverse plan drops them again; the
+    gradient of the padded copy reaches x exactly (the pads' gradient dropped), and the inverse's backward inserts
+    zeros for them."""
+    from parallelisms.expert_parallel import _inverse_plan, expert_major_plan, row_blocks
+
+    recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
+    ep, n_local = recv.shape
+    align = 4
+    plan, group_sizes = expert_major_plan(recv.flatten().tolist(), n_local, align)
+    assert group_sizes == [4, 8, 8]  # 3, 6, 5 rows per expert, padded to 4
+    x = torch.randn(int(recv.sum()), 5, dtype=torch.float64, requires_grad=True)
+    by_expert = x[_regroup_index(recv)]
+    groups = by_expert.split(recv.sum(0).tolist())
+    ref = torch.cat([torch.cat([g, g.new_zeros(n - len(g), 5)]) for g, n in zip(groups, group_sizes)])
+    back = _inverse_plan(*plan)
+    y = row_blocks(x, plan, back)
+    assert torch.equal(y, ref)
+    z = row_blocks(y * 2, back, plan)  # the return trip: pads dropped, rows back in x's order
+    assert torch.equal(z, x * 2)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (gx_ref,) = torch.autograd.grad(ref, x, g)
+    assert torch.equal(gx, gx_ref)
+    yy = y.detach().requires_grad_(True)
+    (gy,) = torch.autograd.grad(row_blocks(yy, back, plan), yy, x.detach())
+    assert torch.equal(gy, ref.detach())  # zeros where the pads were
+
+
 def test_validate_expert_parallel_messages():
     args = build_model_args("hybrid_moe_debug")  # 4 experts
     ok = ParallelDims(pp=1, dp_replicate=1, dp_shard=4, cp=1, ep=4, world_size=4)
@@ -79,8 +109,10 @@ def test_validate_expert_parallel_messages():
 
 
 # ------------------------------------------------------------------------------------------- 4 processes
-def _experts_vs_full(rank, world, ep):
-    """EP module on random rows of every rank vs one full GroupedExperts on all ranks' rows."""
+def _experts_vs_full(rank, world, ep, grouped_mm=False):
+    """EP module on random rows of every rank vs one full GroupedExperts on all ranks' rows. grouped_mm: the EP
+    module's local experts take the grouped-GEMM path (CUDA's, here through torch's CPU fallback in fp32): its
+    groups padded to GROUP_ALIGN rows by the regrouping copy."""
     import torch.distributed as dist
 
     from models.hybrid.moe import GroupedExperts
@@ -106,6 +138,8 @@ def _experts_vs_full(rank, world, ep):
     apply_expert_parallel(holder, pdims)
     ep_experts = holder.experts
     ep_experts.backend = "loop"
+    if grouped_mm:  # the CUDA path (bf16 only there) on the CPU, in fp32
+        ep_experts._use_grouped_mm = lambda x_TD: True
 
     x = xs[rank].clone().requires_grad_(True)
     syncs = []  # device -> host reads: at most one per forward (the split sizes), none in backward
@@ -214,6 +248,12 @@ def test_ep_experts_module_matches_full_experts():
     run_distributed(_experts_vs_full, 4, 2)
 
 
+def test_ep_experts_grouped_mm_path_matches_full_experts():
+    """The grouped-GEMM path's groups are padded by the regrouping copy (zero rows, dropped on the way back): a
+    wrong pad, offset or inverse plan changes outputs or gradients (ep 2 of 4: 2 local experts per rank)."""
+    run_distributed(_experts_vs_full, 4, 2, True)
+
+
 def test_ep_fsdp_model_gradients_and_norm_match_single_process():
     layouts = [(1, 4, 2), (1, 4, 4), (2, 2, 2)]  # (dp_replicate, dp_shard, ep): efsdp 2; ep 4; HSDP x ep 2
     out = run_distributed(_model_grads_vs_single, 4, layouts)
@@ -267,3 +307,27 @@ def test_1b_configs_resolve_and_validate(config, params_m):
     if "E" in args.layer_types:  # 8 experts: ep 8 on 8 GPUs is valid, ep 16 (over 16 GPUs) is not
         assert validate_expert_parallel(args, ParallelDims(1, 1, 8, 1, 8, 8)) == []
         assert validate_expert_parallel(args, ParallelDims(1, 1, 16, 1, 16, 16))
+
+
+def test_local_weights_cast_and_scale_in_one_node():
+    """_LocalWeights hands out the weights in the compute dtype and returns their gradient in the stored dtype,
+    scaled by 1/ep: upcast, then scale (as a separate cast node and the scale did), on plain tensors here."""
+    from parallelisms.expert_parallel import _LocalWeights
+
+    ws = [torch.randn(2, 3, 4, requires_grad=True) for _ in range(3)]
+    outs = _LocalWeights.apply(0.5, torch.bfloat16, *ws)
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 3
+    assert all(torch.equal(o, w.detach().to(torch.bfloat16)) for o, w in zip(outs, ws))
+    gs = [torch.randn(2, 3, 4, dtype=torch.bfloat16) for _ in range(3)]
+    grads = torch.autograd.grad(outs, ws, gs)
+    assert all(g.dtype == torch.float32 and torch.equal(g, r.float() * 0.5) for g, r in zip(grads, gs))
+    same = _LocalWeights.apply(0.25, None, *ws)  # no cast: views, gradients scaled
+    assert all(o.dtype == torch.float32 and o.data_ptr() == w.data_ptr() for o, w in zip(same, ws))
+    grads = torch.autograd.grad(same, ws, [g.float() for g in gs])
+    assert all(torch.equal(g, r.float() * 0.25) for g, r in zip(grads, gs))
+
+
+def test_host_counts_on_the_cpu_reads_the_values():
+    from parallelisms.expert_parallel import HostCounts
+
+    assert HostCounts(torch.tensor([[3, 0], [1, 7]])).wait() == [3, 0, 1, 7]

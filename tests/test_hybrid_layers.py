@@ -443,3 +443,71 @@ def test_expert_bias_update_masked_on_the_device(apply):
         m.tokens_per_expert.copy_(counts)
         m.update_expert_bias()
         assert torch.equal(m.expert_bias, masked) and not torch.equal(masked, bias)
+
+
+def test_moe_forward_reads_nothing_on_the_host_and_sorts_like_indexing():
+    """No aten op of a MoE forward + backward (single process, loop or grouped-GEMM experts) reads a device value
+    on the host on CUDA (torch.bincount reads its input's min / max: two stream syncs per layer before), and the
+    counts equal bincount's; the dispatch / combine gathers equal indexing, gradients included (K = 3: three
+    copies of each token summed in the backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from models.hybrid.moe import count_experts, gather_rows
+
+    class Ops(TorchDispatchMode):
+        names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(12)
+    idx = torch.randint(0, 5, (13, 3))
+    assert torch.equal(count_experts(idx, 5), torch.bincount(idx.flatten(), minlength=5))
+    for grouped in (False, True):
+        m = _moe(moe_top_k=3, moe_num_experts=5, moe_shared_experts=1)
+        dtype = torch.float64
+        if grouped:  # the CUDA path through torch's CPU fallback, in bf16 as on CUDA
+            m, dtype = m.to(torch.bfloat16), torch.bfloat16
+            m.experts._use_grouped_mm = lambda x_TD: True
+        x = torch.randn(2, 7, D, dtype=dtype, requires_grad=True)
+        ops = Ops()
+        ops.names = []
+        with ops:
+            m(x).sum().backward()
+        syncing = {"bincount", "_local_scalar_dense", "nonzero", "masked_select", "_unique2"}
+        assert not syncing & set(ops.names), sorted(syncing & set(ops.names))
+        assert "index_put_" not in ops.names and "index_put" not in ops.names  # no scatter-add in the backward
+
+    perm = idx.flatten().argsort(stable=True)
+    inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel()))
+    x = torch.randn(13, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(39, 4, dtype=torch.float64)
+    y, y_ref = gather_rows(x, perm // 3, inv_perm, 3), x[perm // 3]
+    assert torch.equal(y, y_ref)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_ref, x, g)[0])
+    z, z_ref = gather_rows(y, inv_perm, perm, 1), y[inv_perm]
+    assert torch.equal(z, z_ref)
+    assert torch.equal(torch.autograd.grad(z, y, g)[0], torch.autograd.grad(z_ref, y, g)[0])
+
+
+def test_moe_queues_the_shared_expert_between_the_counts_prefetch_and_the_experts():
+    """The order that lets the device run work while the host waits for the counts (expert parallel's one host
+    read per layer): prefetch_counts right after routing, then the shared expert, then the experts, which get
+    the prefetch's handle; the output is unchanged (float64 against the naive dense reference)."""
+    torch.manual_seed(13)
+    m = _moe(moe_shared_experts=1)
+    calls, handle = [], object()
+    experts_forward = m.experts.forward
+    m.experts.prefetch_counts = lambda counts_E: calls.append("prefetch") or handle
+    m.shared_experts.register_forward_hook(lambda *_: calls.append("shared"))
+
+    def forward(x_TD, counts_E, prefetched=None):
+        calls.append(("experts", prefetched is handle))
+        return experts_forward(x_TD, counts_E)
+
+    m.experts.forward = forward
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    y = m(x)
+    assert calls == ["prefetch", "shared", ("experts", True)]
+    torch.testing.assert_close(y, _naive_moe(m, x), rtol=1e-10, atol=1e-12)

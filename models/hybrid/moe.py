@@ -9,12 +9,17 @@ Per token t (T = b*s tokens, E experts, K = top_k):
     y_t       = sum_k w_tk * expert_{idx_tk}(x_t) + shared_experts(x_t)
 
 Expert-parallel seam: ``self.experts`` is called exactly once per forward as
-    y_sorted_TD = self.experts(x_sorted_TD, num_tokens_per_expert_E)
+    pending = self.experts.prefetch_counts(num_tokens_per_expert_E)       (right after routing)
+    y_sorted_TD = self.experts(x_sorted_TD, num_tokens_per_expert_E, pending)
       x_sorted_TD              [T*K, d_model]  token copies sorted by expert id (stable: by token within an
                                                expert), expert e's rows are the e-th block of the counts
       num_tokens_per_expert_E  [E] int64       block sizes (sum = T*K), on x's device
       y_sorted_TD              [T*K, d_model]  each row's expert output, SAME order as x_sorted_TD
-The combine weights are applied afterwards, outside the seam. Expert parallel replaces ``self.experts`` by a
+prefetch_counts lets expert parallel start what the counts must do before the experts run (their exchange between
+ranks and their copy to the host, read for the all-to-all's split sizes) as soon as they exist; it returns None
+for a GroupedExperts. The forward queues the work that needs no count (the shared experts, the sort) between the
+two calls, so that the device has it while the host waits for the copy. The combine weights are applied
+afterwards, outside the seam. Expert parallel replaces ``self.experts`` by a
 module with the same call signature that all-to-alls each block to the rank owning that expert (experts split
 contiguously over ep ranks: rank r owns experts [r*E/ep, (r+1)*E/ep)), runs a GroupedExperts holding only
 those experts (w1/w3 [E/ep, d_model, hidden], w2 [E/ep, hidden, d_model]; its counts argument then has E/ep
@@ -35,6 +40,8 @@ Balancing and metrics:
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn as nn
@@ -73,6 +80,39 @@ class AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor):
         return grad_x, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad_x.device)
+
+
+def count_experts(idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """idx_TK [T, K] expert ids -> counts_E [E] int64, token copies per expert. A scatter-add on the device:
+    torch.bincount reads its input's min and max on the host (two stream syncs per MoE layer on CUDA)."""
+    idx = idx_TK.flatten()
+    return idx.new_zeros(num_experts, dtype=torch.int64).scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int64))
+
+
+class _GatherRows(torch.autograd.Function):
+    """y_ND = x_MD[index_N], where every row of x is taken exactly `copies` times and inverse_N lists, for x's rows
+    in order and each row's copies consecutively, where that copy sits in y. Backward: the gradient's rows in that
+    order, summed per x row: one gather and a sum instead of the scatter-add of indexing's backward (index_put
+    with accumulate: a sort and several launches on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, x_MD, index_N, inverse_N, copies: int):
+        ctx.save_for_backward(inverse_N)
+        ctx.copies = copies
+        return x_MD.index_select(0, index_N)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (inverse_N,) = ctx.saved_tensors
+        grad_ND = grad_ND.index_select(0, inverse_N)
+        if ctx.copies > 1:
+            grad_ND = grad_ND.view(-1, ctx.copies, *grad_ND.shape[1:]).sum(1)
+        return grad_ND, None, None, None
+
+
+def gather_rows(x_MD: torch.Tensor, index_N: torch.Tensor, inverse_N: torch.Tensor, copies: int) -> torch.Tensor:
+    """Autograd-aware x_MD[index_N] -> [N = M * copies, D] (see _GatherRows for inverse_N)."""
+    return _GatherRows.apply(x_MD, index_N, inverse_N, copies)
 
 
 class GroupedExperts(nn.Module):
@@ -116,12 +156,18 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"GroupedExperts.backend={self.backend!r} is unknown; use auto, grouped_mm or loop")
         return ok
 
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1, w2, w3) as plain tensors: under expert parallel they are DTensors sharded over ep on dim 0, and
-        this rank computes with its own experts only (to_local keeps the gradient path to the DTensor)."""
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+    def local_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) as plain tensors in `dtype` (None: as stored): under expert parallel they are DTensors
+        sharded over ep on dim 0, and this rank computes with its own experts only (to_local keeps the gradient
+        path to the DTensor)."""
+        weights = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        return tuple(w if dtype is None else w.to(dtype) for w in weights)
 
-    def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def prefetch_counts(self, num_tokens_per_expert_E: torch.Tensor) -> None:
+        """Nothing to start: these experts read the counts on the device (see the module docstring)."""
+        return None
+
+    def forward(self, x_TD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, prefetched=None) -> torch.Tensor:
         return self._forward_local(x_TD, num_tokens_per_expert_E)
 
     def _forward_local(
@@ -134,7 +180,7 @@ class GroupedExperts(nn.Module):
         return self._forward_loop(x_TD, counts_E, counts_host)
 
     def _forward_loop(self, x_TD, counts_E, counts_host: list[int] | None = None):
-        w1, w2, w3 = (w.to(x_TD.dtype) for w in self.local_weights())
+        w1, w2, w3 = self.local_weights(x_TD.dtype)
         out, start = [], 0
         for e, n in enumerate(counts_E.tolist() if counts_host is None else counts_host):
             x = x_TD[start : start + n]
@@ -159,10 +205,37 @@ class GroupedExperts(nn.Module):
         offs = (padded_start + padded_counts).to(torch.int32)
         offs[-1] = cap
         x_pad = x_TD.new_zeros(cap, D).index_copy(0, dest_T, x_TD)
-        w1, w2, w3 = (w.to(torch.bfloat16) for w in self.local_weights())
+        w1, w2, w3 = self.local_weights(torch.bfloat16)
         h = F.silu(torch._grouped_mm(x_pad, w1, offs=offs)) * torch._grouped_mm(x_pad, w3, offs=offs)
         y_pad = torch._grouped_mm(h, w2, offs=offs)
         return y_pad.index_select(0, dest_T)
+
+    def forward_host_groups(self, x_TD: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+        """x_TD [sum(group_sizes), D] rows grouped by local expert, the groups' sizes known on the host ->
+        y_TD [sum(group_sizes), D]. For the grouped GEMM (`grouped_mm_align` > 1) every group must be padded to a
+        multiple of it (zero rows, dropped by the caller): the padding is then the caller's row copy, and its
+        offsets one host -> device copy, instead of the ~25 small device ops of _forward_grouped_mm."""
+        if not self._use_grouped_mm(x_TD):
+            return self._forward_loop(x_TD, None, group_sizes)
+        if any(n % GROUP_ALIGN for n in group_sizes):
+            raise ValueError(f"grouped GEMM groups must be padded to multiples of {GROUP_ALIGN}: {group_sizes}")
+        offs = host_to_device(list(itertools.accumulate(group_sizes)), torch.int32, x_TD.device)
+        w1, w2, w3 = self.local_weights(x_TD.dtype)  # bf16 on CUDA (_use_grouped_mm); the CPU tests run fp32
+        h = F.silu(torch._grouped_mm(x_TD, w1, offs=offs)) * torch._grouped_mm(x_TD, w3, offs=offs)
+        return torch._grouped_mm(h, w2, offs=offs)
+
+    def grouped_mm_align(self, x_TD: torch.Tensor) -> int:
+        """Rows per group multiple that forward_host_groups needs for x_TD: GROUP_ALIGN on the grouped GEMM, else 1."""
+        return GROUP_ALIGN if self._use_grouped_mm(x_TD) else 1
+
+
+def host_to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device` without a stream sync: on CUDA through pinned memory and a
+    non_blocking copy (a pageable or blocking copy waits for the stream; the caching host allocator keeps the
+    pinned block until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def round_up_static(x: int, m: int) -> int:
@@ -238,8 +311,7 @@ class MoE(nn.Module):
         weights_TK = scores_TE.gather(1, idx_TK)
         if self.route_norm:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        counts_E = torch.bincount(idx_TK.flatten(), minlength=self.num_experts)
-        return logits_TE, scores_TE, idx_TK, weights_TK, counts_E
+        return logits_TE, scores_TE, idx_TK, weights_TK, count_experts(idx_TK, self.num_experts)
 
     def forward(self, x_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -249,13 +321,18 @@ class MoE(nn.Module):
         if self.training and not _in_recomputation():
             self.tokens_per_expert.add_(counts_E)
 
+        # Expert parallel starts the counts' exchange and host copy here; what follows up to self.experts needs no
+        # count, so the device has it queued while the host waits for that copy (no idle device meanwhile).
+        prefetched = self.experts.prefetch_counts(counts_E)
+        shared_TD = self.shared_experts(x_TD) if self.shared_experts is not None else None
         perm = idx_TK.flatten().argsort(stable=True)  # [T*K] token copies sorted by expert
-        y_sorted = self.experts(x_TD[perm // K], counts_E)
         inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(T * K, device=perm.device))
-        y_TKD = y_sorted[inv_perm].view(T, K, D)
+        x_sorted_TD = gather_rows(x_TD, perm // K, inv_perm, K)  # [T, D] -> [T*K, D]
+        y_sorted_TD = self.experts(x_sorted_TD, counts_E, prefetched)
+        y_TKD = gather_rows(y_sorted_TD, inv_perm, perm, 1).view(T, K, D)  # back to token order
         out_TD = torch.bmm(weights_TK.to(y_TKD.dtype)[:, None, :], y_TKD).squeeze(1)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+        if shared_TD is not None:
+            out_TD = out_TD + shared_TD
 
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff) and T:
             aux = self._aux_losses(logits_TE, scores_TE, counts_E, T)
