@@ -155,3 +155,51 @@ def test_in_proj_seq_to_heads_matches_in_proj_then_all_to_all(cp, ngroups, with_
     bias: the z rows by their product in place, the x B C dt rows scattered, replicated B / C rows summed) as in_proj
     followed by pre_conv_ssm."""
     assert all(run_distributed(_in_proj_body, cp, ngroups, with_bias, b))
+
+
+def _norm_out_proj_both_ways(rank, world_size, autocast, bias):
+    """heads_to_seq_norm_out_proj against all_to_all_heads_to_seq + GatedRMSNorm + out_proj: values and the
+    gradients of y, z, the norm's weight, out_proj's weight and bias."""
+    from models.norms import GatedRMSNorm
+    from parallelisms.context_parallel import all_to_all_heads_to_seq
+    from parallelisms.cp_mamba_autograd import heads_to_seq_norm_out_proj
+
+    dtype = torch.float32 if autocast else torch.float64
+    g = torch.Generator().manual_seed(3)
+    b, s, d_inner, d_model = 2, 8, 12, 5
+    norm = GatedRMSNorm(d_inner, group_size=6).to(dtype)
+    out_proj = nn.Linear(d_inner, d_model, bias=bias).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d_inner, generator=g) + 0.5)
+        for p in out_proj.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    d = d_inner // world_size
+    y_full = torch.randn(b, s, d_inner, generator=g, dtype=dtype)  # every rank draws all, keeps its heads
+    z_full = torch.randn(b, s, d_inner, generator=g, dtype=dtype)
+    grad_full = torch.randn(b, s, d_model, generator=g, dtype=dtype)
+    s_local = s // world_size
+    y = y_full[..., rank * d : (rank + 1) * d].clone()
+    z = z_full[:, rank * s_local : (rank + 1) * s_local].clone()
+    grad = grad_full[:, rank * s_local : (rank + 1) * s_local]
+
+    def run(fn):
+        mods = (copy.deepcopy(norm), copy.deepcopy(out_proj))
+        yy, zz = y.clone().requires_grad_(), z.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = fn(yy, zz, *mods)
+        out.float().backward(grad.float()) if autocast else out.backward(grad)
+        return [out.detach(), yy.grad, zz.grad] + [p.grad for m in mods for p in m.parameters()]
+
+    got = run(lambda yy, zz, n, o: heads_to_seq_norm_out_proj(yy, zz, n, o, dist.group.WORLD))
+    want = run(lambda yy, zz, n, o: o(n(all_to_all_heads_to_seq(yy, dist.group.WORLD), zz)))
+    assert got[0].dtype == want[0].dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-12, atol=1e-12)
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a.float(), w.float(), **tol)
+    return len(got)
+
+
+@pytest.mark.parametrize("autocast, bias", [(False, True), (False, False), (True, False)])
+def test_norm_out_proj_node_matches_the_unfused_chain(autocast, bias):
+    n_checked = 6 if bias else 5  # out, y, z, norm.weight, out_proj.weight (+ bias)
+    assert run_distributed(_norm_out_proj_both_ways, 2, autocast, bias) == [n_checked, n_checked]
