@@ -37,7 +37,6 @@ from models.hybrid.attention import Attention
 from models.mamba2.mixer import Mamba2Mixer
 from parallelisms.cp_mamba_autograd import (
     _RowBlocksLinear,  # noqa: F401  (here since it began here: tests use it)
-    heads_to_seq_norm_out_proj,
     in_proj_seq_to_heads,
     local_params,
 )
@@ -389,16 +388,6 @@ class MambaContextParallel:
         if self.load_balance:
             y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
         return all_to_all_heads_to_seq(y_BSd, self.cp_group)
-
-    def post_conv_ssm_norm_out(self, y_BSd: torch.Tensor, z_BSI: torch.Tensor, norm, out_proj) -> torch.Tensor:
-        """out_proj(norm(post_conv_ssm(y), z)): y [b, s, d_inner_local] (this rank's heads, whole sequence, natural
-        order), z [b, s/cp, d_inner] (this rank's tokens) -> [b, s/cp, d_model]. The same values; in the backward
-        out_proj's weight gradient runs while the inverse all-to-all does (cp_mamba_autograd)."""
-        if self.cp_size == 1:
-            return out_proj(norm(y_BSd, z_BSI))
-        if self.load_balance:
-            y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
-        return heads_to_seq_norm_out_proj(y_BSd, z_BSI, norm, out_proj, self.cp_group)
 
     # ---- parameter slices (taken in the forward) ----------------------------------------------------
 

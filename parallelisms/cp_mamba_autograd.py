@@ -11,9 +11,6 @@ activation checkpointing, backward). The GPU work stays the same or shrinks.
 - _LocalParams: this rank's slices of conv1d.weight / conv1d.bias / dt_bias / A_log / D as one gather, A = -exp(A_log)
   included; the backward scatters the five gradients into one zero buffer (instead of 11 slice nodes, each a zeros
   and a copy, two cats and the exp / neg / cast nodes).
-- _HeadsToSeqThenWeightGrad + _OutProjWeightGradLater: the all-to-all back to this rank's tokens, the gated norm and
-  out_proj, with out_proj's weight gradient computed in the all-to-all's backward, while its inverse all-to-all runs
-  (it was exposed: nothing else of the layer's backward is independent of it).
 - _RowBlocksLinear: u @ W^T as K row blocks written straight into an all-to-all send buffer (kept as a building block
   and for its test).
 """
@@ -25,7 +22,7 @@ import torch.distributed as dist
 
 from models.kernels.weight_copies import compute_weight
 
-__all__ = ["heads_to_seq_norm_out_proj", "in_proj_seq_to_heads", "local_params"]
+__all__ = ["in_proj_seq_to_heads", "local_params"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -249,104 +246,3 @@ def local_params(index, local_sizes, conv_w_shape, d_shape, conv_w, conv_b, dt_b
     """This rank's parameter slices as one autograd node (see _LocalParams). index [sum(local_sizes)] int64: the
     positions of the local values in the flattened, concatenated full parameters (conv_b left out when None)."""
     return _LocalParams.apply(index, local_sizes, conv_w_shape, d_shape, conv_w, conv_b, dt_bias, A_log, D)
-
-
-# ----------------------------------------------------------------------------------------------------
-# all-to-all back (heads -> sequence) + gated norm + out_proj: out_proj's weight gradient hides the backward's
-# all-to-all
-# ----------------------------------------------------------------------------------------------------
-
-
-class _WeightGradStash:
-    """What out_proj's backward leaves for its weight gradient: (grad_out [T, O], normed [T, I]) in the product's
-    dtype, taken by the inverse all-to-all's backward (one per forward call; under activation checkpointing the
-    original forward's stash is the one both backward nodes hold)."""
-
-    __slots__ = ("grad_out_TO", "normed_TI")
-
-    def __init__(self):
-        self.grad_out_TO = self.normed_TI = None
-
-    def take(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        out = (self.grad_out_TO, self.normed_TI)
-        self.grad_out_TO = self.normed_TI = None
-        return out
-
-
-class _HeadsToSeqThenWeightGrad(torch.autograd.Function):
-    """y [b, s, d] (this rank's heads) -> [b, s/cp, cp d] (this rank's tokens) by one all-to-all; W [O, I] is an
-    input only so that the backward can return its gradient: out_proj's, multiplied while the backward's all-to-all
-    (sequence -> heads) runs."""
-
-    @staticmethod
-    def forward(ctx, y_BSd, W_OI, stash, group):
-        ctx.group, ctx.stash, ctx.W_dtype = group, stash, W_OI.dtype
-        b, s, d = y_BSd.shape
-        cp = group.size()
-        s_local = s // cp
-        send_KBSd = y_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()  # [k] = rank k's tokens
-        recv_KBSd = torch.empty_like(send_KBSd)
-        dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-        return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)  # [j] = rank j's channel slice
-
-    @staticmethod
-    def backward(ctx, grad_BSI):
-        cp = ctx.group.size()
-        b, s_local, d_inner = grad_BSI.shape
-        d = d_inner // cp
-        send_KBSd = grad_BSI.reshape(b, s_local, cp, d).permute(2, 0, 1, 3).contiguous()  # [k] = rank k's channels
-        recv_KBSd = torch.empty_like(send_KBSd)
-        work = dist.all_to_all_single(recv_KBSd, send_KBSd, group=ctx.group, async_op=True)
-        grad_W = None
-        grad_out_TO, normed_TI = ctx.stash.take()
-        if grad_out_TO is not None and ctx.needs_input_grad[1]:  # while the all-to-all runs
-            grad_W = torch.empty((grad_out_TO.shape[1], normed_TI.shape[1]), dtype=ctx.W_dtype, device=normed_TI.device)
-            _mm_into(grad_out_TO.t(), normed_TI, grad_W)
-        work.wait()  # on CUDA the stream waits, not the host
-        # recv[j] = rank j's tokens of our channel slice -> [b, s, d]
-        grad_y = recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)
-        return grad_y, grad_W, None, None
-
-
-class _OutProjWeightGradLater(torch.autograd.Function):
-    """normed [b, s/cp, I] @ W [O, I]^T (+ bias) under autocast's dtype where it is on, as F.linear; the backward
-    returns the gradients of normed and bias and leaves W's to _HeadsToSeqThenWeightGrad (through the stash)."""
-
-    @staticmethod
-    def forward(ctx, normed_BSI, W_OI, bias_O, stash):
-        dtype = _compute_dtype(normed_BSI)
-        b, s, d_inner = normed_BSI.shape
-        with torch.autocast(normed_BSI.device.type, enabled=False):
-            normed_TI = normed_BSI.reshape(b * s, d_inner).to(dtype)
-            W_c = compute_weight(W_OI, dtype)
-            bias_c = None if bias_O is None else bias_O.detach().to(dtype)
-            out_TO = torch.mm(normed_TI, W_c.t()) if bias_c is None else torch.addmm(bias_c, normed_TI, W_c.t())
-        ctx.save_for_backward(normed_TI, W_c)
-        ctx.stash, ctx.normed_dtype = stash, normed_BSI.dtype
-        ctx.bias_dtype = None if bias_O is None else bias_O.dtype
-        return out_TO.view(b, s, -1)
-
-    @staticmethod
-    def backward(ctx, grad_out_BSO):
-        normed_TI, W_c = ctx.saved_tensors
-        b, s, d_model = grad_out_BSO.shape
-        grad_out_TO = grad_out_BSO.reshape(b * s, d_model).to(W_c.dtype)
-        grad_normed = torch.mm(grad_out_TO, W_c).view(b, s, -1).to(ctx.normed_dtype)
-        grad_bias = None
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_out_TO.sum(0).to(ctx.bias_dtype)
-        if ctx.needs_input_grad[1]:
-            ctx.stash.grad_out_TO, ctx.stash.normed_TI = grad_out_TO, normed_TI
-        return grad_normed, None, grad_bias, None
-
-
-def heads_to_seq_norm_out_proj(y_BSd: torch.Tensor, z_BSI: torch.Tensor, norm, out_proj, group) -> torch.Tensor:
-    """out_proj(norm(all-to-all heads -> sequence (y), z)), with out_proj's weight gradient moved in the backward to
-    where it hides the inverse all-to-all (an autograd node runs once its inputs' gradients are all there, so the
-    all-to-all's backward, which needs the norm's, runs after out_proj's: out_proj leaves its weight gradient to it).
-
-    Before: y [b, s, d] (the whole sequence, this rank's heads, in the rank's token layout); z [b, s/cp, I].
-    After:  out [b, s/cp, O], this rank's tokens. The same values and gradients as the unfused chain."""
-    stash = _WeightGradStash()
-    y_BSI = _HeadsToSeqThenWeightGrad.apply(y_BSd, out_proj.weight, stash, group)
-    return _OutProjWeightGradLater.apply(norm(y_BSI, z_BSI), out_proj.weight, out_proj.bias, stash)
