@@ -21,8 +21,10 @@ CP = "--parallelism.context_parallel_degree"
         (2, [CP, "2", "--parallelism.context_parallel_load_balance", "true"]),
         (4, [CP, "4"]),  # one B/C group, replicated over 4 ranks
         (4, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
+        # the long-context setting: every block recomputed in the backward through the CP mixer's own autograd nodes
+        (2, [CP, "2", "--activation_checkpoint.mode", "full"]),
     ],
-    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2"],
+    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2", "cp2-full-ac"],
 )
 def test_context_parallel_matches_single_process(reference, tmp_path, nproc, layout):
     assert_same_losses(reference, run_training(nproc, PARITY_ARGS + layout, tmp_path))
