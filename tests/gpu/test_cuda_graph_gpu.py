@@ -68,3 +68,23 @@ def test_graph_under_plain_data_parallel_matches_one_gpu(tmp_path):
     got = _train(fp32 + ddp + ["--training.cuda_graph", "true"], tmp_path / "ddp2", nproc=2)
     bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
     assert len(got) == 6 and not bad, f"loss (step, 1 GPU, DDP2 + graph): {bad}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_graph_under_the_distributed_optimizer_matches_one_gpu(tmp_path):
+    """DDP2 with parallelism.distributed_optimizer: each rank replays its graph into the padded gradient storage, the
+    gradients are reduce-scattered, each rank updates its rows (our AdamW on the shards), the weights all-gathered
+    in place (the graph reads them there); fp32, against one GPU."""
+    fp32 = ["--training.mixed_precision_param", "float32", "--training.deterministic", "true"]
+    one = _train(fp32, tmp_path / "one")
+    dist_opt = [
+        "--parallelism.data_parallel_replicate_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.distributed_optimizer",
+        "true",
+    ]
+    got = _train(fp32 + dist_opt + ["--training.cuda_graph", "true"], tmp_path / "distopt2", nproc=2)
+    bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
+    assert len(got) == 6 and not bad, f"loss (step, 1 GPU, distributed optimizer + graph): {bad}"
