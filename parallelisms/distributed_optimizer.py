@@ -42,6 +42,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+# torch 2.13 renamed the two collectives (the old names warn there); the GPU machines' 2.11 has only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 
 class ShardedDataParallel:
     """The buffers and collectives of the distributed optimizer for `params` over the 1-D `mesh`; see the module
@@ -131,7 +135,7 @@ class ShardedDataParallel:
                     "it set to None? zero gradients with optimizer.zero_grad(set_to_none=False))"
                 )
         torch._chunk_cat(self.padded_grads, dim=0, num_chunks=self.world, out=self.exchange_WS)
-        dist.reduce_scatter_tensor(self.grad_shard_S, self.exchange_WS.view(-1), group=self.group)
+        _reduce_scatter(self.grad_shard_S, self.exchange_WS.view(-1), group=self.group)
         self.grad_shard_S.div_(self.world)  # the mean over the ranks, as FSDP and DDP average
 
     @torch.no_grad()
@@ -148,7 +152,7 @@ class ShardedDataParallel:
         [S] packed -> all-gather [W, S] -> each weight's padded [W, c_i x row numel_i]."""
         own_S = self.exchange_WS[self.rank]
         torch.cat([padded.view(self.world, -1)[self.rank] for padded in self.padded_weights], out=own_S)
-        dist.all_gather_into_tensor(self.exchange_WS.view(-1), own_S, group=self.group)
+        _all_gather(self.exchange_WS.view(-1), own_S, group=self.group)
         torch.split_with_sizes_copy(
             self.exchange_WS,
             self.chunk_numel,
