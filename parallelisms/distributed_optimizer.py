@@ -1,11 +1,12 @@
 """Plain data parallel with the optimizer state sharded over the data-parallel ranks: Megatron-LM's distributed
 optimizer (ZeRO stage 2). `parallelism.distributed_optimizer` with data_parallel_replicate_degree = NGPU.
 
-Why: FSDP2 runs Python hooks per parameter and unit every step (~40 ms of host time at 370M on an H200, where the
-1-GPU step is itself host-bound: 0.73-0.81 of one GPU per GPU), and its collectives live inside forward / backward,
-so a CUDA graph cannot capture them. Here the forward + backward touch nothing distributed: every rank holds the
-whole model in float32 and its whole gradient, as under DDP, and training.cuda_graph captures them as on one GPU.
-Only the optimizer's moments (2 x 4 bytes per parameter, the largest share of a small model's state) are sharded.
+Why: FSDP2 runs Python hooks per parameter and unit every step, on a step that the host already limits at 370M
+(0.73-0.88 of one GPU's tokens/s per GPU on 2 H200s), and its collectives live inside forward / backward, so a CUDA
+graph cannot capture them. Here the forward + backward touch nothing distributed: every rank holds the whole model
+in float32 and its whole gradient, as under DDP, and training.cuda_graph captures them as on one GPU (0.93 of one
+GPU with the graph, per GPU: docs/performance.md, session 28). Only the optimizer's moments (2 x 4 bytes per
+parameter, the largest share of a small model's state) are sharded.
 
 Rank k of W owns rows [k c, (k + 1) c) of dim 0 of every parameter, c = ceil(rows / W): DTensor's Shard(0), as
 FSDP2 shards, so the moments are DTensors on the "dp" mesh and checkpoints move between this, FSDP2 and DDP (DCP
@@ -19,9 +20,9 @@ reshards them). Per step, outside any graph:
         -> copied into every weight (zero-padded storage of W c_i rows: one split_with_sizes_copy)
 
 Costs against DDP: the same bytes on the wire (a reduce-scatter + an all-gather is an all-reduce), a chunk-cat of the
-gradients and a copy of the weights (~1 ms each at 370M on an H200), 1/W of the optimizer's work, and memory: whole
-weights and gradients on every rank plus one [W, S] buffer (4 bytes per parameter), moments / W. For models that do
-not fit that way, use FSDP (data_parallel_shard_degree).
+gradients and a copy of the weights (each one pass over 4 bytes per parameter), 1/W of the optimizer's work, and
+memory: whole weights and gradients on every rank plus one [W, S] buffer (4 bytes per parameter), moments / W. For
+models that do not fit that way, use FSDP (data_parallel_shard_degree).
 
     ddp = ShardedDataParallel(params, mesh["dp"])   # re-homes the weights in padded storage; before the optimizer
     ddp.shard_optimizer_state(optimizer)            # moments as DTensors of this rank's rows; before a checkpoint load
