@@ -172,7 +172,8 @@ class Optimizer:
     )
     weight_copies: bool = doc(
         True,
-        "With the triton implementation under bf16 autocast (one GPU, DDP): the optimizer also writes each float32 "
+        "With the triton implementation under bf16 autocast (one GPU, DDP without the distributed optimizer, no CUDA "
+        "graph): the optimizer also writes each float32 "
         "weight's bf16 copy as it updates it, and the products read the copy instead of casting the weight "
         "(models/kernels/weight_copies.py; 1.3B on an H100: 147 cast kernels, ~3.9 ms of a step, gone; +2 bytes per "
         "weight held for the run). False: cast at every use, as torch's autocast does.",
