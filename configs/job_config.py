@@ -226,6 +226,12 @@ class Parallelism:
     context_parallel_load_balance: bool = doc(
         False, "Shard the sequence as 2*cp chunks, rank r holding chunks r and 2cp-1-r (balances attention)."
     )
+    context_parallel_overlap: bool = doc(
+        True,
+        "Mamba layers under CP: in_proj's all-to-all runs while the z half of in_proj is multiplied (and in the "
+        "backward the inverse all-to-all while z's gradients are); false: each all-to-all is waited for at once "
+        "(the same values; for measuring what the overlap gains: a product beside an all-to-all can slow both).",
+    )
     pipeline_parallel_degree: int = doc(1, "Pipeline stages over ranks (pp).")
     pipeline_parallel_schedule: str = doc(
         "1F1B",

@@ -255,6 +255,7 @@ class MambaContextParallel:
         D_cp1: ParamSource,
         D_has_hdim: bool,
         load_balance: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.cp_group = cp_group
         self.cp_size = _group_size(cp_group)
@@ -269,6 +270,7 @@ class MambaContextParallel:
         self.D_cp1 = D_cp1
         self.D_has_hdim = D_has_hdim
         self.load_balance = load_balance and self.cp_size > 1
+        self.overlap = overlap  # in_proj's all-to-all beside the z product (parallelism.context_parallel_overlap)
 
         if self.d_inner % self.nheads:
             raise ValueError(f"d_inner={self.d_inner} must be nheads={self.nheads} * headdim")
@@ -289,7 +291,9 @@ class MambaContextParallel:
         self._param_index: tuple | None = None  # (positions, sizes) of the local parameters (_local_param_index)
 
     @classmethod
-    def from_mixer(cls, mixer: nn.Module, cp_group, load_balance: bool = False) -> "MambaContextParallel":
+    def from_mixer(
+        cls, mixer: nn.Module, cp_group, load_balance: bool = False, overlap: bool = True
+    ) -> "MambaContextParallel":
         """Build from a mixer with mamba_ssm Mamba2 attributes: d_ssm (or d_inner), nheads, ngroups,
         d_state, conv1d, dt_bias, A_log, D (and D_has_hdim, else inferred from D's size). Parameters are
         read through (mixer, name), so FSDP2 / to_empty / deepcopy are safe."""
@@ -309,6 +313,7 @@ class MambaContextParallel:
             (mixer, "D"),
             D_has_hdim,
             load_balance,
+            overlap,
         )
 
     def __deepcopy__(self, memo):
@@ -347,7 +352,14 @@ class MambaContextParallel:
             return in_proj(u_BSD).split([self.d_inner, self.conv1d_channels + self.nheads_local], dim=-1)
         rows = self._send_rows(in_proj.weight.device)  # [cp * d]: in_proj rows of x B C dt, in send order
         z_BSE, out_BSd = in_proj_seq_to_heads(
-            u_BSD, in_proj.weight, in_proj.bias, rows, self.d_inner, self.group_repeat_count == 1, self.cp_group
+            u_BSD,
+            in_proj.weight,
+            in_proj.bias,
+            rows,
+            self.d_inner,
+            self.group_repeat_count == 1,
+            self.cp_group,
+            overlap=self.overlap,
         )
         if self.load_balance:
             out_BSd = undo_load_balance(out_BSd, self.cp_size, seq_dim=1)
@@ -520,7 +532,7 @@ class AttentionContextParallel:
         return self  # stateless apart from the group, which cannot be copied
 
 
-def apply_context_parallel(model: nn.Module, cp_group, load_balance: bool = False) -> int:
+def apply_context_parallel(model: nn.Module, cp_group, load_balance: bool = False, overlap: bool = True) -> int:
     """Set `.cp` on every Mamba2Mixer (a MambaContextParallel) and Attention layer (an
     AttentionContextParallel) of `model`; checks every layer's heads / groups against cp first (before any
     compute). Returns how many layers got a hook. With cp = 1 nothing is set (the hooks stay None and cost
@@ -532,7 +544,7 @@ def apply_context_parallel(model: nn.Module, cp_group, load_balance: bool = Fals
     hooks = []
     for name, m in model.named_modules():
         if isinstance(m, Mamba2Mixer):
-            hooks.append((m, MambaContextParallel.from_mixer(m, cp_group, load_balance)))
+            hooks.append((m, MambaContextParallel.from_mixer(m, cp_group, load_balance, overlap)))
         elif isinstance(m, Attention):
             kv = m.n_kv_heads
             if m.n_heads % cp or (kv % cp and cp % kv):

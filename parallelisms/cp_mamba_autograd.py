@@ -106,7 +106,7 @@ class _InProjSeqToHeads(torch.autograd.Function):
     """See in_proj_seq_to_heads. Saves u (in the compute dtype), the cast weight and its gathered x B C dt rows."""
 
     @staticmethod
-    def forward(ctx, u_BSD, W_FD, bias_F, rows, zdim, unique_rows, group):
+    def forward(ctx, u_BSD, W_FD, bias_F, rows, zdim, unique_rows, group, overlap):
         b, s_local, D = u_BSD.shape
         cp = group.size()
         dtype = _compute_dtype(u_BSD)
@@ -120,13 +120,16 @@ class _InProjSeqToHeads(torch.autograd.Function):
             send_KTd = row_blocks_mm(u_TD, W_KdD, bias_Kd)
             recv_KTd = torch.empty_like(send_KTd)
             work = dist.all_to_all_single(recv_KTd, send_KTd, group=group, async_op=True)
-            # while it runs: the z rows, about half of in_proj's FLOPs
+            if not overlap:
+                work.wait()
+            # while it runs (overlap): the z rows, about half of in_proj's FLOPs
             Wz_ED = W_c[:zdim]
             z_TE = torch.mm(u_TD, Wz_ED.t()) if bias_c is None else torch.addmm(bias_c[:zdim], u_TD, Wz_ED.t())
             work.wait()  # on CUDA the stream waits, not the host
         ctx.save_for_backward(u_TD, W_c, W_KdD)
         # rows: a constant of the hook (its cache), so not a saved tensor (no activation-checkpoint hooks for it)
         ctx.rows, ctx.zdim, ctx.unique_rows, ctx.group, ctx.shape = rows, zdim, unique_rows, group, (b, s_local, D)
+        ctx.overlap = overlap
         ctx.dtypes = (u_BSD.dtype, W_FD.dtype, None if bias_F is None else bias_F.dtype)
         d = send_KTd.shape[-1]
         # recv[j] = rank j's tokens (sequence block j) of our slice -> [b, s, d] (a view when b == 1)
@@ -147,7 +150,9 @@ class _InProjSeqToHeads(torch.autograd.Function):
         g_send_KTd = g_send_KTd.view(cp, T, d)
         g_recv_KTd = torch.empty_like(g_send_KTd)  # [k] = the gradient of the send block k (rank k's heads)
         work = dist.all_to_all_single(g_recv_KTd, g_send_KTd, group=ctx.group, async_op=True)
-        # while it runs: z's gradients, straight into their rows of the full weight gradient
+        if not ctx.overlap:
+            work.wait()
+        # while it runs (overlap): z's gradients, straight into their rows of the full weight gradient
         gz_TE = grad_z_BSE.reshape(T, zdim).to(u_TD.dtype)
         grad_u = torch.mm(gz_TE, W_c[:zdim]) if need_u else None
         grad_W = grad_bias = None
@@ -167,7 +172,7 @@ class _InProjSeqToHeads(torch.autograd.Function):
             _scatter_rows(grad_W[zdim:], rows, dW_KdD.view(cp * d, D), ctx.unique_rows)
         if need_bias:
             _scatter_rows(grad_bias[zdim:], rows, g_recv_KTd.sum(1).view(-1).to(bias_dtype), ctx.unique_rows)
-        return grad_u, grad_W, grad_bias, None, None, None, None
+        return grad_u, grad_W, grad_bias, None, None, None, None, None
 
 
 def _scatter_rows(dst: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, unique: bool) -> None:
@@ -187,6 +192,7 @@ def in_proj_seq_to_heads(
     zdim: int,
     unique_rows: bool,
     group,
+    overlap: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """in_proj (weight [F, D] = [z (zdim) | x B C dt] rows) and the all-to-all of its x B C dt part, one autograd node.
 
@@ -198,8 +204,9 @@ def in_proj_seq_to_heads(
     all-to-all is started, the z rows are multiplied while it runs. The backward mirrors it: the inverse all-to-all
     of xBCdt's gradient runs while z's gradients are multiplied. Under autocast the products run in its dtype; a
     float32 weight's gradient is written in float32 (into one full-size buffer: z's rows by their product in place,
-    the x B C dt rows by one scatter). The same values as in_proj(u) split in two."""
-    return _InProjSeqToHeads.apply(u_BSD, weight_FD, bias_F, rows, zdim, unique_rows, group)
+    the x B C dt rows by one scatter). The same values as in_proj(u) split in two. overlap False: each all-to-all
+    is waited for at once (the same values, for measuring what the overlap gains)."""
+    return _InProjSeqToHeads.apply(u_BSD, weight_FD, bias_F, rows, zdim, unique_rows, group, overlap)
 
 
 # ----------------------------------------------------------------------------------------------------

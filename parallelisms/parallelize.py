@@ -31,7 +31,10 @@ def parallelize_part(part: nn.Module, cfg, pdims, mesh, param_dtype: torch.dtype
     """Apply, in this order, to one model part (the whole model, or one pipeline stage) still on the meta
     device: context parallel hooks, expert parallel, activation checkpointing, torch.compile, FSDP2."""
     if pdims.cp_enabled:
-        apply_context_parallel(part, mesh["cp"].get_group(), cfg.parallelism.context_parallel_load_balance)
+        p = cfg.parallelism
+        apply_context_parallel(
+            part, mesh["cp"].get_group(), p.context_parallel_load_balance, overlap=p.context_parallel_overlap
+        )
     if pdims.ep_enabled:
         apply_expert_parallel(part, pdims)
     apply_activation_checkpoint(part, cfg.activation_checkpoint)

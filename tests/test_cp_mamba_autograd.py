@@ -98,13 +98,13 @@ def test_local_params_mixed_dtypes_fall_back_to_slices():
 # ----------------------------------------------------------------------------------------------------
 
 
-def _in_proj_body(rank, cp, ngroups, with_bias, b):
+def _in_proj_body(rank, cp, ngroups, with_bias, b, overlap):
     group = dist.group.WORLD
     torch.manual_seed(0)
     mixer = _Mixer(nheads=8, headdim=2, ngroups=ngroups).double()
     mixer.in_proj = nn.Linear(5, mixer.in_proj.out_features, bias=with_bias).double()
     ref = copy.deepcopy(mixer)
-    cpm = MambaContextParallel.from_mixer(mixer, group)
+    cpm = MambaContextParallel.from_mixer(mixer, group, overlap=overlap)
     cpm_ref = MambaContextParallel.from_mixer(ref, group)
     s_local = 6
     gen = torch.Generator().manual_seed(10 + rank)
@@ -146,12 +146,18 @@ def _in_proj_body(rank, cp, ngroups, with_bias, b):
 
 
 @pytest.mark.parametrize(
-    "cp, ngroups, with_bias, b",
-    [(2, 1, False, 1), (2, 2, True, 2), (4, 1, True, 1), (4, 2, False, 2)],
-    ids=["cp2-replicated-b1", "cp2-unique-bias-b2", "cp4-replicated-bias-b1", "cp4-replicated-b2"],
+    "cp, ngroups, with_bias, b, overlap",
+    [
+        (2, 1, False, 1, True),
+        (2, 2, True, 2, True),
+        (4, 1, True, 1, True),
+        (4, 2, False, 2, True),
+        (2, 2, True, 2, False),
+    ],
+    ids=["cp2-replicated-b1", "cp2-unique-bias-b2", "cp4-replicated-bias-b1", "cp4-replicated-b2", "cp2-no-overlap"],
 )
-def test_in_proj_seq_to_heads_matches_in_proj_then_all_to_all(cp, ngroups, with_bias, b):
+def test_in_proj_seq_to_heads_matches_in_proj_then_all_to_all(cp, ngroups, with_bias, b, overlap):
     """One node for in_proj + the all-to-all, overlapped both ways: the same z, xBCdt and gradients (u, weight,
     bias: the z rows by their product in place, the x B C dt rows scattered, replicated B / C rows summed) as in_proj
     followed by pre_conv_ssm."""
-    assert all(run_distributed(_in_proj_body, cp, ngroups, with_bias, b))
+    assert all(run_distributed(_in_proj_body, cp, ngroups, with_bias, b, overlap))

@@ -23,8 +23,9 @@ CP = "--parallelism.context_parallel_degree"
         (4, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
         # the long-context setting: every block recomputed in the backward through the CP mixer's own autograd nodes
         (2, [CP, "2", "--activation_checkpoint.mode", "full"]),
+        (2, [CP, "2", "--parallelism.context_parallel_overlap", "false"]),  # the all-to-alls waited for at once
     ],
-    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2", "cp2-full-ac"],
+    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2", "cp2-full-ac", "cp2-no-overlap"],
 )
 def test_context_parallel_matches_single_process(reference, tmp_path, nproc, layout):
     assert_same_losses(reference, run_training(nproc, PARITY_ARGS + layout, tmp_path))
