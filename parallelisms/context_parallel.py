@@ -36,7 +36,6 @@ import torch.nn as nn
 from models.hybrid.attention import Attention
 from models.mamba2.mixer import Mamba2Mixer
 from parallelisms.cp_mamba_autograd import (
-    _RowBlocksLinear,  # noqa: F401  (here since it began here: tests use it)
     in_proj_seq_to_heads,
     local_params,
 )

@@ -11,8 +11,6 @@ activation checkpointing, backward). The GPU work stays the same or shrinks.
 - _LocalParams: this rank's slices of conv1d.weight / conv1d.bias / dt_bias / A_log / D as one gather, A = -exp(A_log)
   included; the backward scatters the five gradients into one zero buffer (instead of 11 slice nodes, each a zeros
   and a copy, two cats and the exp / neg / cast nodes).
-- _RowBlocksLinear: u @ W^T as K row blocks written straight into an all-to-all send buffer (kept as a building block
-  and for its test).
 """
 
 from __future__ import annotations
@@ -67,36 +65,6 @@ def _row_blocks_grad_input(grad_KTd: torch.Tensor, W_KdD: torch.Tensor, grad_TD:
     return grad_TD
 
 
-class _RowBlocksLinear(torch.autograd.Function):
-    """row_blocks_mm with autograd. Under autocast it computes in the autocast dtype, as F.linear would."""
-
-    @staticmethod
-    def forward(ctx, u_TD, W_KdD, bias_Kd):
-        dtype = _compute_dtype(u_TD)
-        u_TD, W_KdD = u_TD.to(dtype), W_KdD.to(dtype)
-        bias_Kd = None if bias_Kd is None else bias_Kd.to(dtype)
-        with torch.autocast(u_TD.device.type, enabled=False):  # out= products: the dtypes are set above
-            out_KTd = row_blocks_mm(u_TD, W_KdD, bias_Kd)
-        ctx.save_for_backward(u_TD, W_KdD)
-        ctx.has_bias = bias_Kd is not None
-        return out_KTd
-
-    @staticmethod
-    def backward(ctx, grad_KTd):
-        u_TD, W_KdD = ctx.saved_tensors
-        grad_KTd = grad_KTd.to(u_TD.dtype)
-        grad_u = grad_W = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_u = _row_blocks_grad_input(grad_KTd, W_KdD, None)
-        if ctx.needs_input_grad[1]:
-            grad_W = torch.empty_like(W_KdD)
-            for k in range(W_KdD.shape[0]):
-                torch.mm(grad_KTd[k].t(), u_TD, out=grad_W[k])  # [d, T] @ [T, D]
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_KTd.sum(1)
-        return grad_u, grad_W, grad_bias
-
-
 # ----------------------------------------------------------------------------------------------------
 # in_proj + all-to-all (sequence-sharded -> heads), overlapped both ways
 # ----------------------------------------------------------------------------------------------------
@@ -125,7 +93,8 @@ class _InProjSeqToHeads(torch.autograd.Function):
             # while it runs (overlap): the z rows, about half of in_proj's FLOPs
             Wz_ED = W_c[:zdim]
             z_TE = torch.mm(u_TD, Wz_ED.t()) if bias_c is None else torch.addmm(bias_c[:zdim], u_TD, Wz_ED.t())
-            work.wait()  # on CUDA the stream waits, not the host
+            if overlap:
+                work.wait()  # on CUDA the stream waits, not the host
         ctx.save_for_backward(u_TD, W_c, W_KdD)
         # rows: a constant of the hook (its cache), so not a saved tensor (no activation-checkpoint hooks for it)
         ctx.rows, ctx.zdim, ctx.unique_rows, ctx.group, ctx.shape = rows, zdim, unique_rows, group, (b, s_local, D)
@@ -162,7 +131,8 @@ class _InProjSeqToHeads(torch.autograd.Function):
         if need_bias:
             grad_bias = torch.empty(W_c.shape[0], dtype=bias_dtype, device=W_c.device)
             grad_bias[:zdim] = gz_TE.sum(0)
-        work.wait()
+        if ctx.overlap:
+            work.wait()
         if need_u:
             grad_u = _row_blocks_grad_input(g_recv_KTd, W_KdD, grad_u).view(b, s_local, D).to(u_dtype)
         if need_W:

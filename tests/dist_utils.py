@@ -21,6 +21,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+class FakeGroup:
+    """A process group's size() and rank() alone: for code that only reads them (no collective runs)."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from parallelisms.sequence_sharding import (
     undo_load_balance,
     validate_cp_shapes,
 )
-from tests.dist_utils import run_distributed
+from tests.dist_utils import FakeGroup, run_distributed
 
 # ----------------------------------------------------------------------------------------------------
 # Naive float64 references (the CPU kernels' semantics: conv window and SSM state reset at doc starts)
@@ -192,17 +192,6 @@ def test_validate_cp_mamba():
         validate_cp_mamba(12, 3, 2)
 
 
-class _FakeGroup:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
-
-
 class _Mixer(nn.Module):
     """The attributes MambaContextParallel.from_mixer reads (mamba_ssm Mamba2 names)."""
 
@@ -218,37 +207,30 @@ class _Mixer(nn.Module):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_row_blocks_linear_matches_linear_without_copies(with_bias):
+def test_row_blocks_mm_writes_the_selected_rows_contiguously(with_bias):
     """in_proj's x B C dt rows straight into the send buffer: [K, T, d] contiguous (a transposed view would be copied
-    by the all-to-all: GPU session 27 measured it), the same values and gradients as F.linear on the selected rows."""
-    from parallelisms.context_parallel import _RowBlocksLinear
+    by the all-to-all: GPU session 27 measured it), the same values as F.linear on the selected rows (the gradients:
+    test_cp_mamba_autograd's in_proj node tests)."""
+    from parallelisms.cp_mamba_autograd import row_blocks_mm
 
     g = torch.Generator().manual_seed(5)
     T, D, K, d = 12, 8, 3, 5
-    u = torch.randn(T, D, dtype=torch.float64, generator=g, requires_grad=True)
-    W = torch.randn(K * d + 2, D, dtype=torch.float64, generator=g, requires_grad=True)
-    bias = torch.randn(K * d + 2, dtype=torch.float64, generator=g, requires_grad=True) if with_bias else None
+    u = torch.randn(T, D, dtype=torch.float64, generator=g)
+    W = torch.randn(K * d + 2, D, dtype=torch.float64, generator=g)
+    bias = torch.randn(K * d + 2, dtype=torch.float64, generator=g) if with_bias else None
     rows = torch.tensor([4, 0, 1, 9, 2, 3, 3, 5, 6, 7, 8, 10, 11, 12, 16])  # a repeat, as replicated B / C rows
-    W_KdD = W.index_select(0, rows).view(K, d, D)
     b_Kd = None if bias is None else bias.index_select(0, rows).view(K, d)
-    out = _RowBlocksLinear.apply(u, W_KdD, b_Kd)
+    out = row_blocks_mm(u, W.index_select(0, rows).view(K, d, D), b_Kd)
     assert out.shape == (K, T, d) and out.is_contiguous()
-    ref = F.linear(u, W, bias)[:, rows].view(T, K, d).transpose(0, 1)
-    torch.testing.assert_close(out, ref)
-    grad = torch.randn(K, T, d, dtype=torch.float64, generator=g)
-    leaves = [u, W] + ([bias] if with_bias else [])
-    mine = torch.autograd.grad(out, leaves, grad)
-    theirs = torch.autograd.grad(ref, leaves, grad)
-    for a, b in zip(mine, theirs):
-        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(out, F.linear(u, W, bias)[:, rows].view(T, K, d).transpose(0, 1))
 
 
 def test_construction_errors_name_sizes():
     m = _Mixer(nheads=12, headdim=2, ngroups=3)
     with pytest.raises(ValueError, match="nheads=12, ngroups=3, cp=2"):
-        MambaContextParallel.from_mixer(m, _FakeGroup(2, 0))
+        MambaContextParallel.from_mixer(m, FakeGroup(2, 0))
     with pytest.raises(ValueError, match="nheads=12, ngroups=3, cp=8"):
-        MambaContextParallel.from_mixer(m, _FakeGroup(8, 0))
+        MambaContextParallel.from_mixer(m, FakeGroup(8, 0))
 
 
 def test_parameter_slices_match_definition():
@@ -258,7 +240,7 @@ def test_parameter_slices_match_definition():
     w = m.conv1d.weight[:, 0]
     xw, Bw, Cw = w[:d_inner], w[d_inner : d_inner + 6], w[d_inner + 6 :]
     for cp, rank in [(4, 3), (2, 1), (8, 5)]:
-        cpm = MambaContextParallel.from_mixer(m, _FakeGroup(cp, rank))
+        cpm = MambaContextParallel.from_mixer(m, FakeGroup(cp, rank))
         g = rank * 2 // cp  # owning group: one replica per rank (cp >= ngroups)
         want = torch.cat([xw.chunk(cp)[rank], Bw[g * N : (g + 1) * N], Cw[g * N : (g + 1) * N]])
         torch.testing.assert_close(cpm.get_conv1d_weight(), want[:, None])
@@ -277,7 +259,7 @@ def test_cp1_is_identity_and_follows_swapped_parameters():
     m.A_log = nn.Parameter(torch.zeros(8))
     assert cpm.get_A_log() is m.A_log
     # a deep-copied model's CP reads the copy's parameters; the group is shared, not copied
-    m.cp = MambaContextParallel.from_mixer(m, _FakeGroup(2, 1))
+    m.cp = MambaContextParallel.from_mixer(m, FakeGroup(2, 1))
     m2 = copy.deepcopy(m)
     assert m2.cp.conv1d_cp1 is m2.conv1d and m2.cp.cp_group is m.cp.cp_group
     torch.testing.assert_close(m2.cp.get_A_log(), m2.A_log[4:])
@@ -317,14 +299,14 @@ def test_apply_context_parallel_wires_hooks_by_class_and_checks_heads():
 
     model = layers(8, 2)
     assert apply_context_parallel(model, None) == 0 and model["0"].cp is None  # cp = 1: hooks stay off
-    assert apply_context_parallel(model, _FakeGroup(4, 1), load_balance=True) == 2
+    assert apply_context_parallel(model, FakeGroup(4, 1), load_balance=True) == 2
     assert isinstance(model["0"].cp, MambaContextParallel) and model["0"].cp.load_balance
     assert model["0"].cp.ngroups_local == 1 and model["0"].cp.nheads_local == 4
     assert isinstance(model["1"].cp, AttentionContextParallel) and model["1"].cp.degree == 4
     assert model["3"].cp is None  # found by class, not by its attributes
     bad = layers(6, 3)
     with pytest.raises(ValueError, match="n_heads=6, n_kv_heads=3, cp=2"):
-        apply_context_parallel(bad, _FakeGroup(2, 0))
+        apply_context_parallel(bad, FakeGroup(2, 0))
     assert bad["0"].cp is None  # checked before anything is set
 
 

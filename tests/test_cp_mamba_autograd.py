@@ -12,18 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallelisms.context_parallel import MambaContextParallel
-from tests.dist_utils import run_distributed
-
-
-class _FakeGroup:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
+from tests.dist_utils import FakeGroup, run_distributed
 
 
 class _Mixer(nn.Module):
@@ -63,8 +52,8 @@ def test_local_params_match_slices(cp, rank, ngroups, D_has_hdim, conv_bias):
     parameter gradients (zero outside this rank's slices: a wrong index would put them elsewhere)."""
     ref = _Mixer(nheads=8, ngroups=ngroups, D_has_hdim=D_has_hdim, conv_bias=conv_bias).double()
     mine = copy.deepcopy(ref)
-    want = _sliced_reference(MambaContextParallel.from_mixer(ref, _FakeGroup(cp, rank)))
-    got = MambaContextParallel.from_mixer(mine, _FakeGroup(cp, rank)).local_params()
+    want = _sliced_reference(MambaContextParallel.from_mixer(ref, FakeGroup(cp, rank)))
+    got = MambaContextParallel.from_mixer(mine, FakeGroup(cp, rank)).local_params()
     g = torch.Generator().manual_seed(3)
     grads = []
     for w, m in zip(want, got):
@@ -88,7 +77,7 @@ def test_local_params_mixed_dtypes_fall_back_to_slices():
     """One concatenation needs one dtype: with a float32 A_log beside float64 parameters, the per-parameter slices."""
     m = _Mixer(nheads=8, ngroups=2).double()
     m.A_log = nn.Parameter(m.A_log.detach().float())
-    cpm = MambaContextParallel.from_mixer(m, _FakeGroup(2, 1))
+    cpm = MambaContextParallel.from_mixer(m, FakeGroup(2, 1))
     for a, b in zip(cpm.local_params(), _sliced_reference(cpm)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
