@@ -6,7 +6,8 @@
 #            (4 x 4096 per GPU) and 370M (8 x 2048), PP2 1F1B and Interleaved1F1B at 1.3B (8 microbatches of 4 x 4096),
 #            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
 #            Runs share the GPUs (gpu_pool: 1-GPU references side by side, on 4 GPUs also two 2-GPU runs). env: EFF_ROWS (names to run, default all),
-#            EFF_PROFILE=1 (also profile step 14 of every run and summarise rank 0 / 1's traces; the table uses 4-12)
+#            EFF_PROFILE=1 (also profile step 14 of every run and summarise rank 0 / 1's traces; the table uses 4-12),
+#            GPUS (the GPU ids gpu_pool hands out, default 0 .. NG-1: "2 3" with NG=2 runs a second table beside a first)
 #   eight_efficiency  issue 20 on one 8-GPU host, as one table: FSDP8 and HSDP 2x4 at 1.3B / 2.7B (4 x 4096 per GPU),
 #            and PP2 x CP2 x FSDP2 at 64k tokens (1.3B; hybrid MoE with EP2), 20 steps, against one GPU running the
 #            same model, context and global batch (full AC); then the composition's step-10 checkpoint resumed under
@@ -53,7 +54,7 @@ run() {  # run NAME NGPU CONFIG [overrides...]
 gpu_pool() {  # gpu_pool "NAME NGPU CONFIG [overrides...]" ...: each run (those `want` takes) on GPUs of its own, started
   # in the order given as soon as enough GPUs are free; returns when all have ended. Arguments split on spaces.
   local -a free a gpus; local -A held=(); local spec pid n
-  read -r -a free <<< "$(seq -s ' ' 0 $((NG - 1)))"
+  read -r -a free <<< "${GPUS:-$(seq -s ' ' 0 $((NG - 1)))}"
   for spec in "$@"; do
     read -r -a a <<< "$spec"; n=${a[1]}
     want "${a[0]}" || continue
