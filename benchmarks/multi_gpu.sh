@@ -133,10 +133,7 @@ for PHASE in "$@"; do
       "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true" \
       "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
       "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}" \
-      "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false" \
-      "cp2_32k_unfused 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 --model.use_fused_path false"
-    # cp2_32k_unfused: the mixer's conv / SSD / all-to-all / norm / out_proj as separate autograd nodes (model.use_fused_path
-    # false), against the default's one node (parallelisms/cp_mixer_tail.py)
+      "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false"
     # *_bf16reduce: gradients reduce-scattered in bf16 (training.mixed_precision_reduce), half the bytes.
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
@@ -153,8 +150,7 @@ for PHASE in "$@"; do
           "DDP2 370M + CUDA graph (1 GPU with the graph)=ddp2_370m_graph:1gpu_370m_graph:0.90"
           "DDP2 + distributed optimizer 370M + CUDA graph (1 GPU with the graph)=distopt2_370m_graph:1gpu_370m_graph:0.90"
           "DDP2 + distributed optimizer 370M, eager=distopt2_370m:1gpu_370m:0.90"
-          "CP2 1.3B, 32k, in_proj's all-to-all not overlapped=cp2_32k_nooverlap:cp1_32k:0.75:0.55"
-          "CP2 1.3B, 32k, the mixer's tail unfused (before 2026-11-28)=cp2_32k_unfused:cp1_32k:0.75:0.55")
+          "CP2 1.3B, 32k, in_proj's all-to-all not overlapped=cp2_32k_nooverlap:cp1_32k:0.75:0.55")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')

@@ -45,12 +45,7 @@ class ModelArgs:
     tie_embeddings: bool = doc(True, "lm_head shares tok_embeddings' weight (PP: the last stage keeps a synced copy).")
     initializer_range: float = doc(0.02, "Std of the embedding initialisation.")
     rescale_prenorm_residual: bool = doc(True, "Scale out_proj init by 1/sqrt(n_layers) as mamba-ssm does.")
-    use_fused_path: bool = doc(
-        True,
-        "On CUDA: conv + SSD + gated norm + out_proj as one autograd node (mamba_split_conv1d_scan_combined; under "
-        "context parallel with our Triton SSD, the same node with the all-to-all back inside, "
-        "parallelisms/cp_mixer_tail.py). False: one node per op.",
-    )
+    use_fused_path: bool = doc(True, "On CUDA without CP: mamba_split_conv1d_scan_combined (conv+SSD+norm fused).")
     ssd_keep_states: bool = doc(
         False,
         "Our SSD kernels keep each chunk's entering state from the forward for the backward instead of recomputing "

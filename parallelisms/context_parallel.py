@@ -400,31 +400,6 @@ class MambaContextParallel:
             y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
         return all_to_all_heads_to_seq(y_BSd, self.cp_group)
 
-    def heads_to_seq_tensor(self, y_BSd: torch.Tensor) -> torch.Tensor:
-        """post_conv_ssm outside autograd (for cp_mixer_tail's node, which does its own backward).
-
-        Before: [b, s, d_inner_local], this rank's heads, the whole sequence in natural order.
-        After:  [b, s/cp, d_inner], this rank's tokens (its token layout), all heads; contiguous."""
-        if self.load_balance:
-            y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
-        return _heads_to_seq(y_BSd, self.cp_group)
-
-    def seq_to_heads_tensor(self, g_BSD: torch.Tensor) -> torch.Tensor:
-        """heads_to_seq_tensor's gradient: the inverse all-to-all, outside autograd.
-
-        Before: [b, s/cp, d_inner], this rank's tokens, all heads.
-        After:  [b, s, d_inner_local], this rank's heads, the whole sequence in natural order."""
-        out_BSd = _seq_to_heads_send(_send_layout(g_BSD, self.cp_size), self.cp_group)
-        return undo_load_balance(out_BSd, self.cp_size, seq_dim=1) if self.load_balance else out_BSd
-
-    def mixer_tail(self, mixer: nn.Module, z_BSE: torch.Tensor, xBCdt_BSd: torch.Tensor, seq_idx):
-        """The mixer after in_proj_pre_conv_ssm as one autograd node (cp_mixer_tail: conv, SSD, the all-to-all back,
-        gated norm, out_proj): z [b, s/cp, d_inner], xBCdt [b, s, conv1d_channels + nheads_local] -> [b, s/cp,
-        d_model]."""
-        from parallelisms.cp_mixer_tail import cp_mixer_tail  # lazy: imports the Triton SSD
-
-        return cp_mixer_tail(mixer, self, z_BSE, xBCdt_BSd, seq_idx)
-
     # ---- parameter slices (taken in the forward) ----------------------------------------------------
 
     def get_conv1d_weight(self) -> torch.Tensor:

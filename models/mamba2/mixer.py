@@ -61,9 +61,6 @@ class Mamba2Mixer(nn.Module):
             # z [b, s/cp, d_inner] (this rank's tokens), xBCdt [b, s, (conv_dim + H) of this rank's heads]: the hook
             # runs in_proj in two halves, the all-to-all of the second one hidden behind the first
             z_BSE, xBCdt = self.cp.in_proj_pre_conv_ssm(u_BSD, self.in_proj)
-            if self.args.use_fused_path and self.cp.cp_size > 1 and ops.use_triton_ssd(self.backend, xBCdt):
-                # conv -> SSD -> all-to-all back -> gated norm -> out_proj as one autograd node, as without CP
-                return self.cp.mixer_tail(self, z_BSE, xBCdt, seq_idx)
             return self._conv_ssm_out(z_BSE, xBCdt, seq_idx)[0]
         # autocast_linear: nn.Linear's product, with the float32 weight's gradient written in float32 by cuBLAS on CUDA
         return self._forward(autocast_linear(u_BSD, self.in_proj.weight, self.in_proj.bias), seq_idx)[0]
