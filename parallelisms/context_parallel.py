@@ -1,6 +1,6 @@
 """All-to-all context parallel (CP): the hooks of the Mamba-2 mixers and attention layers, after Megatron-LM's
 MambaContextParallel design. Which tokens a rank holds (and the load-balanced order) is
-parallelisms/sequence_sharding.py; this file is the collectives and the per-layer hooks.
+parallelisms/sequence_sharding.py, the all-to-alls parallelisms/cp_all_to_all.py; this file is the per-layer hooks.
 
 Outside the conv + SSM every CP rank holds s/cp tokens of every sequence ("sequence-sharded", [b, s/cp, D]).
 The SSM is a recurrence over the whole sequence, so before the conv one all-to-all turns a rank's
@@ -35,6 +35,13 @@ import torch.nn as nn
 
 from models.hybrid.attention import Attention
 from models.mamba2.mixer import Mamba2Mixer
+from parallelisms.cp_all_to_all import (
+    all_to_all_heads_to_seq,
+    all_to_all_seq_to_heads,
+    all_to_all_seq_to_heads_packed,
+    group_rank,
+    group_size,
+)
 from parallelisms.cp_mamba_autograd import (
     in_proj_seq_to_heads,
     local_params,
@@ -50,132 +57,6 @@ __all__ = [
     "AttentionContextParallel",
     "apply_context_parallel",
 ]
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else group.size()
-
-
-def _group_rank(group) -> int:
-    return 0 if group is None else group.rank()
-
-
-# ----------------------------------------------------------------------------------------------------
-# All-to-alls (each one is the other's backward)
-# ----------------------------------------------------------------------------------------------------
-
-
-def _seq_to_heads_send(send_KBSd: torch.Tensor, group) -> torch.Tensor:
-    """send [cp, b, s/cp, d] (send[k] = channel slice k, for rank k) -> [b, s, d]: every rank's tokens of our slice."""
-    cp, b, s_local, d = send_KBSd.shape
-    recv_KBSd = torch.empty_like(send_KBSd)
-    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-    # recv[j] = rank j's tokens (sequence block j), our channel slice (a view when b == 1)
-    return recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, d)
-
-
-def _send_layout(x_BSD: torch.Tensor, cp: int) -> torch.Tensor:
-    """[b, s/cp, D] -> [cp, b, s/cp, D/cp], contiguous: channel slice k first, the all-to-all's send order."""
-    b, s_local, D = x_BSD.shape
-    return x_BSD.reshape(b, s_local, cp, D // cp).permute(2, 0, 1, 3).contiguous()
-
-
-def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
-    cp = _group_size(group)
-    b, s, d = x_BSd.shape
-    s_local = s // cp
-    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
-    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
-    recv_KBSd = torch.empty_like(send_KBSd)
-    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-    # recv[j] = our tokens, rank j's channel slice
-    return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)
-
-
-def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
-    """The gradient of _seq_to_heads_send: [b, s, d] -> [cp, b, s/cp, d] in the send layout."""
-    cp = _group_size(group)
-    b, s, d = grad_BSd.shape
-    send_KBSd = grad_BSd.reshape(b, cp, s // cp, d).transpose(0, 1).contiguous()
-    recv_KBSd = torch.empty_like(send_KBSd)
-    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-    return recv_KBSd  # recv[k] = the gradient of the channel slice k we sent to rank k
-
-
-class _SeqToHeads(torch.autograd.Function):
-    """Input in the send layout [cp, b, s/cp, d] (so that the caller can pack it with the one copy it needs)."""
-
-    @staticmethod
-    def forward(ctx, send_KBSd, group):
-        ctx.group = group
-        return _seq_to_heads_send(send_KBSd, group)
-
-    @staticmethod
-    def backward(ctx, grad_BSd):
-        return _heads_to_send_layout(grad_BSd.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_BSd, group):
-        ctx.group = group
-        return _heads_to_seq(x_BSd, group)
-
-    @staticmethod
-    def backward(ctx, grad_BSD):
-        cp = _group_size(ctx.group)
-        return _seq_to_heads_send(_send_layout(grad_BSD, cp), ctx.group), None
-
-
-def all_to_all_seq_to_heads(x_BSD_local: torch.Tensor, group) -> torch.Tensor:
-    """Sequence-sharded -> channel-sharded, over the CP group (autograd: backward is heads_to_seq).
-
-    Before: [b, s/cp, D], this rank's tokens (rank j holds sequence block j), all D channels.
-    After:  [b, s, D/cp], all ranks' tokens concatenated in rank order, channels [r*D/cp, (r+1)*D/cp)
-            of this rank r. D must divide by cp. With cp = 1 (or group None) it is the identity.
-    """
-    cp = _group_size(group)
-    if cp == 1:
-        return x_BSD_local
-    if x_BSD_local.dim() != 3 or x_BSD_local.shape[-1] % cp:
-        raise ValueError(
-            f"all_to_all_seq_to_heads expects [b, s/cp, D] with D divisible by cp={cp}; got {tuple(x_BSD_local.shape)}"
-        )
-    return _SeqToHeads.apply(_send_layout(x_BSD_local, cp), group)
-
-
-def all_to_all_seq_to_heads_packed(send_KBSd: torch.Tensor, group) -> torch.Tensor:
-    """all_to_all_seq_to_heads for an input the caller already laid out in send order (one copy fewer).
-
-    Before: [cp, b, s/cp, d], send[k] = channel slice k of this rank's tokens (destined for rank k), contiguous.
-    After:  [b, s, d], all ranks' tokens in rank order, this rank's channel slice. Autograd: the gradient comes
-            back in the same [cp, b, s/cp, d] layout.
-    """
-    cp = _group_size(group)
-    if cp == 1:
-        return send_KBSd[0]
-    if send_KBSd.dim() != 4 or send_KBSd.shape[0] != cp or not send_KBSd.is_contiguous():
-        raise ValueError(
-            f"all_to_all_seq_to_heads_packed expects a contiguous [cp={cp}, b, s/cp, d]; got {tuple(send_KBSd.shape)}"
-        )
-    return _SeqToHeads.apply(send_KBSd, group)
-
-
-def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
-    """Channel-sharded -> sequence-sharded, over the CP group (autograd: backward is seq_to_heads).
-
-    Before: [b, s, d], the whole sequence (blocks in rank order), this rank's channel slice.
-    After:  [b, s/cp, d*cp], this rank's sequence block r, all ranks' channel slices concatenated in
-            rank order. s must divide by cp. With cp = 1 (or group None) it is the identity.
-    """
-    cp = _group_size(group)
-    if cp == 1:
-        return x_BSd
-    if x_BSd.dim() != 3 or x_BSd.shape[1] % cp:
-        raise ValueError(
-            f"all_to_all_heads_to_seq expects [b, s, d] with s divisible by cp={cp}; got {tuple(x_BSd.shape)}"
-        )
-    return _HeadsToSeq.apply(x_BSd, group)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -257,8 +138,8 @@ class MambaContextParallel:
         overlap: bool = True,
     ) -> None:
         self.cp_group = cp_group
-        self.cp_size = _group_size(cp_group)
-        self.cp_rank = _group_rank(cp_group)
+        self.cp_size = group_size(cp_group)
+        self.cp_rank = group_rank(cp_group)
         self.d_inner = d_inner_local_tp
         self.nheads = nheads_local_tp
         self.ngroups = ngroups_local_tp
@@ -501,7 +382,7 @@ class AttentionContextParallel:
 
     def __init__(self, cp_group: Optional[dist.ProcessGroup], load_balance: bool = False) -> None:
         self.cp_group = cp_group
-        self.degree = _group_size(cp_group)
+        self.degree = group_size(cp_group)
         self.load_balance = load_balance and self.degree > 1
 
     def seq_to_heads(self, x_BSHD: torch.Tensor) -> torch.Tensor:
@@ -537,7 +418,7 @@ def apply_context_parallel(model: nn.Module, cp_group, load_balance: bool = Fals
     compute). Returns how many layers got a hook. With cp = 1 nothing is set (the hooks stay None and cost
     nothing). The caller also shards input_ids / labels with sequence_sharding.shard_sequence and passes the
     FULL seq_idx."""
-    cp = _group_size(cp_group)
+    cp = group_size(cp_group)
     if cp == 1:
         return 0
     hooks = []
