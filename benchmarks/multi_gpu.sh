@@ -7,7 +7,8 @@
 #            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
 #            Runs share the GPUs (gpu_pool: 1-GPU references side by side, on 4 GPUs also two 2-GPU runs). env: EFF_ROWS (names to run, default all),
 #            EFF_PROFILE=1 (also profile step 14 of every run and summarise rank 0 / 1's traces; the table uses 4-12),
-#            GPUS (the GPU ids gpu_pool hands out, default 0 .. NG-1: "2 3" with NG=2 runs a second table beside a first)
+#            GPUS (the GPU ids gpu_pool hands out, default 0 .. NG-1: "2 3" with NG=2 runs a second table beside a first),
+#            EFF_REPEAT=N (every run N times, in turn; each row's ratio the median of its N pairs, with their range)
 #   eight_efficiency  issue 20 on one 8-GPU host, as one table: FSDP8 and HSDP 2x4 at 1.3B / 2.7B (4 x 4096 per GPU),
 #            and PP2 x CP2 x FSDP2 at 64k tokens (1.3B; hybrid MoE with EP2), 20 steps, against one GPU running the
 #            same model, context and global batch (full AC); then the composition's step-10 checkpoint resumed under
@@ -113,6 +114,11 @@ for PHASE in "$@"; do
     # Every run of the table, longest first within each size, as "NAME NGPU CONFIG ARGS...". gpu_pool runs them on
     # the host's GPUs, each as soon as enough are free (2 GPUs: the 1-GPU references two at a time as before; 4 GPUs:
     # also two 2-GPU runs at once, on GPUs 0-1 and 2-3).
+    # EFF_REPEAT=N: the runs N times over (folders efficiency/rep1 .. repN), each row's ratio the median of N pairs
+    DIRS=()
+    for rep in $(seq 1 "${EFF_REPEAT:-1}"); do
+    [ "${EFF_REPEAT:-1}" -gt 1 ] && PHASE=efficiency/rep$rep
+    DIRS+=("$OUT/$PHASE")
     gpu_pool \
       "cp1_64k 1 ${N13[*]} --training.seq_len 65536" "cp1_32k 1 ${N13[*]} --training.seq_len 32768" \
       "1gpu_1.3b 1 ${M13[*]}" "1gpu_moe 1 ${MOE[*]}" "1gpu_370m 1 ${M370[*]}" \
@@ -134,6 +140,8 @@ for PHASE in "$@"; do
       "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
       "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}" \
       "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false"
+    done
+    PHASE=efficiency
     # *_bf16reduce: gradients reduce-scattered in bf16 (training.mixed_precision_reduce), half the bytes.
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
@@ -155,9 +163,9 @@ for PHASE in "$@"; do
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
        --bubble pp2_1f1b_even_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_even_1.3b=$(python3 -c 'print(1/17)'))
-    python3 benchmarks/efficiency_table.py "$OUT/efficiency" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
+    python3 benchmarks/efficiency_table.py "${DIRS[@]}" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
     if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
-      for t in "$OUT"/efficiency/*/profile_trace/iteration_14/rank[01]_trace.json; do
+      for t in "$OUT"/efficiency/{,rep*/}*/profile_trace/iteration_14/rank[01]_trace.json; do
         [ -e "$t" ] && echo "== $t" && python3 benchmarks/trace_summary.py --top 6 "$t"; done
     fi ;;
   eight_efficiency)

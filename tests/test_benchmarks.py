@@ -642,6 +642,29 @@ def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
     assert "NOT within" in capsys.readouterr().out
 
 
+def test_efficiency_table_repeats_take_the_median_ratio(tmp_path, capsys):
+    """Several folders (multi_gpu.sh's EFF_REPEAT): each pair's ratio within its folder, the row's the median of them
+    (not the ratio of medians), a missing pair left out, the range printed."""
+    from benchmarks.efficiency_table import main
+
+    def write(folder, name, tps):
+        (tmp_path / folder / name).mkdir(parents=True)
+        lines = [json.dumps({"step": s, "loss": 5.0, "tokens_per_sec": tps, "memory_gib": 1.0}) for s in range(1, 7)]
+        (tmp_path / folder / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    # ratios 0.95, 0.80, 0.92 (the second rep's reference ran fast); the fourth rep lost its run
+    for folder, run, ref in (("r1", 950.0, 1000.0), ("r2", 960.0, 1200.0), ("r3", 920.0, 1000.0), ("r4", None, 1000.0)):
+        write(folder, "ref", ref)
+        if run is not None:
+            write(folder, "run", run)
+    folders = [str(tmp_path / f) for f in ("r1", "r2", "r3", "r4")]
+    assert main([*folders, "--row", "A=run:ref:0.90", "--json", str(tmp_path / "t.json")]) == 0
+    row = json.loads((tmp_path / "t.json").read_text())[0]
+    assert row["ratios"] == [0.95, 0.8, 0.92] and row["ratio"] == 0.92 and row["ok"]
+    assert "0.92 (0.80-0.95, 3 pairs)" in capsys.readouterr().out
+    assert main([*folders, "--row", "A=run:ref:0.93"]) == 1  # the median, not the best pair, meets the target
+
+
 def test_host_cost_phases_add_up_and_profile_prints(capsys):
     """benchmarks/host_cost.py on the CPU (debug model, references): the per-phase host times are positive and add up
     to the step's, the real-batch step is timed, and --profile prints cProfile's table."""
