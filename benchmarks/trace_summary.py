@@ -92,6 +92,31 @@ def intersect_length(a: list[tuple[float, float]], b: list[tuple[float, float]])
     return union_length(a) + union_length(b) - union_length(a + b)
 
 
+def nccl_kind(name: str) -> str:
+    """The collective of an NCCL kernel name: SendRecv (all-to-alls and point-to-point), AllGather, ReduceScatter,
+    AllReduce, Broadcast, else "other"."""
+    for kind in ("SendRecv", "AllGather", "ReduceScatter", "AllReduce", "Broadcast"):
+        if kind.lower() in name.lower():
+            return kind
+    return "other"
+
+
+def exposed_by_kind(
+    comm_kernels: list[tuple[str, tuple[float, float]]], compute
+) -> list[tuple[str, int, float, float]]:
+    """Per collective kind (nccl_kind): (kind, kernels, time, exposed time) in trace units, most exposed first. A
+    kind's exposed time is its own kernels' time with no compute kernel running (two kinds running at once, both
+    exposed, count in both)."""
+    by_kind: dict[str, list] = collections.defaultdict(list)
+    for name, interval in comm_kernels:
+        by_kind[nccl_kind(name)].append(interval)
+    rows = [
+        (kind, len(iv), union_length(iv), union_length(iv) - intersect_length(iv, compute))
+        for kind, iv in by_kind.items()
+    ]
+    return sorted(rows, key=lambda r: -r[3])
+
+
 def host_self_times(events: list[dict], window: tuple[float, float]) -> dict:
     """The busiest host thread's ops in the window: their union (traced host time) and each name's self time
     (duration minus that of the ops nested inside it), from the cpu_op / user_annotation / cuda_runtime events."""
@@ -252,6 +277,10 @@ def summarize(path: str, top: int = 15) -> dict:
         "compute_ms": union_length(compute) / 1e3,
         "nccl_ms": union_length(comm) / 1e3,
         "nccl_exposed_ms": (union_length(comm) - intersect_length(comm, compute)) / 1e3,
+        "nccl_by_kind": [
+            (kind, n, t / 1e3, x / 1e3)
+            for kind, n, t, x in exposed_by_kind([(e["name"], clip(e)) for e in inside if is_comm(e)], compute)
+        ],
         "idle_ms": (wall - busy) / 1e3,
         "kernels": len(inside),
         "launch_calls": len(launches),
@@ -299,6 +328,11 @@ def main():
             f"GPU idle {s['idle_ms']:.1f} ({s['idle_ms'] / w:.0%}); {s['kernels']} kernels, "
             f"{s['launch_calls']} launch calls taking {s['launch_cpu_ms']:.1f} ms of host time"
         )
+        if s["nccl_by_kind"]:
+            print(
+                "  NCCL by collective, exposed of its time: "
+                + ", ".join(f"{k} {x:.1f} of {t:.1f} ms ({n}x)" for k, n, t, x in s["nccl_by_kind"])
+            )
         for name, count, ms in s["top"]:
             ops = ", ".join(f"{op} {n}x" for op, n in s["launched_by"].get(name, []))
             print(f"  {ms:8.2f} ms {count:5d}x  {name}" + (f"  [from {ops}]" if args.launched_by else ""))

@@ -373,6 +373,29 @@ def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
     assert abs(s["nccl_exposed_ms"] - 0.01) < 1e-12 and abs(s["idle_ms"] - 0.03) < 1e-12
     assert s["kernels"] == 3 and s["top"][0][:2] == ("gemm", 1)
     assert s["launched_by"]["gemm"] == [("?", 1)]  # no op with its External id in this trace
+    assert [(k, n) for k, n, _, _ in s["nccl_by_kind"]] == [("AllGather", 1)]
+    assert abs(s["nccl_by_kind"][0][3] - 0.01) < 1e-12
+
+
+def test_trace_summary_exposed_nccl_by_collective(tmp_path):
+    """Each collective kind's exposed time: the all-to-all (SendRecv) 20-40 under no compute, the all-gather 0-10
+    under compute 0-10 and 50-60 free, a reduce-scatter fully hidden; the list most exposed first."""
+    from benchmarks.trace_summary import summarize
+
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 0, "dur": 100},
+        kernel("gemm", 0, 15),
+        kernel("ssd", 70, 30),
+        kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 20, 20),
+        kernel("ncclDevKernel_AllGather_RING_LL", 0, 10),
+        kernel("ncclDevKernel_AllGather_RING_LL", 50, 10),
+        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 75, 20),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = [(k, n, round(t * 1e3), round(x * 1e3)) for k, n, t, x in summarize(str(path))["nccl_by_kind"]]
+    assert got == [("SendRecv", 1, 20, 20), ("AllGather", 2, 20, 10), ("ReduceScatter", 1, 20, 0)]
 
 
 def test_trace_summary_names_the_op_that_launched_each_kernel(tmp_path):
