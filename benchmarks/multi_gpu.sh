@@ -139,9 +139,12 @@ for PHASE in "$@"; do
       "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true" \
       "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
       "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}" \
-      "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false"
+      "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false" \
+      "cp2_32k_gathered 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.fsdp_reshard_after_forward never"
     done
     PHASE=efficiency
+    # cp2_32k_gathered: FSDP's units (over the CP ranks) not resharded after forward, so the backward (and full AC's
+    # recompute) gathers nothing again: fewer collectives beside the all-to-alls, more memory
     # *_bf16reduce: gradients reduce-scattered in bf16 (training.mixed_precision_reduce), half the bytes.
     # targets: FSDP / HSDP 0.90; PP 0.9 x (1 - textbook bubble (p-1)/(v*m+p-1)): 1F1B 1/9, interleaved (v=2) 1/17;
     # CP 0.75 with memory <= 0.55 of cp 1; EP 0.75
@@ -158,7 +161,8 @@ for PHASE in "$@"; do
           "DDP2 370M + CUDA graph (1 GPU with the graph)=ddp2_370m_graph:1gpu_370m_graph:0.90"
           "DDP2 + distributed optimizer 370M + CUDA graph (1 GPU with the graph)=distopt2_370m_graph:1gpu_370m_graph:0.90"
           "DDP2 + distributed optimizer 370M, eager=distopt2_370m:1gpu_370m:0.90"
-          "CP2 1.3B, 32k, in_proj's all-to-all not overlapped=cp2_32k_nooverlap:cp1_32k:0.75:0.55")
+          "CP2 1.3B, 32k, in_proj's all-to-all not overlapped=cp2_32k_nooverlap:cp1_32k:0.75:0.55"
+          "CP2 1.3B, 32k, FSDP units kept gathered to the backward=cp2_32k_gathered:cp1_32k:0.75:0.55")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
