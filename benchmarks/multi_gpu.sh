@@ -117,30 +117,30 @@ for PHASE in "$@"; do
     # EFF_REPEAT=N: the runs N times over (folders efficiency/rep1 .. repN), each row's ratio the median of N pairs
     DIRS=()
     for rep in $(seq 1 "${EFF_REPEAT:-1}"); do
-    [ "${EFF_REPEAT:-1}" -gt 1 ] && PHASE=efficiency/rep$rep
-    DIRS+=("$OUT/$PHASE")
-    gpu_pool \
-      "cp1_64k 1 ${N13[*]} --training.seq_len 65536" "cp1_32k 1 ${N13[*]} --training.seq_len 32768" \
-      "1gpu_1.3b 1 ${M13[*]}" "1gpu_moe 1 ${MOE[*]}" "1gpu_370m 1 ${M370[*]}" \
-      "pp2_1f1b_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B" \
-      "pp2_interleaved_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B" \
-      "cp2_64k 2 ${N13[*]} --training.seq_len 65536 $P.context_parallel_degree 2" \
-      "cp2_32k 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2" \
-      "fsdp2_1.3b 2 ${M13[*]} $P.data_parallel_shard_degree 2" \
-      "ep2_moe 2 ${MOE[*]} $P.expert_parallel_degree 2" \
-      "fsdp2_370m 2 ${M370[*]} $P.data_parallel_shard_degree 2" \
-      "pp2_1f1b_even_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B ${EVEN[*]}" \
-      "pp2_interleaved_even_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B ${EVEN[*]}" \
-      "fsdp2_370m_units 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${UNITS[*]} $P.fsdp_reshard_after_forward always" \
-      "fsdp2_370m_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16" \
-      "ep2_moe_bf16reduce 2 ${MOE[*]} $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16" \
-      "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2" \
-      "1gpu_370m_graph 1 ${M370[*]} --training.cuda_graph true" \
-      "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true" \
-      "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
-      "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}" \
-      "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false" \
-      "cp2_32k_gathered 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.fsdp_reshard_after_forward never"
+      [ "${EFF_REPEAT:-1}" -gt 1 ] && PHASE=efficiency/rep$rep
+      DIRS+=("$OUT/$PHASE")
+      gpu_pool \
+        "cp1_64k 1 ${N13[*]} --training.seq_len 65536" "cp1_32k 1 ${N13[*]} --training.seq_len 32768" \
+        "1gpu_1.3b 1 ${M13[*]}" "1gpu_moe 1 ${MOE[*]}" "1gpu_370m 1 ${M370[*]}" \
+        "pp2_1f1b_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B" \
+        "pp2_interleaved_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B" \
+        "cp2_64k 2 ${N13[*]} --training.seq_len 65536 $P.context_parallel_degree 2" \
+        "cp2_32k 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2" \
+        "fsdp2_1.3b 2 ${M13[*]} $P.data_parallel_shard_degree 2" \
+        "ep2_moe 2 ${MOE[*]} $P.expert_parallel_degree 2" \
+        "fsdp2_370m 2 ${M370[*]} $P.data_parallel_shard_degree 2" \
+        "pp2_1f1b_even_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule 1F1B ${EVEN[*]}" \
+        "pp2_interleaved_even_1.3b 2 ${PP[*]} $P.pipeline_parallel_schedule Interleaved1F1B ${EVEN[*]}" \
+        "fsdp2_370m_units 2 ${M370[*]} $P.data_parallel_shard_degree 2 ${UNITS[*]} $P.fsdp_reshard_after_forward always" \
+        "fsdp2_370m_bf16reduce 2 ${M370[*]} $P.data_parallel_shard_degree 2 --training.mixed_precision_reduce bfloat16" \
+        "ep2_moe_bf16reduce 2 ${MOE[*]} $P.expert_parallel_degree 2 --training.mixed_precision_reduce bfloat16" \
+        "hsdp2x2_1.3b 4 ${M13[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 2" \
+        "1gpu_370m_graph 1 ${M370[*]} --training.cuda_graph true" \
+        "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true" \
+        "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
+        "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}" \
+        "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false" \
+        "cp2_32k_gathered 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.fsdp_reshard_after_forward never"
     done
     PHASE=efficiency
     # cp2_32k_gathered: FSDP's units (over the CP ranks) not resharded after forward, so the backward (and full AC's

@@ -196,11 +196,6 @@ def row_blocks(x_TD: torch.Tensor, plan: Plan, inverse: Plan | None = None) -> t
     return _RowBlocks.apply(x_TD, plan, inverse or _inverse_plan(*plan))
 
 
-def permute_blocks(x_TD: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
-    """Autograd-aware: x's row blocks of `sizes` (on the host), concatenated in `order` (a permutation)."""
-    return row_blocks(x_TD, (list(sizes), list(order), []))
-
-
 def expert_major_plan(recv: list[int], n_local: int, align: int) -> tuple[Plan, list[int]]:
     """recv [ep * n_local] rows received per (source rank i, local expert e), i-major -> the _row_blocks plan
     that orders them e-major (by expert, then source rank), each expert's group followed by zero rows up to a

@@ -353,22 +353,24 @@ def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
     assert first[0] != first[1]
 
 
-def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
-    """A synthetic step of 100 us: compute 0-40 and 50-70, NCCL 30-60 (10 us hidden by neither), idle 70-100."""
-    from benchmarks.trace_summary import summarize, union_length
+def _summarize_step(tmp_path, kernels: list[tuple[str, int, int]]) -> dict:
+    """trace_summary.summarize of a synthetic trace: one profiler step over 0-100 us and the (name, ts, dur) kernels."""
+    from benchmarks.trace_summary import summarize
 
-    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
-    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
-    events = [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 0, "dur": 100},
-        kernel("gemm", 0, 40),
-        kernel("ssd_fwd", 50, 20),
-        kernel("ncclDevKernel_AllGather", 30, 30),
-        kernel("gemm", 120, 10),
-    ]  # outside the step: ignored
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 0, "dur": 100}]
+    events += [{"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
-    s = summarize(str(path))
+    return summarize(str(path))
+
+
+def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
+    """A synthetic step of 100 us: compute 0-40 and 50-70, NCCL 30-60 (10 us hidden by neither), idle 70-100."""
+    from benchmarks.trace_summary import union_length
+
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    kernels = [("gemm", 0, 40), ("ssd_fwd", 50, 20), ("ncclDevKernel_AllGather", 30, 30), ("gemm", 120, 10)]
+    s = _summarize_step(tmp_path, kernels)  # the last gemm lies outside the step: ignored
     assert (s["wall_ms"], s["compute_ms"], s["nccl_ms"]) == (0.1, 0.06, 0.03)
     assert abs(s["nccl_exposed_ms"] - 0.01) < 1e-12 and abs(s["idle_ms"] - 0.03) < 1e-12
     assert s["kernels"] == 3 and s["top"][0][:2] == ("gemm", 1)
@@ -380,21 +382,15 @@ def test_trace_summary_splits_compute_nccl_and_idle(tmp_path):
 def test_trace_summary_exposed_nccl_by_collective(tmp_path):
     """Each collective kind's exposed time: the all-to-all (SendRecv) 20-40 under no compute, the all-gather 0-10
     under compute 0-10 and 50-60 free, a reduce-scatter fully hidden; the list most exposed first."""
-    from benchmarks.trace_summary import summarize
-
-    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
-    events = [
-        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 0, "dur": 100},
-        kernel("gemm", 0, 15),
-        kernel("ssd", 70, 30),
-        kernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 20, 20),
-        kernel("ncclDevKernel_AllGather_RING_LL", 0, 10),
-        kernel("ncclDevKernel_AllGather_RING_LL", 50, 10),
-        kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 75, 20),
+    kernels = [
+        ("gemm", 0, 15),
+        ("ssd", 70, 30),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 20, 20),
+        ("ncclDevKernel_AllGather_RING_LL", 0, 10),
+        ("ncclDevKernel_AllGather_RING_LL", 50, 10),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 75, 20),
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    got = [(k, n, round(t * 1e3), round(x * 1e3)) for k, n, t, x in summarize(str(path))["nccl_by_kind"]]
+    got = [(k, n, round(t * 1e3), round(x * 1e3)) for k, n, t, x in _summarize_step(tmp_path, kernels)["nccl_by_kind"]]
     assert got == [("SendRecv", 1, 20, 20), ("AllGather", 2, 20, 10), ("ReduceScatter", 1, 20, 0)]
 
 

@@ -16,7 +16,7 @@ import torch
 
 from models.args import build_model_args
 from models.hybrid.moe import MoE
-from parallelisms.expert_parallel import permute_blocks, validate_expert_parallel
+from parallelisms.expert_parallel import row_blocks, validate_expert_parallel
 from parallelisms.mesh import ParallelDims
 from tests.dist_utils import run_distributed
 
@@ -43,7 +43,7 @@ def _regroup_index(recv: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def test_permute_blocks_matches_regroup_index_forward_and_backward():
+def test_row_blocks_permutation_matches_regroup_index_forward_and_backward():
     """The EP forward regroups by host block sizes (one cat each way); it must equal the gather by the row index
     (rows and gradients), empty blocks included."""
     recv = torch.tensor([[2, 0, 3], [1, 4, 0], [0, 2, 2]])  # [source rank, local expert]
@@ -53,11 +53,11 @@ def test_permute_blocks_matches_regroup_index_forward_and_backward():
     x = torch.randn(int(recv.sum()), 5, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     index = _regroup_index(recv)
-    y = permute_blocks(x, sizes, by_expert)
+    y = row_blocks(x, (sizes, by_expert, []))
     y_ref = x_ref[index]
     assert torch.equal(y, y_ref)
     inverse = [by_expert.index(j) for j in range(len(by_expert))]
-    back = permute_blocks(y * 3, [sizes[j] for j in by_expert], inverse)  # the undo of the EP forward
+    back = row_blocks(y * 3, ([sizes[j] for j in by_expert], inverse, []))  # the undo of the EP forward
     back_ref = torch.empty_like(y_ref).index_copy(0, index, y_ref * 3)
     assert torch.equal(back, back_ref)
     g = torch.randn_like(back)
