@@ -11,16 +11,22 @@ activation checkpointing, backward). The GPU work stays the same or shrinks.
 - _LocalParams: this rank's slices of conv1d.weight / conv1d.bias / dt_bias / A_log / D as one gather, A = -exp(A_log)
   included; the backward scatters the five gradients into one zero buffer (instead of 11 slice nodes, each a zeros
   and a copy, two cats and the exp / neg / cast nodes).
+- heads_to_seq_norm_out_proj: the all-to-all back to this rank's tokens, the gated norm and out_proj, arranged so that
+  the backward's all-to-all (the SSD's output gradient to the heads layout, which the SSD's backward waits for) runs
+  while out_proj's weight gradient is multiplied, instead of with nothing beside it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from models.kernels.autocast_linear import weight_grad
 from models.kernels.weight_copies import compute_weight
+from parallelisms.cp_all_to_all import heads_to_seq_values, start_seq_to_heads
 
-__all__ = ["in_proj_seq_to_heads", "local_params"]
+__all__ = ["in_proj_seq_to_heads", "local_params", "heads_to_seq_norm_out_proj"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -223,3 +229,96 @@ def local_params(index, local_sizes, conv_w_shape, d_shape, conv_w, conv_b, dt_b
     """This rank's parameter slices as one autograd node (see _LocalParams). index [sum(local_sizes)] int64: the
     positions of the local values in the flattened, concatenated full parameters (conv_b left out when None)."""
     return _LocalParams.apply(index, local_sizes, conv_w_shape, d_shape, conv_w, conv_b, dt_bias, A_log, D)
+
+
+# ----------------------------------------------------------------------------------------------------
+# all-to-all (heads -> sequence-sharded) + gated norm + out_proj, out_proj's weight gradient beside the backward's
+# all-to-all
+# ----------------------------------------------------------------------------------------------------
+
+
+class _TailGrads:
+    """What the tail's backward nodes hand on to the all-to-all's node: out_proj's output gradient and input."""
+
+    __slots__ = ("dout", "normed")
+
+    def __init__(self) -> None:
+        self.dout = self.normed = None
+
+
+class _HeadsToSeqWithWeightGrad(torch.autograd.Function):
+    """all_to_all_heads_to_seq whose backward also returns out_proj's weight (and bias) gradient: it starts the inverse
+    all-to-all, multiplies dout^T @ normed (left in `grads` by the nodes below) while it runs, then waits."""
+
+    @staticmethod
+    def forward(ctx, y_BSd, weight, bias, grads, group, overlap):
+        ctx.grads, ctx.group, ctx.overlap = grads, group, overlap
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return heads_to_seq_values(y_BSd, group)
+
+    @staticmethod
+    def backward(ctx, grad_BSD):
+        finish = start_seq_to_heads(grad_BSD.contiguous(), ctx.group)
+        grad_y = finish() if not ctx.overlap else None
+        grads, (w_dtype, b_dtype) = ctx.grads, ctx.dtypes
+        dout_TD = grads.dout.reshape(-1, grads.dout.shape[-1])
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            normed_TI = grads.normed.reshape(-1, grads.normed.shape[-1])
+            grad_w = weight_grad(dout_TD, normed_TI.to(dout_TD.dtype), w_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = dout_TD.sum(0).to(b_dtype)
+        grads.dout = grads.normed = None
+        if grad_y is None:
+            grad_y = finish()
+        return grad_y, grad_w, grad_b, None, None, None
+
+
+class _KeepForWeightGrad(torch.autograd.Function):
+    """Identity on out_proj's input; its backward hands the input to _HeadsToSeqWithWeightGrad. Saved here, before the
+    product, so that activation checkpointing's recompute (which stops after the last saved tensor) still skips it."""
+
+    @staticmethod
+    def forward(ctx, normed, grads):
+        ctx.save_for_backward(normed)
+        ctx.grads = grads
+        return normed.view_as(normed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ctx.grads.normed,) = ctx.saved_tensors
+        return grad, None
+
+
+class _TapOutputGrad(torch.autograd.Function):
+    """Identity on out_proj's output; its backward hands the output gradient to _HeadsToSeqWithWeightGrad."""
+
+    @staticmethod
+    def forward(ctx, out, grads):
+        ctx.grads = grads
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.grads.dout = grad
+        return grad, None
+
+
+def heads_to_seq_norm_out_proj(y_BSd, z_BSE, norm, out_proj, group, overlap: bool = True) -> torch.Tensor:
+    """out_proj(norm(all_to_all_heads_to_seq(y), z)), the same values and gradients, with the backward reordered.
+
+    Before: y [b, s, d], the SSD's output for every token, this rank's channel slice (rank order of blocks);
+            z [b, s/cp, d*cp], this rank's tokens. After: [b, s/cp, d_model], this rank's tokens.
+    Autograd would compute out_proj's weight gradient before the norm's backward, and the inverse all-to-all after it
+    with nothing to run beside it (the SSD's backward waits for it). Here out_proj's product takes the weight detached
+    (its node computes the input gradient only) and the all-to-all's node returns the weight gradient, multiplied
+    while its all-to-all runs, from out_proj's output gradient and input, which two identity nodes hand over. Nothing
+    new is computed in the forward, and activation checkpointing's recompute still stops before out_proj's product.
+    overlap False: the all-to-all is waited for at once (the same values).
+    """
+    grads = _TailGrads()
+    weight, bias = out_proj.weight, out_proj.bias
+    y_BSI = _HeadsToSeqWithWeightGrad.apply(y_BSd, weight, bias, grads, group, overlap)
+    normed = _KeepForWeightGrad.apply(norm(y_BSI, z_BSE), grads)
+    out = F.linear(normed, weight.detach(), None if bias is None else bias.detach())
+    return _TapOutputGrad.apply(out, grads)

@@ -150,3 +150,100 @@ def test_in_proj_seq_to_heads_matches_in_proj_then_all_to_all(cp, ngroups, with_
     bias: the z rows by their product in place, the x B C dt rows scattered, replicated B / C rows summed) as in_proj
     followed by pre_conv_ssm."""
     assert all(run_distributed(_in_proj_body, cp, ngroups, with_bias, b, overlap))
+
+
+# ----------------------------------------------------------------------------------------------------
+# all-to-all back + gated norm + out_proj, out_proj's weight gradient beside the backward's all-to-all (gloo ranks)
+# ----------------------------------------------------------------------------------------------------
+
+
+class _OpLog:
+    """Records the aten / c10d ops run while active (name, shapes of the tensor arguments)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        log = self.ops = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+                log.append((str(func.overloadpacket), shapes))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _tail_body(rank, cp, b, with_bias, overlap, load_balance):
+    from models.norms import GatedRMSNorm
+
+    group = dist.group.WORLD
+    torch.manual_seed(0)  # the same parameters on every rank
+    mixer = _Mixer(nheads=8, headdim=2).double()
+    d_inner, d_model, s = mixer.d_ssm, 5, 4 * cp
+    norm = GatedRMSNorm(d_inner, group_size=d_inner // 2).double()
+    out_proj = nn.Linear(d_inner, d_model, bias=with_bias).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    norm_ref, out_proj_ref = copy.deepcopy(norm), copy.deepcopy(out_proj)
+    cpm = MambaContextParallel.from_mixer(mixer, group, load_balance=load_balance, overlap=overlap)
+    gen = torch.Generator().manual_seed(10 + rank)
+    y = torch.randn(b, s, d_inner // cp, dtype=torch.float64, generator=gen, requires_grad=True)
+    z = torch.randn(b, s // cp, d_inner, dtype=torch.float64, generator=gen, requires_grad=True)
+    y_ref, z_ref = y.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    g = torch.randn(b, s // cp, d_model, dtype=torch.float64, generator=gen)
+
+    out = cpm.post_conv_ssm_norm_out_proj(y, z, norm, out_proj)
+    out_ref = out_proj_ref(norm_ref(cpm.post_conv_ssm(y_ref), z_ref))  # the definition, autograd's order
+    torch.testing.assert_close(out, out_ref, rtol=1e-14, atol=1e-14)
+    with _OpLog() as log:
+        out.backward(g)
+    out_ref.backward(g)
+    for got, want, name in [(y, y_ref, "y"), (z, z_ref, "z")]:
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-13, atol=1e-13, msg=lambda m: f"grad of {name}\n{m}")
+    for (name, p), (_, p_ref) in zip(
+        [*norm.named_parameters(), *out_proj.named_parameters()],
+        [*norm_ref.named_parameters(), *out_proj_ref.named_parameters()],
+    ):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-13, atol=1e-13, msg=lambda m: f"grad of {name}\n{m}")
+    # the backward's order: the all-to-all is started, then out_proj's weight gradient [D, T] @ [T, I] is multiplied
+    names = [n for n, _ in log.ops]
+    a2a = names.index("c10d.alltoall_base_")
+    T = b * s // cp
+    dW = [i for i, (n, shapes) in enumerate(log.ops) if n == "aten.mm" and shapes == [(d_model, T), (T, d_inner)]]
+    assert len(dW) == 1 and dW[0] > a2a, (a2a, dW)
+
+    # under activation checkpointing the recompute stops before out_proj's product (as it does for nn.Linear)
+    from torch.utils.checkpoint import checkpoint
+
+    y2 = y.detach().clone().requires_grad_()
+    out2 = checkpoint(cpm.post_conv_ssm_norm_out_proj, y2, z.detach(), norm, out_proj, use_reentrant=False)
+    with _OpLog() as log:
+        out2.backward(g)
+    fwd = [
+        1
+        for n, shapes in log.ops
+        if n in ("aten.mm", "aten.addmm") and (b * s // cp, d_inner) in shapes and (d_inner, d_model) in shapes
+    ]
+    assert not fwd, "the recompute ran out_proj's product"
+    torch.testing.assert_close(y2.grad, y_ref.grad, rtol=1e-13, atol=1e-13)
+    return True
+
+
+@pytest.mark.parametrize(
+    "cp, b, with_bias, overlap, load_balance",
+    [(2, 1, False, True, False), (2, 2, True, True, True), (4, 1, True, True, False), (2, 1, False, False, False)],
+    ids=["cp2-b1", "cp2-b2-bias-balanced", "cp4-bias", "cp2-no-overlap"],
+)
+def test_heads_to_seq_norm_out_proj_matches_unfused(cp, b, with_bias, overlap, load_balance):
+    """The tail's reordered backward (out_proj's weight gradient in the all-to-all's node, multiplied after the
+    all-to-all starts) gives the values and gradients of post_conv_ssm -> norm -> out_proj; checkpointing's recompute
+    still skips out_proj's product."""
+    assert all(run_distributed(_tail_body, cp, b, with_bias, overlap, load_balance))
