@@ -17,6 +17,7 @@ __all__ = [
     "all_to_all_seq_to_heads_packed",
     "all_to_all_heads_to_seq",
     "heads_to_seq_values",
+    "start_heads_to_seq",
     "start_seq_to_heads",
 ]
 
@@ -50,15 +51,7 @@ def _send_layout(x_BSD: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
-    cp = group_size(group)
-    b, s, d = x_BSd.shape
-    s_local = s // cp
-    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
-    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
-    recv_KBSd = torch.empty_like(send_KBSd)
-    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-    # recv[j] = our tokens, rank j's channel slice
-    return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)
+    return start_heads_to_seq(x_BSd, group)()
 
 
 def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
@@ -74,6 +67,27 @@ def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
 def heads_to_seq_values(x_BSd: torch.Tensor, group) -> torch.Tensor:
     """all_to_all_heads_to_seq without autograd (for autograd Functions of their own): [b, s, d] -> [b, s/cp, d*cp]."""
     return _heads_to_seq(x_BSd, group)
+
+
+def start_heads_to_seq(x_BSd: torch.Tensor, group):
+    """all_to_all_heads_to_seq without autograd, started but not waited for: the caller runs other work meanwhile.
+
+    Before: [b, s, d], every token, this rank's channel slice. Returns `finish`, a callable that makes the stream wait
+    for the all-to-all (on CUDA the host does not block) and returns [b, s/cp, d*cp]: this rank's tokens, all channels.
+    """
+    cp = group_size(group)
+    b, s, d = x_BSd.shape
+    s_local = s // cp
+    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
+    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
+    recv_KBSd = torch.empty_like(send_KBSd)
+    work = dist.all_to_all_single(recv_KBSd, send_KBSd, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)  # recv[j] = rank j's channel slice
+
+    return finish
 
 
 def start_seq_to_heads(x_BSD: torch.Tensor, group):

@@ -213,27 +213,46 @@ def _tail_body(rank, cp, b, with_bias, overlap, load_balance):
         [*norm_ref.named_parameters(), *out_proj_ref.named_parameters()],
     ):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-13, atol=1e-13, msg=lambda m: f"grad of {name}\n{m}")
-    # the backward's order: the all-to-all is started, then out_proj's weight gradient [D, T] @ [T, I] is multiplied
-    names = [n for n, _ in log.ops]
-    a2a = names.index("c10d.alltoall_base_")
+    # the backward's order: y's all-to-all started, then out_proj's input gradient [T, D] @ [D, I] multiplied; y's
+    # gradient's all-to-all started, then out_proj's weight gradient [D, T] @ [T, I] multiplied
     T = b * s // cp
-    dW = [i for i, (n, shapes) in enumerate(log.ops) if n == "aten.mm" and shapes == [(d_model, T), (T, d_inner)]]
-    assert len(dW) == 1 and dW[0] > a2a, (a2a, dW)
+    a2a = [i for i, (n, _) in enumerate(log.ops) if n == "c10d.alltoall_base_"]
+    dx = [i for i, (n, sh) in enumerate(log.ops) if n == "aten.mm" and sh == [(T, d_model), (d_model, d_inner)]]
+    dW = [i for i, (n, sh) in enumerate(log.ops) if n == "aten.mm" and sh == [(d_model, T), (T, d_inner)]]
+    assert len(a2a) == 2 and len(dx) == 1 and len(dW) == 1, (a2a, dx, dW)
+    if overlap:
+        assert a2a[0] < dx[0] < a2a[1] < dW[0], (a2a, dx, dW)
 
-    # under activation checkpointing the recompute stops before out_proj's product (as it does for nn.Linear)
+    # under activation checkpointing the recompute runs none of the tail: no all-to-all, norm or product beyond the
+    # backward's own two all-to-alls
     from torch.utils.checkpoint import checkpoint
 
-    y2 = y.detach().clone().requires_grad_()
-    out2 = checkpoint(cpm.post_conv_ssm_norm_out_proj, y2, z.detach(), norm, out_proj, use_reentrant=False)
+    y2, z2 = y.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    out2 = checkpoint(cpm.post_conv_ssm_norm_out_proj, y2, z2, norm, out_proj, use_reentrant=False)
     with _OpLog() as log:
         out2.backward(g)
-    fwd = [
-        1
-        for n, shapes in log.ops
-        if n in ("aten.mm", "aten.addmm") and (b * s // cp, d_inner) in shapes and (d_inner, d_model) in shapes
-    ]
-    assert not fwd, "the recompute ran out_proj's product"
+    assert [n for n, _ in log.ops].count("c10d.alltoall_base_") == 2, "the recompute ran the tail's all-to-all"
+    products = [sh for n, sh in log.ops if n in ("aten.mm", "aten.addmm")]
+    assert [(T, d_inner), (d_inner, d_model)] not in [sh[-2:] for sh in products], "the recompute ran out_proj"
     torch.testing.assert_close(y2.grad, y_ref.grad, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(z2.grad, z_ref.grad, rtol=1e-13, atol=1e-13)
+
+    # bf16 autocast with float32 parameters: the products in bf16 as nn.Linear's, float32 parameter gradients
+    n32, o32 = copy.deepcopy(norm).float(), copy.deepcopy(out_proj).float()
+    n32_ref, o32_ref = copy.deepcopy(n32), copy.deepcopy(o32)
+    y32, z32 = y.detach().float().requires_grad_(), z.detach().float().requires_grad_()
+    y32_ref, z32_ref = y.detach().float().requires_grad_(), z.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cpm.post_conv_ssm_norm_out_proj(y32, z32, n32, o32)
+        out_ref = o32_ref(n32_ref(cpm.post_conv_ssm(y32_ref), z32_ref))
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, out_ref)
+    out.backward(g.bfloat16())
+    out_ref.backward(g.bfloat16())
+    for got, want in [(y32.grad, y32_ref.grad), (z32.grad, z32_ref.grad), (o32.weight.grad, o32_ref.weight.grad),
+                      (n32.weight.grad, n32_ref.weight.grad)]:  # fmt: skip
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     return True
 
 
@@ -243,7 +262,7 @@ def _tail_body(rank, cp, b, with_bias, overlap, load_balance):
     ids=["cp2-b1", "cp2-b2-bias-balanced", "cp4-bias", "cp2-no-overlap"],
 )
 def test_heads_to_seq_norm_out_proj_matches_unfused(cp, b, with_bias, overlap, load_balance):
-    """The tail's reordered backward (out_proj's weight gradient in the all-to-all's node, multiplied after the
-    all-to-all starts) gives the values and gradients of post_conv_ssm -> norm -> out_proj; checkpointing's recompute
-    still skips out_proj's product."""
+    """The tail as two nodes gives the values and gradients of post_conv_ssm -> norm -> out_proj (fp64, and bf16
+    autocast); its backward starts each all-to-all before the product it overlaps; checkpointing's recompute runs none
+    of it."""
     assert all(run_distributed(_tail_body, cp, b, with_bias, overlap, load_balance))
