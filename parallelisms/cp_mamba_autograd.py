@@ -25,7 +25,12 @@ import torch.nn.functional as F
 from models.kernels import ops
 from models.kernels.autocast_linear import weight_grad
 from models.kernels.weight_copies import compute_weight
-from parallelisms.cp_all_to_all import heads_to_seq_values, start_heads_to_seq, start_seq_to_heads
+from parallelisms.cp_all_to_all import (
+    all_to_all_heads_to_seq,
+    heads_to_seq_values,
+    start_heads_to_seq,
+    start_seq_to_heads,
+)
 
 __all__ = ["in_proj_seq_to_heads", "local_params", "heads_to_seq_norm_out_proj"]
 
@@ -327,7 +332,11 @@ def heads_to_seq_norm_out_proj(y_BSd, z_BSE, norm, out_proj, group, overlap: boo
     backward (the SSD's backward waits for it). Here the tail's node saves nothing (y and z are saved by the identity
     node before it), so the recompute stops before the tail; its backward sends y again while out_proj's input gradient
     is multiplied, recomputes the norm, and sends y's gradient while out_proj's weight gradient is multiplied. overlap
-    False: each all-to-all is waited for at once (the same values).
+    False: each all-to-all is waited for at once (the same values). Under torch.compile: the unfused chain.
     """
+    if torch.compiler.is_compiling():
+        # torch.compile traces both nodes into one compiled graph, whose node does not hold the identity node's saved
+        # tensors: the unfused chain there
+        return out_proj(norm(all_to_all_heads_to_seq(y_BSd, group), z_BSE))
     y_BSd, z_BSE = _TailInputs.apply(y_BSd, z_BSE)
     return _HeadsToSeqNormOutProj.apply(y_BSd, z_BSE, norm.weight, out_proj.weight, out_proj.bias, norm, group, overlap)

@@ -24,8 +24,10 @@ CP = "--parallelism.context_parallel_degree"
         # the long-context setting: every block recomputed in the backward through the CP mixer's own autograd nodes
         (2, [CP, "2", "--activation_checkpoint.mode", "full"]),
         (2, [CP, "2", "--parallelism.context_parallel_overlap", "false"]),  # the all-to-alls waited for at once
+        # blocks under torch.compile: the mixer's tail takes the unfused chain there (cp_mamba_autograd)
+        (2, [CP, "2", "--compile.enable", "true"]),
     ],
-    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2", "cp2-full-ac", "cp2-no-overlap"],
+    ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2", "cp2-full-ac", "cp2-no-overlap", "cp2-compile"],
 )
 def test_context_parallel_matches_single_process(reference, tmp_path, nproc, layout):
     assert_same_losses(reference, run_training(nproc, PARITY_ARGS + layout, tmp_path))
