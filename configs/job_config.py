@@ -229,10 +229,7 @@ class Parallelism:
     context_parallel_overlap: bool = doc(
         True,
         "Mamba layers under CP: in_proj's all-to-all runs while the z half of in_proj is multiplied (and in the "
-        "backward the inverse all-to-all while z's gradients are); the mixer's tail (the SSD's output back to this "
-        "rank's tokens, gated norm, out_proj) is left out of activation checkpointing's recompute and its backward "
-        "sends the SSD's output and its gradient while out_proj's two products run; false: each all-to-all is "
-        "waited for at once "
+        "backward the inverse all-to-all while z's gradients are); false: each all-to-all is waited for at once "
         "(the same values; for measuring what the overlap gains: a product beside an all-to-all can slow both).",
     )
     pipeline_parallel_degree: int = doc(1, "Pipeline stages over ranks (pp).")

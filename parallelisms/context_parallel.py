@@ -43,7 +43,6 @@ from parallelisms.cp_all_to_all import (
     group_size,
 )
 from parallelisms.cp_mamba_autograd import (
-    heads_to_seq_norm_out_proj,
     in_proj_seq_to_heads,
     local_params,
 )
@@ -281,20 +280,6 @@ class MambaContextParallel:
         if self.load_balance:
             y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
         return all_to_all_heads_to_seq(y_BSd, self.cp_group)
-
-    def post_conv_ssm_norm_out_proj(
-        self, y_BSd: torch.Tensor, z_BSE: torch.Tensor, norm: nn.Module, out_proj: nn.Linear
-    ) -> torch.Tensor:
-        """out_proj(norm(post_conv_ssm(y), z)): the mixer's tail after the SSD.
-
-        y [b, s, d_inner_local] (this rank's heads, whole sequence, natural order), z [b, s/cp, d_inner] (this rank's
-        tokens) -> [b, s/cp, d_model] (this rank's tokens). With overlap, the backward's all-to-all runs while
-        out_proj's weight gradient is multiplied (cp_mamba_autograd.heads_to_seq_norm_out_proj); the same values."""
-        if self.cp_size == 1:
-            return out_proj(norm(y_BSd, z_BSE))
-        if self.load_balance:
-            y_BSd = redo_load_balance(y_BSd, self.cp_size, seq_dim=1)
-        return heads_to_seq_norm_out_proj(y_BSd, z_BSE, norm, out_proj, self.cp_group, self.overlap)
 
     # ---- parameter slices (taken in the forward) ----------------------------------------------------
 

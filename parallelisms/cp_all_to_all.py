@@ -16,9 +16,6 @@ __all__ = [
     "all_to_all_seq_to_heads",
     "all_to_all_seq_to_heads_packed",
     "all_to_all_heads_to_seq",
-    "heads_to_seq_values",
-    "start_heads_to_seq",
-    "start_seq_to_heads",
 ]
 
 
@@ -51,7 +48,15 @@ def _send_layout(x_BSD: torch.Tensor, cp: int) -> torch.Tensor:
 
 
 def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
-    return start_heads_to_seq(x_BSd, group)()
+    cp = group_size(group)
+    b, s, d = x_BSd.shape
+    s_local = s // cp
+    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
+    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
+    recv_KBSd = torch.empty_like(send_KBSd)
+    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
+    # recv[j] = our tokens, rank j's channel slice
+    return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)
 
 
 def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
@@ -62,51 +67,6 @@ def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
     recv_KBSd = torch.empty_like(send_KBSd)
     dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
     return recv_KBSd  # recv[k] = the gradient of the channel slice k we sent to rank k
-
-
-def heads_to_seq_values(x_BSd: torch.Tensor, group) -> torch.Tensor:
-    """all_to_all_heads_to_seq without autograd (for autograd Functions of their own): [b, s, d] -> [b, s/cp, d*cp]."""
-    return _heads_to_seq(x_BSd, group)
-
-
-def start_heads_to_seq(x_BSd: torch.Tensor, group):
-    """all_to_all_heads_to_seq without autograd, started but not waited for: the caller runs other work meanwhile.
-
-    Before: [b, s, d], every token, this rank's channel slice. Returns `finish`, a callable that makes the stream wait
-    for the all-to-all (on CUDA the host does not block) and returns [b, s/cp, d*cp]: this rank's tokens, all channels.
-    """
-    cp = group_size(group)
-    b, s, d = x_BSd.shape
-    s_local = s // cp
-    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
-    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
-    recv_KBSd = torch.empty_like(send_KBSd)
-    work = dist.all_to_all_single(recv_KBSd, send_KBSd, group=group, async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)  # recv[j] = rank j's channel slice
-
-    return finish
-
-
-def start_seq_to_heads(x_BSD: torch.Tensor, group):
-    """all_to_all_seq_to_heads without autograd, started but not waited for: the caller runs other work meanwhile.
-
-    Before: [b, s/cp, D], this rank's tokens. Returns `finish`, a callable that makes the stream wait for the
-    all-to-all (on CUDA the host does not block) and returns [b, s, D/cp]: every rank's tokens, this rank's channels.
-    """
-    cp = group_size(group)
-    b, s_local, D = x_BSD.shape
-    send_KBSd = _send_layout(x_BSD, cp)
-    recv_KBSd = torch.empty_like(send_KBSd)
-    work = dist.all_to_all_single(recv_KBSd, send_KBSd, group=group, async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return recv_KBSd.permute(1, 0, 2, 3).reshape(b, cp * s_local, D // cp)
-
-    return finish
 
 
 class _SeqToHeads(torch.autograd.Function):

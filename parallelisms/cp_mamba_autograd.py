@@ -11,28 +11,16 @@ activation checkpointing, backward). The GPU work stays the same or shrinks.
 - _LocalParams: this rank's slices of conv1d.weight / conv1d.bias / dt_bias / A_log / D as one gather, A = -exp(A_log)
   included; the backward scatters the five gradients into one zero buffer (instead of 11 slice nodes, each a zeros
   and a copy, two cats and the exp / neg / cast nodes).
-- heads_to_seq_norm_out_proj: the all-to-all back to this rank's tokens, the gated norm and out_proj, arranged so that
-  full activation checkpointing's recompute skips them and the backward's two all-to-alls run beside out_proj's two
-  products, instead of three all-to-alls per layer and step with nothing beside them.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from models.kernels import ops
-from models.kernels.autocast_linear import weight_grad
 from models.kernels.weight_copies import compute_weight
-from parallelisms.cp_all_to_all import (
-    all_to_all_heads_to_seq,
-    heads_to_seq_values,
-    start_heads_to_seq,
-    start_seq_to_heads,
-)
 
-__all__ = ["in_proj_seq_to_heads", "local_params", "heads_to_seq_norm_out_proj"]
+__all__ = ["in_proj_seq_to_heads", "local_params"]
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -235,108 +223,3 @@ def local_params(index, local_sizes, conv_w_shape, d_shape, conv_w, conv_b, dt_b
     """This rank's parameter slices as one autograd node (see _LocalParams). index [sum(local_sizes)] int64: the
     positions of the local values in the flattened, concatenated full parameters (conv_b left out when None)."""
     return _LocalParams.apply(index, local_sizes, conv_w_shape, d_shape, conv_w, conv_b, dt_bias, A_log, D)
-
-
-# ----------------------------------------------------------------------------------------------------
-# all-to-all (heads -> sequence-sharded) + gated norm + out_proj: nothing of it in checkpointing's recompute, both
-# all-to-alls of its backward beside out_proj's products
-# ----------------------------------------------------------------------------------------------------
-
-
-class _TailInputs(torch.autograd.Function):
-    """Identity on the tail's inputs (y, z) that saves them, so that the tail's own node saves nothing: activation
-    checkpointing's recompute stops at the last saved tensor, here, and never runs the tail (its all-to-all, norm and
-    product). The tail's backward reads them from this node."""
-
-    @staticmethod
-    def forward(ctx, y_BSd, z_BSE):
-        ctx.save_for_backward(y_BSd, z_BSE)
-        return y_BSd.view_as(y_BSd), z_BSE.view_as(z_BSE)
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_z):
-        return grad_y, grad_z
-
-
-def _gated_norm(norm: torch.nn.Module, y_MI: torch.Tensor, z_MI: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The mixer's GatedRMSNorm with `weight` in place of its parameter (the same kernels, models.kernels.ops)."""
-    return ops.rmsnorm_gated(
-        y_MI,
-        weight,
-        z=z_MI,
-        eps=norm.eps,
-        group_size=norm.group_size,
-        norm_before_gate=norm.norm_before_gate,
-        backend=norm.backend,
-    )
-
-
-class _HeadsToSeqNormOutProj(torch.autograd.Function):
-    """See heads_to_seq_norm_out_proj. Saves nothing itself: y and z come from the _TailInputs node before it."""
-
-    @staticmethod
-    def forward(ctx, y_BSd, z_BSE, norm_weight, weight, bias, norm, group, overlap):
-        y_BSI = heads_to_seq_values(y_BSd, group)
-        normed = _gated_norm(norm, y_BSI, z_BSE, norm_weight)
-        out = F.linear(normed, weight, bias)  # under autocast in its dtype, as nn.Linear
-        ctx.inputs = y_BSd.grad_fn  # the _TailInputs node holding y and z (None when neither needs a gradient)
-        ctx.norm, ctx.group, ctx.overlap = norm, group, overlap
-        ctx.compute_dtype = out.dtype
-        ctx.params = (
-            norm_weight,
-            weight,
-            bias,
-        )  # parameters: their storage lives on (FSDP2 refills it before backward)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout_BSD):
-        y_BSd, z_BSE = ctx.inputs.saved_tensors
-        norm_weight, weight, bias = ctx.params
-        dtype = ctx.compute_dtype
-        T, D = dout_BSD.numel() // dout_BSD.shape[-1], dout_BSD.shape[-1]
-        dout_TD = dout_BSD.reshape(T, D).to(dtype)
-        # 1. y back to this rank's tokens, beside out_proj's input gradient (which does not need it)
-        finish = start_heads_to_seq(y_BSd, ctx.group)
-        y_BSI = finish() if not ctx.overlap else None
-        d_normed_TI = dout_TD @ weight.to(dtype)
-        if y_BSI is None:
-            y_BSI = finish()
-        # 2. the norm again (what the forward's recompute used to run) and its backward
-        with torch.enable_grad():
-            y_in = y_BSI.detach().requires_grad_()
-            z_in = z_BSE.detach().requires_grad_()
-            w_in = norm_weight.detach().requires_grad_()
-            normed = _gated_norm(ctx.norm, y_in, z_in, w_in)
-            d_y, d_z, d_norm_w = torch.autograd.grad(
-                normed, (y_in, z_in, w_in), d_normed_TI.view_as(normed).to(normed.dtype)
-            )
-        # 3. y's gradient to the heads layout (the SSD's backward waits for it), beside out_proj's weight gradient
-        finish = start_seq_to_heads(d_y.contiguous(), ctx.group)
-        grad_y = finish() if not ctx.overlap else None
-        normed_TI = normed.detach().reshape(T, -1).to(dtype)
-        grad_w = weight_grad(dout_TD, normed_TI, weight.dtype) if ctx.needs_input_grad[3] else None
-        grad_b = dout_TD.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[4] else None
-        if grad_y is None:
-            grad_y = finish()
-        return grad_y, d_z, d_norm_w, grad_w, grad_b, None, None, None
-
-
-def heads_to_seq_norm_out_proj(y_BSd, z_BSE, norm, out_proj, group, overlap: bool = True) -> torch.Tensor:
-    """out_proj(norm(all_to_all_heads_to_seq(y), z)) with the same values and gradients, as two autograd nodes.
-
-    Before: y [b, s, d], the SSD's output for every token, this rank's channel slice (blocks in rank order);
-            z [b, s/cp, d*cp], this rank's tokens. After: [b, s/cp, d_model], this rank's tokens.
-    Per layer and step the unfused chain ran three all-to-alls of y's size with nothing beside them: y's in the
-    forward, again in full activation checkpointing's recompute (the norm waits for it), and y's gradient in the
-    backward (the SSD's backward waits for it). Here the tail's node saves nothing (y and z are saved by the identity
-    node before it), so the recompute stops before the tail; its backward sends y again while out_proj's input gradient
-    is multiplied, recomputes the norm, and sends y's gradient while out_proj's weight gradient is multiplied. overlap
-    False: each all-to-all is waited for at once (the same values). Under torch.compile: the unfused chain.
-    """
-    if torch.compiler.is_compiling():
-        # torch.compile traces both nodes into one compiled graph, whose node does not hold the identity node's saved
-        # tensors: the unfused chain there
-        return out_proj(norm(all_to_all_heads_to_seq(y_BSd, group), z_BSE))
-    y_BSd, z_BSE = _TailInputs.apply(y_BSd, z_BSE)
-    return _HeadsToSeqNormOutProj.apply(y_BSd, z_BSE, norm.weight, out_proj.weight, out_proj.bias, norm, group, overlap)

@@ -24,7 +24,7 @@ CP = "--parallelism.context_parallel_degree"
         # the long-context setting: every block recomputed in the backward through the CP mixer's own autograd nodes
         (2, [CP, "2", "--activation_checkpoint.mode", "full"]),
         (2, [CP, "2", "--parallelism.context_parallel_overlap", "false"]),  # the all-to-alls waited for at once
-        # blocks under torch.compile: the mixer's tail takes the unfused chain there (cp_mamba_autograd)
+        # blocks under torch.compile (dynamo through the CP hooks' autograd nodes and all-to-alls)
         (2, [CP, "2", "--compile.enable", "true"]),
     ],
     ids=["cp2", "cp2-balanced", "cp4-group-replication", "cp2xfsdp2", "cp2-full-ac", "cp2-no-overlap", "cp2-compile"],

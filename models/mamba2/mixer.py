@@ -123,9 +123,7 @@ class Mamba2Mixer(nn.Module):
         y_BSHP, final_BHPN = y_BSHP if return_final_states else (y_BSHP, None)
         y_BSI = y_BSHP.reshape(b, s, -1)
         if self.cp is not None:
-            # [b, s, d_inner/cp] -> all-to-all -> [b, s/cp, d_inner] -> norm -> out_proj, the backward's all-to-all
-            # beside out_proj's weight gradient
-            return self.cp.post_conv_ssm_norm_out_proj(y_BSI, z_BSE, self.norm, self.out_proj), final_BHPN
+            y_BSI = self.cp.post_conv_ssm(y_BSI)  # [b, s, d_inner/cp] -> [b, s/cp, d_inner]
         return self.out_proj(self.norm(y_BSI, z_BSE)), final_BHPN
 
     def _fused_forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool):
