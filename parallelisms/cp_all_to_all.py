@@ -16,6 +16,7 @@ __all__ = [
     "all_to_all_seq_to_heads",
     "all_to_all_seq_to_heads_packed",
     "all_to_all_heads_to_seq",
+    "all_to_all_heads_to_seq_blocks",
 ]
 
 
@@ -94,6 +95,25 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads_send(_send_layout(grad_BSD, cp), ctx.group), None
 
 
+class _HeadsToSeqBlocks(torch.autograd.Function):
+    """all_to_all_heads_to_seq's receive buffer as it comes: [cp, b * s/cp, d]; its gradient in that layout is the
+    inverse all-to-all's send buffer."""
+
+    @staticmethod
+    def forward(ctx, x_BSd, group):
+        cp = group_size(group)
+        b, s, d = x_BSd.shape
+        ctx.group, ctx.shape = group, (cp, b, s // cp, d)
+        send_KBSd = x_BSd.reshape(b, cp, s // cp, d).transpose(0, 1).contiguous()  # no copy when b == 1
+        recv_KBSd = torch.empty_like(send_KBSd)
+        dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
+        return recv_KBSd.view(cp, b * (s // cp), d)
+
+    @staticmethod
+    def backward(ctx, grad_KTd):
+        return _seq_to_heads_send(grad_KTd.contiguous().view(ctx.shape), ctx.group), None
+
+
 def all_to_all_seq_to_heads(x_BSD_local: torch.Tensor, group) -> torch.Tensor:
     """Sequence-sharded -> channel-sharded, over the CP group (autograd: backward is heads_to_seq).
 
@@ -143,3 +163,22 @@ def all_to_all_heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
             f"all_to_all_heads_to_seq expects [b, s, d] with s divisible by cp={cp}; got {tuple(x_BSd.shape)}"
         )
     return _HeadsToSeq.apply(x_BSd, group)
+
+
+def all_to_all_heads_to_seq_blocks(x_BSd: torch.Tensor, group) -> torch.Tensor:
+    """all_to_all_heads_to_seq without its last copy: the channels stay in one block per rank.
+
+    Before: [b, s, d], the whole sequence (blocks in rank order), this rank's channel slice.
+    After:  [cp, b * s/cp, d]: block j holds rank j's channel slice of this rank's tokens (all_to_all_heads_to_seq's
+            [b, s/cp, d*cp] is its permute(1, 0, 2), assembled by a copy). For a consumer that reads the blocks where
+            they lie (ops.rmsnorm_gated_blocks); the gradient it gives back in this layout goes out with no copy.
+    """
+    cp = group_size(group)
+    b, s, d = x_BSd.shape
+    if cp == 1:
+        return x_BSd.reshape(1, b * s, d)
+    if x_BSd.dim() != 3 or s % cp:
+        raise ValueError(
+            f"all_to_all_heads_to_seq_blocks expects [b, s, d] with s divisible by cp={cp}; got {tuple(x_BSd.shape)}"
+        )
+    return _HeadsToSeqBlocks.apply(x_BSd, group)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from parallelisms.context_parallel import (
     MambaContextParallel,
     all_to_all_heads_to_seq,
+    all_to_all_heads_to_seq_blocks,
     all_to_all_seq_to_heads,
     validate_cp_mamba,
 )
@@ -344,6 +345,14 @@ def _all_to_all_body(rank, cp):
     dist.all_gather(G2_all, G2)
     torch.testing.assert_close(y.grad, torch.cat(G2_all, dim=1)[:, :, ch_blk], rtol=0, atol=0)
     torch.testing.assert_close(all_to_all_heads_to_seq(out, group), x_local, rtol=0, atol=0)
+
+    # heads -> seq as column blocks [cp, b * s/cp, d]: the same values, block j = rank j's channels; the same gradient
+    y_blk = y.detach().clone().requires_grad_()
+    blocks = all_to_all_heads_to_seq_blocks(y_blk, group)
+    assert blocks.shape == (cp, b * s_local, d)
+    torch.testing.assert_close(blocks.permute(1, 0, 2).reshape(b, s_local, D), X[:, seq_blk], rtol=0, atol=0)
+    (blocks * G2.reshape(b * s_local, cp, d).permute(1, 0, 2)).sum().backward()
+    torch.testing.assert_close(y_blk.grad, y.grad, rtol=0, atol=0)
 
     # round trip's backward is the identity
     z = X[:, seq_blk].clone().requires_grad_()

@@ -130,6 +130,49 @@ def check_autograd_op(seed=0) -> dict:
     return errors
 
 
+def check_blocks(seed=0) -> dict:
+    """y as K column blocks [K, M, D / K] (context parallel's all-to-all output, rows strided inside each block):
+    the forward's out and rstd and the backward's dy (in the blocks' layout), dz and dw equal the dense rows' bit for
+    bit, for a group spanning the blocks and for groups inside them; ops.rmsnorm_gated_blocks (the autograd op) gives
+    the dense op's values and gradients, y's back as blocks."""
+    from models.kernels import ops
+    from models.kernels.gated_rmsnorm_triton import gated_rmsnorm_bwd, gated_rmsnorm_fwd
+
+    g = torch.Generator().manual_seed(seed)
+    M, K, d = 6, 2, 24
+    D = K * d
+    sizes = {}
+    for group_size, nbg in ((48, False), (16, True)):
+        y, z, dout = (torch.randn(M, D, generator=g) for _ in range(3))
+        w = 1 + 0.2 * torch.randn(D, generator=g)
+        buf = torch.full((K, M, d + 4), float("nan"))
+        blocks = buf[..., 2 : d + 2]
+        blocks.copy_(y.view(M, K, d).permute(1, 0, 2))
+        out_d, rstd_d = gated_rmsnorm_fwd(y, w, z, EPS, group_size, nbg)
+        out_b, rstd_b = gated_rmsnorm_fwd(blocks, w, z, EPS, group_size, nbg)
+        assert torch.equal(out_b, out_d) and torch.equal(rstd_b, rstd_d), "forward differs on blocks"
+        dz_d, dz_b = torch.empty_like(z), torch.empty_like(z)
+        dy_d, dw_d, _ = gated_rmsnorm_bwd(dout, y, w, z, rstd_d, EPS, group_size, nbg, dz_d, False)
+        dy_b, dw_b, _ = gated_rmsnorm_bwd(dout, blocks, w, z, rstd_b, EPS, group_size, nbg, dz_b, False)
+        assert dy_b.shape == (K, M, d), dy_b.shape
+        assert torch.equal(dy_b.permute(1, 0, 2).reshape(M, D), dy_d), "dy differs on blocks"
+        assert torch.equal(dz_b, dz_d) and torch.equal(dw_b, dw_d), "dz / dw differ on blocks"
+
+        leaves_b = [t.clone().requires_grad_() for t in (blocks.contiguous(), w, z)]
+        leaves_d = [t.clone().requires_grad_() for t in (y, w, z)]
+        kw = dict(eps=EPS, group_size=group_size, norm_before_gate=nbg, backend="triton")
+        out_b = ops.rmsnorm_gated_blocks(*leaves_b, **kw)
+        out_d = ops.rmsnorm_gated(*leaves_d, **kw)
+        assert type(out_b.grad_fn).__name__ == "_RMSNormGatedBlocksBackward", out_b.grad_fn
+        out_b.backward(dout)
+        out_d.backward(dout)
+        assert torch.equal(out_b, out_d)
+        assert torch.equal(leaves_b[0].grad.permute(1, 0, 2).reshape(M, D), leaves_d[0].grad)
+        assert torch.equal(leaves_b[1].grad, leaves_d[1].grad) and torch.equal(leaves_b[2].grad, leaves_d[2].grad)
+        sizes[f"g{group_size}"] = group_size
+    return sizes
+
+
 def child() -> None:
     """The child process: every case under the interpreter (tests/interpreter_child.py)."""
     from tests.test_ssd_triton import _patch_interpreter_scalar_index
@@ -137,6 +180,7 @@ def child() -> None:
     _patch_interpreter_scalar_index()
     checks = {name: (lambda args=args: check_case(*args)) for name, args in CASES.items()}
     checks["autograd_op"] = check_autograd_op
+    checks["blocks"] = check_blocks
     run_checks(checks)
 
 
@@ -153,6 +197,11 @@ def test_gated_rmsnorm_against_float64_reference(results, case):
 
 def test_autograd_op_through_ops_rmsnorm_gated(results):
     r = results["autograd_op"]
+    assert r["ok"], r["out"]
+
+
+def test_column_blocks_equal_dense_rows(results):
+    r = results["blocks"]
     assert r["ok"], r["out"]
 
 

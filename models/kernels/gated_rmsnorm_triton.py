@@ -26,7 +26,7 @@ import triton.language as tl
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 
-__all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton"]
+__all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton", "rmsnorm_gated_blocks_triton"]
 
 # Launch shapes (bench_norm.py --tune times others): backward programs per SM (1 beat 2, 4 and 8 on an H100: 0.292
 # against 0.302+ ms at the 1.3B shape), elements of a row per thread (num_warps follows from the block, at most 16;
@@ -45,17 +45,28 @@ def _sigmoid(z):
     return 1.0 / (1.0 + tl.exp2(z * -1.4426950408889634))
 
 
+@triton.jit
+def _y_cols(cols, stride_yk, Y_COLS: tl.constexpr):
+    """Where columns `cols` of a row of y lie from the row's start: y dense in its columns ([M, D] rows), or with
+    Y_COLS > 0 in column blocks of Y_COLS, block k at k * stride_yk ([K, M, D / K]: context parallel's all-to-all
+    delivers a token's channels as one block per rank, and the norm reads them there instead of after a copy)."""
+    if Y_COLS > 0:
+        return (cols // Y_COLS).to(tl.int64) * stride_yk + cols % Y_COLS  # int64: a block may start past 2^31
+    return cols
+
+
 @fast_launch
 @triton.jit
-def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_z, M, N, eps,
-                              NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z, M, N, eps,
+                              NORM_BEFORE_GATE: tl.constexpr, Y_COLS: tl.constexpr,
+                              BLOCK: tl.constexpr):  # fmt: skip
     """One (row, group): the group's N channels of y and z in, out and 1 / rms out."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     cols = group * N + offs
-    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(Y + row * stride_y + _y_cols(cols, stride_yk, Y_COLS), mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
     gate = z * _sigmoid(z)
     x = y if NORM_BEFORE_GATE else y * gate
@@ -69,9 +80,9 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_z, M, N, eps,
 
 @fast_launch
 @triton.jit
-def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_z, stride_dz,
-                              M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr, STAGES: tl.constexpr,
-                              BLOCK: tl.constexpr):  # fmt: skip
+def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_yk, stride_dyk,
+                              stride_z, stride_dz, M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
+                              STAGES: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Rows pid, pid + programs, ... of one group: with x the normalised input (y * silu(z), or y) and
     x_hat = x * rstd, dx = rstd (w g - x_hat mean(x_hat w g)) where g is out's gradient before the gate (dout, or
     dout * silu(z)); dy and dz from dx (or g) through the gate; this program's sum of g * x_hat to DW_PART."""
@@ -81,6 +92,10 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     cols = group * N + offs
+    y_cols = _y_cols(cols, stride_yk, Y_COLS)
+    # dy in y's layout: dense [M, D], or dense [K, M, Y_COLS] blocks (stride_dyk = M * Y_COLS)
+    dy_cols = _y_cols(cols, stride_dyk, Y_COLS)
+    dy_row = Y_COLS if Y_COLS > 0 else D
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     programs = tl.num_programs(0)
@@ -88,7 +103,7 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
     for i in tl.range(0, tl.cdiv(M - pid, programs), num_stages=STAGES):
         row = first + i * step
         g = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(Y + row * stride_y + y_cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + group * M + row)
         sig = _sigmoid(z)
@@ -112,10 +127,10 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
         wg = w * g
         dx = (wg - x_hat * (tl.sum(x_hat * wg, axis=0) / N)) * rstd
         if NORM_BEFORE_GATE:
-            tl.store(DY + row * D + cols, dx.to(DY.dtype.element_ty), mask=mask)
+            tl.store(DY + row * dy_row + dy_cols, dx.to(DY.dtype.element_ty), mask=mask)
         else:
             tl.store(DZ + row * stride_dz + cols, (dx * y_dgate).to(DZ.dtype.element_ty), mask=mask)
-            tl.store(DY + row * D + cols, (dx * gate).to(DY.dtype.element_ty), mask=mask)
+            tl.store(DY + row * dy_row + dy_cols, (dx * gate).to(DY.dtype.element_ty), mask=mask)
     tl.store(DW_PART + pid * D + cols, dw, mask=mask)
 
 
@@ -142,44 +157,60 @@ def _check_weight(weight_D: torch.Tensor, D: int) -> None:
         raise ValueError(f"weight must be a contiguous [{D}], got {tuple(weight_D.shape)} {weight_D.stride()}")
 
 
+def _y_layout(y: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(M, D, row stride, block stride, columns per block or 0) of y: rows [M, D], or [K, M, D / K] column blocks
+    (block k holds columns k * D / K ..., each block's rows any stride, its last dim contiguous)."""
+    if y.dim() == 3:
+        K, M, d = y.shape
+        if y.stride(-1) != 1:
+            raise ValueError(f"y blocks must have a contiguous last dim, got {tuple(y.shape)} {y.stride()}")
+        return M, K * d, y.stride(1), y.stride(0), d
+    if y.dim() != 2:
+        raise ValueError(f"y must be rows [M, D] or column blocks [K, M, D / K], got {tuple(y.shape)}")
+    M, D = y.shape
+    _check_rows("y", y, M, D)
+    return M, D, y.stride(0), 0, 0
+
+
 def gated_rmsnorm_fwd(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_before_gate: bool):
     """Gated, grouped RMSNorm of rows [M, D] (last dim contiguous, rows any stride): (out [M, D] in y's dtype,
-    rstd [groups * M] float32, group-major)."""
-    M, D = y_MD.shape
-    _check_rows("y", y_MD, M, D)
+    rstd [groups * M] float32, group-major). y may also come as column blocks [K, M, D / K] (_y_layout)."""
+    M, D, stride_y, stride_yk, y_cols = _y_layout(y_MD)
     _check_rows("z", z_MD, M, D)
     _check_weight(weight_D, D)
     groups, block, _, _ = _launch_shape(M, D, group_size, y_MD.element_size(), y_MD.device)
     out = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype)
     rstd = torch.empty(groups * M, device=y_MD.device, dtype=torch.float32)
     _gated_rmsnorm_fwd_kernel[(M, groups)](
-        y_MD, z_MD, weight_D, out, rstd, y_MD.stride(0), z_MD.stride(0), M, group_size, eps,
-        NORM_BEFORE_GATE=norm_before_gate, BLOCK=block,
+        y_MD, z_MD, weight_D, out, rstd, stride_y, stride_yk, z_MD.stride(0), M, group_size, eps,
+        NORM_BEFORE_GATE=norm_before_gate, Y_COLS=y_cols, BLOCK=block,
         num_warps=min(max(block // (32 * _FWD_ELEMS_PER_THREAD), 1), 16),
     )  # fmt: skip
     return out, rstd
 
 
 def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute):
-    """Gradients of gated_rmsnorm_fwd: (dy [M, D] in y's dtype, dweight [D] in weight's dtype, the normed output
-    recomputed [M, D] or None). dz goes into dz_MD (rows any stride, last dim contiguous). eps is not read: rstd is
-    the forward's."""
-    M, D = y_MD.shape
-    for name, t in (("dout", dout_MD), ("y", y_MD), ("z", z_MD), ("dz", dz_MD)):
+    """Gradients of gated_rmsnorm_fwd: (dy in y's dtype and layout (dense [M, D], or dense [K, M, D / K] blocks for
+    blocked y), dweight [D] in weight's dtype, the normed output recomputed [M, D] or None). dz goes into dz_MD (rows
+    any stride, last dim contiguous). eps is not read: rstd is the forward's."""
+    M, D, stride_y, stride_yk, y_cols = _y_layout(y_MD)
+    for name, t in (("dout", dout_MD), ("z", z_MD), ("dz", dz_MD)):
         _check_rows(name, t, M, D)
     _check_weight(weight_D, D)
     groups, block, warps, programs = _launch_shape(M, D, group_size, y_MD.element_size(), y_MD.device)
     if rstd.numel() != groups * M:
         raise ValueError(f"rstd must hold groups * M = {groups * M} values, got {rstd.numel()}")
-    dy = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype)
+    dy_shape = (D // y_cols, M, y_cols) if y_cols else (M, D)
+    dy = torch.empty(dy_shape, device=y_MD.device, dtype=y_MD.dtype)
     out = torch.empty(M, D, device=y_MD.device, dtype=y_MD.dtype) if recompute else None
     dw_part = torch.empty(programs, D, device=y_MD.device, dtype=torch.float32)
     in_bytes = block * (dout_MD.element_size() + y_MD.element_size() + z_MD.element_size())
     stages = rows_in_flight(in_bytes, _BWD_STAGES)
     _gated_rmsnorm_bwd_kernel[(programs, groups)](
         dout_MD, y_MD, z_MD, weight_D, rstd, dy, dz_MD, out if recompute else dy, dw_part,
-        dout_MD.stride(0), y_MD.stride(0), z_MD.stride(0), dz_MD.stride(0), M, group_size,
-        NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, BLOCK=block, num_warps=warps,
+        dout_MD.stride(0), stride_y, stride_yk, M * y_cols, z_MD.stride(0), dz_MD.stride(0), M, group_size,
+        NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, Y_COLS=y_cols, BLOCK=block,
+        num_warps=warps,
     )  # fmt: skip
     return dy, dw_part.sum(0).to(weight_D.dtype), out
 
@@ -220,3 +251,39 @@ def rmsnorm_gated_triton(x, weight, z, eps=1e-5, group_size=None, norm_before_ga
         raise ValueError(f"rmsnorm_gated_triton needs z of x's shape {tuple(x.shape)}, got {got}")
     with no_autocast(x.device):
         return _RMSNormGated.apply(x, weight.contiguous(), z, float(eps), group_size or x.shape[-1], norm_before_gate)
+
+
+class _RMSNormGatedBlocks(torch.autograd.Function):
+    """The halves as one autograd op on y in column blocks [K, M, D / K] (context parallel's all-to-all output, read
+    where it lies): out [M, D]; y's gradient comes back in the same [K, M, D / K] layout (the inverse all-to-all's
+    send order), dz into a fresh buffer."""
+
+    @staticmethod
+    def forward(ctx, y_KMd, weight, z_MD, eps, group_size, norm_before_gate):
+        if z_MD.stride(-1) != 1:
+            z_MD = z_MD.contiguous()
+        out, rstd = gated_rmsnorm_fwd(y_KMd, weight, z_MD, eps, group_size, norm_before_gate)
+        ctx.save_for_backward(y_KMd, weight, z_MD, rstd)
+        ctx.args = (eps, group_size, norm_before_gate)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_MD):
+        y_KMd, weight, z_MD, rstd = ctx.saved_tensors
+        eps, group_size, norm_before_gate = ctx.args
+        if dout_MD.stride(-1) != 1:
+            dout_MD = dout_MD.contiguous()
+        dz = torch.empty_like(z_MD, memory_format=torch.contiguous_format)
+        dy, dw, _ = gated_rmsnorm_bwd(dout_MD, y_KMd, weight, z_MD, rstd, eps, group_size, norm_before_gate, dz, False)
+        return dy, dw, dz, None, None, None
+
+
+def rmsnorm_gated_blocks_triton(y_KMd, weight, z_MD, eps=1e-5, group_size=None, norm_before_gate=False):
+    """rmsnorm_gated_triton of the rows [M, D] whose columns y holds as K blocks [K, M, D / K] (block k: columns
+    k * D / K ... (k + 1) * D / K - 1), without assembling them: -> [M, D] in y's dtype."""
+    K, M, d = y_KMd.shape
+    if z_MD.shape != (M, K * d):
+        raise ValueError(f"rmsnorm_gated_blocks_triton needs z [{M}, {K * d}] for y blocks {tuple(y_KMd.shape)}")
+    with no_autocast(y_KMd.device):
+        return _RMSNormGatedBlocks.apply(y_KMd, weight.contiguous(), z_MD, float(eps), group_size or K * d,
+                                         norm_before_gate)  # fmt: skip

@@ -175,6 +175,29 @@ def rmsnorm_gated(
     return fn(x, weight, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
 
 
+def rmsnorm_gated_blocks(
+    y_KMd: torch.Tensor,
+    weight: torch.Tensor,
+    z_MD: torch.Tensor,
+    eps: float = 1e-5,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """rmsnorm_gated of rows [M, D] given as K column blocks y [K, M, D / K] (block k: columns k * D / K on), with z
+    [M, D]: -> [M, D]. Where the SSD's kernels are ours, our kernels read the blocks where they lie and give y's
+    gradient back as blocks (context parallel's all-to-all delivers and takes them so: no copy either way); else the
+    blocks are assembled and rmsnorm_gated runs."""
+    if use_triton_ssd(backend, y_KMd):
+        from models.kernels.gated_rmsnorm_triton import rmsnorm_gated_blocks_triton  # lazy: imports triton
+
+        return rmsnorm_gated_blocks_triton(y_KMd, weight, z_MD, eps, group_size, norm_before_gate)
+    K, M, d = y_KMd.shape
+    y_MD = y_KMd.permute(1, 0, 2).reshape(M, K * d)
+    return rmsnorm_gated(y_MD, weight, z_MD, eps, group_size, norm_before_gate, backend=backend)
+
+
 def add_rmsnorm(
     x: torch.Tensor,
     residual: torch.Tensor | None,

@@ -123,7 +123,9 @@ class Mamba2Mixer(nn.Module):
         y_BSHP, final_BHPN = y_BSHP if return_final_states else (y_BSHP, None)
         y_BSI = y_BSHP.reshape(b, s, -1)
         if self.cp is not None:
-            y_BSI = self.cp.post_conv_ssm(y_BSI)  # [b, s, d_inner/cp] -> [b, s/cp, d_inner]
+            # [b, s, d_inner/cp] -> all-to-all -> [b, s/cp, d_inner] -> gated norm, the norm reading the all-to-all's
+            # blocks where they lie
+            return self.out_proj(self.cp.post_conv_ssm_norm(y_BSI, z_BSE, self.norm)), final_BHPN
         return self.out_proj(self.norm(y_BSI, z_BSE)), final_BHPN
 
     def _fused_forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool):
