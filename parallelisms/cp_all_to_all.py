@@ -48,26 +48,23 @@ def _send_layout(x_BSD: torch.Tensor, cp: int) -> torch.Tensor:
     return x_BSD.reshape(b, s_local, cp, D // cp).permute(2, 0, 1, 3).contiguous()
 
 
-def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
+def _exchange_sequence_blocks(x_BSd: torch.Tensor, group) -> torch.Tensor:
+    """[b, s, d] -> [cp, b, s/cp, d]: sequence block k of x goes to rank k; block j of the result is what rank j sent
+    (its channel slice of our tokens in the forward of heads_to_seq; the gradient of the channel slice we sent to
+    rank j in the backward of seq_to_heads)."""
     cp = group_size(group)
     b, s, d = x_BSd.shape
-    s_local = s // cp
-    # send[k] = sequence block k (rank k's tokens), our channel slice (no copy when b == 1)
-    send_KBSd = x_BSd.reshape(b, cp, s_local, d).transpose(0, 1).contiguous()
+    send_KBSd = x_BSd.reshape(b, cp, s // cp, d).transpose(0, 1).contiguous()  # no copy when b == 1
     recv_KBSd = torch.empty_like(send_KBSd)
     dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
+    return recv_KBSd
+
+
+def _heads_to_seq(x_BSd: torch.Tensor, group) -> torch.Tensor:
+    recv_KBSd = _exchange_sequence_blocks(x_BSd, group)
+    cp, b, s_local, d = recv_KBSd.shape
     # recv[j] = our tokens, rank j's channel slice
     return recv_KBSd.permute(1, 2, 0, 3).reshape(b, s_local, cp * d)
-
-
-def _heads_to_send_layout(grad_BSd: torch.Tensor, group) -> torch.Tensor:
-    """The gradient of _seq_to_heads_send: [b, s, d] -> [cp, b, s/cp, d] in the send layout."""
-    cp = group_size(group)
-    b, s, d = grad_BSd.shape
-    send_KBSd = grad_BSd.reshape(b, cp, s // cp, d).transpose(0, 1).contiguous()
-    recv_KBSd = torch.empty_like(send_KBSd)
-    dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-    return recv_KBSd  # recv[k] = the gradient of the channel slice k we sent to rank k
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -80,7 +77,7 @@ class _SeqToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_BSd):
-        return _heads_to_send_layout(grad_BSd.contiguous(), ctx.group), None
+        return _exchange_sequence_blocks(grad_BSd.contiguous(), ctx.group), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -101,13 +98,10 @@ class _HeadsToSeqBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_BSd, group):
-        cp = group_size(group)
-        b, s, d = x_BSd.shape
-        ctx.group, ctx.shape = group, (cp, b, s // cp, d)
-        send_KBSd = x_BSd.reshape(b, cp, s // cp, d).transpose(0, 1).contiguous()  # no copy when b == 1
-        recv_KBSd = torch.empty_like(send_KBSd)
-        dist.all_to_all_single(recv_KBSd, send_KBSd, group=group)
-        return recv_KBSd.view(cp, b * (s // cp), d)
+        recv_KBSd = _exchange_sequence_blocks(x_BSd, group)
+        cp, b, s_local, d = recv_KBSd.shape
+        ctx.group, ctx.shape = group, recv_KBSd.shape
+        return recv_KBSd.view(cp, b * s_local, d)
 
     @staticmethod
     def backward(ctx, grad_KTd):

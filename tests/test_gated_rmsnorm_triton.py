@@ -163,7 +163,7 @@ def check_blocks(seed=0) -> dict:
         kw = dict(eps=EPS, group_size=group_size, norm_before_gate=nbg, backend="triton")
         out_b = ops.rmsnorm_gated_blocks(*leaves_b, **kw)
         out_d = ops.rmsnorm_gated(*leaves_d, **kw)
-        assert type(out_b.grad_fn).__name__ == "_RMSNormGatedBlocksBackward", out_b.grad_fn
+        assert type(out_b.grad_fn).__name__ == "_RMSNormGatedBackward", out_b.grad_fn
         out_b.backward(dout)
         out_d.backward(dout)
         assert torch.equal(out_b, out_d)

@@ -216,32 +216,36 @@ def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm
 
 
 class _RMSNormGated(torch.autograd.Function):
-    """The halves above as one autograd op on [..., D] (the unfused mixer's norm: context parallel, use_fused_path
-    false); the backward writes dz into a fresh buffer and does not recompute the output."""
+    """The halves above as one autograd op (the unfused mixer's norm: context parallel, use_fused_path false) on x
+    [..., D], or with `blocks` on x as column blocks [K, M, D / K] (context parallel's all-to-all output, read where
+    it lies; z [M, D]), whose gradient then comes back in that layout (the inverse all-to-all's send order). The
+    backward writes dz into a fresh buffer and does not recompute the output."""
 
     @staticmethod
-    def forward(ctx, x, weight, z, eps, group_size, norm_before_gate):
-        shape, D = x.shape, x.shape[-1]
-        x_MD, z_MD = x.reshape(-1, D), z.reshape(-1, D)
-        if x_MD.stride(-1) != 1:
-            x_MD = x_MD.contiguous()
+    def forward(ctx, x, weight, z, eps, group_size, norm_before_gate, blocks):
+        D = z.shape[-1]
+        x_rows = x if blocks else x.reshape(-1, D)
+        z_MD = z.reshape(-1, D)
+        if x_rows.stride(-1) != 1:
+            x_rows = x_rows.contiguous()
         if z_MD.stride(-1) != 1:
             z_MD = z_MD.contiguous()
-        out, rstd = gated_rmsnorm_fwd(x_MD, weight, z_MD, eps, group_size, norm_before_gate)
-        ctx.save_for_backward(x_MD, weight, z_MD, rstd)
-        ctx.args, ctx.shape = (eps, group_size, norm_before_gate), shape
-        return out.view(shape)
+        out, rstd = gated_rmsnorm_fwd(x_rows, weight, z_MD, eps, group_size, norm_before_gate)
+        ctx.save_for_backward(x_rows, weight, z_MD, rstd)
+        ctx.args, ctx.shapes = (eps, group_size, norm_before_gate), (x.shape, z.shape)
+        return out.view(z.shape)
 
     @staticmethod
     def backward(ctx, dout):
-        x_MD, weight, z_MD, rstd = ctx.saved_tensors
+        x_rows, weight, z_MD, rstd = ctx.saved_tensors
         eps, group_size, norm_before_gate = ctx.args
-        dout_MD = dout.reshape(x_MD.shape)
+        x_shape, z_shape = ctx.shapes
+        dout_MD = dout.reshape(z_MD.shape)
         if dout_MD.stride(-1) != 1:
             dout_MD = dout_MD.contiguous()
         dz = torch.empty_like(z_MD, memory_format=torch.contiguous_format)
-        dx, dw, _ = gated_rmsnorm_bwd(dout_MD, x_MD, weight, z_MD, rstd, eps, group_size, norm_before_gate, dz, False)
-        return dx.view(ctx.shape), dw, dz.view(ctx.shape), None, None, None
+        dx, dw, _ = gated_rmsnorm_bwd(dout_MD, x_rows, weight, z_MD, rstd, eps, group_size, norm_before_gate, dz, False)
+        return dx.view(x_shape), dw, dz.view(z_shape), None, None, None, None
 
 
 def rmsnorm_gated_triton(x, weight, z, eps=1e-5, group_size=None, norm_before_gate=False):
@@ -250,32 +254,9 @@ def rmsnorm_gated_triton(x, weight, z, eps=1e-5, group_size=None, norm_before_ga
         got = None if z is None else tuple(z.shape)
         raise ValueError(f"rmsnorm_gated_triton needs z of x's shape {tuple(x.shape)}, got {got}")
     with no_autocast(x.device):
-        return _RMSNormGated.apply(x, weight.contiguous(), z, float(eps), group_size or x.shape[-1], norm_before_gate)
-
-
-class _RMSNormGatedBlocks(torch.autograd.Function):
-    """The halves as one autograd op on y in column blocks [K, M, D / K] (context parallel's all-to-all output, read
-    where it lies): out [M, D]; y's gradient comes back in the same [K, M, D / K] layout (the inverse all-to-all's
-    send order), dz into a fresh buffer."""
-
-    @staticmethod
-    def forward(ctx, y_KMd, weight, z_MD, eps, group_size, norm_before_gate):
-        if z_MD.stride(-1) != 1:
-            z_MD = z_MD.contiguous()
-        out, rstd = gated_rmsnorm_fwd(y_KMd, weight, z_MD, eps, group_size, norm_before_gate)
-        ctx.save_for_backward(y_KMd, weight, z_MD, rstd)
-        ctx.args = (eps, group_size, norm_before_gate)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout_MD):
-        y_KMd, weight, z_MD, rstd = ctx.saved_tensors
-        eps, group_size, norm_before_gate = ctx.args
-        if dout_MD.stride(-1) != 1:
-            dout_MD = dout_MD.contiguous()
-        dz = torch.empty_like(z_MD, memory_format=torch.contiguous_format)
-        dy, dw, _ = gated_rmsnorm_bwd(dout_MD, y_KMd, weight, z_MD, rstd, eps, group_size, norm_before_gate, dz, False)
-        return dy, dw, dz, None, None, None
+        return _RMSNormGated.apply(
+            x, weight.contiguous(), z, float(eps), group_size or x.shape[-1], norm_before_gate, False
+        )
 
 
 def rmsnorm_gated_blocks_triton(y_KMd, weight, z_MD, eps=1e-5, group_size=None, norm_before_gate=False):
@@ -285,5 +266,5 @@ def rmsnorm_gated_blocks_triton(y_KMd, weight, z_MD, eps=1e-5, group_size=None, 
     if z_MD.shape != (M, K * d):
         raise ValueError(f"rmsnorm_gated_blocks_triton needs z [{M}, {K * d}] for y blocks {tuple(y_KMd.shape)}")
     with no_autocast(y_KMd.device):
-        return _RMSNormGatedBlocks.apply(y_KMd, weight.contiguous(), z_MD, float(eps), group_size or K * d,
-                                         norm_before_gate)  # fmt: skip
+        return _RMSNormGated.apply(y_KMd, weight.contiguous(), z_MD, float(eps), group_size or K * d,
+                                   norm_before_gate, True)  # fmt: skip
