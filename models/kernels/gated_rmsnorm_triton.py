@@ -50,9 +50,13 @@ def _y_cols(cols, stride_yk, Y_COLS: tl.constexpr):
     """Where columns `cols` of a row of y lie from the row's start: y dense in its columns ([M, D] rows), or with
     Y_COLS > 0 in column blocks of Y_COLS, block k at k * stride_yk ([K, M, D / K]: context parallel's all-to-all
     delivers a token's channels as one block per rank, and the norm reads them there instead of after a copy)."""
+    # One return: Triton's compiler visits the statement after a constexpr `if` that returned, and two returns of
+    # different types (int64 here, int32 there) fail to compile (the interpreter, running Python, cannot see it).
     if Y_COLS > 0:
-        return (cols // Y_COLS).to(tl.int64) * stride_yk + cols % Y_COLS  # int64: a block may start past 2^31
-    return cols
+        offs = (cols // Y_COLS).to(tl.int64) * stride_yk + cols % Y_COLS  # int64: a block may start past 2^31
+    else:
+        offs = cols
+    return offs
 
 
 @fast_launch
