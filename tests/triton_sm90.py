@@ -1,0 +1,143 @@
+"""Compiling our Triton kernels for the GPU (sm_90) on a CPU-only machine, with the argument patterns the interpreter
+tests really launch.
+
+Why: Triton's interpreter (TRITON_INTERPRET=1, how the CPU tests run our kernels) executes a kernel as Python, so it
+never meets Triton's compiler: session 31 committed a kernel that the interpreter ran bit-exactly and that failed to
+compile on the GPU (a constexpr branch returning int64 beside an int32 return after it). Triton compiles for a GPU
+target without a GPU (ptxas ships in its wheel): `JITFunction.warmup` binds, specialises and compiles exactly as a
+launch would, here against a stand-in driver that reports an sm_90 device.
+
+    with record_launches() as launches:   # in a TRITON_INTERPRET=1 process: every kernel[grid](...) call
+        ...                                # run interpreter cases
+    json.dumps(launches)                   # -> the parent (no interpreter)
+    failures = compile_for_sm90(launches)  # {kernel: error} of the patterns that do not compile
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+
+def _encode(v):
+    """A launch argument as JSON: a tensor by its dtype (all warmup needs), a float tagged (1.0 and 1 specialise
+    differently), ints, bools, strings and None as they are."""
+    if isinstance(v, torch.Tensor):
+        return {"tensor": str(v.dtype).removeprefix("torch.")}
+    if type(v) is float:
+        return {"float": v}
+    if type(v).__module__.startswith("triton.language"):  # a dtype given as a constexpr (tl.bfloat16)
+        return {"tl": v.name}
+    if v is None or type(v) in (int, bool, str):
+        return v
+    raise TypeError(f"launch argument of type {type(v).__name__} cannot be recorded")
+
+
+def _decode(v):
+    if isinstance(v, dict):
+        if "tl" in v:
+            import triton.language as tl
+
+            return tl.dtype(v["tl"])
+        return getattr(torch, v["tensor"]) if "tensor" in v else float(v["float"])
+    return v
+
+
+@contextlib.contextmanager
+def record_launches():
+    """In the interpreter: every launch of a @triton.jit kernel (through fast_launch or `kernel[grid]`) appended to
+    the yielded list as {module, name, args, kwargs, grid}, and then run as before."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: list[dict] = []
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not callable(grid):
+            launches.append(
+                dict(
+                    module=self.fn.__module__,
+                    name=self.fn.__name__,
+                    args=[_encode(a) for a in args],
+                    kwargs={k: _encode(v) for k, v in kwargs.items()},
+                    grid=[int(g) for g in grid],
+                )
+            )
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = original
+
+
+def _specialisation(v):
+    """What Triton compiles a positional argument by: an int by == 1, divisibility by 16 and 32 / 64 bits, a float
+    as fp32 whatever its value (the optimizer's learning rate changes every step), the rest by value."""
+    if type(v) is int and not isinstance(v, bool):
+        return ("int", v == 1, v % 16 == 0, -(2**31) <= v < 2**31)
+    if isinstance(v, dict) and "float" in v:
+        return "fp32"
+    return v
+
+
+def distinct(launches: list[dict]) -> list[dict]:
+    """One launch per pattern that could compile differently: the same kernel, dtypes, specialised scalars and
+    constexprs (keywords: by value; the grid does not enter the compile)."""
+    seen, out = set(), []
+    for launch in launches:
+        args = [_specialisation(a) for a in launch["args"]]
+        key = repr((launch["module"], launch["name"], args, sorted(launch["kwargs"].items())))
+        if key not in seen:
+            seen.add(key)
+            out.append(launch)
+    return out
+
+
+class _Sm90Driver:
+    """What JITFunction.warmup asks of the active driver: a device, a stream and the target (an H100 / H200)."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def kernel_of(module: str, name: str):
+    """The @triton.jit function a recorded launch ran (unwrapping fast_launch)."""
+    from models.kernels.fast_launch import FastLaunch
+
+    kernel = getattr(importlib.import_module(module), name)
+    return kernel.kernel if isinstance(kernel, FastLaunch) else kernel
+
+
+def compile_for_sm90(launches: list[dict]) -> dict[str, str]:
+    """Compile every distinct pattern for sm_90 (not in the interpreter); {"module.name(pattern #)": error}."""
+    from triton.runtime import driver
+
+    failures = {}
+    previous = driver._active  # not reset_active(): on a machine without a GPU there is no default driver to make
+    driver.set_active(_Sm90Driver())
+    try:
+        for i, launch in enumerate(distinct(launches)):
+            kernel = kernel_of(launch["module"], launch["name"])
+            args = [_decode(a) for a in launch["args"]]
+            kwargs = {k: _decode(v) for k, v in launch["kwargs"].items()}
+            try:
+                kernel.warmup(*args, grid=tuple(launch["grid"]), **kwargs)
+            except Exception as e:  # noqa: BLE001 - every compile error is reported with its kernel
+                cause = f"\n  caused by {type(e.__cause__).__name__}: {e.__cause__}" if e.__cause__ else ""
+                where = f"{launch['module']}.{launch['name']} (pattern {i}: {kwargs})"
+                failures[where] = f"{type(e).__name__}: {e}{cause}"
+    finally:
+        driver._active = previous
+    return failures
