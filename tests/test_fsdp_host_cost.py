@@ -1,0 +1,45 @@
+"""benchmarks/fsdp_host_cost.py on the CPU: the variants are built through the trainer's build path in one process per
+rank, take turns, and train the same model: with the same tokens on every rank FSDP2's averaged gradient is one
+rank's, so every variant's losses equal `one`'s step by step (fp32, gloo: 1e-5); bad variant lists are refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks import fsdp_host_cost as fhc
+from tests.dist_utils import run_distributed
+
+
+def _bench(rank, world_size):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    return fhc.main(["--config", "configs/debug.toml", "--rows", "2", "--seq", "64", "--tiny", "1x32", "--rounds", "2",
+                     "--steps", "2", "--variants", "one,fsdp,units1=--parallelism.fsdp_blocks_per_unit 1"])  # fmt: skip
+
+
+def test_variants_train_the_same_model_in_turn():
+    results = run_distributed(_bench, 2)
+    for r in results:
+        assert list(r) == ["one", "fsdp", "units1"]
+        # (1 untimed + 2 turns x 2 steps) per batch kind, real then tiny
+        assert all(len(v["losses"]) == 2 * (1 + 2 * 2) for v in r.values())
+        assert all(v["real"] > 0 and v["tiny"] > 0 for v in r.values())
+        one = r["one"]["losses"]
+        assert one[-1] < one[0]  # it trains
+        for name in ("fsdp", "units1"):
+            for a, b in zip(r[name]["losses"], one):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, r[name]["losses"], one)
+    assert results[0]["fsdp"]["losses"] == results[1]["fsdp"]["losses"]
+
+
+def test_variant_list_errors_name_the_fix():
+    assert fhc.variant_specs("one,fsdp,u15=--parallelism.fsdp_blocks_per_unit 15") == [
+        ("one", []),
+        ("fsdp", []),
+        ("u15", ["--parallelism.fsdp_blocks_per_unit", "15"]),
+    ]
+    with pytest.raises(ValueError, match="takes no overrides"):
+        fhc.variant_specs("fsdp=--parallelism.fsdp_blocks_per_unit 2")
+    with pytest.raises(ValueError, match="distinct names"):
+        fhc.variant_specs("one,one")
