@@ -20,7 +20,7 @@ variant: the median step time at the real batch (host and GPU together, synchron
 
     bash .gpu/setup.sh && NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/fsdp_host_cost.py \\
         --config configs/mamba2_370m.toml --rows 8 --seq 2048 \\
-        --variants "one,fsdp,units15=--parallelism.fsdp_blocks_per_unit 15"
+        --variants "one,fsdp,root=--parallelism.fsdp_blocks_per_unit -1,units15=--parallelism.fsdp_blocks_per_unit 15"
 """
 
 from __future__ import annotations

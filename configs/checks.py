@@ -81,10 +81,10 @@ def job_errors(
             f"training.skip_nonfinite_grads={t.skip_nonfinite_grads} must be >= 0 (0 = stop at the first "
             "non-finite gradient norm)"
         )
-    if cfg.parallelism.fsdp_blocks_per_unit < 0:
+    if cfg.parallelism.fsdp_blocks_per_unit < -1:
         errs.append(
-            f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= 0 "
-            "(1 = one FSDP unit per block, 0 = units of about 100M parameters)"
+            f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= -1 "
+            "(1 = one FSDP unit per block, 0 = auto, -1 = the blocks in the root's unit)"
         )
     if cfg.parallelism.distributed_optimizer:
         errs += distributed_optimizer_errors(cfg, pdims)

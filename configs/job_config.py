@@ -220,7 +220,9 @@ class Parallelism:
         "per step, which limits small models) for more gathered parameters in memory at once. 0 (auto): one unit "
         "when the part's gathered parameters take <= 2 GiB in param_dtype (the 370M: 78.3k against 63.1k tok/s per "
         "GPU on 2 H200s), else as many blocks as make about 100M parameters (the 1.3B's 26M-parameter blocks: 4 per "
-        "unit, measured best on 2 H200s; blocks of 100M and more: 1).",
+        "unit, measured best on 2 H200s; blocks of 100M and more: 1). -1: no unit of their own, the blocks are in the "
+        "root's unit with the embedding and head (one pre-forward and one post-backward pass per step; torch 2.11 "
+        "runs a grouped unit's post-backward once per block).",
     )
     context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")
     context_parallel_load_balance: bool = doc(

@@ -56,8 +56,11 @@ def apply_fsdp(
             ignored = {param for experts in expert_modules(model) for param in experts.parameters()}
     layers = list(model.layers.values())
     small = gathered_bytes(model, param_dtype) <= SMALL_PART_BYTES
-    # >= 0 (configs/checks.py); 0 = auto: one unit for a small part, else units of ~AUTO_UNIT_PARAMS
-    k = p.fsdp_blocks_per_unit or (max(len(layers), 1) if small else auto_blocks_per_unit(layers))
+    # >= -1 (configs/checks.py); 0 = auto: one unit for a small part, else units of ~AUTO_UNIT_PARAMS; -1: the blocks
+    # in the root's unit (no unit of their own)
+    in_root = p.fsdp_blocks_per_unit == -1
+    k = len(layers) if in_root else p.fsdp_blocks_per_unit
+    k = max(k or (len(layers) if small else auto_blocks_per_unit(layers)), 1)
     units = [layers[i : i + k] for i in range(0, len(layers), k)]
     pipelined = pdims is not None and pdims.pp > 1
     for i, unit in enumerate(units):
@@ -65,9 +68,10 @@ def apply_fsdp(
         if expert_kw is not None:
             for layer in unit:
                 _shard_experts(layer, reshard, expert_kw)
-        fully_shard(
-            unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, ignored_params=ignored, **block_kw
-        )
+        if not in_root:
+            fully_shard(
+                unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, ignored_params=ignored, **block_kw
+            )
     fully_shard(model, reshard_after_forward=p.fsdp_reshard_after_forward == "always", ignored_params=ignored, **kw)
     return model
 

@@ -104,6 +104,51 @@ def test_fsdp_blocks_per_unit_groups_consecutive_blocks(k, sizes):
     assert run_distributed(_units_after_fsdp, 2, k) == [sizes, sizes]
 
 
+def _fsdp_layout_and_gradients(rank, world_size, blocks_per_unit):
+    """The debug model (5 blocks) under FSDP2 on 2 ranks with this fsdp_blocks_per_unit, every rank on its own tokens:
+    (which blocks are FSDP modules, whether the root is, every gradient gathered whole)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from models import build_model_args, build_model_on_meta
+    from models.init import init_weights
+    from parallelisms.fsdp import apply_fsdp
+
+    dims = ParallelDims.from_config(Parallelism(data_parallel_shard_degree=2), 2)
+    args = build_model_args("debug", {"n_layers": 5, "d_model": 32, "headdim": 16, "d_state": 8, "chunk_size": 8})
+    model = build_model_on_meta(args)
+    apply_fsdp(
+        model, dims.build_mesh("cpu"), Parallelism(fsdp_blocks_per_unit=blocks_per_unit), torch.float32, pdims=dims
+    )
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7 + rank))
+    model(tokens, labels=tokens).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return [isinstance(layer, FSDPModule) for layer in model.layers.values()], isinstance(model, FSDPModule), grads
+
+
+def test_blocks_in_the_roots_unit():
+    """fsdp_blocks_per_unit -1: no block is an FSDP unit of its own (the root's unit holds them), and every gradient
+    equals the default layout's (one unit of the 5 blocks beside the root's) exactly."""
+    in_root = run_distributed(_fsdp_layout_and_gradients, 2, -1)
+    default = run_distributed(_fsdp_layout_and_gradients, 2, 0)
+    assert in_root[0][:2] == ([False] * 5, True) and default[0][:2] == ([True] * 5, True)
+    for rank in range(2):
+        got, want = in_root[rank][2], default[rank][2]
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_fsdp_blocks_per_unit_below_minus_one_is_refused():
+    from configs.checks import resolve_job
+    from configs.parser import ConfigError, load_config
+
+    cfg = load_config(["--job.config_file", "configs/debug.toml", "--parallelism.fsdp_blocks_per_unit", "-2"])
+    with pytest.raises(ConfigError, match=r"fsdp_blocks_per_unit=-2 must be >= -1 .*-1 = the blocks in the root"):
+        resolve_job(cfg, 2)
+
+
 @pytest.mark.parametrize("flavor, blocks", [("370M", 15), ("1.3B", 4), ("2.7B", 2)])
 def test_auto_blocks_per_unit_holds_about_100m_parameters(flavor, blocks):
     from models import build_model_args, build_model_on_meta
