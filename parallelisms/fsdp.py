@@ -3,9 +3,9 @@
 Parameters are sharded over "dp_shard_cp" (dp_shard x cp: CP ranks hold the same parameters, so they
 shard them too) and replicated over "dp_replicate". Each run of `fsdp_blocks_per_unit` consecutive
 blocks is one FSDP unit (one all-gather and one reduce-scatter for all of them; by default all blocks of a small
-part, SMALL_PART_BYTES, else as many blocks as hold about 100M parameters, see auto_blocks_per_unit); the root unit
-holds the
-embedding, norm_f and lm_head (tied embeddings must stay in one unit). Under expert parallel, the routed experts
+part, SMALL_PART_BYTES, else as many blocks as hold about 100M parameters, see auto_blocks_per_unit; -1: no unit of
+their own, the root's unit holds them); the root unit holds the embedding, norm_f and lm_head (tied embeddings must
+stay in one unit). Under expert parallel, the routed experts
 of a MoE block are their own unit, sharded over the EP mesh's ("dp_replicate", "efsdp") instead; where that mesh is
 one rank (ep = dp_shard x cp, no HSDP) each expert has one replica and FSDP leaves the experts alone (ignored_params):
 their weights stay float32 DTensors on the "ep" mesh, cast to bf16 by the experts' products, their gradients
