@@ -120,15 +120,15 @@ def kernel_of(module: str, name: str):
     return kernel.kernel if isinstance(kernel, FastLaunch) else kernel
 
 
-def compile_for_sm90(launches: list[dict]) -> dict[str, str]:
-    """Compile every distinct pattern for sm_90 (not in the interpreter); {"module.name(pattern #)": error}."""
+def _compile_patterns(patterns: list[tuple[int, dict]]) -> dict[str, str]:
+    """Compile (index, launch) patterns for sm_90 in this process; {"module.name (pattern #: constexprs)": error}."""
     from triton.runtime import driver
 
     failures = {}
     previous = driver._active  # not reset_active(): on a machine without a GPU there is no default driver to make
     driver.set_active(_Sm90Driver())
     try:
-        for i, launch in enumerate(distinct(launches)):
+        for i, launch in patterns:
             kernel = kernel_of(launch["module"], launch["name"])
             args = [_decode(a) for a in launch["args"]]
             kwargs = {k: _decode(v) for k, v in launch["kwargs"].items()}
@@ -140,4 +140,21 @@ def compile_for_sm90(launches: list[dict]) -> dict[str, str]:
                 failures[where] = f"{type(e).__name__}: {e}{cause}"
     finally:
         driver._active = previous
+    return failures
+
+
+def compile_for_sm90(launches: list[dict], workers: int = 1) -> dict[str, str]:
+    """Compile every distinct pattern for sm_90 (not in the interpreter), over `workers` processes (Triton's
+    compile is one thread's work); {"module.name (pattern #: constexprs)": error}."""
+    patterns = list(enumerate(distinct(launches)))
+    if workers <= 1 or len(patterns) < 2:
+        return _compile_patterns(patterns)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    shares = [patterns[w::workers] for w in range(workers)]
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failures: dict[str, str] = {}
+        for part in pool.map(_compile_patterns, shares):
+            failures.update(part)
     return failures
