@@ -26,6 +26,7 @@ variant: the median step time at the real batch (host and GPU together, synchron
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shlex
@@ -99,7 +100,7 @@ class Variant:
         autocast_dtype = compute_dtype if bf16 and not pdims.fsdp_enabled else None
         self.optimizer = build_optimizer([self.model], cfg.optimizer, device.type, autocast_dtype)
         self.params = list(self.model.parameters())
-        self.amp = (lambda: torch.autocast("cuda", dtype=autocast_dtype)) if autocast_dtype else None
+        self.amp = (lambda: torch.autocast("cuda", dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
         self.max_norm = cfg.training.max_norm
         self.loss_chunk_tokens = cfg.training.loss_chunk_tokens
         self.vocab_size = model_args.vocab_size
@@ -107,7 +108,7 @@ class Variant:
         self.times: dict[str, list[float]] = {}
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        with self.amp() if self.amp else torch.autocast("cpu", enabled=False):
+        with self.amp():
             loss = self.model(ids, labels=ids, loss_chunk_tokens=self.loss_chunk_tokens) / ids.numel()
         loss.backward()
         grad_norm = global_grad_norm(self.params)
