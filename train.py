@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         if flat_grads is not None:
             flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
+        if model.replicated_grads is not None:
+            model.replicated_grads.all_reduce()  # FSDP: the small parameters every rank holds whole (fsdp.py)
         if sharded_dp is not None:
             sharded_dp.reduce_scatter_gradients()  # the distributed optimizer: this rank's rows of the mean gradient
         sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient

@@ -20,7 +20,7 @@ variant: the median step time at the real batch (host and GPU together, synchron
 
     bash .gpu/setup.sh && NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/fsdp_host_cost.py \\
         --config configs/mamba2_370m.toml --rows 8 --seq 2048 \\
-        --variants "one,fsdp,root=--parallelism.fsdp_blocks_per_unit -1,units15=--parallelism.fsdp_blocks_per_unit 15"
+        --variants "one,fsdp,all=--parallelism.fsdp_replicate_params_below 0,u5=--parallelism.fsdp_blocks_per_unit 5"
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class Variant:
         on_gpu = device.type == "cuda"
         bf16 = on_gpu and cfg.training.mixed_precision_param == "bfloat16"
         compute_dtype = torch.bfloat16 if bf16 else torch.float32
-        self.model = build_model_parts(cfg, pdims, mesh, model_args, device, compute_dtype).parts[0]
+        built = build_model_parts(cfg, pdims, mesh, model_args, device, compute_dtype)
+        self.model, self.replicated_grads = built.parts[0], built.replicated_grads
         # as train.py: autocast (and the optimizer's weight copies) where FSDP2 does not cast the weights itself
         autocast_dtype = compute_dtype if bf16 and not pdims.fsdp_enabled else None
         self.optimizer = build_optimizer([self.model], cfg.optimizer, device.type, autocast_dtype)
@@ -111,6 +112,8 @@ class Variant:
         with self.amp():
             loss = self.model(ids, labels=ids, loss_chunk_tokens=self.loss_chunk_tokens) / ids.numel()
         loss.backward()
+        if self.replicated_grads is not None:  # as train.py: FSDP's small parameters, held whole on every rank
+            self.replicated_grads.all_reduce()
         grad_norm = global_grad_norm(self.params)
         take_optimizer_steps([self.optimizer], self.params, grad_norm, self.max_norm, nonfinite(loss, grad_norm))
         self.optimizer.zero_grad(set_to_none=True)

@@ -105,7 +105,7 @@ for PHASE in "$@"; do
     EVEN=($P.pipeline_parallel_head_weight 0 $P.pipeline_parallel_first_last_stage_weight 1)
     # fsdp2_370m_units: 4 units of 15 blocks resharded after forward (the default before 2026-11-28, which kept the last
     # unit gathered; "always" reshards it too), against the
-    # default's one unit of 48 (the 370M's gathered parameters take < 2 GiB)
+    # default's blocks in the root's unit (the 370M's gathered parameters take < 2 GiB; one unit of 48 before session 32)
     UNITS=($P.fsdp_blocks_per_unit 15)
     # distopt2_*: plain data parallel with the distributed optimizer (the moments sharded over the 2 ranks, gradients
     # reduce-scattered and weights all-gathered once per step; parallelisms/distributed_optimizer.py), with and

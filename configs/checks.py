@@ -86,6 +86,11 @@ def job_errors(
             f"parallelism.fsdp_blocks_per_unit={cfg.parallelism.fsdp_blocks_per_unit} must be >= -1 "
             "(1 = one FSDP unit per block, 0 = auto, -1 = the blocks in the root's unit)"
         )
+    if cfg.parallelism.fsdp_replicate_params_below < 0:
+        errs.append(
+            f"parallelism.fsdp_replicate_params_below={cfg.parallelism.fsdp_replicate_params_below} must be >= 0 "
+            "(0 = FSDP shards every parameter)"
+        )
     if cfg.parallelism.distributed_optimizer:
         errs += distributed_optimizer_errors(cfg, pdims)
     if cfg.parallelism.fsdp_cpu_offload and not torch.cuda.is_available():

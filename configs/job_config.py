@@ -217,12 +217,22 @@ class Parallelism:
     fsdp_blocks_per_unit: int = doc(
         0,
         "Consecutive blocks sharded as one FSDP unit: fewer, larger collectives and fewer hooks (less host time "
-        "per step, which limits small models) for more gathered parameters in memory at once. 0 (auto): one unit "
-        "when the part's gathered parameters take <= 2 GiB in param_dtype (the 370M: 78.3k against 63.1k tok/s per "
-        "GPU on 2 H200s), else as many blocks as make about 100M parameters (the 1.3B's 26M-parameter blocks: 4 per "
-        "unit, measured best on 2 H200s; blocks of 100M and more: 1). -1: no unit of their own, the blocks are in the "
-        "root's unit with the embedding and head (one pre-forward and one post-backward pass per step; torch 2.11 "
-        "runs a grouped unit's post-backward once per block).",
+        "per step, which limits small models) for more gathered parameters in memory at once. -1: no unit of their "
+        "own, the blocks are in the root's unit with the embedding and head (one pre-forward and one post-backward "
+        "pass per step; torch 2.11 runs a grouped unit's post-backward once per block). 0 (auto): -1 when the part's "
+        "gathered parameters take <= 2 GiB in param_dtype (the 370M on 2 H200s, in one process: 180 ms per step "
+        "against 194 with its blocks one unit of their own; one GPU 167), else as many blocks as make about 100M "
+        "parameters (the 1.3B's 26M-parameter blocks: 4 per unit, measured best on 2 H200s; blocks of 100M and "
+        "more: 1).",
+    )
+    fsdp_replicate_params_below: int = doc(
+        100_000,
+        "Parameters of fewer elements (norm weights, the conv's weight and bias, dt_bias, A_log, D; never an "
+        "nn.Linear's or nn.Embedding's, nor a routed expert's) are left out of FSDP: every rank holds them whole in "
+        "float32 (as one GPU's autocast does), their gradients averaged over the dp_cp ranks by one all-reduce per "
+        "step (DeepSpeed ZeRO-3's persistence threshold). FSDP2's host time grows with its number of parameters: "
+        "337 of the 370M's 434 parameters, 0.2% of its elements. 0: FSDP shards every parameter. Ignored under "
+        "fsdp_cpu_offload.",
     )
     context_parallel_degree: int = doc(1, "All-to-all context parallel degree (cp).")
     context_parallel_load_balance: bool = doc(

@@ -23,7 +23,7 @@ from parallelisms.activation_checkpoint import apply_activation_checkpoint
 from parallelisms.compile import apply_compile
 from parallelisms.context_parallel import apply_context_parallel
 from parallelisms.expert_parallel import apply_expert_parallel
-from parallelisms.fsdp import apply_fsdp
+from parallelisms.fsdp import ReplicatedGradients, apply_fsdp
 from parallelisms.pipeline import pipeline_model
 
 
@@ -52,13 +52,16 @@ class ModelParts:
 
     parts: the modules this rank holds (one, or one per pipeline stage it runs), materialised and initialised;
     schedule: the pipeline schedule under pipeline parallel (else None); has_first_stage / has_last_stage: whether
-    this rank embeds tokens / produces the loss (both True without pipeline parallel).
+    this rank embeds tokens / produces the loss (both True without pipeline parallel); replicated_grads: under FSDP,
+    the all-reduce of the small parameters' gradients that FSDP leaves whole on every rank (parallelisms/fsdp.py),
+    for the trainer to run after a step's last microbatch (None where there are none).
     """
 
     parts: list[nn.Module]
     schedule: object | None
     has_first_stage: bool
     has_last_stage: bool
+    replicated_grads: ReplicatedGradients | None = None
 
 
 def build_model_parts(
@@ -94,4 +97,5 @@ def build_model_parts(
             part.tie_weights()
         init_weights(part, seed=cfg.training.seed, init_std=model_args.initializer_range)
         part.train()
-    return ModelParts(parts, schedule, has_first, has_last)
+    replicated = ReplicatedGradients(parts, mesh["dp_cp"].get_group()) if pdims.fsdp_enabled else None
+    return ModelParts(parts, schedule, has_first, has_last, replicated if replicated else None)

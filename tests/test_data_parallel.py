@@ -104,40 +104,90 @@ def test_fsdp_blocks_per_unit_groups_consecutive_blocks(k, sizes):
     assert run_distributed(_units_after_fsdp, 2, k) == [sizes, sizes]
 
 
-def _fsdp_layout_and_gradients(rank, world_size, blocks_per_unit):
-    """The debug model (5 blocks) under FSDP2 on 2 ranks with this fsdp_blocks_per_unit, every rank on its own tokens:
-    (which blocks are FSDP modules, whether the root is, every gradient gathered whole)."""
+def _fsdp_layout_and_gradients(rank, world_size, blocks_per_unit, replicate_below=0):
+    """The debug model (5 blocks) under FSDP2 on 2 ranks with this fsdp_blocks_per_unit and
+    fsdp_replicate_params_below, every rank on its own tokens, the replicated parameters' gradients all-reduced as
+    train.py does: (which blocks are FSDP modules, whether the root is, every gradient whole, the names of the
+    parameters left whole on every rank)."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     from models import build_model_args, build_model_on_meta
     from models.init import init_weights
-    from parallelisms.fsdp import apply_fsdp
+    from parallelisms.fsdp import ReplicatedGradients, apply_fsdp
 
     dims = ParallelDims.from_config(Parallelism(data_parallel_shard_degree=2), 2)
     args = build_model_args("debug", {"n_layers": 5, "d_model": 32, "headdim": 16, "d_state": 8, "chunk_size": 8})
     model = build_model_on_meta(args)
-    apply_fsdp(
-        model, dims.build_mesh("cpu"), Parallelism(fsdp_blocks_per_unit=blocks_per_unit), torch.float32, pdims=dims
-    )
+    mesh = dims.build_mesh("cpu")
+    p = Parallelism(fsdp_blocks_per_unit=blocks_per_unit, fsdp_replicate_params_below=replicate_below)
+    apply_fsdp(model, mesh, p, torch.float32, pdims=dims)
     model.to_empty(device="cpu")
     init_weights(model, seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7 + rank))
     model(tokens, labels=tokens).backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    return [isinstance(layer, FSDPModule) for layer in model.layers.values()], isinstance(model, FSDPModule), grads
+    ReplicatedGradients([model], mesh["dp_cp"].get_group()).all_reduce()
+    grads = {n: p.grad.full_tensor() if isinstance(p, DTensor) else p.grad for n, p in model.named_parameters()}
+    whole = sorted(n for n, p in model.named_parameters() if not isinstance(p, DTensor))
+    blocks = [isinstance(layer, FSDPModule) for layer in model.layers.values()]
+    return blocks, isinstance(model, FSDPModule), grads, whole
+
+
+def _assert_same_gradients(got, want, rtol=0.0, atol=0.0):
+    for rank in range(2):
+        assert got[rank][2].keys() == want[rank][2].keys()
+        for name, g in want[rank][2].items():
+            torch.testing.assert_close(got[rank][2][name], g, rtol=rtol, atol=atol, msg=name)
 
 
 def test_blocks_in_the_roots_unit():
-    """fsdp_blocks_per_unit -1: no block is an FSDP unit of its own (the root's unit holds them), and every gradient
-    equals the default layout's (one unit of the 5 blocks beside the root's) exactly."""
+    """fsdp_blocks_per_unit -1 (and the auto default for a part this small): no block is an FSDP unit of its own (the
+    root's unit holds them), and every gradient equals that of one unit of the 5 blocks beside the root's exactly."""
     in_root = run_distributed(_fsdp_layout_and_gradients, 2, -1)
     default = run_distributed(_fsdp_layout_and_gradients, 2, 0)
-    assert in_root[0][:2] == ([False] * 5, True) and default[0][:2] == ([True] * 5, True)
-    for rank in range(2):
-        got, want = in_root[rank][2], default[rank][2]
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+    one_unit = run_distributed(_fsdp_layout_and_gradients, 2, 5)
+    assert in_root[0][:2] == ([False] * 5, True) and default[0][:2] == ([False] * 5, True)
+    assert one_unit[0][:2] == ([True] * 5, True)
+    _assert_same_gradients(in_root, one_unit)
+
+
+def test_small_parameters_replicated_give_fsdps_gradients():
+    """fsdp_replicate_params_below: the norms, the conv's weight and bias, dt_bias, A_log and D stay whole on every
+    rank (never an nn.Linear's or nn.Embedding's weight, however small: their products need param_dtype), and after
+    ReplicatedGradients' all-reduce every gradient equals that of the layout sharding everything."""
+    replicated = run_distributed(_fsdp_layout_and_gradients, 2, 0, 100_000)
+    sharded = run_distributed(_fsdp_layout_and_gradients, 2, 0, 0)
+    assert sharded[0][3] == []
+    whole = replicated[0][3]
+    assert whole == replicated[1][3]
+    kinds = {name.split(".", 2)[-1] if name.startswith("layers.") else name for name in whole}
+    assert kinds == {
+        "norm.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias", "mixer.A_log", "mixer.D",
+        "mixer.norm.weight", "norm_f.weight",
+    }, kinds  # fmt: skip
+    assert len(whole) == 7 * 5 + 1
+    assert not any("proj" in n or "embedding" in n or "lm_head" in n for n in whole), whole
+    for rank in range(2):  # the replicated gradients are the mean over the ranks: equal on both
+        for name in whole:
+            torch.testing.assert_close(replicated[rank][2][name], replicated[1 - rank][2][name], rtol=0, atol=0)
+    _assert_same_gradients(replicated, sharded, rtol=1e-6, atol=1e-7)
+
+
+def test_small_parameters_threshold_and_cpu_offload():
+    from models import build_model_args, build_model_on_meta
+    from parallelisms.fsdp import small_replicated_params
+
+    model = build_model_on_meta(build_model_args("370M"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    small = small_replicated_params(model, 100_000)
+    assert len(small) == 337 and len(names) == 434  # 7 per block of 48, and norm_f
+    assert {names[id(p)] for p in small if "layers.0." in names[id(p)]} == {
+        f"layers.0.{n}" for n in ("norm.weight", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_bias",
+                                  "mixer.A_log", "mixer.D", "mixer.norm.weight")
+    }  # fmt: skip
+    assert len(small_replicated_params(model, 2305)) == 337 - 48  # conv weights have 2304 x 4 elements
+    assert small_replicated_params(model, 0) == set()
+    assert small_replicated_params(model, 100_000, cpu_offload=True) == set()
 
 
 def test_fsdp_blocks_per_unit_below_minus_one_is_refused():
@@ -191,3 +241,12 @@ def test_mixed_precision_reduce_sets_the_dtype_of_fsdps_gradient_reduction():
     halved = torch.tensor(run_distributed(_fsdp_gradients, 2, "bfloat16")[0])
     rel = ((halved - exact).norm() / exact.norm()).item()
     assert 1e-5 < rel < 1e-2, rel  # bf16 keeps 8 mantissa bits: ~2e-3 relative per element
+
+
+def test_negative_replicate_threshold_is_refused():
+    from configs.checks import resolve_job
+    from configs.parser import ConfigError, load_config
+
+    cfg = load_config(["--job.config_file", "configs/debug.toml", "--parallelism.fsdp_replicate_params_below", "-1"])
+    with pytest.raises(ConfigError, match=r"fsdp_replicate_params_below=-1 must be >= 0 \(0 = FSDP shards every"):
+        resolve_job(cfg, 2)

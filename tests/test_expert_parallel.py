@@ -180,9 +180,10 @@ def _model_grads_vs_single(rank, world, layouts):
     from models.init import init_weights
     from models.loss import cross_entropy_sum
     from parallelisms.expert_parallel import apply_expert_parallel, expert_modules
-    from parallelisms.fsdp import apply_fsdp
+    from parallelisms.fsdp import ReplicatedGradients, apply_fsdp
     from parallelisms.grad_norm import clip_grad_norm_
 
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
     args = build_model_args("hybrid_moe_debug", TINY)
     B, S = 8, 32
     g = torch.Generator().manual_seed(1)
@@ -211,7 +212,7 @@ def _model_grads_vs_single(rank, world, layouts):
         model.to_empty(device="cpu")
         init_weights(model, seed=7)
         for n, p in model.named_parameters():
-            torch.testing.assert_close(p.full_tensor(), ref_params[n].detach(), rtol=0, atol=0, msg=f"init {n}")
+            torch.testing.assert_close(whole(p), ref_params[n].detach(), rtol=0, atol=0, msg=f"init {n}")
         # experts get FSDP units only where they have replicas to reduce over (efsdp x dp_replicate > 1); else FSDP
         # leaves them out (no hooks) and they stay DTensors on the "ep" mesh
         replicated = dp_replicate * dp_shard // ep > 1
@@ -224,20 +225,23 @@ def _model_grads_vs_single(rank, world, layouts):
         global_tokens = (labels != -100).sum().float()
         out = model(inputs[rows], seq_idx=seq_idx[rows])
         (cross_entropy_sum(out, labels[rows]) * (pdims.dp_cp / global_tokens)).backward()
+        ReplicatedGradients([model], mesh["dp_cp"].get_group()).all_reduce()  # FSDP's small parameters, as train.py
         norm = clip_grad_norm_(list(model.parameters()), 1e-3)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
-        experts_seen = 0
+        experts_seen, small = 0, 0
         for n, p in model.named_parameters():
-            assert isinstance(p.grad, DTensor)
+            assert isinstance(p.grad, DTensor) or ".experts." not in n, n
             experts_seen += ".experts." in n
+            small += not isinstance(p.grad, DTensor)
             torch.testing.assert_close(
-                p.grad.full_tensor(),
+                whole(p.grad),
                 ref_params[n].grad,
                 rtol=1e-4,
                 atol=1e-7,
                 msg=lambda m, n=n, where=(dp_replicate, dp_shard, ep): f"{where} grad {n}: {m}",
             )
         assert experts_seen == 6  # w1, w2, w3 of two MoE layers
+        assert small > 0  # norms, conv, dt_bias, A_log, D: whole on every rank, reduced by ReplicatedGradients
         results.append((float(norm), float(ref_norm)))
         dist.barrier()
     return results

@@ -86,14 +86,31 @@ def test_distributed_optimizer2_with_gradient_accumulation(reference, tmp_path):
         ("distopt2", "fsdp2"),  # the distributed optimizer's moments are DTensors of rows, as FSDP2's
         pytest.param("fsdp2", "distopt2", marks=pytest.mark.slow),
         pytest.param("distopt2", "ddp2", marks=pytest.mark.slow),
+        ("fsdp2_all_sharded", "fsdp2"),  # FSDP's small parameters sharded, then whole on every rank (the default)
+        pytest.param("fsdp2", "fsdp2_all_sharded", marks=pytest.mark.slow),
     ],
-    ids=["ddp2-to-fsdp2", "fsdp2-to-ddp2", "distopt2-to-fsdp2", "fsdp2-to-distopt2", "distopt2-to-ddp2"],
+    ids=[
+        "ddp2-to-fsdp2",
+        "fsdp2-to-ddp2",
+        "distopt2-to-fsdp2",
+        "fsdp2-to-distopt2",
+        "distopt2-to-ddp2",
+        "fsdp2-all-sharded-to-fsdp2",
+        "fsdp2-to-fsdp2-all-sharded",
+    ],  # fmt: skip
 )
 def test_checkpoint_between_ddp_and_fsdp(reference, tmp_path, save, resume):
-    """DDP saves whole (replicated) tensors, FSDP shards: a step-2 checkpoint of one resumes under the other."""
+    """DDP saves whole (replicated) tensors, FSDP shards (all but its small parameters, by default): a step-2
+    checkpoint of one resumes under the other."""
     import shutil
 
-    layout = {"ddp2": DDP2, "fsdp2": ["--parallelism.data_parallel_shard_degree", "2"], "distopt2": DISTOPT2}
+    fsdp2 = ["--parallelism.data_parallel_shard_degree", "2"]
+    layout = {
+        "ddp2": DDP2,
+        "fsdp2": fsdp2,
+        "distopt2": DISTOPT2,
+        "fsdp2_all_sharded": fsdp2 + ["--parallelism.fsdp_replicate_params_below", "0"],
+    }
     args = PARITY_ARGS + ["--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
     run_training(2, args + layout[save], tmp_path / "first")
     shutil.copytree(tmp_path / "first" / "checkpoint" / "step-2", tmp_path / "resumed" / "checkpoint" / "step-2")

@@ -81,6 +81,7 @@ def parallelize_mamba2(model: nn.Module, parallel_dims, job_config) -> nn.Module
             fsdp_blocks_per_unit=1,
             fsdp_reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
             fsdp_cpu_offload=job_config.training.enable_cpu_offload,
+            fsdp_replicate_params_below=0,  # every parameter sharded: torchtitan's trainer reduces nothing itself
         )
         apply_fsdp(
             model,
