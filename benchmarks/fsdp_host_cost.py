@@ -56,6 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", default="1x256", help="rows x tokens of the host-cost batch ('' to skip)")
     ap.add_argument("--rounds", type=int, default=5, help="turns of every variant, after one untimed turn")
     ap.add_argument("--steps", type=int, default=3, help="steps per turn")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="after the timed rounds, trace --steps steps of every variant at the real batch with torch.profiler into "
+        "DIR/<variant>/rank<r>_trace.json; on CUDA rank 0 prints each trace's split (trace_summary.py: GPU compute, "
+        "exposed NCCL, GPU idle, host time no op covers)",
+    )
     return ap.parse_args(argv)
 
 
@@ -130,6 +137,43 @@ def timed_turn(v: Variant, ids: torch.Tensor, steps: int, sync) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def profile_turn(v: Variant, ids: torch.Tensor, steps: int, sync, folder: str, rank: int) -> str:
+    """`steps` steps of `v` under torch.profiler, each a "ProfilerStep#N" (trace_summary.py's window), the trace
+    written to folder/rank<rank>_trace.json; returns its path."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    os.makedirs(folder, exist_ok=True)
+    sync()
+    with profile(activities=activities) as prof:
+        losses = []
+        for i in range(steps):
+            with record_function(f"ProfilerStep#{i}"):
+                losses.append(v.step(ids))
+                if i == steps - 1:
+                    sync()  # the steps run as in training (the host ahead); the window ends with the last kernel
+    v.losses.extend(float(x) for x in losses)
+    path = os.path.join(folder, f"rank{rank}_trace.json")
+    prof.export_chrome_trace(path)
+    return path
+
+
+def print_profiles(folder: str, names: list[str], steps: int) -> None:
+    """Rank 0's trace of each variant, split by trace_summary.py, in ms per profiled step (the summary's window spans
+    the `steps` steps, from the first one's start to the last one's last kernel)."""
+    from benchmarks.trace_summary import summarize
+
+    print(f"| variant (rank 0, ms per step of {steps}) | wall | GPU compute | NCCL (exposed) | GPU idle | kernels |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in names:
+        s = summarize(os.path.join(folder, name, "rank0_trace.json"))
+        per = {k: s[k] / steps for k in ("wall_ms", "compute_ms", "nccl_ms", "nccl_exposed_ms", "idle_ms")}
+        print(
+            f"| {name} | {per['wall_ms']:.1f} | {per['compute_ms']:.1f} | {per['nccl_ms']:.1f} "
+            f"({per['nccl_exposed_ms']:.1f}) | {per['idle_ms']:.1f} | {s['kernels'] // steps} |"
+        )
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     specs = variant_specs(a.variants)
@@ -159,6 +203,9 @@ def main(argv=None) -> dict:
             for _ in range(a.rounds):
                 for v in variants:
                     v.times.setdefault(kind, []).append(timed_turn(v, ids, a.steps, sync))
+        if a.profile:
+            for v in variants:
+                profile_turn(v, batches["real"], a.steps, sync, os.path.join(a.profile, v.name), rank)
     finally:
         gc.enable()
     result = {}
@@ -167,6 +214,8 @@ def main(argv=None) -> dict:
         result[v.name]["losses"] = v.losses
     if rank == 0:
         print_table(result, a, world, device)
+        if a.profile and on_gpu:
+            print_profiles(a.profile, [v.name for v in variants], a.steps)
     return result
 
 

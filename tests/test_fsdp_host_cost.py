@@ -4,6 +4,7 @@ rank's, so every variant's losses equal `one`'s step by step (fp32, gloo: 1e-5);
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -11,26 +12,35 @@ import pytest
 from benchmarks import fsdp_host_cost as fhc
 from tests.dist_utils import run_distributed
 
+VARIANTS = "one,fsdp,units1=--parallelism.fsdp_blocks_per_unit 1,all=--parallelism.fsdp_replicate_params_below 0"
 
-def _bench(rank, world_size):
+
+def _bench(rank, world_size, profile_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     return fhc.main(["--config", "configs/debug.toml", "--rows", "2", "--seq", "64", "--tiny", "1x32", "--rounds", "2",
-                     "--steps", "2", "--variants", "one,fsdp,units1=--parallelism.fsdp_blocks_per_unit 1"])  # fmt: skip
+                     "--steps", "2", "--variants", VARIANTS, "--profile", profile_dir])  # fmt: skip
 
 
-def test_variants_train_the_same_model_in_turn():
-    results = run_distributed(_bench, 2)
+def test_variants_train_the_same_model_in_turn(tmp_path):
+    results = run_distributed(_bench, 2, str(tmp_path))
+    names = ["one", "fsdp", "units1", "all"]
     for r in results:
-        assert list(r) == ["one", "fsdp", "units1"]
-        # (1 untimed + 2 turns x 2 steps) per batch kind, real then tiny
-        assert all(len(v["losses"]) == 2 * (1 + 2 * 2) for v in r.values())
+        assert list(r) == names
+        # (1 untimed + 2 turns x 2 steps) per batch kind, real then tiny, then 2 profiled steps
+        assert all(len(v["losses"]) == 2 * (1 + 2 * 2) + 2 for v in r.values())
         assert all(v["real"] > 0 and v["tiny"] > 0 for v in r.values())
         one = r["one"]["losses"]
         assert one[-1] < one[0]  # it trains
-        for name in ("fsdp", "units1"):
+        for name in names[1:]:
             for a, b in zip(r[name]["losses"], one):
                 assert abs(a - b) <= 1e-5 * abs(b), (name, r[name]["losses"], one)
     assert results[0]["fsdp"]["losses"] == results[1]["fsdp"]["losses"]
+    for name in names:  # --profile: a trace per variant and rank, a "ProfilerStep#i" span per profiled step
+        for rank in range(2):
+            with open(tmp_path / name / f"rank{rank}_trace.json") as f:
+                events = json.load(f)["traceEvents"]
+            steps = sorted(e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#"))
+            assert steps == ["ProfilerStep#0", "ProfilerStep#1"], (name, rank, steps)
 
 
 def test_variant_list_errors_name_the_fix():
