@@ -53,3 +53,18 @@ def test_variant_list_errors_name_the_fix():
         fhc.variant_specs("fsdp=--parallelism.fsdp_blocks_per_unit 2")
     with pytest.raises(ValueError, match="distinct names"):
         fhc.variant_specs("one,one")
+
+
+def test_profile_table_per_step(tmp_path, capsys):
+    """--profile's table on a GPU trace (synthetic here): two ProfilerSteps over 0-200 ms, compute 0-80 and 100-160,
+    an all-gather 70-90 (10 ms exposed): per step wall 100 ms, compute 70, NCCL 10 (5 exposed), idle 25."""
+    ms = 1000  # trace times are in us
+    steps = [("ProfilerStep#0", 0, 100), ("ProfilerStep#1", 100, 100)]
+    events = [{"ph": "X", "cat": "user_annotation", "name": n, "ts": ts * ms, "dur": d * ms} for n, ts, d in steps]
+    kernels = [("gemm", 0, 80), ("ssd", 100, 60), ("ncclDevKernel_AllGather", 70, 20)]
+    events += [{"ph": "X", "cat": "kernel", "name": n, "ts": ts * ms, "dur": d * ms} for n, ts, d in kernels]
+    (tmp_path / "fsdp").mkdir()
+    (tmp_path / "fsdp" / "rank0_trace.json").write_text(json.dumps({"traceEvents": events}))
+    fhc.print_profiles(str(tmp_path), ["fsdp"], steps=2)
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row == "| fsdp | 100.0 | 70.0 | 10.0 (5.0) | 25.0 | 1 |", row
