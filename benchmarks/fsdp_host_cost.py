@@ -60,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--profile",
         default="",
         help="after the timed rounds, trace --steps steps of every variant at the real batch with torch.profiler into "
-        "DIR/<variant>/rank<r>_trace.json; on CUDA rank 0 prints each trace's split (trace_summary.py: GPU compute, "
-        "exposed NCCL, GPU idle, host time no op covers)",
+        "DIR/<variant>/rank<r>_trace.json; on CUDA rank 0 prints each trace's split per step (trace_summary.py: GPU "
+        "compute, NCCL and its exposed part, GPU idle, kernels)",
     )
     return ap.parse_args(argv)
 
@@ -137,9 +137,9 @@ def timed_turn(v: Variant, ids: torch.Tensor, steps: int, sync) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def profile_turn(v: Variant, ids: torch.Tensor, steps: int, sync, folder: str, rank: int) -> str:
+def profile_turn(v: Variant, ids: torch.Tensor, steps: int, sync, folder: str, rank: int) -> None:
     """`steps` steps of `v` under torch.profiler, each a "ProfilerStep#N" (trace_summary.py's window), the trace
-    written to folder/rank<rank>_trace.json; returns its path."""
+    written to folder/rank<rank>_trace.json."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -153,9 +153,7 @@ def profile_turn(v: Variant, ids: torch.Tensor, steps: int, sync, folder: str, r
                 if i == steps - 1:
                     sync()  # the steps run as in training (the host ahead); the window ends with the last kernel
     v.losses.extend(float(x) for x in losses)
-    path = os.path.join(folder, f"rank{rank}_trace.json")
-    prof.export_chrome_trace(path)
-    return path
+    prof.export_chrome_trace(os.path.join(folder, f"rank{rank}_trace.json"))
 
 
 def print_profiles(folder: str, names: list[str], steps: int) -> None:

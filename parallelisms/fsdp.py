@@ -133,15 +133,14 @@ class ReplicatedGradients:
         counts as zeros and gets the mean). One cat, one all-reduce, one division, one foreach copy back."""
         if not self:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.world)
-        parts = flat.split(self.numels)
-        for p, g in zip(self.params, grads):
-            if p.grad is None:
-                p.grad = g
-        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
+        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split(self.numels), grads)])
 
 
 AUTO_UNIT_PARAMS = 100_000_000
