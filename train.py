@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         sharded_dp.make_gradient_views()
     # training.cuda_graph: one microbatch's forward + backward replayed as one CUDA graph.
     graphed = (
-        GraphedMicrobatch(model_parts[0], compute_dtype, cfg.training.loss_chunk_tokens)
+        GraphedMicrobatch(model_parts[0], autocast_dtype, cfg.training.loss_chunk_tokens)
         if cfg.training.cuda_graph
         else None
     )
@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     collector.close()
     checkpointer.close()
     metrics.close()
+    if graphed is not None:
+        graphed.release()  # a graph holding FSDP's collectives must go before the process group
     destroy_distributed()
     last_step = step if start_step < cfg.training.steps else start_step
     if rank == 0:

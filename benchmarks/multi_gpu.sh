@@ -138,6 +138,7 @@ for PHASE in "$@"; do
         "1gpu_370m_graph 1 ${M370[*]} --training.cuda_graph true" \
         "ddp2_370m_graph 2 ${M370[*]} $P.data_parallel_replicate_degree 2 $P.data_parallel_shard_degree 1 --training.cuda_graph true" \
         "distopt2_370m_graph 2 ${M370[*]} ${DISTOPT[*]} --training.cuda_graph true" \
+        "fsdp2_370m_graph 2 ${M370[*]} $P.data_parallel_shard_degree 2 --training.cuda_graph true" \
         "distopt2_370m 2 ${M370[*]} ${DISTOPT[*]}" \
         "cp2_32k_nooverlap 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.context_parallel_overlap false" \
         "cp2_32k_gathered 2 ${N13[*]} --training.seq_len 32768 $P.context_parallel_degree 2 $P.fsdp_reshard_after_forward never"
@@ -161,6 +162,7 @@ for PHASE in "$@"; do
           "DDP2 370M + CUDA graph (1 GPU with the graph)=ddp2_370m_graph:1gpu_370m_graph:0.90"
           "DDP2 + distributed optimizer 370M + CUDA graph (1 GPU with the graph)=distopt2_370m_graph:1gpu_370m_graph:0.90"
           "DDP2 + distributed optimizer 370M, eager=distopt2_370m:1gpu_370m:0.90"
+          "FSDP2 370M + CUDA graph (1 GPU with the graph)=fsdp2_370m_graph:1gpu_370m_graph:0.90"
           "CP2 1.3B, 32k, in_proj's all-to-all not overlapped=cp2_32k_nooverlap:cp1_32k:0.75:0.55"
           "CP2 1.3B, 32k, FSDP units kept gathered to the backward=cp2_32k_gathered:cp1_32k:0.75:0.55")
     [ "$NG" -ge 4 ] && ROWS+=("HSDP 2x2 1.3B, 4 x 4096 per GPU=hsdp2x2_1.3b:1gpu_1.3b:0.90")

@@ -5,8 +5,10 @@ norm, out_proj, add + norm, and their backwards). On one H200 the 130M model at 
 busy for only 18% of a step; the rest is the host launching kernels (Python, Triton launchers), measured with
 benchmarks/trace_summary.py (docs/performance.md). A replayed graph launches all of them with one call.
 
-    graphed = GraphedMicrobatch(model, compute_dtype, loss_chunk_tokens)      # nothing captured yet
+    graphed = GraphedMicrobatch(model, autocast_dtype, loss_chunk_tokens)     # nothing captured yet
     loss_sum = graphed(input_ids_BS, labels_BS, seq_idx_BS, loss_scale)       # capture on first call, then replay
+    ...
+    graphed.release()                                                         # before the process group goes
 
 What a replay does equals the eager code: loss = model(...) (summed token loss), (loss * loss_scale).backward(),
 gradients ADDED to the parameters' .grad. Hence:
@@ -15,8 +17,17 @@ gradients ADDED to the parameters' .grad. Hence:
   `optimizer.zero_grad(set_to_none=False)` (train.py does so when training.cuda_graph is on);
 - nothing in the forward may synchronise with the host or choose shapes from data. That holds for Mamba-2 and
   MLP layers; attention (document masks built from seq_idx) and MoE (data-dependent token counts) do not
-  qualify, and train.py refuses them, with FSDP / PP / CP / EP and compile, before any compute.
+  qualify, and train.py refuses them, with PP / CP, FSDP's CPU offload and compile, before any compute.
 Plain data parallel works: its one gradient all-reduce runs after the replays (parallelisms/data_parallel.py).
+FSDP2 works too, with its collectives inside the graph (HSDP's replica all-reduce is captured the same way; not
+yet run on 4 GPUs): the capture runs FSDP's hooks once, so the graph holds the all-gathers of the weights (read
+from the sharded parameters, which the optimizer updates in place), the forward and backward on the gathered
+weights, and the reduce-scatters that add each gradient's shard into the sharded parameter's .grad (a DTensor whose
+local tensor stays the same; one reduce-scatter per microbatch, where eager FSDP defers it to the last); the
+parameters FSDP leaves whole (parallelism.fsdp_replicate_params_below) get their gradients as on one GPU,
+all-reduced after the replays. FSDP's Python bookkeeping runs only at capture, which is what removes its host cost.
+A graph holding NCCL work must be released before the process group is destroyed (`release()`; otherwise NCCL's
+teardown waits forever).
 Capture runs a few warm-up passes first on a side stream (Triton autotuning, cuBLAS workspaces, .grad
 allocation); their gradients are discarded, so the first step's gradients are exactly the eager ones.
 """
@@ -32,10 +43,14 @@ import torch.nn as nn
 class GraphedMicrobatch:
     """Replays forward + backward of `model` for one microbatch of a fixed shape; see the module docstring."""
 
-    def __init__(self, model: nn.Module, compute_dtype: torch.dtype, loss_chunk_tokens: int, warmup: int = 3):
-        self.model, self.compute_dtype, self.loss_chunk_tokens, self.warmup = (
+    def __init__(
+        self, model: nn.Module, autocast_dtype: torch.dtype | None, loss_chunk_tokens: int, warmup: int = 3
+    ):
+        """autocast_dtype: the dtype autocast runs the products in over float32 weights (one GPU, DDP), None for
+        none (float32 training, or FSDP2, whose mixed precision casts the gathered weights itself)."""
+        self.model, self.autocast_dtype, self.loss_chunk_tokens, self.warmup = (
             model,
-            compute_dtype,
+            autocast_dtype,
             loss_chunk_tokens,
             warmup,
         )
@@ -48,10 +63,18 @@ class GraphedMicrobatch:
         self.static_loss: torch.Tensor | None = None
 
     def _autocast(self):
-        if self.compute_dtype == torch.float32:
+        if self.autocast_dtype is None:
             return contextlib.nullcontext()
         # The weight-cast cache would hold casts made during capture outside the graph's memory pool.
-        return torch.autocast("cuda", dtype=self.compute_dtype, cache_enabled=False)
+        return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
+
+    def release(self) -> None:
+        """Frees the graph and its memory pool. Needed before the process group is destroyed when the graph holds
+        collectives (FSDP2): NCCL's teardown otherwise waits on the captured work for ever (2 x H200, 2026-11-28)."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+        self.static, self.static_loss = {}, None
 
     def _forward_backward(self) -> torch.Tensor:
         s = self.static

@@ -90,6 +90,27 @@ class ShardLocalAdamW(torch.optim.AdamW):
         rank); the moments are already shards (DTensors)."""
         self._shards = shards
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, except that set_to_none=False zeroes every gradient's local shard in one plain foreach: torch's
+        own groups gradients by device and dtype only, and refuses a list that holds FSDP's DTensor gradients beside
+        the plain ones of the parameters FSDP leaves whole (parallelism.fsdp_replicate_params_below). Zeroing in place
+        keeps the .grad tensors a captured CUDA graph adds into (training.cuda_graph under FSDP2)."""
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.grad_fn is not None:
+                    p.grad.detach_()
+                else:
+                    p.grad.requires_grad_(False)
+                grads.append(local_shard(p.grad))
+        if grads:
+            torch._foreach_zero_(grads)
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:

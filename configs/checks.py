@@ -140,11 +140,16 @@ def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs
     errs = []
     if not torch.cuda.is_available():
         errs.append("training.cuda_graph needs a CUDA GPU; set it false on this machine")
-    if pdims.world_size > 1 and not pdims.ddp_enabled:
+    if pdims.pp_enabled or pdims.cp_enabled:
         errs.append(
-            f"training.cuda_graph runs on one GPU or under plain data parallel (only "
-            f"data_parallel_replicate_degree = NGPU); this job has {pdims.world_size} processes with FSDP, "
-            "PP or CP, whose hooks and collectives are not captured; set it false or change the layout"
+            f"training.cuda_graph runs on one GPU, under plain data parallel or under FSDP2 / HSDP; this job has "
+            f"pipeline_parallel_degree {pdims.pp} and context_parallel_degree {pdims.cp}, whose schedules and "
+            "all-to-alls are not captured; set it false or use data parallel only"
+        )
+    if pdims.fsdp_enabled and cfg.parallelism.fsdp_cpu_offload:
+        errs.append(
+            "training.cuda_graph cannot capture parallelism.fsdp_cpu_offload (host copies of every weight and "
+            "gradient); set one of them false"
         )
     if cfg.compile.enable:
         errs.append("training.cuda_graph and compile.enable are exclusive; set one of them false")

@@ -140,8 +140,9 @@ class Training:
     cuda_graph: bool = doc(
         False,
         "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
-        "launch cost; pays when the host, not the GPU, limits the step). One GPU or plain data parallel "
-        "(data_parallel_replicate_degree only), Mamba / MLP layers, no compile.",
+        "launch cost; pays when the host, not the GPU, limits the step: the 370M, not the 1.3B). One GPU, plain "
+        "data parallel, or FSDP2 / HSDP (their all-gathers and reduce-scatters captured in the graph; no "
+        "fsdp_cpu_offload); not PP or CP; Mamba / MLP layers, no compile.",
     )
     gc_freq: int = doc(
         50,

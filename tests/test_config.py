@@ -156,9 +156,15 @@ def test_cuda_graph_refuses_what_it_cannot_capture():
     cuda = ["training.cuda_graph needs a CUDA GPU"] if not __import__("torch").cuda.is_available() else []
     assert [e.split(";")[0] for e in errors([], 1)] == cuda
     msgs = " | ".join(errors(["--compile.enable", "true", "--model.flavor", "hybrid_moe_debug"], 2))
-    assert "this job has 2 processes with FSDP" in msgs
-    assert not [e for e in errors(["--parallelism.data_parallel_replicate_degree", "2"], 2) if "processes" in e]
     assert "compile.enable are exclusive" in msgs and "['*', 'E']" in msgs
+    layout = [e.split(";")[0] for e in errors([], 2)]  # FSDP2 over 2 processes: captured
+    assert layout == cuda
+    assert layout == [e.split(";")[0] for e in errors(["--parallelism.data_parallel_replicate_degree", "2"], 2)]
+    pp = " | ".join(errors(["--parallelism.pipeline_parallel_degree", "2"], 2))
+    cp = " | ".join(errors(["--parallelism.context_parallel_degree", "2"], 2))
+    assert "pipeline_parallel_degree 2" in pp and "context_parallel_degree 2" in cp and "not captured" in cp
+    offload = " | ".join(errors(["--parallelism.fsdp_cpu_offload", "true"], 2))
+    assert "cannot capture parallelism.fsdp_cpu_offload" in offload
 
 
 def test_distributed_optimizer_names_the_layout_and_optimizer_it_needs():

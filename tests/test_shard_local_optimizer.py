@@ -117,3 +117,28 @@ def test_plain_tensors_take_the_same_path():
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
     assert dist.is_available()
+
+
+def _zero_grad_body(rank, world):
+    """FSDP's DTensor gradients beside plain ones (the parameters FSDP leaves whole): zeroed in place, the same
+    tensors kept (a captured CUDA graph adds into them), where torch's own zero_grad(set_to_none=False) refuses."""
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = nn.Parameter(distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)]))
+    whole = nn.Parameter(torch.randn(5))
+    params = [sharded, whole]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        torch.optim.AdamW(params, lr=0.1, fused=True).zero_grad(set_to_none=False)
+    opt = ShardLocalAdamW(params, lr=0.1, fused=True)
+    kept = [p.grad for p in params]
+    local = [local_shard(g) for g in kept]
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is g for p, g in zip(params, kept)) and all(torch.count_nonzero(t) == 0 for t in local)
+    opt.zero_grad()  # set_to_none: torch's
+    assert all(p.grad is None for p in params)
+    return True
+
+
+def test_zero_grad_in_place_over_dtensor_and_plain_gradients():
+    assert all(run_distributed(_zero_grad_body, 2))

@@ -1,4 +1,5 @@
-"""training.cuda_graph on one GPU: the replayed forward + backward gives the eager losses and gradient norms.
+"""training.cuda_graph on one GPU, under DDP and under FSDP2: the replayed forward + backward gives the eager losses
+and gradient norms.
 
 Packed multi-document rows (seq_idx reaches the kernels), two microbatches per step (the graph ADDS into .grad),
 the chunked loss (its backward recomputes logits inside the graph), 6 optimizer steps so that the replay sees
@@ -88,3 +89,20 @@ def test_graph_under_the_distributed_optimizer_matches_one_gpu(tmp_path):
     got = _train(fp32 + dist_opt + ["--training.cuda_graph", "true"], tmp_path / "distopt2", nproc=2)
     bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
     assert len(got) == 6 and not bad, f"loss (step, 1 GPU, distributed optimizer + graph): {bad}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("units, global_rows", [("0", "8"), ("1", "16")])
+def test_graph_under_fsdp2_matches_one_gpu(tmp_path, units, global_rows):
+    """FSDP2 over 2 GPUs with its all-gathers and reduce-scatters captured in the graph: the blocks in the root's unit
+    (the auto layout of a small model) or a unit per block (FSDP's prefetches captured too) with two microbatches per
+    rank (each replay adds its reduce-scattered shard into .grad); the small parameters whole on every rank, their
+    gradients all-reduced after the replays. fp32 against one GPU on the same global batch; the run must also exit
+    (a graph holding NCCL work is released before the process group, else the teardown hangs)."""
+    fp32 = ["--training.mixed_precision_param", "float32", "--training.deterministic", "true"]
+    rows = ["--training.global_batch_size", global_rows]
+    one = _train(fp32 + rows, tmp_path / "one")
+    fsdp = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.fsdp_blocks_per_unit", units]
+    got = _train(fp32 + rows + fsdp + ["--training.cuda_graph", "true"], tmp_path / "fsdp2", nproc=2)
+    bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
+    assert len(got) == 6 and not bad, f"loss (step, 1 GPU, FSDP2 + graph): {bad}"
