@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from data.loader import IGNORE_INDEX, build_loader
 from parallelisms.batch_plan import BatchPlan
+from parallelisms.fsdp import reshard_gathered
 from parallelisms.mesh import coords, group
 from parallelisms.sequence_sharding import shard_sequence
 
@@ -136,6 +137,7 @@ class Validator:
         finally:
             for part, mode in zip(self.model_parts, modes):
                 part.train(mode)
+            reshard_gathered(self.model_parts)  # FSDP: the next forward gathers the weights again (fsdp.py)
         if self.pipeline is not None:
             dist.all_reduce(sums)  # [2] per rank -> [2] summed over the world (non-last stages hold zeros)
         elif self.dp_cp_group is not None:

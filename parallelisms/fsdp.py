@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from configs.job_config import Parallelism
@@ -141,6 +141,20 @@ class ReplicatedGradients:
         dist.all_reduce(flat, group=self.group)
         flat.div_(self.world)
         torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split(self.numels), grads)])
+
+
+def reshard_gathered(model_parts: list[nn.Module]) -> None:
+    """Every FSDP unit of `model_parts` back to its shards (a no-op for a unit that is already, or for no FSDP).
+
+    A forward without backward (validation) leaves the units that are not resharded after forward (the root's, and
+    by default the last block unit) gathered, and FSDP's next forward then gathers nothing for them. An eager training
+    step after it uses those weights (still current) and its backward reshards them; a step replayed from a CUDA graph
+    (training.cuda_graph) runs none of FSDP's Python, so the next validation would score the weights gathered for the
+    one before. Validation calls this when it is done."""
+    for part in model_parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 AUTO_UNIT_PARAMS = 100_000_000

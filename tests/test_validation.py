@@ -95,6 +95,51 @@ def test_validator_matches_direct_loss():
         Validator(cfg, [model], tok, None, pp, plan, torch.device("cpu"))
 
 
+def _fsdp_validation_body(rank, world):
+    """FSDP2 over 2 gloo ranks: the sharded weights change in place between two validations, as a step replayed from a
+    CUDA graph changes them (the optimizer on the shards, none of FSDP's Python run): the second validation must score
+    the new weights. Without the reshard at its end, the root's unit stays gathered after the first and the second
+    scores the old weights again."""
+    from components.validation import Validator
+    from configs.checks import resolve_job
+    from data.tokenizer import build_tokenizer
+    from parallelisms.grad_norm import local_shard
+    from parallelisms.parallelize import build_model_parts
+
+    cfg = load_config([*ARGS, "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1",
+                       "--validation.local_batch_size", "1"])
+    job = resolve_job(cfg, world)
+    mesh = job.pdims.build_mesh("cpu")
+    model = build_model_parts(cfg, job.pdims, mesh, job.model_args, torch.device("cpu"), torch.float32).parts[0]
+    sharded = [p for p in model.parameters() if p.dim() >= 2]  # FSDP's DTensors (the products' weights)
+    v = Validator(cfg, [model], build_tokenizer(""), mesh, job.pdims, job.batch, torch.device("cpu"))
+    first = v.run(1)
+    # the module's parameters are the shards again (a gathered unit would show its plain unsharded tensors)
+    resharded = all(type(p) is type(q) for p, q in zip(sharded, [p for p in model.parameters() if p.dim() >= 2]))
+    with torch.no_grad():
+        for p in sharded:
+            local_shard(p).mul_(0.5)  # what the optimizer's step does to the shards between two replays
+    second = v.run(2)
+    for m in model.modules():  # FSDP's own way back to the shards, then the same batches again
+        if hasattr(m, "reshard"):
+            m.reshard()
+    fresh = v.run(3)
+    return first["val_loss"], second["val_loss"], fresh["val_loss"], resharded
+
+
+def test_validation_under_fsdp_scores_the_current_shards():
+    (first, second, fresh, resharded), other = run_distributed_validation()
+    assert other[:3] == (first, second, fresh)  # every rank reads the same all-reduced loss
+    assert second != first and second == fresh, (first, second, fresh)
+    assert resharded
+
+
+def run_distributed_validation():
+    from tests.dist_utils import run_distributed
+
+    return run_distributed(_fsdp_validation_body, 2)
+
+
 def _evaluate(nproc: int, args: list[str]) -> dict:
     cmd = [sys.executable]
     if nproc > 1:
