@@ -97,12 +97,20 @@ def test_graph_under_fsdp2_matches_one_gpu(tmp_path, units, global_rows):
     """FSDP2 over 2 GPUs with its all-gathers and reduce-scatters captured in the graph: the blocks in the root's unit
     (the auto layout of a small model) or a unit per block (FSDP's prefetches captured too) with two microbatches per
     rank (each replay adds its reduce-scattered shard into .grad); the small parameters whole on every rank, their
-    gradients all-reduced after the replays. fp32 against one GPU on the same global batch; the run must also exit
-    (a graph holding NCCL work is released before the process group, else the teardown hangs)."""
+    gradients all-reduced after the replays. fp32 against one GPU on the same global batch, and the validation losses
+    of steps 3 and 6 on the same global validation batches (the second needs FSDP's units resharded after the first:
+    graph steps run none of FSDP's Python); the run must also exit (a graph holding NCCL work is released before the
+    process group, else the teardown hangs)."""
     fp32 = ["--training.mixed_precision_param", "float32", "--training.deterministic", "true"]
     rows = ["--training.global_batch_size", global_rows]
-    one = _train(fp32 + rows, tmp_path / "one")
+    val = ["--validation.enable", "true", "--validation.freq", "3", "--validation.steps", "2"]
+    one = _train(fp32 + rows + val + ["--validation.local_batch_size", "4"], tmp_path / "one")
     fsdp = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.fsdp_blocks_per_unit", units]
-    got = _train(fp32 + rows + fsdp + ["--training.cuda_graph", "true"], tmp_path / "fsdp2", nproc=2)
+    got = _train(fp32 + rows + val + ["--validation.local_batch_size", "2"] + fsdp + ["--training.cuda_graph", "true"],
+                 tmp_path / "fsdp2", nproc=2)  # fmt: skip
     bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
     assert len(got) == 6 and not bad, f"loss (step, 1 GPU, FSDP2 + graph): {bad}"
+    val_one, val_got = ({r["step"]: r["val_loss"] for r in rs if "val_loss" in r} for rs in (one, got))
+    assert sorted(val_got) == sorted(val_one) == [3, 6], (val_one, val_got)
+    bad = [(s, val_one[s], val_got[s]) for s in val_one if abs(val_one[s] - val_got[s]) > 1e-4 * val_one[s]]
+    assert not bad, f"val_loss (step, 1 GPU, FSDP2 + graph): {bad}"
