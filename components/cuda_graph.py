@@ -43,9 +43,7 @@ import torch.nn as nn
 class GraphedMicrobatch:
     """Replays forward + backward of `model` for one microbatch of a fixed shape; see the module docstring."""
 
-    def __init__(
-        self, model: nn.Module, autocast_dtype: torch.dtype | None, loss_chunk_tokens: int, warmup: int = 3
-    ):
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None, loss_chunk_tokens: int, warmup: int = 3):
         """autocast_dtype: the dtype autocast runs the products in over float32 weights (one GPU, DDP), None for
         none (float32 training, or FSDP2, whose mixed precision casts the gathered weights itself)."""
         self.model, self.autocast_dtype, self.loss_chunk_tokens, self.warmup = (

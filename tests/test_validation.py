@@ -106,8 +106,8 @@ def _fsdp_validation_body(rank, world):
     from parallelisms.grad_norm import local_shard
     from parallelisms.parallelize import build_model_parts
 
-    cfg = load_config([*ARGS, "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "1",
-                       "--validation.local_batch_size", "1"])
+    one_row = ["--training.local_batch_size", "1", "--validation.local_batch_size", "1"]
+    cfg = load_config([*ARGS, "--parallelism.data_parallel_shard_degree", "2", *one_row])
     job = resolve_job(cfg, world)
     mesh = job.pdims.build_mesh("cpu")
     model = build_model_parts(cfg, job.pdims, mesh, job.model_args, torch.device("cpu"), torch.float32).parts[0]
