@@ -9,8 +9,12 @@ rounds, so each sees the same host. Variants:
 
     one                 this rank's whole model, as train.py builds it on one GPU (bf16 autocast over float32
                         weights, the optimizer's bf16 weight copies); each rank its own, no collectives
+    oneNAME=OVERRIDES   the same with these config overrides, e.g. "onegraph=--training.cuda_graph true"
     fsdp                FSDP2 over the ranks, the defaults (parallelisms/fsdp.py)
     NAME=OVERRIDES      FSDP2 with these config overrides, e.g. "units15=--parallelism.fsdp_blocks_per_unit 15"
+
+With `--training.cuda_graph true` (a variant's overrides, or --overrides for all) a variant replays its forward +
+backward from a CUDA graph as train.py does (components/cuda_graph.py; under FSDP2 with its collectives captured).
 
 Every rank feeds the same tokens, so FSDP's averaged gradient equals one rank's: the variants' losses agree step by
 step (to float32 rounding on the CPU, to bf16 noise on the GPU), which the table prints as a check. A step is what
@@ -21,6 +25,7 @@ variant: the median step time at the real batch (host and GPU together, synchron
     bash .gpu/setup.sh && NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/fsdp_host_cost.py \\
         --config configs/mamba2_370m.toml --rows 8 --seq 2048 \\
         --variants "one,fsdp,all=--parallelism.fsdp_replicate_params_below 0,u5=--parallelism.fsdp_blocks_per_unit 5"
+    ... --variants "one,fsdp,onegraph=--training.cuda_graph true,fsdpgraph=--training.cuda_graph true"
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from components.cuda_graph import GraphedMicrobatch  # noqa: E402
 from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
 from components.step_outcome import nonfinite  # noqa: E402
 from configs.checks import resolve_job  # noqa: E402
@@ -50,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/mamba2_370m.toml", help="the job's TOML (model, optimizer, ...)")
     ap.add_argument("--overrides", default="", help="config overrides for every variant, as on train.py's command")
-    ap.add_argument("--variants", default="one,fsdp", help="comma-separated: one, fsdp, NAME=OVERRIDES")
+    ap.add_argument(
+        "--variants", default="one,fsdp", help="comma-separated: one, oneNAME=OVERRIDES, fsdp, NAME=OVERRIDES"
+    )
     ap.add_argument("--rows", type=int, default=8, help="rows per rank of the real batch")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--tiny", default="1x256", help="rows x tokens of the host-cost batch ('' to skip)")
@@ -66,13 +74,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def one_gpu_layout(name: str) -> bool:
+    """Whether variant `name` is this rank alone (one, oneNAME), not FSDP2 over the ranks."""
+    return name.startswith("one")
+
+
 def variant_specs(text: str) -> list[tuple[str, list[str]]]:
-    """'one,fsdp,units15=--parallelism.fsdp_blocks_per_unit 15' -> [(name, overrides)]; one and fsdp take none."""
+    """'one,fsdp,units15=--parallelism.fsdp_blocks_per_unit 15' -> [(name, overrides)]; one and fsdp take none (a name
+    that starts with "one" is a one-GPU layout, any other an FSDP2 one)."""
     specs = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, overrides = item.partition("=")
         if name in ("one", "fsdp") and overrides:
-            raise ValueError(f"variant {name!r} takes no overrides; name the variant otherwise, e.g. 'my{name}=...'")
+            raise ValueError(f"variant {name!r} takes no overrides; name the variant otherwise, e.g. '{name}2=...'")
         specs.append((name, shlex.split(overrides)))
     names = [n for n, _ in specs]
     if len(set(names)) != len(names) or not names:
@@ -81,11 +95,11 @@ def variant_specs(text: str) -> list[tuple[str, list[str]]]:
 
 
 class Variant:
-    """One layout of the model, built as train.py builds it, with its optimizer."""
+    """One layout of the model, built as train.py builds it, with its optimizer (and its CUDA graph)."""
 
     def __init__(self, name: str, argv: list[str], world_size: int, device: torch.device, mesh_cache: dict):
         self.name = name
-        one = name == "one"
+        one = one_gpu_layout(name)
         cfg = load_config(argv)
         if one:  # this rank alone: a one-process layout
             cfg.parallelism.data_parallel_shard_degree = 1
@@ -106,7 +120,9 @@ class Variant:
         self.model, self.replicated_grads = built.parts[0], built.replicated_grads
         # as train.py: autocast (and the optimizer's weight copies) where FSDP2 does not cast the weights itself
         autocast_dtype = compute_dtype if bf16 and not pdims.fsdp_enabled else None
-        self.optimizer = build_optimizer([self.model], cfg.optimizer, device.type, autocast_dtype)
+        graph = cfg.training.cuda_graph
+        self.optimizer = build_optimizer([self.model], cfg.optimizer, device.type, None if graph else autocast_dtype)
+        self.graphed = GraphedMicrobatch(self.model, autocast_dtype, cfg.training.loss_chunk_tokens) if graph else None
         self.params = list(self.model.parameters())
         self.amp = (lambda: torch.autocast("cuda", dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
         self.max_norm = cfg.training.max_norm
@@ -116,14 +132,18 @@ class Variant:
         self.times: dict[str, list[float]] = {}
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        with self.amp():
-            loss = self.model(ids, labels=ids, loss_chunk_tokens=self.loss_chunk_tokens) / ids.numel()
-        loss.backward()
+        if self.graphed is not None:  # as train.py: the summed loss, the gradients of its mean added to .grad
+            scale = torch.full((), 1.0 / ids.numel(), device=ids.device)
+            loss = self.graphed(ids, ids, None, scale) / ids.numel()
+        else:
+            with self.amp():
+                loss = self.model(ids, labels=ids, loss_chunk_tokens=self.loss_chunk_tokens) / ids.numel()
+            loss.backward()
         if self.replicated_grads is not None:  # as train.py: FSDP's small parameters, held whole on every rank
             self.replicated_grads.all_reduce()
         grad_norm = global_grad_norm(self.params)
         take_optimizer_steps([self.optimizer], self.params, grad_norm, self.max_norm, nonfinite(loss, grad_norm))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)  # a graph adds into the same .grad tensors
         return loss.detach()
 
 
@@ -206,6 +226,9 @@ def main(argv=None) -> dict:
                 profile_turn(v, batches["real"], a.steps, sync, os.path.join(a.profile, v.name), rank)
     finally:
         gc.enable()
+        for v in variants:  # before the process group goes (a graph holding FSDP's collectives)
+            if v.graphed is not None:
+                v.graphed.release()
     result = {}
     for v in variants:
         result[v.name] = {kind: 1e3 * statistics.median(t) for kind, t in v.times.items()}

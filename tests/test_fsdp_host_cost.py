@@ -12,7 +12,10 @@ import pytest
 from benchmarks import fsdp_host_cost as fhc
 from tests.dist_utils import run_distributed
 
-VARIANTS = "one,fsdp,units1=--parallelism.fsdp_blocks_per_unit 1,all=--parallelism.fsdp_replicate_params_below 0"
+VARIANTS = (
+    "one,fsdp,units1=--parallelism.fsdp_blocks_per_unit 1,all=--parallelism.fsdp_replicate_params_below 0,"
+    "onecopies=--optimizer.weight_copies false"  # a one-GPU layout with overrides
+)
 
 
 def _bench(rank, world_size, profile_dir):
@@ -23,7 +26,7 @@ def _bench(rank, world_size, profile_dir):
 
 def test_variants_train_the_same_model_in_turn(tmp_path):
     results = run_distributed(_bench, 2, str(tmp_path))
-    names = ["one", "fsdp", "units1", "all"]
+    names = ["one", "fsdp", "units1", "all", "onecopies"]
     for r in results:
         assert list(r) == names
         # (1 untimed + 2 turns x 2 steps) per batch kind, real then tiny, then 2 profiled steps
@@ -49,6 +52,7 @@ def test_variant_list_errors_name_the_fix():
         ("fsdp", []),
         ("u15", ["--parallelism.fsdp_blocks_per_unit", "15"]),
     ]
+    assert [fhc.one_gpu_layout(n) for n in ("one", "onegraph", "fsdp", "units1", "all")] == [1, 1, 0, 0, 0]
     with pytest.raises(ValueError, match="takes no overrides"):
         fhc.variant_specs("fsdp=--parallelism.fsdp_blocks_per_unit 2")
     with pytest.raises(ValueError, match="distinct names"):
