@@ -122,7 +122,9 @@ class Variant:
         autocast_dtype = compute_dtype if bf16 and not pdims.fsdp_enabled else None
         graph = cfg.training.cuda_graph
         self.optimizer = build_optimizer([self.model], cfg.optimizer, device.type, None if graph else autocast_dtype)
-        self.graphed = GraphedMicrobatch(self.model, autocast_dtype, cfg.training.loss_chunk_tokens) if graph else None
+        # training.cuda_graph: one graph per batch shape (the real batch and --tiny), all adding into the same .grad
+        self.graph_args = (self.model, autocast_dtype, cfg.training.loss_chunk_tokens) if graph else None
+        self.graphs: dict[tuple[int, ...], GraphedMicrobatch] = {}
         self.params = list(self.model.parameters())
         self.amp = (lambda: torch.autocast("cuda", dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
         self.max_norm = cfg.training.max_norm
@@ -132,9 +134,12 @@ class Variant:
         self.times: dict[str, list[float]] = {}
 
     def step(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.graphed is not None:  # as train.py: the summed loss, the gradients of its mean added to .grad
+        if self.graph_args is not None:  # as train.py: the summed loss, the gradients of its mean added to .grad
+            graphed = self.graphs.get(tuple(ids.shape))
+            if graphed is None:
+                graphed = self.graphs[tuple(ids.shape)] = GraphedMicrobatch(*self.graph_args)
             scale = torch.full((), 1.0 / ids.numel(), device=ids.device)
-            loss = self.graphed(ids, ids, None, scale) / ids.numel()
+            loss = graphed(ids, ids, None, scale) / ids.numel()
         else:
             with self.amp():
                 loss = self.model(ids, labels=ids, loss_chunk_tokens=self.loss_chunk_tokens) / ids.numel()
@@ -143,7 +148,7 @@ class Variant:
             self.replicated_grads.all_reduce()
         grad_norm = global_grad_norm(self.params)
         take_optimizer_steps([self.optimizer], self.params, grad_norm, self.max_norm, nonfinite(loss, grad_norm))
-        self.optimizer.zero_grad(set_to_none=self.graphed is None)  # a graph adds into the same .grad tensors
+        self.optimizer.zero_grad(set_to_none=self.graph_args is None)  # a graph adds into the same .grad tensors
         return loss.detach()
 
 
@@ -227,8 +232,8 @@ def main(argv=None) -> dict:
     finally:
         gc.enable()
         for v in variants:  # before the process group goes (a graph holding FSDP's collectives)
-            if v.graphed is not None:
-                v.graphed.release()
+            for graphed in v.graphs.values():
+                graphed.release()
     result = {}
     for v in variants:
         result[v.name] = {kind: 1e3 * statistics.median(t) for kind, t in v.times.items()}
