@@ -31,6 +31,7 @@
 #   pp370m   PP2 (1F1B, GPipe; 8 microbatches) trains the 48-layer 370M on 2 GPUs vs 1 GPU, 12 steps
 #            env: PP_SCHEDULES, PP_MB (microbatch size, default 1), SKIP_REF=1 (no 1-GPU run)
 # Each phase prints a table (benchmarks/compare_runs.py) and leaves metrics.jsonl + logs under $OUT/<phase>/.
+# Exit status: 1 when a row of the efficiency table misses its target, 2 for an unknown phase, else 0.
 # On 4+ GPUs the efficiency phase runs two 2-GPU runs at once (gpu_pool: every run on GPUs of its own).
 # Dry run of the plumbing on a CPU (gloo, a tiny model; no figures): NG=4 EXTRA="$(cat benchmarks/tiny_overrides.txt)"
 set -uo pipefail
@@ -169,10 +170,11 @@ for PHASE in "$@"; do
     R=(); for row in "${ROWS[@]}"; do want "$(echo "$row" | cut -d= -f2 | cut -d: -f1)" && R+=(--row "$row"); done
     B=(--bubble pp2_1f1b_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_1.3b=$(python3 -c 'print(1/17)')
        --bubble pp2_1f1b_even_1.3b=$(python3 -c 'print(1/9)') --bubble pp2_interleaved_even_1.3b=$(python3 -c 'print(1/17)'))
-    python3 benchmarks/efficiency_table.py "${DIRS[@]}" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json"
+    python3 benchmarks/efficiency_table.py "${DIRS[@]}" "${R[@]}" "${B[@]}" --until $UNTIL --json "$OUT/efficiency.json" \
+      || STATUS=1  # a row missed its target (or lost its runs): the script's exit status says so
     if [ -n "${EFF_PROFILE:-}" ]; then  # where each run's profiled step went (rank 0 and 1)
       for t in "$OUT"/efficiency/{,rep*/}*/profile_trace/iteration_14/rank[01]_trace.json; do
-        [ -e "$t" ] && echo "== $t" && python3 benchmarks/trace_summary.py --top 6 "$t"; done
+        if [ -e "$t" ]; then python3 benchmarks/trace_summary.py --top 6 "$t"; fi; done  # (it names the trace)
     fi ;;
   eight_efficiency)
     P=--parallelism
@@ -327,6 +329,7 @@ for PHASE in "$@"; do
         --parallelism.pipeline_parallel_microbatch_size $MB
     done
     python3 benchmarks/compare_runs.py --ref "$OUT/pp370m/1gpu" "$OUT"/pp370m/pp2_* --json "$OUT/pp370m.json" ;;
-  *) echo "unknown phase $PHASE" ;;
+  *) echo "unknown phase $PHASE"; STATUS=2 ;;
   esac
 done
+exit "${STATUS:-0}"

@@ -114,3 +114,17 @@ def test_graph_under_fsdp2_matches_one_gpu(tmp_path, units, global_rows):
     assert sorted(val_got) == sorted(val_one) == [3, 6], (val_one, val_got)
     bad = [(s, val_one[s], val_got[s]) for s in val_one if abs(val_one[s] - val_got[s]) > 1e-4 * val_one[s]]
     assert not bad, f"val_loss (step, 1 GPU, FSDP2 + graph): {bad}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_graph_under_hsdp_2x2_matches_one_gpu(tmp_path):
+    """HSDP 2 x 2 (FSDP over 2 GPUs, replicated twice) with the graph: the captured backward reduce-scatters within a
+    shard group and all-reduces the shards across the replicas; the small parameters' gradients are all-reduced over
+    all four ranks after the replays. Two microbatches per rank, fp32, against one GPU on the same global batch."""
+    fp32 = ["--training.mixed_precision_param", "float32", "--training.deterministic", "true"]
+    rows = ["--training.global_batch_size", "32"]
+    one = _train(fp32 + rows, tmp_path / "one")
+    hsdp = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+    got = _train(fp32 + rows + hsdp + ["--training.cuda_graph", "true"], tmp_path / "hsdp", nproc=4)
+    bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
+    assert len(got) == 6 and not bad, f"loss (step, 1 GPU, HSDP 2x2 + graph): {bad}"
