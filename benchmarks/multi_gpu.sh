@@ -5,7 +5,7 @@
 #   efficiency  every layout against one GPU running the same model, as one table (issue 14): FSDP2 at 1.3B
 #            (4 x 4096 per GPU) and 370M (8 x 2048), PP2 1F1B and Interleaved1F1B at 1.3B (8 microbatches of 4 x 4096),
 #            CP2 at 32k and 64k tokens (1.3B, full AC) against cp 1, EP2 on the hybrid MoE 1B; HSDP 2x2 with 4+ GPUs.
-#            Runs share the GPUs (gpu_pool: 1-GPU references side by side, on 4 GPUs also two 2-GPU runs). env: EFF_ROWS (names to run, default all),
+#            Runs share the GPUs (gpu_pool: 1-GPU references side by side, on 4 GPUs also two 2-GPU runs). env: EFF_ROWS (names to run, default all; "table": the table's own runs),
 #            EFF_PROFILE=1 (also profile step 14 of every run and summarise rank 0 / 1's traces; the table uses 4-12),
 #            GPUS (the GPU ids gpu_pool hands out, default 0 .. NG-1: "2 3" with NG=2 runs a second table beside a first),
 #            EFF_REPEAT=N (every run N times, in turn; each row's ratio the median of its N pairs, with their range)
@@ -99,7 +99,10 @@ for PHASE in "$@"; do
     MOE=(configs/hybrid_moe_1b.toml "${S[@]}" --training.seq_len 4096 --training.local_batch_size 4)
     PP=(configs/mamba2_1.3b.toml "${S[@]}" --training.seq_len 4096 --training.global_batch_size 32
         $P.pipeline_parallel_degree 2 $P.pipeline_parallel_microbatch_size 4 $P.data_parallel_shard_degree 1)
-    want() { [ -z "${EFF_ROWS:-}" ] || [[ " $EFF_ROWS " == *" $1 "* ]]; }
+    # EFF_ROWS=table: the issue-14 table's own runs (its rows and their references, HSDP with 4+ GPUs), no extra rows
+    [ "${EFF_ROWS:-}" = table ] && EFF_ROWS="1gpu_1.3b fsdp2_1.3b hsdp2x2_1.3b 1gpu_370m fsdp2_370m 1gpu_370m_graph
+      fsdp2_370m_graph pp2_1f1b_1.3b pp2_interleaved_1.3b cp1_32k cp2_32k cp1_64k cp2_64k 1gpu_moe ep2_moe"
+    want() { [ -z "${EFF_ROWS:-}" ] || [[ " ${EFF_ROWS//$'\n'/ } " == *" $1 "* ]]; }
     N13=(configs/mamba2_1.3b.toml "${S[@]}" "${L[@]}")  # the long-context runs
     # pp2_*_even: the split before 2026-11-28 (the head not weighed, the embedding as a layer): 24 / 24 under 1F1B and
     # 11 / 13 / 12 / 12 under Interleaved1F1B, against the default's 26 / 22 and 13 / 13 / 13 / 9
