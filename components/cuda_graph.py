@@ -19,15 +19,15 @@ gradients ADDED to the parameters' .grad. Hence:
   MLP layers; attention (document masks built from seq_idx) and MoE (data-dependent token counts) do not
   qualify, and train.py refuses them, with PP / CP, FSDP's CPU offload and compile, before any compute.
 Plain data parallel works: its one gradient all-reduce runs after the replays (parallelisms/data_parallel.py).
-FSDP2 works too, with its collectives inside the graph (HSDP's replica all-reduce is captured the same way; not
-yet run on 4 GPUs): the capture runs FSDP's hooks once, so the graph holds the all-gathers of the weights (read
-from the sharded parameters, which the optimizer updates in place), the forward and backward on the gathered
-weights, and the reduce-scatters that add each gradient's shard into the sharded parameter's .grad (a DTensor whose
-local tensor stays the same; one reduce-scatter per microbatch, where eager FSDP defers it to the last); the
-parameters FSDP leaves whole (parallelism.fsdp_replicate_params_below) get their gradients as on one GPU,
-all-reduced after the replays. FSDP's Python bookkeeping runs only at capture, which is what removes its host cost.
-A graph holding NCCL work must be released before the process group is destroyed (`release()`; otherwise NCCL's
-teardown waits forever).
+FSDP2 works too, with its collectives inside the graph (HSDP's replica all-reduce is captured the same way;
+tests/gpu/test_cuda_graph_gpu.py checks both against one GPU): the capture runs FSDP's hooks once, so the graph
+holds the all-gathers of the weights (read from the sharded parameters, which the optimizer updates in place), the
+forward and backward on the gathered weights, and the reduce-scatters that add each gradient's shard into the
+sharded parameter's .grad (a DTensor whose local tensor stays the same; one reduce-scatter per microbatch, where
+eager FSDP defers it to the last); the parameters FSDP leaves whole (parallelism.fsdp_replicate_params_below) get
+their gradients as on one GPU, all-reduced after the replays. FSDP's Python bookkeeping runs only at capture,
+which is what removes its host cost. A graph holding NCCL work must be released before the process group is
+destroyed (`release()`; otherwise NCCL's teardown waits forever).
 Capture runs a few warm-up passes first on a side stream (Triton autotuning, cuBLAS workspaces, .grad
 allocation); their gradients are discarded, so the first step's gradients are exactly the eager ones.
 """
