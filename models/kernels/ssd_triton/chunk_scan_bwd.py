@@ -16,6 +16,10 @@ is faster (docs/performance.md, session 22). The intra-chunk loop reads
 CBᵀ (cb_fwd writes it for the backward, zero above the diagonal and across documents) and carries no per-element
 mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's instructions than the product
 (711 SASS instructions per iteration with them, 290 without; docs/performance.md).
+Not fused with dCB (dcb_bwd.py), although both compute each head's decay tile and read its dy: dCB sums over the
+heads and dx over the rows, and the one shared layout (a column strip per program, heads outer, dCB's strip of
+tiles held across the heads) took 255 registers with spills, one program per SM, and 1.48x the two kernels' time
+(docs/performance.md, session 35).
 """
 
 import triton
