@@ -25,10 +25,10 @@ positions they were written (blocks before m): no zero fill there either. Config
 same on the diagonal, with r and the parts in slots of their own (parts more, written at every position).
 Tiles below the diagonal (k < m) need no causal mask, and with EVEN (whole tiles) no load masks: see
 chunk_scan_bwd.py on why the inner loops avoid per-element masks.
-Loads and scheduling are not what bound the tiles: with TMA descriptor loads they ran 2% faster (~0.15 ms of a 1.3B
-step: not kept), with Triton's automatic warp specialisation 1.9x slower, and as a hand-scheduled Gluon kernel (TMA ring, asynchronous wgmma, the
-next head's product overlapped or not) 1-15% slower (H200, docs/performance.md, session 36); the per-head element-wise
-work (~21 instructions per element of the tile) is.
+Loads and scheduling are not what bound the tiles: with TMA descriptor loads they ran 2% faster (~0.15 ms of a
+1.3B step: not kept), with Triton's automatic warp specialisation 1.9x slower, and as a hand-scheduled Gluon kernel
+(TMA ring, asynchronous wgmma, the next head's product overlapped or not) 1-15% slower (H200, docs/performance.md,
+session 36); the per-head element-wise work (~21 instructions per element of the tile) is.
 """
 
 import triton
