@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from configs.parser import load_config
+from tests.dist_utils import run_distributed
 from tests.parity import REPO, read_metrics, run_training
 
 ARGS = [
@@ -128,16 +129,10 @@ def _fsdp_validation_body(rank, world):
 
 
 def test_validation_under_fsdp_scores_the_current_shards():
-    (first, second, fresh, resharded), other = run_distributed_validation()
+    (first, second, fresh, resharded), other = run_distributed(_fsdp_validation_body, 2)
     assert other[:3] == (first, second, fresh)  # every rank reads the same all-reduced loss
     assert second != first and second == fresh, (first, second, fresh)
     assert resharded
-
-
-def run_distributed_validation():
-    from tests.dist_utils import run_distributed
-
-    return run_distributed(_fsdp_validation_body, 2)
 
 
 def _evaluate(nproc: int, args: list[str]) -> dict:
