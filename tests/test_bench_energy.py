@@ -1,0 +1,65 @@
+"""benchmarks/bench_energy.py on the CPU: the step's call counts and energy totals, its refusals, and every family's
+wiring at the debug size under Triton's interpreter (the GPU run is the one that measures)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import bench_energy as be
+from tests.interpreter_child import child_results, run_checks
+
+# The SSD's wiring is bench_ssd.fwd_bwd_fn's (tests/test_ssd_triton.py runs the kernels); the optimizer is CUDA-only.
+_CPU_SKIPPED = ("ssd_fwd_bwd", "optimizer")
+
+
+def test_step_calls_count_what_one_step_runs():
+    calls = be.step_calls(48)
+    assert calls["conv_fwd"] == 96  # the forward and the backward's recompute
+    assert calls["add_rmsnorm_fwd_bwd"] == 49  # every block and the final norm
+    assert calls["lm_head_loss"] == calls["optimizer"] == 1
+    assert {calls[k] for k in calls if k not in ("conv_fwd", "add_rmsnorm_fwd_bwd", "lm_head_loss", "optimizer")} == {
+        48
+    }
+
+
+def test_step_totals_add_the_families_energy_and_divide_by_the_power_limit():
+    calls = dict(a=2, b=1, c=1)
+    rows = [
+        dict(family="a", ms=0.5, mj_per_call=300.0),
+        dict(family="b", ms=2.0, mj_per_call=1400.0),
+        dict(family="copy", ms=0.5, mj_per_call=280.0),  # a reference: not in the step
+    ]
+    t = be.step_totals(rows, calls, power_limit_w=700.0)
+    assert t["joules_by_family"] == pytest.approx(dict(a=0.6, b=1.4))
+    assert t["joules"] == pytest.approx(2.0)
+    assert t["ms_at_power_limit"] == pytest.approx(2.0 / 700.0 * 1e3)
+    assert t["ms_sum"] == pytest.approx(3.0)
+    assert t["missing"] == ["c"]
+
+
+def test_refusals_before_any_work():
+    with pytest.raises(SystemExit):
+        be.parse_args(["--size", "7b"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            be.main(["--size", "debug"])
+
+
+def _ran(fn) -> None:
+    fn()  # its outputs are tensors, which the child's JSON report does not carry
+
+
+def child():
+    fams = be.families("debug", torch.device("cpu"))
+    assert fams["optimizer"] is None
+    run_checks({name: (lambda fn=fn: _ran(fn)) for name, fn in fams.items() if name not in _CPU_SKIPPED})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's stand-in for the GPU run")
+def test_every_family_runs_at_the_debug_size_under_the_interpreter():
+    results = child_results("tests.test_bench_energy")
+    step_families = set(be.step_calls(1)) - set(_CPU_SKIPPED)
+    assert set(results) - {"ssd_fwd_bwd_mamba_ssm"} == step_families | {"copy"}
+    failed = {name: r["out"] for name, r in results.items() if not r["ok"]}
+    assert not failed, failed
