@@ -98,7 +98,7 @@ def families(size_name: str, device: torch.device) -> dict:
     from models.loss import IGNORE_INDEX
 
     size = SIZES[size_name]
-    args = build_model_args(size.flavor)
+    args = model_args(size_name)
     b, L = size.batch, size.seq_len
     T, D, DI, N, G, P = b * L, args.d_model, args.d_inner, args.d_state, args.ngroups, args.headdim
     H = DI // P
@@ -123,9 +123,11 @@ def families(size_name: str, device: torch.device) -> dict:
     _, rstd = gated_rmsnorm_fwd(y, norm_w, z, args.norm_eps, DI // G, args.norm_before_gate)
     dz = torch.empty_like(z)
     ssd_inp = make_inputs(dict(b=b, L=L, H=H, P=P, N=N, G=G), True, 0, device=device)
-    keep = _config_keeps_states(size)
     ssd_step, _ = fwd_bwd_fn(
-        lambda *a, **k: ssd_chunk_scan_triton(*a, keep_states=keep, **k), ssd_inp, args.chunk_size, randn(b, L, H, P)
+        lambda *a, **k: ssd_chunk_scan_triton(*a, keep_states=args.ssd_keep_states, **k),
+        ssd_inp,
+        args.chunk_size,
+        randn(b, L, H, P),
     )
     hidden = randn(b, L, D).requires_grad_()
     residual = randn(b, L, D, dtype=torch.float32).requires_grad_()
@@ -177,31 +179,34 @@ def families(size_name: str, device: torch.device) -> dict:
     )
 
 
-def _config_keeps_states(size) -> bool:
-    """The size's TOML asks for kept SSD states (model.ssd_keep_states), as train.py would run it."""
-    import tomllib
+def model_args(size_name: str):
+    """The size's ModelArgs as train.py builds them: its TOML's flavor with the [model] overrides (ssd_keep_states)."""
+    from configs.parser import load_config
 
-    with open(os.path.join(REPO, size.config), "rb") as f:
-        return bool(tomllib.load(f).get("model", {}).get("ssd_keep_states", False))
+    cfg = load_config(["--job.config_file", os.path.join(REPO, SIZES[size_name].config)])
+    return build_model_args(cfg.model.flavor, cfg.model_overrides)
 
 
 def _optimizer_step(flavor: str, device: torch.device):
-    """The trainer's optimizer phase on the flavor's parameters (random gradients): gradient norm + our AdamW."""
+    """The trainer's optimizer phase on the flavor's parameters (random gradients): gradient norm + our AdamW. The
+    parameters, gradients and moments (~23 GiB at 1.3B) are made at the first call, so only a run that measures this
+    family allocates them."""
+    from benchmarks.bench_optimizer import model_with_gradients
     from components.optimizer import build_optimizer, take_optimizer_steps
     from configs.job_config import Optimizer
-    from models import build_model_on_meta
     from parallelisms.grad_norm import global_grad_norm
 
-    model = build_model_on_meta(build_model_args(flavor))
-    model.to_empty(device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        for p in params:
-            p.normal_(0.0, 0.02)
-            p.grad = torch.randn_like(p) * 1e-3
-    opt = build_optimizer([model], Optimizer(implementation="auto"), "cuda")
-    skip = torch.zeros((), device=device)
-    return lambda: take_optimizer_steps([opt], params, global_grad_norm(params), 1.0, skip)
+    built = []
+
+    def step():
+        if not built:
+            model, params = model_with_gradients(flavor, device, torch.Generator(device=device).manual_seed(0))
+            opt = build_optimizer([model], Optimizer(implementation="auto"), "cuda")
+            built.append((opt, params, torch.zeros((), device=device)))  # the trainer's skip flag: a finite step
+        opt, params, skip = built[0]
+        take_optimizer_steps([opt], params, global_grad_norm(params), 1.0, skip)
+
+    return step
 
 
 class _Nvml:
@@ -299,7 +304,7 @@ def main(argv=None) -> dict:
     for name in wanted:  # compiled and autotuned before anything is measured
         fams[name]()
     size = SIZES[a.size]
-    calls = step_calls(build_model_args(size.flavor).n_layers)
+    calls = step_calls(model_args(a.size).n_layers)
     print(f"{torch.cuda.get_device_name()}, power limit {nvml.power_limit_w():.0f} W, size {a.size} "
           f"({size.batch} x {size.seq_len})", flush=True)  # fmt: skip
     print(f"idle: {idle_power(nvml, a.seconds):.1f} W", flush=True)

@@ -70,19 +70,25 @@ def gpu_ms(fn, iters: int) -> float:
     return sorted(rounds)[1]
 
 
+def model_with_gradients(flavor: str, device: torch.device, gen: torch.Generator):
+    """(model, trainable parameters) of the flavor on `device`, weights ~ N(0, 0.02) and random gradients (1e-3)."""
+    model = build_model_on_meta(build_model_args(flavor))
+    model.to_empty(device=device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0.0, 0.02, generator=gen)
+            p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
+    return model, params
+
+
 def main(argv=None) -> list[dict]:
     a = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_optimizer.py times GPU kernels: run it on a CUDA machine (bash .gpu/setup.sh first)")
     dev = torch.device("cuda")
-    model = build_model_on_meta(build_model_args(a.flavor))
-    model.to_empty(device=dev)
-    params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for p in params:
-            p.normal_(0.0, 0.02, generator=gen)
-            p.grad = torch.randn(p.shape, device=dev, generator=gen) * 1e-3
+    model, params = model_with_gradients(a.flavor, dev, gen)
     n = sum(p.numel() for p in params)
     opt = build_optimizer([model], Optimizer(implementation="fused"), "cuda")  # torch's ("auto" is ours on CUDA)
     opt_triton = build_optimizer([model], Optimizer(implementation="triton"), "cuda")
