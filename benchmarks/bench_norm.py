@@ -89,14 +89,17 @@ def run(shape_name: str, sides=("ours", "mamba_ssm"), eps: float = 1e-5, nbg: bo
 
 # --tune: our kernels' launch shapes (gated_rmsnorm_triton's module constants) tried one set at a time.
 TUNE = [
-    dict(_BWD_PROGRAMS_PER_SM=1, _BWD_ELEMS_PER_THREAD=8, _BWD_STAGES=None, _FWD_ELEMS_PER_THREAD=8),
+    dict(
+        _BWD_PROGRAMS_PER_SM=1, _BWD_ELEMS_PER_THREAD=16, _BWD_STAGES=None, _FWD_ELEMS_PER_THREAD=8, _FAST_SIGMOID=True
+    ),
+    dict(_FAST_SIGMOID=False),  # the sigmoid's reciprocal as a division (before session 38)
     dict(_BWD_STAGES=2),
     dict(_BWD_STAGES=3),
     dict(_BWD_STAGES=4),
     dict(_BWD_PROGRAMS_PER_SM=2),
     dict(_BWD_PROGRAMS_PER_SM=4),
-    dict(_BWD_ELEMS_PER_THREAD=4, _FWD_ELEMS_PER_THREAD=4),
-    dict(_BWD_ELEMS_PER_THREAD=16, _FWD_ELEMS_PER_THREAD=16),
+    dict(_BWD_ELEMS_PER_THREAD=8, _FWD_ELEMS_PER_THREAD=8),
+    dict(_BWD_ELEMS_PER_THREAD=32, _FWD_ELEMS_PER_THREAD=32),
 ]
 
 

@@ -1126,3 +1126,14 @@ def test_model_option_keeps_states_in_the_kernels_config(monkeypatch):
                     call()
                 seen.append(e.value.args[0])
     assert seen == [False] * 4 + [True] * 4
+
+
+def test_conv_forward_refuses_a_tile_that_is_not_groups_of_four(monkeypatch):
+    """The conv forward computes its tile as groups of four positions: a tuned _FWD_BLOCK_L that is no multiple of 4
+    is refused before any launch, by name."""
+    from models.kernels import conv_triton
+
+    monkeypatch.setattr(conv_triton, "_FWD_BLOCK_L", 30)
+    x = torch.zeros(1, 8, 16).transpose(1, 2)  # [B, D, L] = [1, 16, 8], channels contiguous
+    with pytest.raises(ValueError, match="_FWD_BLOCK_L must be a multiple of 4"):
+        conv_triton.conv_forward_triton(x, torch.zeros(16, 4), None, None, True)

@@ -30,44 +30,16 @@ Imports triton at import time: import this module lazily.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from models.kernels.fast_launch import cdiv, fast_launch
+from models.kernels.fast_math import fast_on_this_backend, sigmoid
 
 __all__ = ["causal_conv1d_triton", "conv_forward_triton", "conv_backward_triton", "MAX_WIDTH"]
 
 MAX_WIDTH = 4  # causal_conv1d's widths are 2 to 4; the kernels run a narrower conv as width 4 with leading 0 taps
-
-
-@triton.jit
-def _exp2(x, FAST: tl.constexpr):
-    """2^x in float32: on the GPU with FAST one MUFU.EX2 (ex2.approx.ftz: denormal results flushed to 0, which only a
-    sigmoid's tails see), else tl.exp2 (whose PTX adds a range check and two multiplies around the same MUFU)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    return tl.exp2(x)
-
-
-@triton.jit
-def _rcp(x, FAST: tl.constexpr):
-    """1 / x in float32: with FAST one MUFU.RCP (rcp.approx.ftz, 1 ulp), else a division (IEEE rounding)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    return 1.0 / x
-
-
-@triton.jit
-def _sigmoid(x, FAST: tl.constexpr):
-    """1 / (1 + e^-x), float32; the same formula either way (FAST: the approximate MUFU instructions)."""
-    return _rcp(1.0 + _exp2(x * -1.4426950408889634, FAST), FAST)
 
 
 @triton.jit
@@ -91,15 +63,6 @@ def _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS: tl.
     w2 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 2, W)
     w3 = _weight(w_ptr, offs_d, mask_d, s_w_d, s_w_k, 3, W)
     return bias, w0, w1, w2, w3
-
-
-@triton.jit
-def _rows(base, offs_t, offs_d, mask_d, L, s_l):
-    """Rows offs_t (0 outside [0, L)) of a channel-last [L, D] tensor as float32 [BLOCK_L, BLOCK_D]."""
-    ok = (offs_t >= 0) & (offs_t < L)
-    return tl.load(base + offs_t[:, None] * s_l + offs_d[None, :], mask=ok[:, None] & mask_d[None, :], other=0.0).to(
-        tl.float32
-    )
 
 
 @triton.jit
@@ -128,12 +91,59 @@ def _pre(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, HAS_SEQ: tl.const
     return pre
 
 
+@triton.jit
+def _rows(base, offs_t, offs_d, mask_d, L, s_l):
+    """Rows offs_t (0 outside [0, L)) of a channel-last [L, D] tensor as [len(offs_t), BLOCK_D] in its dtype."""
+    ok = (offs_t >= 0) & (offs_t < L)
+    return tl.load(base + offs_t[:, None] * s_l + offs_d[None, :], mask=ok[:, None] & mask_d[None, :], other=0.0)
+
+
+@triton.jit
+def _group_row(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, out_b, t_G, offs_d, mask_d, L, s_o_l,
+               MASKED: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """One output row of each group (positions t_G): the taps xa ... xd (x at t_G - 3 ... t_G), stored."""
+    pre = _pre(bias, w0, w1, w2, w3, xa, xb, xc, xd, sa, sb, sc, sd, MASKED)
+    if SILU:
+        pre = pre * sigmoid(pre, FAST)
+    out = out_b + t_G[:, None] * s_o_l + offs_d[None, :]
+    tl.store(out, pre.to(out_b.dtype.element_ty), mask=(t_G < L)[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d, L, s_o_l, bias, w0, w1, w2, w3,
+                MASKED: tl.constexpr, SILU: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """The four output rows t_G + 0 ... 3 of each group from the seven x rows t_G - 3 ... t_G + 3 (as loaded),
+    each converted once; the taps tested for their documents when MASKED."""
+    xm3, xm2, xm1, x0 = xm3.to(tl.float32), xm2.to(tl.float32), xm1.to(tl.float32), x0.to(tl.float32)
+    x1, x2, x3 = x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+    sm3 = _ids(seq_b, t_G - 3, L, MASKED)
+    sm2 = _ids(seq_b, t_G - 2, L, MASKED)
+    sm1 = _ids(seq_b, t_G - 1, L, MASKED)
+    s0 = _ids(seq_b, t_G, L, MASKED)
+    s1 = _ids(seq_b, t_G + 1, L, MASKED)
+    s2 = _ids(seq_b, t_G + 2, L, MASKED)
+    s3 = _ids(seq_b, t_G + 3, L, MASKED)
+    _group_row(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, out_b, t_G, offs_d, mask_d, L, s_o_l,
+               MASKED, SILU, FAST)  # fmt: skip
+    _group_row(bias, w0, w1, w2, w3, xm2, xm1, x0, x1, sm2, sm1, s0, s1, out_b, t_G + 1, offs_d, mask_d, L, s_o_l,
+               MASKED, SILU, FAST)  # fmt: skip
+    _group_row(bias, w0, w1, w2, w3, xm1, x0, x1, x2, sm1, s0, s1, s2, out_b, t_G + 2, offs_d, mask_d, L, s_o_l,
+               MASKED, SILU, FAST)  # fmt: skip
+    _group_row(bias, w0, w1, w2, w3, x0, x1, x2, x3, s0, s1, s2, s3, out_b, t_G + 3, offs_d, mask_d, L, s_o_l,
+               MASKED, SILU, FAST)  # fmt: skip
+
+
 @fast_launch
 @triton.jit
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
                     FAST: tl.constexpr):  # fmt: skip
+    """BLOCK_L positions x BLOCK_D channels, as BLOCK_L / 4 groups of four consecutive positions: a group's four
+    output rows come from seven x rows (t - 3 ... t + 3), each loaded and converted once. (Before session 38 each
+    output row loaded its four taps: 4 loads and conversions per output element where this takes 1.75; sm_90 SASS
+    with documents 928 -> 712 instructions per program, H200 68 -> 62-64 mJ and 0.097 -> 0.091 ms per call at the
+    1.3B shape, docs/performance.md.)"""
     # CHANNELS_FASTEST: the programs running at once cover whole rows of x (every channel block of the same
     # positions), not one channel block of many positions (1.3B shape with documents: 0.118 against 0.127 ms, H100).
     if CHANNELS_FASTEST:
@@ -143,23 +153,18 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
         pid_l = tl.program_id(0)
         pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    t = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
     x_b = x_ptr + b * s_x_b
-    seq_b = seq_ptr + b * L
-    pre = _pre(
-        bias, w0, w1, w2, w3,
-        _rows(x_b, t - 3, offs_d, mask_d, L, s_x_l), _rows(x_b, t - 2, offs_d, mask_d, L, s_x_l),
-        _rows(x_b, t - 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t, offs_d, mask_d, L, s_x_l),
-        _ids(seq_b, t - 3, L, HAS_SEQ), _ids(seq_b, t - 2, L, HAS_SEQ), _ids(seq_b, t - 1, L, HAS_SEQ),
-        _ids(seq_b, t, L, HAS_SEQ), HAS_SEQ,
+    t_G = pid_l * BLOCK_L + 4 * tl.arange(0, BLOCK_L // 4)
+    _group_rows(
+        _rows(x_b, t_G - 3, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G - 2, offs_d, mask_d, L, s_x_l),
+        _rows(x_b, t_G - 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G, offs_d, mask_d, L, s_x_l),
+        _rows(x_b, t_G + 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G + 2, offs_d, mask_d, L, s_x_l),
+        _rows(x_b, t_G + 3, offs_d, mask_d, L, s_x_l), seq_ptr + b * L, out_ptr + b * s_o_b, t_G, offs_d, mask_d,
+        L, s_o_l, bias, w0, w1, w2, w3, HAS_SEQ, SILU, FAST,
     )  # fmt: skip
-    if SILU:
-        pre = pre * _sigmoid(pre, FAST)
-    out = out_ptr + b * s_o_b + t[:, None] * s_o_l + offs_d[None, :]
-    tl.store(out, pre.to(out_ptr.dtype.element_ty), mask=(t < L)[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -197,7 +202,7 @@ def _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy,
     pre = _pre(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, HAS_SEQ)
     g = dy.to(tl.float32)
     if SILU:
-        sig = _sigmoid(pre, FAST)
+        sig = sigmoid(pre, FAST)
         g = g * sig * (1.0 + pre * (1.0 - sig))
     return g
 
@@ -311,9 +316,10 @@ def _check(x_BDL: torch.Tensor, weight_DW: torch.Tensor, seq_idx_BL):
         raise ValueError(f"seq_idx must be int32 [{b}, {L}], got {seq_idx_BL.dtype} {tuple(seq_idx_BL.shape)}")
 
 
-# Tiles (positions x channels) and warps; benchmarks/bench_conv.py --tune times the alternatives. Forward: 128
-# channels x 32 positions (H100, session 17, with documents: 1.3B 0.127 ms against 0.142 with 64 x 64, 370M 0.070
-# against 0.080).
+# Tiles (positions x channels) and warps; benchmarks/bench_conv.py --tune times the alternatives. Forward (positions a
+# multiple of 4: groups of four): 128 channels x 32 positions (H100, session 17, with documents: 1.3B 0.127 ms against
+# 0.142 with 64 x 64, 370M 0.070 against 0.080; H200, session 37, in joules: 68.5 mJ against 69.8-125.4 for six
+# other tiles).
 _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
@@ -344,13 +350,17 @@ _FAST_SIGMOID = True
 
 
 def _fast() -> bool:
-    return _FAST_SIGMOID and os.environ.get("TRITON_INTERPRET") != "1"
+    return _FAST_SIGMOID and fast_on_this_backend()
 
 
 def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> torch.Tensor:
     """[B, D, L] (channels contiguous) -> [B, D, L] in x's dtype over a dense [B, L, D] buffer; no autograd."""
     _check(x_BDL, weight_DW, seq_idx_BL)
     b, d, L = x_BDL.shape
+    if _FWD_BLOCK_L % 4:
+        raise ValueError(
+            f"conv_triton._FWD_BLOCK_L must be a multiple of 4 (groups of four positions), got {_FWD_BLOCK_L}"
+        )
     out_BLD = torch.empty(b, L, d, device=x_BDL.device, dtype=x_BDL.dtype)
     grid = (cdiv(L, _FWD_BLOCK_L), cdiv(d, _FWD_BLOCK_D), b)
     conv_fwd_kernel[(grid[1], grid[0], b) if _FWD_CHANNELS_FASTEST else grid](

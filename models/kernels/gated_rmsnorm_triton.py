@@ -25,24 +25,32 @@ import triton.language as tl
 
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+from models.kernels.fast_math import fast_on_this_backend, sigmoid
 
 __all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton", "rmsnorm_gated_blocks_triton"]
 
 # Launch shapes (bench_norm.py --tune times others): backward programs per SM (1 beat 2, 4 and 8 on an H100: 0.292
 # against 0.302+ ms at the 1.3B shape), elements of a row per thread (num_warps follows from the block, at most 16;
-# 4, 8 and 16 within 1%), rows in flight per program (the loop's software-pipelining stages; None: from the row's
-# bytes, _utils.rows_in_flight); the forward's elements per thread.
+# 4, 8 and 16 within 1% in time), rows in flight per program (the loop's software-pipelining stages; None: from the
+# row's bytes, _utils.rows_in_flight); the forward's elements per thread. In joules (H200, session 38, 1.3B shape,
+# with the fast sigmoid): backward 16 elements per thread 132.7 mJ per call against 135.4 with 8 (137.4 before the
+# fast sigmoid), 139.4 with 32 at 2 or 4 programs per SM; forward 8, 16, 32 within 1% (67.3, 67.5, 66.6; 68.4 before).
 _BWD_PROGRAMS_PER_SM = 1
-_BWD_ELEMS_PER_THREAD = 8
+_BWD_ELEMS_PER_THREAD = 16
 _BWD_STAGES: int | None = None
 _FWD_ELEMS_PER_THREAD = 8
+_FAST_SIGMOID = True  # the gate's sigmoid from the approximate MUFU instructions on the GPU (fast_math.py)
+
+
+def _fast() -> bool:
+    return _FAST_SIGMOID and fast_on_this_backend()
 
 
 @triton.jit
-def _sigmoid(z):
-    """1 / (1 + e^-z) through exp2 (fewer instructions than tl.sigmoid's exp on sm_90); forward and backward share
-    it, so the backward's recomputed output is the forward's, bit for bit."""
-    return 1.0 / (1.0 + tl.exp2(z * -1.4426950408889634))
+def _sigmoid(z, FAST: tl.constexpr):
+    """1 / (1 + e^-z) through exp2 (fast_math.py: with FAST one MUFU each for the exponential and the reciprocal);
+    forward and backward share it, so the backward's recomputed output is the forward's, bit for bit."""
+    return sigmoid(z, FAST)
 
 
 @triton.jit
@@ -62,8 +70,8 @@ def _y_cols(cols, stride_yk, Y_COLS: tl.constexpr):
 @fast_launch
 @triton.jit
 def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z, M, N, eps,
-                              NORM_BEFORE_GATE: tl.constexpr, Y_COLS: tl.constexpr,
-                              BLOCK: tl.constexpr):  # fmt: skip
+                              NORM_BEFORE_GATE: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
+                              FAST: tl.constexpr):  # fmt: skip
     """One (row, group): the group's N channels of y and z in, out and 1 / rms out."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
@@ -72,7 +80,7 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z,
     cols = group * N + offs
     y = tl.load(Y + row * stride_y + _y_cols(cols, stride_yk, Y_COLS), mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = z * _sigmoid(z)
+    gate = z * _sigmoid(z, FAST)
     x = y if NORM_BEFORE_GATE else y * gate
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     tl.store(RSTD + group * M + row, rstd)
@@ -86,7 +94,8 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z,
 @triton.jit
 def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_yk, stride_dyk,
                               stride_z, stride_dz, M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
-                              STAGES: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                              STAGES: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
+                              FAST: tl.constexpr):  # fmt: skip
     """Rows pid, pid + programs, ... of one group: with x the normalised input (y * silu(z), or y) and
     x_hat = x * rstd, dx = rstd (w g - x_hat mean(x_hat w g)) where g is out's gradient before the gate (dout, or
     dout * silu(z)); dy and dz from dx (or g) through the gate; this program's sum of g * x_hat to DW_PART."""
@@ -110,7 +119,7 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
         y = tl.load(Y + row * stride_y + y_cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + group * M + row)
-        sig = _sigmoid(z)
+        sig = _sigmoid(z, FAST)
         gate = z * sig
         # What stays live across the row's sum is kept small (x_hat, w g and, gate first, the two factors that turn
         # the sum's result into dy and dz): 16 float32 values per thread and array at the 1.3B width.
@@ -187,7 +196,7 @@ def gated_rmsnorm_fwd(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_be
     rstd = torch.empty(groups * M, device=y_MD.device, dtype=torch.float32)
     _gated_rmsnorm_fwd_kernel[(M, groups)](
         y_MD, z_MD, weight_D, out, rstd, stride_y, stride_yk, z_MD.stride(0), M, group_size, eps,
-        NORM_BEFORE_GATE=norm_before_gate, Y_COLS=y_cols, BLOCK=block,
+        NORM_BEFORE_GATE=norm_before_gate, Y_COLS=y_cols, BLOCK=block, FAST=_fast(),
         num_warps=min(max(block // (32 * _FWD_ELEMS_PER_THREAD), 1), 16),
     )  # fmt: skip
     return out, rstd
@@ -214,7 +223,7 @@ def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm
         dout_MD, y_MD, z_MD, weight_D, rstd, dy, dz_MD, out if recompute else dy, dw_part,
         dout_MD.stride(0), stride_y, stride_yk, M * y_cols, z_MD.stride(0), dz_MD.stride(0), M, group_size,
         NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, Y_COLS=y_cols, BLOCK=block,
-        num_warps=warps,
+        FAST=_fast(), num_warps=warps,
     )  # fmt: skip
     return dy, dw_part.sum(0).to(weight_D.dtype), out
 
