@@ -19,7 +19,12 @@ Families (the fused mixer's kernels as train.py runs them on CUDA; bf16; packed 
   lm_head_loss     lm_head + the fused cross-entropy, forward and backward
   optimizer        the gradient norm and our AdamW over the flavor's parameters
 and references that are not part of the step: mamba_ssm's SSD forward + backward at the same inputs (when
-installed), copy (1 GiB read and written by an element-wise kernel: HBM at full speed) and idle. Every family runs
+installed), copy (1 GiB read and written by an element-wise kernel: HBM at full speed) and idle.
+
+--ssd_stages splits our SSD's forward + backward by kernel instead: the whole is measured with one kernel launched
+twice at each of its calls, in turn, and that kernel's ms and mJ per launch are the excess over the whole measured
+alone (the mean of baselines taken between them). The chained kernels cannot run twice in a row (NOT_DOUBLED): what
+they and torch's own small ops cost is the rest, the whole minus the kernels measured. Every family runs
 as CUDA-graph replays of 5 calls where it can be captured (graphed): the host's Python then costs nothing, as in a
 step whose host runs ahead of the GPU (an eagerly launched family whose host is the slower side would count idle
 time as its own).
@@ -29,6 +34,8 @@ Needs NVML (`pynvml`, from nvidia-ml-py, which the GPU machines have).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import sys
@@ -49,10 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--size", default="1.3b", help=f"one of {', '.join(SIZES)} (compare_mamba_ssm.py's batch)")
     ap.add_argument("--seconds", type=float, default=1.5, help="measured window per family, after a 1 s warm-up")
     ap.add_argument("--families", default="", help="comma-separated subset of the families (default: all)")
+    ap.add_argument("--ssd_stages", action="store_true", help="our SSD forward + backward kernel by kernel instead")
     ap.add_argument("--out", default="", help="write the rows and totals as JSON here")
     a = ap.parse_args(argv)
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
+    if a.ssd_stages and a.families:
+        ap.error("--ssd_stages measures the SSD kernel by kernel: leave --families out")
     return a
 
 
@@ -290,6 +300,73 @@ def idle_power(nvml: _Nvml, seconds: float) -> float:
     return (nvml.energy_mj() - e0) / (time.time() - t0) / 1e3
 
 
+# Kernels that cannot be launched twice in a row: their programs take tickets from a counter and wait on chain
+# counters (ssd_triton/chained_states.py) that the launcher zeroes once per call, so a second launch would wait forever.
+NOT_DOUBLED = frozenset(("chained_states_fwd_kernel", "chained_dstates_bwd_kernel"))
+
+
+@contextlib.contextmanager
+def kernel_launches(counts: collections.Counter, double: str | None = None):
+    """Counts the launches of our Triton kernels by name into `counts` (every SSD kernel launches through
+    fast_launch.FastLaunch, on the GPU and under the interpreter alike), and launches kernel `double` twice each
+    time. A CUDA graph captured inside keeps the doubled launches."""
+    if double in NOT_DOUBLED:
+        raise ValueError(f"{double} cannot be launched twice in a row (NOT_DOUBLED)")
+    from models.kernels.fast_launch import FastLaunch
+
+    original = FastLaunch.launch
+
+    def launch(self, grid, args, kwargs):
+        name = self.kernel.fn.__name__
+        counts[name] += 1
+        original(self, grid, args, kwargs)
+        if name == double:
+            original(self, grid, args, kwargs)
+
+    FastLaunch.launch = launch
+    try:
+        yield counts
+    finally:
+        FastLaunch.launch = original
+
+
+def stage_table(baselines: list[dict], doubled: dict[str, dict], launches: dict[str, int]) -> list[dict]:
+    """Per kernel measured doubled: launches per call of the whole, and per launch its ms, mJ and mean W (the excess
+    of the doubled whole over the baselines' mean, divided by its launches); then "rest": the whole's mean minus
+    every measured kernel's share (the kernels not doubled and torch's own ops), and "whole"."""
+    base_ms = sum(r["ms"] for r in baselines) / len(baselines)
+    base_mj = sum(r["mj_per_call"] for r in baselines) / len(baselines)
+    rows, ms_left, mj_left = [], base_ms, base_mj
+    for name, r in doubled.items():
+        n = launches[name]
+        ms, mj = (r["ms"] - base_ms) / n, (r["mj_per_call"] - base_mj) / n
+        rows.append(dict(kernel=name, launches=n, ms=ms, mj=mj, watts=mj / ms if ms > 0 else float("nan")))
+        ms_left, mj_left = ms_left - n * ms, mj_left - n * mj
+    rest = sorted(set(launches) - set(doubled))
+    rows.append(dict(kernel="rest: " + (", ".join(rest) or "torch ops"), launches=1, ms=ms_left, mj=mj_left,
+                     watts=mj_left / ms_left if ms_left > 0 else float("nan")))  # fmt: skip
+    spread = max(r["mj_per_call"] for r in baselines) - min(r["mj_per_call"] for r in baselines)
+    rows.append(dict(kernel="whole", launches=1, ms=base_ms, mj=base_mj, watts=base_mj / base_ms, mj_spread=spread))
+    return rows
+
+
+def ssd_stages(step, nvml: _Nvml, seconds: float) -> list[dict]:
+    """stage_table of our SSD's forward + backward (`step`): a baseline, then each kernel doubled in turn with a
+    baseline after every fourth, and a last baseline."""
+    launches = collections.Counter()
+    step()  # compiled before counting
+    with kernel_launches(launches):
+        step()
+    baselines, doubled = [measure(step, nvml, seconds)], {}
+    for i, name in enumerate(n for n in launches if n not in NOT_DOUBLED):
+        with kernel_launches(collections.Counter(), double=name):
+            doubled[name] = measure(step, nvml, seconds)
+        if i % 4 == 3:
+            baselines.append(measure(step, nvml, seconds))
+    baselines.append(measure(step, nvml, seconds))
+    return stage_table(baselines, doubled, dict(launches))
+
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     if not torch.cuda.is_available():
@@ -301,9 +378,21 @@ def main(argv=None) -> dict:
     unknown = sorted(set(wanted) - set(fams))
     if unknown:
         raise SystemExit(f"unknown --families {unknown}; choose from {list(fams)}")
+    size = SIZES[a.size]
+    if a.ssd_stages:
+        print(f"{torch.cuda.get_device_name()}, power limit {nvml.power_limit_w():.0f} W, our SSD forward + backward "
+              f"at size {a.size} ({size.batch} x {size.seq_len}), kernel by kernel", flush=True)  # fmt: skip
+        rows = ssd_stages(fams["ssd_fwd_bwd"], nvml, a.seconds)
+        for r in rows:
+            print(f"{r['kernel']:40s} x{r['launches']}  {r['ms']:7.4f} ms {r['mj']:8.1f} mJ {r['watts']:6.0f} W")
+        print(f"(baselines' spread: {rows[-1]['mj_spread']:.1f} mJ)")
+        result = dict(device=torch.cuda.get_device_name(), size=a.size, ssd_stages=rows)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     for name in wanted:  # compiled and autotuned before anything is measured
         fams[name]()
-    size = SIZES[a.size]
     calls = step_calls(model_args(a.size).n_layers)
     print(f"{torch.cuda.get_device_name()}, power limit {nvml.power_limit_w():.0f} W, size {a.size} "
           f"({size.batch} x {size.seq_len})", flush=True)  # fmt: skip

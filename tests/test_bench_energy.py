@@ -3,13 +3,16 @@ wiring at the debug size under Triton's interpreter (the GPU run is the one that
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
 from benchmarks import bench_energy as be
 from tests.interpreter_child import child_results, run_checks
 
-# The SSD's wiring is bench_ssd.fwd_bwd_fn's (tests/test_ssd_triton.py runs the kernels); the optimizer is CUDA-only.
+# The SSD's wiring is bench_ssd.fwd_bwd_fn's (tests/test_ssd_triton.py runs the kernels; the child runs it once, for
+# --ssd_stages' launch counting); the optimizer is CUDA-only.
 _CPU_SKIPPED = ("ssd_fwd_bwd", "optimizer")
 
 
@@ -38,9 +41,25 @@ def test_step_totals_add_the_families_energy_and_divide_by_the_power_limit():
     assert t["missing"] == ["c"]
 
 
+def test_stage_table_shares_the_whole_by_the_doubled_kernels():
+    baselines = [dict(ms=1.0, mj_per_call=700.0), dict(ms=1.2, mj_per_call=720.0)]  # mean 1.1 ms, 710 mJ
+    doubled = dict(a=dict(ms=1.3, mj_per_call=850.0), b=dict(ms=1.5, mj_per_call=910.0))
+    rows = {r["kernel"]: r for r in be.stage_table(baselines, doubled, dict(a=1, b=2, chained_x=1))}
+    assert (rows["a"]["ms"], rows["a"]["mj"], rows["a"]["watts"]) == pytest.approx((0.2, 140.0, 700.0))
+    assert (rows["b"]["launches"], rows["b"]["ms"], rows["b"]["mj"]) == (2, pytest.approx(0.2), pytest.approx(100.0))
+    rest = rows["rest: chained_x"]  # what was not doubled: the whole minus a once and b twice
+    assert (rest["ms"], rest["mj"]) == pytest.approx((0.5, 370.0))
+    assert (rows["whole"]["ms"], rows["whole"]["mj"], rows["whole"]["mj_spread"]) == pytest.approx((1.1, 710.0, 20.0))
+
+
 def test_refusals_before_any_work():
     with pytest.raises(SystemExit):
         be.parse_args(["--size", "7b"])
+    with pytest.raises(SystemExit):
+        be.parse_args(["--ssd_stages", "--families", "copy"])
+    with pytest.raises(ValueError, match="NOT_DOUBLED"):
+        with be.kernel_launches(collections.Counter(), double="chained_states_fwd_kernel"):
+            pass
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             be.main(["--size", "debug"])
@@ -50,16 +69,30 @@ def _ran(fn) -> None:
     fn()  # its outputs are tensors, which the child's JSON report does not carry
 
 
+def _ssd_launches_counted_and_doubled(ssd_step) -> dict:
+    """--ssd_stages' wiring: every SSD kernel's launches counted by name, and a doubled kernel launched twice per call
+    (the outer count sees each launch the inner one makes)."""
+    outer, inner = collections.Counter(), collections.Counter()
+    with be.kernel_launches(outer), be.kernel_launches(inner, double="chunk_scan_bwd_dx_kernel"):
+        ssd_step()
+    assert {"chunk_scan_fwd_kernel", "chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dcb_kernel"} <= set(inner), inner
+    assert outer["chunk_scan_bwd_dx_kernel"] == 2 * inner["chunk_scan_bwd_dx_kernel"] == 2
+    assert all(outer[k] == n for k, n in inner.items() if k != "chunk_scan_bwd_dx_kernel")
+    return dict(inner)
+
+
 def child():
     fams = be.families("debug", torch.device("cpu"))
     assert fams["optimizer"] is None
-    run_checks({name: (lambda fn=fn: _ran(fn)) for name, fn in fams.items() if name not in _CPU_SKIPPED})
+    checks = {name: (lambda fn=fn: _ran(fn)) for name, fn in fams.items() if name not in _CPU_SKIPPED}
+    checks["ssd_stages"] = lambda: _ssd_launches_counted_and_doubled(fams["ssd_fwd_bwd"])
+    run_checks(checks)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU's stand-in for the GPU run")
 def test_every_family_runs_at_the_debug_size_under_the_interpreter():
     results = child_results("tests.test_bench_energy")
     step_families = set(be.step_calls(1)) - set(_CPU_SKIPPED)
-    assert set(results) - {"ssd_fwd_bwd_mamba_ssm"} == step_families | {"copy"}
+    assert set(results) - {"ssd_fwd_bwd_mamba_ssm"} == step_families | {"copy", "ssd_stages"}
     failed = {name: r["out"] for name, r in results.items() if not r["ok"]}
     assert not failed, failed
