@@ -386,11 +386,7 @@ def main(argv=None) -> dict:
         for r in rows:
             print(f"{r['kernel']:40s} x{r['launches']}  {r['ms']:7.4f} ms {r['mj']:8.1f} mJ {r['watts']:6.0f} W")
         print(f"(baselines' spread: {rows[-1]['mj_spread']:.1f} mJ)")
-        result = dict(device=torch.cuda.get_device_name(), size=a.size, ssd_stages=rows)
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(result, f, indent=1)
-        return result
+        return _written(dict(device=torch.cuda.get_device_name(), size=a.size, ssd_stages=rows), a.out)
     for name in wanted:  # compiled and autotuned before anything is measured
         fams[name]()
     calls = step_calls(model_args(a.size).n_layers)
@@ -410,9 +406,13 @@ def main(argv=None) -> dict:
           if totals["missing"] else ""))  # fmt: skip
     for name, j in sorted(totals["joules_by_family"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {j:7.2f} J ({100 * j / totals['joules']:4.1f}%)")
-    result = dict(device=torch.cuda.get_device_name(), size=a.size, rows=rows, totals=totals)
-    if a.out:
-        with open(a.out, "w") as f:
+    return _written(dict(device=torch.cuda.get_device_name(), size=a.size, rows=rows, totals=totals), a.out)
+
+
+def _written(result: dict, path: str) -> dict:
+    """result, also written to `path` as JSON when one is given (--out)."""
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
     return result
 

@@ -29,6 +29,12 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+def warps_for_row(block: int, elems_per_thread: int) -> int:
+    """Warps of a program that spreads a row block of `block` elements over its threads, `elems_per_thread` each
+    (1 to 16): the norms' launch shape."""
+    return min(max(block // (32 * elems_per_thread), 1), 16)
+
+
 def rows_in_flight(row_bytes: int, fixed: int | None = None) -> int:
     """Software-pipelining stages of a loop over rows that loads `row_bytes` per row (the norms' backwards): `fixed`
     where given (a module's tuning override), else about 72 KB in flight, 2 to 4 rows (H100, gated norm: 3 at the

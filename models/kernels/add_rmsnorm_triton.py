@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels._utils import no_autocast, rows_in_flight, sm_count
+from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
 from models.kernels.fast_launch import fast_launch, next_power_of_2
 
 __all__ = ["add_rmsnorm_triton"]
@@ -92,10 +92,6 @@ _FWD_ELEMS_PER_THREAD = 16
 _BWD_ELEMS_PER_THREAD = 16
 
 
-def _warps(block: int, elems_per_thread: int) -> int:
-    return min(max(block // (32 * elems_per_thread), 1), 16)
-
-
 def _backward_programs(M: int, device: torch.device) -> int:
     """Programs of the backward (each sums its rows' weight gradient), never more than rows."""
     return max(1, min(M, _BWD_PROGRAMS_PER_SM * sm_count(device)))
@@ -116,7 +112,7 @@ class _AddRMSNorm(torch.autograd.Function):
         _add_rmsnorm_fwd_kernel[(M,)](
             x2, res2 if res2 is not None else x2, weight, y, s, rstd,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, D, eps,
-            HAS_RES=res2 is not None, BLOCK=block, num_warps=_warps(block, _FWD_ELEMS_PER_THREAD),
+            HAS_RES=res2 is not None, BLOCK=block, num_warps=warps_for_row(block, _FWD_ELEMS_PER_THREAD),
         )  # fmt: skip
         ctx.save_for_backward(s, weight, rstd)
         ctx.has_res, ctx.x_dtype, ctx.shape = residual is not None, x.dtype, shape
@@ -139,7 +135,7 @@ class _AddRMSNorm(torch.autograd.Function):
             dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
             dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D,
             HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block, STAGES=stages,
-            num_warps=_warps(block, _BWD_ELEMS_PER_THREAD),
+            num_warps=warps_for_row(block, _BWD_ELEMS_PER_THREAD),
         )  # fmt: skip
         dw = dw_part.sum(0).to(weight.dtype)
         return dx.view(ctx.shape), None if dres is None else dres.view(ctx.shape), dw, None, None

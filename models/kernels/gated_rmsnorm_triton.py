@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.kernels._utils import no_autocast, rows_in_flight, sm_count
+from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.fast_math import fast_on_this_backend, sigmoid
 
@@ -44,13 +44,6 @@ _FAST_SIGMOID = True  # the gate's sigmoid from the approximate MUFU instruction
 
 def _fast() -> bool:
     return _FAST_SIGMOID and fast_on_this_backend()
-
-
-@triton.jit
-def _sigmoid(z, FAST: tl.constexpr):
-    """1 / (1 + e^-z) through exp2 (fast_math.py: with FAST one MUFU each for the exponential and the reciprocal);
-    forward and backward share it, so the backward's recomputed output is the forward's, bit for bit."""
-    return sigmoid(z, FAST)
 
 
 @triton.jit
@@ -80,7 +73,7 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z,
     cols = group * N + offs
     y = tl.load(Y + row * stride_y + _y_cols(cols, stride_yk, Y_COLS), mask=mask, other=0.0).to(tl.float32)
     z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = z * _sigmoid(z, FAST)
+    gate = z * sigmoid(z, FAST)  # the backward's recomputed output needs the same sigmoid: fast_math's
     x = y if NORM_BEFORE_GATE else y * gate
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     tl.store(RSTD + group * M + row, rstd)
@@ -119,7 +112,7 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
         y = tl.load(Y + row * stride_y + y_cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + group * M + row)
-        sig = _sigmoid(z, FAST)
+        sig = sigmoid(z, FAST)
         gate = z * sig
         # What stays live across the row's sum is kept small (x_hat, w g and, gate first, the two factors that turn
         # the sum's result into dy and dz): 16 float32 values per thread and array at the 1.3B width.
@@ -155,7 +148,7 @@ def _launch_shape(M: int, D: int, group_size: int, elem_size: int, device: torch
     if block > 65536 // elem_size:
         raise ValueError(f"gated RMSNorm: a group of {group_size} channels does not fit one program (64 KB)")
     groups = D // group_size
-    warps = min(max(block // (32 * _BWD_ELEMS_PER_THREAD), 1), 16)
+    warps = warps_for_row(block, _BWD_ELEMS_PER_THREAD)
     programs = max(1, min(M, cdiv(_BWD_PROGRAMS_PER_SM * sm_count(device), groups)))
     return groups, block, warps, programs
 
@@ -197,7 +190,7 @@ def gated_rmsnorm_fwd(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_be
     _gated_rmsnorm_fwd_kernel[(M, groups)](
         y_MD, z_MD, weight_D, out, rstd, stride_y, stride_yk, z_MD.stride(0), M, group_size, eps,
         NORM_BEFORE_GATE=norm_before_gate, Y_COLS=y_cols, BLOCK=block, FAST=_fast(),
-        num_warps=min(max(block // (32 * _FWD_ELEMS_PER_THREAD), 1), 16),
+        num_warps=warps_for_row(block, _FWD_ELEMS_PER_THREAD),
     )  # fmt: skip
     return out, rstd
 
