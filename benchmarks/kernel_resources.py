@@ -1,10 +1,11 @@
-"""Compile our Triton SSD and conv kernels for Hopper (sm_90) on any machine, GPU or not, and print what ptxas made of
-them.
+"""Compile our Triton SSD, conv and optimizer kernels for Hopper (sm_90) on any machine, GPU or not, and print what
+ptxas made of them.
 
     python3 benchmarks/kernel_resources.py                 # the default tiles at the 1.3B shape (bf16)
     python3 benchmarks/kernel_resources.py --set dx_m=32   # other tiles (BlockConfig fields)
     python3 benchmarks/kernel_resources.py --kernels conv_bwd --loops   # one kernel's loops, instruction by kind
     python3 benchmarks/kernel_resources.py --kernels dx --converts      # its layout conversions (via shared memory)
+    python3 benchmarks/kernel_resources.py --kernels adamw --loops      # the optimizer's instructions ("kernel")
 
 Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
 the widths of the plain global loads; with --loops, per loop of the machine code (nvdisasm: a branch back to an
@@ -128,9 +129,13 @@ def compile_sm90(
             sig[n] = "constexpr"
             constexprs[(i,)] = consts.get(n, 1)
         else:
-            sig[n] = ptr_types.get(n, "*fp32") if n.endswith("_ptr") else "i32"
+            # ptr_types names any argument's type (the optimizer's tables and float scalars too); else *_ptr is a
+            # float32 pointer and the rest int32
+            sig[n] = ptr_types.get(n, "*fp32" if n.endswith("_ptr") else "i32")
     attrs = {
-        (i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n] != "constexpr" and n not in UNALIGNED
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if sig[n] not in ("constexpr", "fp32") and n not in UNALIGNED
     }
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
@@ -351,6 +356,26 @@ def conv_kernels(has_seq: bool):
     yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, 1
 
 
+def optimizer_kernels():
+    """(name, kernel, argument types, constexprs, warps, stages) of the optimizer's kernels (components/adamw_triton.py,
+    components/sumsq_triton.py) at their modules' blocks: float32 weights and moments, aligned, bf16 weight copies,
+    no grad_scale (the trainer's clipping divides by a scale only when it clips)."""
+    import triton.language as tl
+
+    from components import adamw_triton, sumsq_triton
+
+    i64, f32 = "*i64", "fp32"
+    tables = dict(p_tab=i64, g_tab=i64, m_tab=i64, v_tab=i64, c_tab=i64, step_tab=i64, numel_ptr=i64)
+    adamw = dict(tables, blk_tensor_ptr="*i32", blk_start_ptr=i64, base16=BF16, base32="*fp32", lr=f32, beta1=f32)
+    adamw.update(beta2=f32, eps=f32, decay=f32)
+    copies = dict(HAS_SCALE=False, HAS_COPIES=True, COPY_DTYPE=tl.bfloat16, ALIGNED=True, FAST=True)
+    yield "adamw", adamw_triton._adamw_kernel, adamw, dict(copies, BLOCK=adamw_triton.BLOCK), adamw_triton.WARPS, 1
+    yield "adamw_step_scalars", adamw_triton._step_scalars_kernel, adamw, dict(BLOCK=1024), 4, 1
+    sumsq = dict(tab_ptr=i64, numel_ptr=i64, blk_tensor_ptr="*i32", blk_start_ptr=i64, base="*fp32")
+    sums = dict(BLOCK=sumsq_triton.BLOCK, ALIGNED=True)
+    yield "sumsq", sumsq_triton._sumsq_kernel, sumsq, sums, sumsq_triton.WARPS, 1
+
+
 # Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets.
 MAXNREG = {
     "chunk_scan_bwd_dx": "dx_maxnreg",
@@ -405,7 +430,11 @@ def main():
             )
         overrides[key] = _parse_value(value)
     cfg = dataclasses.replace(cfg, **overrides)
-    every = [*kernels(cfg, args.headdim, args.dstate, not args.no_seq), *conv_kernels(not args.no_seq)]
+    every = [
+        *kernels(cfg, args.headdim, args.dstate, not args.no_seq),
+        *conv_kernels(not args.no_seq),
+        *optimizer_kernels(),
+    ]
     for name, kernel, ptrs, consts, warps, stages in every:
         if not re.search(args.kernels, name):
             continue

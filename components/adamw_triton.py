@@ -18,6 +18,14 @@ every step, go to the device each step through pinned host buffers (a ring, so t
 With weight copies (optimizer.weight_copies), the same launch writes each updated weight's current bf16 copy
 (models/kernels/weight_copies.py), so that the next step's products need no cast kernels; the tables hold the
 copies' addresses too (0 for a weight without a current copy, which is then left alone).
+Per-tensor scalars: a first launch (_step_scalars_kernel, one lane per tensor) increments each tensor's step and
+writes its step size lr / (1 - beta1^step) and 1 / sqrt(1 - beta2^step) (float64 math, once per tensor), which the
+update kernel loads as two floats per program. Taken inside the update kernel, that float64 math (two exp, two log)
+ran once per program of 2048 elements, ~100 float64 instructions per thread: 56 sm_90 instructions per element in
+all, against 23.5 now (Triton 3.6, `benchmarks/kernel_resources.py --kernels adamw --loops`), with the
+reciprocal of the denominator from one MUFU (models/kernels/fast_math.py) and the bf16 copies stored 4 elements per
+thread, the float32 stores' layout (at 8 per thread, Triton 3.6 moved the three float32 results through shared
+memory to another layout first: 24 shared-memory instructions and 11 barriers per program).
 Imports triton at import time: import lazily (components/optimizer.py does).
 """
 
@@ -28,7 +36,7 @@ import triton
 import triton.language as tl
 
 from components.address_table import DeviceAddressTable, addresses
-from models.kernels import weight_copies
+from models.kernels import fast_math, weight_copies
 
 __all__ = ["TableAdamW"]
 
@@ -37,12 +45,13 @@ WARPS = 4
 
 
 @triton.jit
-def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, c_tab, numel_ptr, blk_tensor_ptr, blk_start_ptr, scale_ptr,
+def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, scal_ptr, c_tab, numel_ptr, blk_tensor_ptr, blk_start_ptr, scale_ptr,
                   skip_ptr, base32, base16, lr, beta1, beta2, eps, decay, HAS_SCALE: tl.constexpr,
                   HAS_COPIES: tl.constexpr, COPY_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr):  # fmt: skip
+                  ALIGNED: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """Program pid updates elements [start, start + BLOCK) of tensor blk_tensor[pid] (see the module docstring), and
-    with HAS_COPIES the tensor's 16-bit copy where c_tab holds one (address 0: none).
+    with HAS_COPIES the tensor's 16-bit copy where c_tab holds one (address 0: none). scal_ptr: the tensors' step
+    sizes and 1 / sqrt(1 - beta2^step), interleaved (_step_scalars_kernel).
     Each tensor is addressed as base32 (base16 for the copies: any tensor of that dtype) plus its element offset
     from it, not through a pointer made from its address: Triton knows nothing of such a pointer's alignment and
     loads it 4 bytes at a time, while from an aligned base and offsets that are multiples of 4 elements (ALIGNED:
@@ -65,27 +74,19 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, c_tab, numel_ptr, blk_te
         offs = start + tl.arange(0, BLOCK)
         mask = offs < numel
         p_ptr, g_ptr, m_ptr, v_ptr = base32 + p_off, base32 + g_off, base32 + m_off, base32 + v_off
-        step = tl.load(tl.load(step_tab + t).to(tl.pointer_type(tl.float32))) + 1.0  # incremented after this kernel
+        step_size, inv_sqrt_bc2 = tl.load(scal_ptr + 2 * t), tl.load(scal_ptr + 2 * t + 1)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        # One division per element (m / denom): the scalars' reciprocals are taken once per program. With three
+        # One reciprocal per element (of the denominator): the scalars' are taken once per program. With three
         # per-element divisions the kernel ran at half the speed (H100, session 21: 33.9 against 15.5 ms at 1.3B).
         if HAS_SCALE:
             g = g * (1.0 / tl.load(scale_ptr))
         p = p - lr * decay * p
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * g * g
-        # 1 - beta^step in float64 (scalars: free), then float32: no cancellation (beta2 0.999: 1 - beta2^step is
-        # ~1e-3, and a float32 power's last bit would be 1e-4 of it).
-        zero64 = tl.zeros((), dtype=tl.float64)  # + a float32 scalar (or the interpreter's Python float): float64
-        step64 = zero64 + step
-        bc1 = (1.0 - tl.exp(step64 * tl.log(zero64 + beta1))).to(tl.float32)
-        bc2 = (1.0 - tl.exp(step64 * tl.log(zero64 + beta2))).to(tl.float32)
-        step_size = lr / bc1
-        inv_sqrt_bc2 = 1.0 / tl.sqrt(bc2)
-        p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
+        p = p - step_size * m * fast_math.rcp(tl.sqrt(v) * inv_sqrt_bc2 + eps, FAST)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -94,17 +95,28 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, step_tab, c_tab, numel_ptr, blk_te
             if c_addr != 0:
                 c_off = (c_addr - base16.to(tl.int64, bitcast=True)) // 2
                 if ALIGNED:
-                    c_off = tl.multiple_of(c_off, 8)
+                    # 4, not the 8 that 16-byte alignment allows: 8-element stores would give the copy a layout of
+                    # its own and move p, m and v through shared memory to it (module docstring).
+                    c_off = tl.multiple_of(c_off, 4)
                 tl.store(base16 + c_off + offs, p.to(COPY_DTYPE), mask=mask)
 
 
 @triton.jit
-def _step_count_kernel(step_tab, n, skip_ptr, BLOCK: tl.constexpr):
-    """step += 1 for every tensor, unless found_inf is set (after _adamw_kernel, which read the old counts)."""
+def _step_scalars_kernel(step_tab, scal_ptr, n, skip_ptr, lr, beta1, beta2, BLOCK: tl.constexpr):
+    """Unless found_inf is set, per tensor i: step += 1, then scal[2 i] = lr / (1 - beta1^step) and scal[2 i + 1] =
+    1 / sqrt(1 - beta2^step), 1 - beta^step in float64 and then float32: no cancellation (beta2 0.999: 1 - beta2^step
+    is ~1e-3, and a float32 power's last bit would be 1e-4 of it)."""
     if tl.load(skip_ptr) == 0.0:
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ptrs = tl.load(step_tab + i, mask=i < n, other=0).to(tl.pointer_type(tl.float32))
-        tl.store(ptrs, tl.load(ptrs, mask=i < n) + 1.0, mask=i < n)
+        step = tl.load(ptrs, mask=i < n, other=0.0) + 1.0
+        tl.store(ptrs, step, mask=i < n)
+        zero64 = tl.zeros((BLOCK,), dtype=tl.float64)  # + a float32 (or the interpreter's Python float): float64
+        step64 = zero64 + step
+        bc1 = (1.0 - tl.exp(step64 * tl.log(zero64 + beta1))).to(tl.float32)
+        bc2 = (1.0 - tl.exp(step64 * tl.log(zero64 + beta2))).to(tl.float32)
+        tl.store(scal_ptr + 2 * i, lr / bc1, mask=i < n)
+        tl.store(scal_ptr + 2 * i + 1, 1.0 / tl.sqrt(bc2), mask=i < n)
 
 
 class _GroupTables:
@@ -134,6 +146,7 @@ class _GroupTables:
         self.base32 = params[0]  # _adamw_kernel addresses every tensor from one of these by its element offset
         self.base16 = torch.empty(8, device=dev, dtype=copies_dtype or torch.bfloat16)
         self.no_skip = torch.zeros((), device=dev, dtype=torch.float32)  # found_inf when none is given
+        self.scalars = torch.empty(2 * len(params), device=dev, dtype=torch.float32)  # _step_scalars_kernel's
 
 
 class TableAdamW:
@@ -167,12 +180,12 @@ class TableAdamW:
         skip = found_inf if found_inf is not None else tables.no_skip
         scale = grad_scale if grad_scale is not None else tables.no_skip  # any pointer: unused without HAS_SCALE
         p_tab, m_tab, v_tab, s_tab, c_tab = tables.tabs
+        n, lr = len(params), float(group["lr"])
+        _step_scalars_kernel[(triton.cdiv(n, 1024),)](s_tab, tables.scalars, n, skip, lr, beta1, beta2, BLOCK=1024)
         _adamw_kernel[(tables.n_blocks,)](
-            p_tab, g_tab, m_tab, v_tab, s_tab, c_tab, tables.numel, tables.blk_tensor, tables.blk_start, scale, skip,
-            tables.base32, tables.base16, float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"],
+            p_tab, g_tab, m_tab, v_tab, tables.scalars, c_tab, tables.numel, tables.blk_tensor, tables.blk_start,
+            scale, skip, tables.base32, tables.base16, lr, beta1, beta2, group["eps"], group["weight_decay"],
             HAS_SCALE=grad_scale is not None, HAS_COPIES=any(copy_addresses),
             COPY_DTYPE=tl.float16 if self.copies_dtype == torch.float16 else tl.bfloat16, BLOCK=BLOCK, ALIGNED=aligned,
-            num_warps=WARPS,
+            FAST=fast_math.fast_on_this_backend(), num_warps=WARPS,
         )  # fmt: skip
-        n = len(params)
-        _step_count_kernel[(triton.cdiv(n, 1024),)](s_tab, n, skip, BLOCK=1024)

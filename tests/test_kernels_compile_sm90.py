@@ -50,7 +50,7 @@ CHILD_MODULES = (
 # kernels launched with kernel[grid] rather than through fast_launch (the optimizer's, once per step)
 PLAIN_KERNELS = (
     ("components.adamw_triton", "_adamw_kernel"),
-    ("components.adamw_triton", "_step_count_kernel"),
+    ("components.adamw_triton", "_step_scalars_kernel"),
     ("components.sumsq_triton", "_sumsq_kernel"),
 )
 
