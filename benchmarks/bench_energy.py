@@ -57,8 +57,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=1.5, help="measured window per family, after a 1 s warm-up")
     ap.add_argument("--families", default="", help="comma-separated subset of the families (default: all)")
     ap.add_argument("--ssd_stages", action="store_true", help="our SSD forward + backward kernel by kernel instead")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="our SSD kernels' config field, as bench_ssd.py's --set (repeatable; e.g. overlap_dcb=True)",
+    )
     ap.add_argument("--out", default="", help="write the rows and totals as JSON here")
     a = ap.parse_args(argv)
+    from benchmarks.bench_ssd import _parse_sets
+
+    a.config_overrides = _parse_sets(ap, a.set)
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
     if a.ssd_stages and a.families:
@@ -373,6 +383,11 @@ def main(argv=None) -> dict:
         raise SystemExit("bench_energy.py measures GPU power: run it on a CUDA machine (bash .gpu/setup.sh first)")
     nvml = _Nvml()
     device = torch.device("cuda")
+    if a.config_overrides:
+        from benchmarks.bench_ssd import _patched_config
+
+        _patched_config(a.config_overrides)
+        print(f"our SSD kernels' config overrides: {a.config_overrides}", flush=True)
     fams = families(a.size, device)
     wanted = [f for f in a.families.split(",") if f] or list(fams)
     unknown = sorted(set(wanted) - set(fams))

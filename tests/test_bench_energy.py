@@ -57,6 +57,9 @@ def test_refusals_before_any_work():
         be.parse_args(["--size", "7b"])
     with pytest.raises(SystemExit):
         be.parse_args(["--ssd_stages", "--families", "copy"])
+    with pytest.raises(SystemExit):
+        be.parse_args(["--set", "overlap_dbc=True"])  # a misspelt config field
+    assert be.parse_args(["--set", "overlap_dcb=True"]).config_overrides == {"overlap_dcb": True}
     with pytest.raises(ValueError, match="NOT_DOUBLED"):
         with be.kernel_launches(collections.Counter(), double="chained_states_fwd_kernel"):
             pass

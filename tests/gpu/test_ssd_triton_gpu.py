@@ -172,6 +172,28 @@ def test_kept_states_match_recomputed(chunk_size, variant):
     assert not worse, f"kept states' error over the default path's (kept, default): {worse}; all: {errs}"
 
 
+@pytest.mark.parametrize("keep_states", (True, False))
+def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
+    """config overlap_dcb (dCB on a second stream beside the chained dstates, dx and dB, joined before bc_finish):
+    every output and gradient bit for bit the one-stream path's, with documents and initial and final states, with
+    kept and recomputed states (the fork comes after the states' recompute). (Under a CUDA graph capture: the
+    trainer's graph tests, tests/gpu/test_cuda_graph_gpu.py, once the option is on by default.)"""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd as ssd_autograd
+
+    gen = torch.Generator().manual_seed(11)
+    b, L, H, P, N = 2, 768, 8, 64, 128
+    tensors = make(torch.bfloat16, b, L, H, P, N, 1, "seq_init_final", gen)
+    fn = functools.partial(ssd_chunk_scan_triton, keep_states=keep_states)
+    one_stream = run_all(fn, tensors, 256)
+    plain = ssd_autograd.block_config
+    monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=True))
+    two_streams = run_all(fn, tensors, 256)
+    assert ssd_autograd._side_stream.cache_info().currsize == 1, "the option did not reach the backward"
+    assert all(torch.equal(one_stream[k], two_streams[k]) for k in one_stream), "a second stream changed a result"
+
+
 def split_path_inputs(seed, b, L, P, G, dtype, with_init=False, H=8, N=64, d_model=256):
     """The fused mixer's tensors (zxbcdt, conv, dt, A, D, norm, out_proj; initial states last when asked), on the GPU,
     and the draw function r(*shape, dt=dtype, scale=1.0) for more from the same generator."""

@@ -50,6 +50,12 @@ from models.kernels.ssd_triton.state_passing import staged_dstates
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
 
 
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream dCB runs on with config overlap_dcb (one per device, made once)."""
+    return torch.cuda.Stream(device)
+
+
 def _ssd_bwd(
     dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None, S_kept=None
 ):
@@ -63,6 +69,7 @@ def _ssd_bwd(
     dev = x.device
     has_seq = seq is not None
     seq_arg = seq if has_seq else dummy(dev)
+    BP, BN = max(16, next_power_of_2(P)), max(16, next_power_of_2(N))
     S_lo = None  # the low part of kept states; S_in32 then holds their high part, S_in
     if S_kept is None:
         CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
@@ -70,6 +77,84 @@ def _ssd_bwd(
         CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
         S_in = S_in32 = S_kept[0]
         S_lo = S_kept[1] if S_kept.shape[0] == 2 else None
+    # dC (and the per-head a_l gradient), then dB; summed over head blocks.
+    R = H // G
+    hpp = heads_per_program(R, cfg.heads_per_prog)
+    n_hb = R // hpp
+    grouped = cfg.bc_mode == "grouped"
+    # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
+    state_split = heads_per_program(hpp, cfg.dcb_state_split) if grouped and cfg.dcb_tiles else 1
+    dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
+    O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
+    n_m = cdiv(Q, cfg.dc_m)
+    pairs = cfg.dcb_head_pairs and hpp % 2 == 0
+    # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
+    col_parts = cfg.dcb_parts(pairs) if grouped else 1
+    dCB_part = None
+    if grouped:
+        # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
+        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
+        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
+        # column sums' extra partial-sum slots.
+        n_diag = col_parts if cfg.dcb_diag_col_parts and col_parts > 1 else 0  # the diagonal's parts
+        n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
+        R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
+    else:
+        R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
+
+    def launch_dcb():
+        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
+        chunk_scan_bwd_dcb_kernel[dcb_grid](
+            dy,
+            x,
+            dt_p,
+            dA_cs,
+            C,
+            CB,
+            S_in,
+            seq_arg,
+            dC_part,
+            dCB_part,
+            O,
+            R_part,
+            L,
+            Q,
+            NC,
+            H,
+            G,
+            P,
+            N,
+            hpp,
+            b,
+            state_split,
+            *x.stride(),
+            *C.stride(),
+            *dy.stride(),
+            HAS_SEQ=has_seq,
+            EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
+            TILE_GRID=cfg.dcb_tiles,
+            PREC=dot_precision(x),
+            BLOCK_M=cfg.dc_m,
+            BLOCK_P=BP,
+            BLOCK_N=BN,
+            INNER_FIRST=cfg.inner_first,
+            PAIRS=pairs,
+            COLS_DOT=cfg.dcb_cols_by_dot,
+            HEADS_STAGES=cfg.dcb_heads_stages,
+            COL_PARTS=col_parts,
+            DIAG_PARTS=cfg.dcb_diag_col_parts,
+            num_warps=cfg.dc_warps,
+            maxnreg=cfg.dc_maxnreg,
+            num_stages=cfg.dc_stages,
+        )
+
+    # dCB needs neither dH nor dx: with config overlap_dcb it runs on a second stream beside the chained dstates
+    # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish.
+    side = _side_stream(dev) if cfg.overlap_dcb and grouped and dev.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            launch_dcb()
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
     if cfg.fused:
@@ -81,7 +166,6 @@ def _ssd_bwd(
     del S_in32, S_lo
 
     # dx, ddt, dD.
-    BP, BN = max(16, next_power_of_2(P)), max(16, next_power_of_2(N))
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out[0]
     ddt = torch.empty_like(dt_p)
     q = torch.empty_like(dt_p)
@@ -142,74 +226,9 @@ def _ssd_bwd(
         else:
             dD_parts = dD_part
 
-    # dC (and the per-head a_l gradient), then dB; summed over head blocks.
-    R = H // G
-    hpp = heads_per_program(R, cfg.heads_per_prog)
-    n_hb = R // hpp
-    grouped = cfg.bc_mode == "grouped"
-    # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
-    state_split = heads_per_program(hpp, cfg.dcb_state_split) if grouped and cfg.dcb_tiles else 1
-    dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
-    O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
-    n_m = cdiv(Q, cfg.dc_m)
-    pairs = cfg.dcb_head_pairs and hpp % 2 == 0
-    # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
-    col_parts = cfg.dcb_parts(pairs) if grouped else 1
     if grouped:
-        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
-        # column sums' extra partial-sum slots.
-        n_diag = col_parts if cfg.dcb_diag_col_parts and col_parts > 1 else 0  # the diagonal's parts
-        n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
-        R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
-    else:
-        R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
-    if grouped:
-        # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
-        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
-        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
-        chunk_scan_bwd_dcb_kernel[dcb_grid](
-            dy,
-            x,
-            dt_p,
-            dA_cs,
-            C,
-            CB,
-            S_in,
-            seq_arg,
-            dC_part,
-            dCB_part,
-            O,
-            R_part,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            N,
-            hpp,
-            b,
-            state_split,
-            *x.stride(),
-            *C.stride(),
-            *dy.stride(),
-            HAS_SEQ=has_seq,
-            EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
-            TILE_GRID=cfg.dcb_tiles,
-            PREC=dot_precision(x),
-            BLOCK_M=cfg.dc_m,
-            BLOCK_P=BP,
-            BLOCK_N=BN,
-            INNER_FIRST=cfg.inner_first,
-            PAIRS=pairs,
-            COLS_DOT=cfg.dcb_cols_by_dot,
-            HEADS_STAGES=cfg.dcb_heads_stages,
-            COL_PARTS=col_parts,
-            DIAG_PARTS=cfg.dcb_diag_col_parts,
-            num_warps=cfg.dc_warps,
-            maxnreg=cfg.dc_maxnreg,
-            num_stages=cfg.dc_stages,
-        )
+        if side is None:
+            launch_dcb()
     else:
         chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
             dy,
@@ -281,6 +300,8 @@ def _ssd_bwd(
         maxnreg=cfg.db_maxnreg,
         num_stages=cfg.db_stages,
     )
+    if side is not None:
+        torch.cuda.current_stream(dev).wait_stream(side)
     if grouped:
         # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
         if out is None:

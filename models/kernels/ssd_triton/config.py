@@ -188,6 +188,11 @@ class BlockConfig:
     # dx_sums_1d is the old code): without documents dx 0.365 -> 0.331 ms at the 1.3B shape, 0.187 -> 0.173 at the
     # 370M; with documents it pays only under dx_maxnreg (below).
     dx_row_sums_2d: bool = True
+    # dCB (dcb_bwd.py, "grouped" mode) on a second CUDA stream, beside the chained dstates, dx and dB, which it does
+    # not depend on (autograd.py): the chained dstates wait on their chain and draw less than the power limit
+    # (~570 W at the 1.3B shape, H200, session 38), so dCB's tiles could fill their idle issue slots. Untimed as
+    # yet (session 39 had no GPU): off until measured.
+    overlap_dcb: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
