@@ -22,7 +22,7 @@ Per-tensor scalars: a first launch (_step_scalars_kernel, one lane per tensor) i
 writes its step size lr / (1 - beta1^step) and 1 / sqrt(1 - beta2^step) (float64 math, once per tensor), which the
 update kernel loads as two floats per program. Taken inside the update kernel, that float64 math (two exp, two log)
 ran once per program of 2048 elements, ~100 float64 instructions per thread: 56 sm_90 instructions per element in
-all, against 23.5 now (Triton 3.6, `benchmarks/kernel_resources.py --kernels adamw --loops`), with the
+all, against 24 now (Triton 3.6, `benchmarks/kernel_resources.py --kernels adamw --loops`), with the
 reciprocal of the denominator from one MUFU (models/kernels/fast_math.py) and the bf16 copies stored 4 elements per
 thread, the float32 stores' layout (at 8 per thread, Triton 3.6 moved the three float32 results through shared
 memory to another layout first: 24 shared-memory instructions and 11 barriers per program).

@@ -794,7 +794,7 @@ def test_kernel_resources_optimizer_update_without_shared_memory():
     """kernel_resources.py compiles the optimizer's kernels too; for sm_90 our AdamW's update moves nothing through
     shared memory (the bf16 copies stored in the float32 results' layout: with 8-element copy stores Triton moved
     p, m and v to another layout through shared memory, 11 barriers per program) and takes under 32 instructions
-    per element (56 with the float64 bias corrections per program, 23.5 without: components/adamw_triton.py)."""
+    per element (56 with the float64 bias corrections per program, 24 after the cuts: components/adamw_triton.py)."""
     from benchmarks import kernel_resources as kr
     from components import adamw_triton
 
