@@ -66,9 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--out", default="", help="write the rows and totals as JSON here")
     a = ap.parse_args(argv)
-    from benchmarks.bench_ssd import _parse_sets
+    from benchmarks.bench_ssd import parse_sets
 
-    a.config_overrides = _parse_sets(ap, a.set)
+    a.config_overrides = parse_sets(ap, a.set)
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
     if a.ssd_stages and a.families:
@@ -384,9 +384,9 @@ def main(argv=None) -> dict:
     nvml = _Nvml()
     device = torch.device("cuda")
     if a.config_overrides:
-        from benchmarks.bench_ssd import _patched_config
+        from benchmarks.bench_ssd import patched_config
 
-        _patched_config(a.config_overrides)
+        patched_config(a.config_overrides)
         print(f"our SSD kernels' config overrides: {a.config_overrides}", flush=True)
     fams = families(a.size, device)
     wanted = [f for f in a.families.split(",") if f] or list(fams)

@@ -394,11 +394,12 @@ def gpu_time(stages):
     return sum(stages.values())
 
 
-def _patched_config(over):
+def patched_config(over):
+    """Our SSD kernels run with block_config's choice updated by `over` (config fields; also bench_energy.py --set)."""
     ours_autograd.block_config = lambda q, p, n: dataclasses.replace(block_config(q, p, n), **over)
 
 
-def _parse_sets(ap, sets):
+def parse_sets(ap, sets):
     """--set FIELD=VALUE pairs as config overrides; an unknown field or a value that is no Python literal is refused."""
     fields = BlockConfig.__dataclass_fields__
     over = {}
@@ -438,7 +439,7 @@ def tune(shape_names, variants=None, seq_modes=(False, True), our_chunk=0):
             for vname, over in TUNE_VARIANTS.items():
                 if variants and vname not in variants:
                     continue
-                _patched_config(over)
+                patched_config(over)
                 try:
                     step, _ = fwd_bwd_fn(fn, inp, Q, dy)
                     st = stage_times(step, iters=3)
@@ -463,7 +464,7 @@ def tune(shape_names, variants=None, seq_modes=(False, True), our_chunk=0):
                 if diff > 2e-2:  # a variant must compute the same function; never pick a broken one
                     for grp in TUNE_GROUPS:
                         group_times[grp][vname] += float("inf")
-    _patched_config({})
+    patched_config({})
     base = block_config(SHAPES[shape_names[0]]["Q"], SHAPES[shape_names[0]]["P"], SHAPES[shape_names[0]]["N"])
     best = {}
     for grp, (_, prefixes) in TUNE_GROUPS.items():
@@ -569,7 +570,7 @@ def main():
     )
     ap.add_argument("--out", default="outputs/bench_ssd.json")
     args = ap.parse_args()
-    overrides = _parse_sets(ap, args.set)
+    overrides = parse_sets(ap, args.set)
     if args.numerics_seeds < 1 or args.our_chunk < 0:
         ap.error("--numerics_seeds must be >= 1 and --our_chunk >= 1 (or 0: the shape's chunk size)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -583,7 +584,7 @@ def main():
         overrides = {**best, **overrides}  # the comparison below runs the combined best tiles
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)
-    _patched_config(overrides)
+    patched_config(overrides)
     record["config_overrides"] = overrides
     fns = kernels(args.our_chunk)
     record["triton"] = triton.__version__

@@ -849,14 +849,14 @@ def test_bench_ssd_set_overrides_config_fields():
     from benchmarks import bench_ssd
 
     ap = argparse.ArgumentParser()
-    assert bench_ssd._parse_sets(ap, ["keep_states=True", "dx_warps=8", "bc_mode='grouped'"]) == {
+    assert bench_ssd.parse_sets(ap, ["keep_states=True", "dx_warps=8", "bc_mode='grouped'"]) == {
         "keep_states": True,
         "dx_warps": 8,
         "bc_mode": "grouped",
     }
     for bad in ("keep_state=True", "keep_states=Tru"):
         with pytest.raises(SystemExit):
-            bench_ssd._parse_sets(ap, [bad])
+            bench_ssd.parse_sets(ap, [bad])
 
 
 def test_bench_norm_shapes_match_the_models_and_cpu_refusal():

@@ -1,5 +1,5 @@
 """float32 2^x, 1 / x and the sigmoid from single MUFU instructions, for the element-wise Triton kernels (the conv,
-the gated norm).
+the gated norm, the optimizer's AdamW update).
 
 With FAST (on the GPU; the kernels' launchers pass it false under TRITON_INTERPRET=1, whose numpy has no PTX):
 ex2.approx.ftz and rcp.approx.ftz, one MUFU instruction each. Otherwise tl.exp2 and Triton's division, the same
