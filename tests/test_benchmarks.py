@@ -790,6 +790,32 @@ def test_kernel_resources_loops_from_disassembly():
     assert loops[1]["kernel"]["instructions"] > loops[0]["instructions"], loops
 
 
+def test_kernel_resources_folded_dt_drops_a_multiply_per_element():
+    """config fold_dt (dt in the decay's exponent, dt.py's a2dt): compiled for sm_90 at the 1.3B tiles with documents,
+    every per-head loop of the chunk scan and of dCB (those with 32 MUFU.EX2: one per element and head) runs at least
+    one instruction per element fewer than without it (Triton 3.6: 334 -> 273, 584 -> 509, 615 -> 540; the multiply
+    by dt and the a_s loads gone), with no more registers or spills."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    found = {}
+    for fold in (False, True):
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=fold)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name in ("chunk_scan_fwd", "chunk_scan_bwd_dcb"):
+                cap = getattr(cfg, kr.MAXNREG[name])
+                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
+                per_head = sorted(loop["instructions"] for loop in info["loops"][:-1] if loop.get("MUFU") == 32)
+                found[name, fold] = (per_head, info["registers"], info["spill_stack_bytes"])
+    for name in ("chunk_scan_fwd", "chunk_scan_bwd_dcb"):
+        (plain, regs, spills), (folded, regs_f, spills_f) = found[name, False], found[name, True]
+        assert len(plain) == len(folded) >= 1, found
+        assert all(f <= p - 32 for p, f in zip(plain, folded)), (name, plain, folded)
+        assert regs_f <= regs + 2 and spills_f <= spills, found
+
+
 def test_kernel_resources_optimizer_update_without_shared_memory():
     """kernel_resources.py compiles the optimizer's kernels too; for sm_90 our AdamW's update moves nothing through
     shared memory (the bf16 copies stored in the float32 results' layout: with 8-element copy stores Triton moved

@@ -791,6 +791,27 @@ def test_steep_decay():
     )  # fmt: skip
 
 
+def test_dt_folded_into_the_decay_exponent():
+    """config fold_dt: the chunk scan and dCB take exp(a_l - a_s) dt_s as 2^(a_l log2(e) - a2dt_s), with a2dt from the
+    dt kernel (dt.py). Every output and gradient against the reference: with documents, initial states and a
+    remainder (the masked loads' +inf padding) at four position blocks per chunk, for both dCB grids and with the
+    column sums from the transposed product; whole tiles (dCB's unclamped tiles below the diagonal); decay steep
+    enough to overflow an unclamped exponent; dt = 0 at valid positions (no softplus, dt's lower limit 0: a2dt = +inf,
+    never log2(0)); kept states; and the fused mixer (its backward passes a2dt on). A kernel that still multiplies
+    by dt, or an a2dt without log2(dt), fails (checked by mutation)."""
+    fold = dict(SMALL_TILES, fold_dt=True)
+    docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
+    interpret(**docs, call=dict(chunk_size=64), config=fold)
+    interpret(**docs, call=dict(chunk_size=64), config=dict(fold, dcb_tiles=False, dcb_cols_by_dot=True))
+    interpret(b=1, L=128, H=2, P=16, G=1, N=16, seed=22, with_init=False, call=dict(chunk_size=64), config=fold)
+    steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
+    interpret(**steep, call=dict(chunk_size=64, tol=1e-3), config=fold)
+    interpret(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fold)
+    interpret(**docs, call=dict(chunk_size=64), config=dict(fold, keep_states=True))
+    interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
+              config=dict(fold_dt=True))  # fmt: skip
+
+
 def test_dcb_grid_per_tile_and_per_row_block():
     """dCB's two grids (config dcb_tiles): one program per tile of [l, s] (the default) and one per block of rows
     walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose

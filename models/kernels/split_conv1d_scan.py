@@ -189,10 +189,10 @@ class _MixerFunction(torch.autograd.Function):
             if out_w is None
             else F.linear(h, compute_weight(out_w, h.dtype), None if out_b is None else out_b.to(h.dtype))
         )
-        dt_p, dA_cs, S_kept = saved[4], saved[5], saved[-1]  # S_kept: None unless config keep_states
+        dt_p, dA_cs, a2dt, S_kept = saved[4:7] + saved[-1:]  # a2dt, S_kept: None unless config fold_dt, keep_states
         ctx.save_for_backward(
-            zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd,
-            S_kept,
+            zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
+            rstd, S_kept,
         )  # fmt: skip
         ctx.s, ctx.cfg, ctx.halves = s, cfg, halves
         ctx.set_materialize_grads(False)  # an unused final state then reaches backward as None, not a zero tensor
@@ -206,9 +206,8 @@ class _MixerFunction(torch.autograd.Function):
         if ctx.halves:
             return _backward_with_kernel_halves(ctx, dout, dfinal)
         s, cfg = ctx.s, ctx.cfg
-        zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, _, S_kept = (
-            ctx.saved_tensors
-        )
+        (zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
+         _, S_kept) = ctx.saved_tensors  # fmt: skip
         A_dtype, D_dtype, init_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         if dout is None:  # only the final state was used
@@ -237,7 +236,7 @@ class _MixerFunction(torch.autograd.Function):
         x, B, C = s.ssd_operands(xBC.detach())
         # The SSD's gradients land in one [B, L, conv_dim] buffer, the conv's output gradient as it is.
         dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)
-        saved = (x, dt, A32, dt_bias, dt_p, dA_cs, B, C, D32, init, seq, S_kept)
+        saved = (x, dt, A32, dt_bias, dt_p, dA_cs, a2dt, B, C, D32, init, seq, S_kept)
         _, ddt, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
             saved, y_.grad.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC)
         )
@@ -267,9 +266,8 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     from models.kernels.ssd_triton.autograd import ssd_backward_pass
 
     s, cfg, needs = ctx.s, ctx.cfg, ctx.needs_input_grad
-    zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, rstd, S_kept = (
-        ctx.saved_tensors
-    )
+    (zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
+     rstd, S_kept) = ctx.saved_tensors  # fmt: skip
     A_dtype, D_dtype, init_dtype = ctx.dtypes
     dzxbcdt = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
     _, z, xBC_in, dt = s.split(zxbcdt)
@@ -295,7 +293,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     xBC = _conv_forward_halves(xBC_in, conv_w, conv_b, seq, s)  # recomputed
     x, B, C = s.ssd_operands(xBC)
     dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)  # the SSD's gradients = the conv's output's
-    saved = (x, dt, A32, dt_bias, dt_p, dA_cs, B, C, D32, init, seq, S_kept)
+    saved = (x, dt, A32, dt_bias, dt_p, dA_cs, a2dt, B, C, D32, init, seq, S_kept)
     _, ddt, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
         saved, dy.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC)
     )

@@ -172,6 +172,34 @@ def test_kept_states_match_recomputed(chunk_size, variant):
     assert not worse, f"kept states' error over the default path's (kept, default): {worse}; all: {errs}"
 
 
+@pytest.mark.parametrize(
+    "dtype, variant", [(BF, "seq_init_final"), (BF, "seq_init_final_whole"), (BF, "noseq_Dhdim_z"), (F32, "seq")]
+)
+def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
+    """config fold_dt (the chunk scan's and dCB's weights exp(a_l - a_s) dt_s as 2^(a_l log2(e) - a2dt_s), a2dt from
+    the dt kernel with the GPU's log2): every output and gradient as close to the float64 reference as the default
+    path's (within 5%), with kept states (the configs' default) at chunk 256, with documents, initial and final states,
+    masked and mask-free tiles, D of [H, P] and z, bf16 and float32. bench_ssd.py --set fold_dt=True compares it
+    with mamba_ssm's errors."""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd as ssd_autograd
+
+    gen = torch.Generator().manual_seed(17)
+    b, L, H, P, N = 2, (768 if variant.endswith("_whole") else 600), 8, 64, 128
+    tensors = make(dtype, b, L, H, P, N, 1, variant.removesuffix("_whole"), gen)
+    fn = functools.partial(ssd_chunk_scan_triton, keep_states=True)
+    default = run_all(fn, tensors, 256)
+    plain = ssd_autograd.block_config
+    monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), fold_dt=True))
+    folded = run_all(fn, tensors, 256)
+    ref = run_all(ssd_chunk_scan_ref, tensors, 256, dtype_override=torch.float64)
+    errs = {k: (rel_err(folded[k], ref[k]), rel_err(default[k], ref[k])) for k in ref}
+    assert any(not torch.equal(folded[k], default[k]) for k in ref), "the option did not reach the kernels"
+    worse = {k: e for k, e in errs.items() if not e[0] <= 1.05 * e[1] + 1e-6}
+    assert not worse, f"folded dt's error over the default path's (folded, default): {worse}; all: {errs}"
+
+
 @pytest.mark.parametrize("keep_states", (True, False))
 def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
     """config overlap_dcb (dCB on a second stream beside the chained dstates, dx and dB, joined before bc_finish):

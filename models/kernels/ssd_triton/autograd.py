@@ -3,10 +3,11 @@
 Split of the work:
   - the Function ``_SSDChunked`` takes dt as given ([B, L, H], any dtype) with A, dt_bias, softplus and the dt
     limits: dt.py's kernel makes the float32 [B, H, NC, Q] dt_p and the within-chunk cumulative decay
-    a = cumsum(dt_p A) (the last chunk padded with dt = 0, so padding neither decays nor adds), and its backward
-    twin turns the kernels' gradients into those of dt, A and dt_bias in one pass. In between, the kernels
-    (forward.py): forward CB -> the chained chunk states and recurrence (chained_states.py; or the staged chunk
-    states -> state passing, or the fused scan) -> chunk scan; backward recomputes CB and the states entering each
+    a = cumsum(dt_p A) (the last chunk padded with dt = 0, so padding neither decays nor adds; with config fold_dt
+    also a2dt, dt in the decay's exponent for the chunk scan and dCB), and its backward twin turns the kernels'
+    gradients into those of dt, A and dt_bias in one pass. In between, the kernels (forward.py): forward CB -> the
+    chained chunk states and recurrence (chained_states.py; or the staged chunk states -> state passing, or the fused
+    scan) -> chunk scan; backward recomputes CB and the states entering each
     chunk (nothing [B, NC, H, P, N] is kept between forward and backward), then dS_in and the reverse recurrence
     chained in one kernel (or staged, or fused) -> dx / ddt / dD ->
     dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config
@@ -56,13 +57,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _ssd_bwd(
-    dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None, S_kept=None
-):
+def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None,
+             S_kept=None, a2dt=None):  # fmt: skip
     """dy_exact: dy before its rounding to x's dtype (the kernels' operands), when it was more precise; dD is then
     summed from it (D of [H, P] sums few terms per entry, so that rounding would show). out: (dx, dB, dC) to write
     into (any strides; the mixer's views of one buffer), else they are allocated. S_kept: the forward's entering
-    states (config keep_states; [K, B, NC, H, P, N], state_passing.kept_states_buffer), else they are recomputed."""
+    states (config keep_states; [K, B, NC, H, P, N], state_passing.kept_states_buffer), else they are recomputed.
+    a2dt: dt folded into the decay's exponent for dCB (dt.py; config fold_dt), else None."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC = dt_p.shape[2]
@@ -107,7 +108,7 @@ def _ssd_bwd(
         chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
-            dt_p,
+            dt_p if a2dt is None else a2dt,
             dA_cs,
             C,
             CB,
@@ -143,6 +144,7 @@ def _ssd_bwd(
             HEADS_STAGES=cfg.dcb_heads_stages,
             COL_PARTS=col_parts,
             DIAG_PARTS=cfg.dcb_diag_col_parts,
+            FOLD_DT=a2dt is not None,
             num_warps=cfg.dc_warps,
             maxnreg=cfg.dc_maxnreg,
             num_stages=cfg.dc_stages,
@@ -356,24 +358,25 @@ def _ssd_bwd(
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
     """The forward outside autograd: (y, final_states, saved), where ``saved`` is what ssd_backward_pass needs
-    (inputs plus the float32 dt_p and within-chunk decay a, [B, H, NC, Q] each; and last the entering states
-    [K, B, NC, H, P, N] with config keep_states, else None: then nothing of that size is kept)."""
+    (inputs plus the float32 dt_p, within-chunk decay a and, with config fold_dt, a2dt (else None), [B, H, NC, Q]
+    each; and last the entering states [K, B, NC, H, P, N] with config keep_states, else None: then nothing of that
+    size is kept)."""
     NC = math.ceil(x.shape[1] / Q)
-    dt_p, dA_cs = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit)
-    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype)
-    return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq, S_kept)
+    dt_p, dA_cs, a2dt = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt)
+    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt)
+    return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept)
 
 
 def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None):
     """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
     dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see _ssd_bwd)."""
-    x, dt, A, dt_bias, dt_p, dA_cs, B, C, D, init, seq, S_kept = saved
+    x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept = saved
     # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
     dy_exact = dy if dy.dtype != x.dtype else None
     dy = dy.to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     dx, ddt_p, decay_parts, dB, dC, (dD, dD_parts), dinit = _ssd_bwd(
-        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept
+        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept, a2dt
     )
     ddt, dA, ddt_bias, dD_summed = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit, dD_parts)
     if dD_parts is not None:

@@ -141,7 +141,7 @@ def chained_scan_fwd_kernel(
             else:
                 cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
             acc = scan_tile(acc, cb, dA_ptr + head_q, dt_ptr + head_q, x_chunk + x_offs, a2_m, offs_k, t0, L, Q,
-                            mask_p, EVEN_SCAN, PREC)  # fmt: skip
+                            mask_p, EVEN_SCAN, PREC, False)  # fmt: skip
         scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
                    s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)  # fmt: skip
 

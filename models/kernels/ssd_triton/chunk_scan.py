@@ -7,7 +7,10 @@ One program per (batch, chunk, block of positions l, block of P) and HEADS conse
 the intra-chunk loop stops at the diagonal. CB comes from chunk_cb (shared by the heads of a group), S_in from
 state_passing. With 2 heads the group's CB (float32) and C tiles are loaded once for both.
 CB comes in already zeroed above the diagonal and across documents (cb_fwd), so the intra-chunk loop masks
-nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a zero of CB.
+nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a zero of CB. With FOLD_DT (config
+fold_dt) dt_ptr holds a2dt = a_s log2(e) - log2(dt_s) (dt.py) instead of dt: the weight exp(a_l - a_s) dt_s is one
+2^(a_l log2(e) - a2dt_s), without the multiply by dt_s, and the exponent (log2(dt_s) <= 0 more than a_l - a_s) is
+clamped at FOLD_MAX_EXP instead (finite for any dt_s below 2^64; a2dt = +inf where dt_s = 0 gives 0).
 """
 
 import triton
@@ -16,6 +19,10 @@ import triton.language as tl
 from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
+
+# The folded exponent's clamp (FOLD_DT): 2^64 * |CB x| stays finite in float32, and no true weight is clamped unless
+# dt_s >= 2^64.
+FOLD_MAX_EXP: tl.constexpr = tl.constexpr(64.0)
 
 
 @fast_launch
@@ -55,6 +62,7 @@ def chunk_scan_fwd_kernel(
     EVEN: tl.constexpr,
     PREC: tl.constexpr,
     HEADS: tl.constexpr,
+    FOLD_DT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -117,10 +125,10 @@ def chunk_scan_fwd_kernel(
         else:
             cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
         acc0 = scan_tile(acc0, cb, dA_ptr + head_q0, dt_ptr + head_q0, x_chunk0 + x_offs, a2_m0, offs_k, t0, L, Q,
-                          mask_p, EVEN, PREC)  # fmt: skip
+                          mask_p, EVEN, PREC, FOLD_DT)  # fmt: skip
         if HEADS == 2:
             acc1 = scan_tile(acc1, cb, dA_ptr + head_q1, dt_ptr + head_q1, x_chunk0 + s_x_h + x_offs, a2_m1, offs_k,
-                              t0, L, Q, mask_p, EVEN, PREC)  # fmt: skip
+                              t0, L, Q, mask_p, EVEN, PREC, FOLD_DT)  # fmt: skip
 
     # fmt: off
     scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
@@ -133,18 +141,23 @@ def chunk_scan_fwd_kernel(
 
 @triton.jit
 def scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p, EVEN: tl.constexpr,
-               PREC: tl.constexpr):  # fmt: skip
-    """acc += (CB ∘ exp(a_l - a_s) dt_s) · x over one block of s, for one head."""
+               PREC: tl.constexpr, FOLD_DT: tl.constexpr):  # fmt: skip
+    """acc += (CB ∘ exp(a_l - a_s) dt_s) · x over one block of s, for one head (FOLD_DT: dt_head holds a2dt)."""
     if EVEN:
-        a_k = tl.load(dA_head + offs_k)
+        if not FOLD_DT:
+            a_k = tl.load(dA_head + offs_k)
         dt_k = tl.load(dt_head + offs_k)
         x_tile = tl.load(x_ptrs)
     else:
-        a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
-        dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
+        if not FOLD_DT:
+            a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
+        dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=float("inf") if FOLD_DT else 0.0)
         valid_k = (offs_k < Q) & (t0 + offs_k < L)
         x_tile = tl.load(x_ptrs, mask=valid_k[:, None] & mask_p[None, :], other=0.0)
-    w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
+    if FOLD_DT:
+        w = cb * tl.exp2(tl.minimum(a2_m[:, None] - dt_k[None, :], FOLD_MAX_EXP))
+    else:
+        w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
     return acc + tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
 
 

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
+from models.kernels.ssd_triton.chunk_scan import FOLD_MAX_EXP
 from models.kernels.ssd_triton.launch import program_ids
 
 
@@ -89,6 +90,7 @@ def chunk_scan_bwd_dcb_kernel(
     HEADS_STAGES: tl.constexpr = None,
     COL_PARTS: tl.constexpr = 1,
     DIAG_PARTS: tl.constexpr = False,
+    FOLD_DT: tl.constexpr = False,
 ):
     if TILE_GRID:
         # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
@@ -133,6 +135,7 @@ def chunk_scan_bwd_dcb_kernel(
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
             PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS,
+            FOLD_DT=FOLD_DT,
         )
         # fmt: on
     elif pid_k == pid_m:  # the diagonal tile (TILE_GRID); pid_k > pid_m, above the diagonal, has nothing to do
@@ -142,7 +145,7 @@ def chunk_scan_bwd_dcb_kernel(
             s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
             HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
             BLOCK_N=BLOCK_N, PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
-            DIAG_PARTS=DIAG_PARTS,
+            DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
         )  # fmt: skip
 
 
@@ -153,7 +156,7 @@ def _dcb_rows(
     s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
-    HEADS_STAGES: tl.constexpr, COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr,
+    HEADS_STAGES: tl.constexpr, COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr, FOLD_DT: tl.constexpr,
 ):  # fmt: skip
     """The diagonal block's program: without TILE_GRID, the state term of dC and O and the tiles of its rows below
     the diagonal; then (always) the diagonal tile. Tiles above it are not written (bc_finish never reads them)."""
@@ -173,13 +176,13 @@ def _dcb_rows(
                 hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
                 HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
                 PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
-                DIAG_PARTS=DIAG_PARTS,
+                DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
             )
     _dcb_tile(
         dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
         pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
         HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
-        COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS,
+        COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
     )
     # fmt: on
 
@@ -228,41 +231,54 @@ def _dcb_state(
 def _dcb_head(
     dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
     s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr, COLS_DOT: tl.constexpr,
-    CLAMP: tl.constexpr,
+    CLAMP: tl.constexpr, FOLD_DT: tl.constexpr,
 ):  # fmt: skip
     """Head h's share of a tile: dCB^h (unmasked), its row sums r of M = dCB^h CB (at offs_m), M itself, the
     head's offset into [B, H, NC, Q] arrays, and with COLS_DOT M's column sums (at offs_k) from the transposed
     product (cbT: the tile of CB transposed), else 0. CLAMP: the decay's exponent clamped at 0, which a whole tile
     below the diagonal does not need (a falls along the chunk: a_l <= a_s for l > s, up to the cumsum's rounding),
-    saving an instruction per element and head (859 against 891 per head in Triton 3.6's loop, the same registers)."""
+    saving an instruction per element and head (859 against 891 per head in Triton 3.6's loop, the same registers).
+    FOLD_DT (config fold_dt): dt_ptr holds a2dt (dt.py), so exp(a_l - a_s) dt_s is one 2^(a_l log2(e) - a2dt_s) and
+    a_s is not loaded; the clamp is then at chunk_scan's FOLD_MAX_EXP (a_l - a_s <= 0 does not bound log2(dt_s))."""
     head_q = ((b.to(tl.int64) * H + h) * NC + c) * Q
     dy_ptrs = dy_chunk + h * s_y_h + offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
     x_ptrs = x_chunk + h * s_x_h + offs_k[None, :] * s_x_l + offs_p[:, None] * s_x_p
     if EVEN:
         a_m = tl.load(dA_ptr + head_q + offs_m)
-        a_k = tl.load(dA_ptr + head_q + offs_k)
+        if not FOLD_DT:
+            a_k = tl.load(dA_ptr + head_q + offs_k)
         dt_k = tl.load(dt_ptr + head_q + offs_k)
         dy_m = tl.load(dy_ptrs)
         xT = tl.load(x_ptrs)
     else:
         valid_k = in_k & (t0 + offs_k < L)
         a_m = tl.load(dA_ptr + head_q + offs_m, mask=offs_m < Q, other=0.0)
-        a_k = tl.load(dA_ptr + head_q + offs_k, mask=in_k, other=0.0)
-        dt_k = tl.load(dt_ptr + head_q + offs_k, mask=in_k, other=0.0)
+        if not FOLD_DT:
+            a_k = tl.load(dA_ptr + head_q + offs_k, mask=in_k, other=0.0)
+        dt_k = tl.load(dt_ptr + head_q + offs_k, mask=in_k, other=float("inf") if FOLD_DT else 0.0)
         dy_m = tl.load(dy_ptrs, mask=valid_m[:, None] & (offs_p < P)[None, :], other=0.0)
         xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
     dyx = tl.dot(dy_m, xT, input_precision=PREC)
     # Unmasked: CB is 0 above the diagonal and across documents (cb_fwd), so M needs no mask, and the clamp
     # keeps dcb finite there; the sum over heads is masked once by the caller, not per head.
-    log2_decay = a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :]
-    if CLAMP:  # on the diagonal (pairs above it) or with load masks (rows past the chunk read a = 0)
-        log2_decay = tl.minimum(log2_decay, 0.0)
-    dcb = dyx * tl.exp2(log2_decay) * dt_k[None, :]
+    if FOLD_DT:
+        log2_w = a_m[:, None] * LOG2E - dt_k[None, :]
+        if CLAMP:
+            log2_w = tl.minimum(log2_w, FOLD_MAX_EXP)
+        dcb = dyx * tl.exp2(log2_w)
+    else:
+        log2_decay = a_m[:, None] * LOG2E - (a_k * LOG2E)[None, :]
+        if CLAMP:  # on the diagonal (pairs above it) or with load masks (rows past the chunk read a = 0)
+            log2_decay = tl.minimum(log2_decay, 0.0)
+        dcb = dyx * tl.exp2(log2_decay) * dt_k[None, :]
     M = dcb * cb
     col = 0.0
     if COLS_DOT:
         dyxT = tl.dot(tl.trans(xT), tl.trans(dy_m), input_precision=PREC)  # [s, l]
-        MT = dyxT * tl.exp2(tl.minimum((a_m * LOG2E)[None, :] - (a_k * LOG2E)[:, None], 0.0)) * dt_k[:, None] * cbT
+        if FOLD_DT:
+            MT = dyxT * tl.exp2(tl.minimum((a_m * LOG2E)[None, :] - dt_k[:, None], FOLD_MAX_EXP)) * cbT
+        else:
+            MT = dyxT * tl.exp2(tl.minimum((a_m * LOG2E)[None, :] - (a_k * LOG2E)[:, None], 0.0)) * dt_k[:, None] * cbT
         col = tl.sum(MT, axis=1)
     return dcb, M, tl.sum(M, axis=1), head_q, col
 
@@ -305,7 +321,7 @@ def _dcb_tile(
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr, HEADS_STAGES: tl.constexpr,
-    COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr,
+    COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr, FOLD_DT: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
@@ -355,7 +371,7 @@ def _dcb_tile(
     for i in tl.range(HEADS_PER_PROG, num_stages=HEADS_STAGES):
         dcb, M, r, q, col = _dcb_head(
             dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
-            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT, DIAG or not EVEN,
+            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT, DIAG or not EVEN, FOLD_DT,
         )
         dcb_acc += dcb
         if BY_DOT:

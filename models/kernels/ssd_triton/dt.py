@@ -3,6 +3,9 @@
 Forward, per (batch, chunk, block of heads):
     u = dt + dt_bias;  v = softplus(u) (u > 20: u, as F.softplus);  dt_p = clamp(v, lo, hi);  0 past the end
     dA_cs = cumsum over the chunk of dt_p * A                        ([b, H, NC, Q], float32, chunk-padded)
+    a2dt = dA_cs log2(e) - log2(dt_p)   (+inf where dt_p = 0)        (only with config fold_dt, same shape)
+a2dt folds dt into the decay's exponent: the intra-chunk weight exp(a_l - a_s) dt_s of the chunk scan and of dCB is
+2^(a_l log2(e) - a2dt_s), one MUFU.EX2 without the multiply by dt_s per element (config.py's fold_dt).
 Backward, from the chunked SSD's gradients (autograd.py): the gradient of dA_cs's pre-cumsum input
     g_t = sum_{j >= t} REV_j + ADD_t + sum_{s < t} q_s + sum_blocks dtot_c
 (REV: the per-position terms whose reverse cumsum enters, ADD: terms that enter as they are; dcb_bwd.py and
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+from models.kernels.ssd_triton.chunk_cb import LOG2E
 
 
 @triton.jit
@@ -55,6 +59,7 @@ def dt_fwd_kernel(
     A_ptr,
     dt_p_ptr,
     dA_cs_ptr,
+    a2dt_ptr,
     L,
     Q,
     NC,
@@ -66,6 +71,7 @@ def dt_fwd_kernel(
     hi,
     HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr,
+    FOLD_DT: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -84,6 +90,11 @@ def dt_fwd_kernel(
     out = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
     tl.store(dt_p_ptr + out, dt_p, mask=in_q)
     tl.store(dA_cs_ptr + out, dA_cs, mask=in_q)
+    if FOLD_DT:
+        # log2 of a positive floor, then +inf where dt_p = 0 (padding, or dt clamped or rounded to 0): the weight is
+        # then 2^-inf = 0, as dt_s = 0 makes it, and no log2(0) is ever evaluated.
+        log2_dt = tl.log2(tl.maximum(dt_p, 1e-30))
+        tl.store(a2dt_ptr + out, tl.where(dt_p > 0.0, dA_cs * LOG2E - log2_dt, float("inf")), mask=in_q)
 
 
 class ColumnParts(NamedTuple):
@@ -223,11 +234,15 @@ def _tiles(Q: int, H: int) -> tuple[int, int]:
     return block_q, min(next_power_of_2(H), max(1, 4096 // block_q))  # ~4k elements per program
 
 
-def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tuple[float, float]):
-    """(dt_p, dA_cs), float32 [b, H, NC, Q] each (dt_p zero past the end)."""
+def dt_forward(
+    dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tuple[float, float], fold_dt: bool = False
+):
+    """(dt_p, dA_cs, a2dt), float32 [b, H, NC, Q] each (dt_p zero past the end); a2dt (module docstring) only with
+    fold_dt, else None."""
     b, L, H = dt_BLH.shape
     dt_p = torch.empty(b, H, NC, Q, device=dt_BLH.device, dtype=torch.float32)
     dA_cs = torch.empty_like(dt_p)
+    a2dt = torch.empty_like(dt_p) if fold_dt else None
     block_q, block_h = _tiles(Q, H)
     dt_fwd_kernel[(b * NC, cdiv(H, block_h))](
         dt_BLH,
@@ -235,6 +250,7 @@ def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tup
         A_H,
         dt_p,
         dA_cs,
+        a2dt if fold_dt else dt_p,
         L,
         Q,
         NC,
@@ -244,10 +260,11 @@ def dt_forward(dt_BLH, dt_bias, A_H, Q: int, NC: int, softplus: bool, limit: tup
         float(limit[1]),
         HAS_BIAS=dt_bias is not None,
         SOFTPLUS=softplus,
+        FOLD_DT=fold_dt,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
     )
-    return dt_p, dA_cs
+    return dt_p, dA_cs, a2dt
 
 
 def dt_backward(

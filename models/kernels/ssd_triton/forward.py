@@ -200,7 +200,8 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     return S_in, final, S_in32 if keep_s32 else kept
 
 
-def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None) -> torch.Tensor:
+def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None, a2dt=None) -> torch.Tensor:
+    """y from the chunk scan kernel; with a2dt (dt.py, config fold_dt) its weights take dt in their exponent."""
     b, L, H, P = x.shape
     G, N = C.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -209,7 +210,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     chunk_scan_fwd_kernel[grid(b * NC * H // heads, cdiv(Q, cfg.scan_m), cdiv(P, cfg.scan_p), cfg.inner_first)](
         CB,
         x,
-        dt_p,
+        dt_p if a2dt is None else a2dt,
         dA_cs,
         C,
         S_in,
@@ -231,6 +232,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         D_HAS_HDIM=D is not None and D.dim() == 2,
         EVEN=whole_tiles(L, Q, P, cfg.scan_p, cfg.scan_m, cfg.scan_k),
         HEADS=heads,
+        FOLD_DT=a2dt is not None,
         BLOCK_M=cfg.scan_m,
         BLOCK_K=cfg.scan_k,
         BLOCK_P=cfg.scan_p,
@@ -250,9 +252,11 @@ def keeps_states(cfg: BlockConfig) -> bool:
     return cfg.keep_states and not cfg.fused and not (cfg.chained and cfg.chained_scan)
 
 
-def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None):
+def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None):
     """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
-    entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None)."""
+    entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None). a2dt (dt.py,
+    config fold_dt): the chunk scan kernel's weights with dt in their exponent (the fused and chained-scan forwards
+    do not take it)."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
@@ -264,7 +268,7 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
         return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg))
-    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype), final, kept
+    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt), final, kept
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
