@@ -1052,6 +1052,10 @@ def test_bad_input_raises_before_compute():
     inp["seq_idx"][0, 5:] = 0  # a document id that goes back down
     with pytest.raises(ValueError, match="non-decreasing"):
         ssd_chunk_scan_triton(**inp, chunk_size=16)
+    # A negative dt (no softplus, a lower limit below 0): every decay is clamped at 1 in the kernels, as in
+    # mamba_ssm's, so they would differ from the reference (they did, by 60% of y, before this check).
+    with pytest.raises(ValueError, match=r"dt_limit's lower bound -0.2 lets dt be negative"):
+        ssd_chunk_scan_triton(**inp, chunk_size=16, dt_softplus=False, dt_limit=(-0.2, 0.4))
     # The mixer (backend "triton") names a bad seq_idx or initial state before its conv runs.
     from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 

@@ -462,10 +462,17 @@ def ssd_chunk_scan_triton(
     y [B, L, H, P] in x's dtype (, final_states [B, H, P, N] float32). B and C are used in x's dtype
     (their gradients come back in their own). Any chunk size >= 1 and any length work; CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1 (the CPU tests). seq_idx must be non-decreasing along each
-    row (checked on the CPU only: on CUDA the check would synchronise the device on every call).
+    row (checked on the CPU only: on CUDA the check would synchronise the device on every call). dt must not be
+    negative (with dt_softplus off, a dt_limit below 0 is refused): the kernels clamp every decay at 1.
     keep_states: the forward's entering states kept for the backward instead of recomputed there (faster, and
     [B, L / chunk_size, H, P, N] x 4 bytes more held from forward to backward; config.py's keep_states).
     """
+    if not dt_softplus and dt_limit[0] < 0:
+        raise ValueError(
+            f"dt_limit's lower bound {dt_limit[0]} lets dt be negative (dt_softplus is off): our kernels, like "
+            "mamba_ssm's, clamp every decay exp(A dt) within a chunk at 1, so they would not compute what the "
+            "reference does; use a lower bound >= 0 or dt_softplus=True"
+        )
     with no_autocast(x_BLHP.device):
         A, B, C, D, init, seq, cfg = prepare_inputs(
             x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, D, z, dt_bias, seq_idx, initial_states, keep_states
