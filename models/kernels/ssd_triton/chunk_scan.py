@@ -9,8 +9,9 @@ state_passing. With 2 heads the group's CB (float32) and C tiles are loaded once
 CB comes in already zeroed above the diagonal and across documents (cb_fwd), so the intra-chunk loop masks
 nothing; the decay exponent is clamped at 0, so no inf is ever multiplied by a zero of CB. With FOLD_DT (config
 fold_dt) dt_ptr holds a2dt = a_s log2(e) - log2(dt_s) (dt.py) instead of dt: the weight exp(a_l - a_s) dt_s is one
-2^(a_l log2(e) - a2dt_s), without the multiply by dt_s, and the exponent (log2(dt_s) <= 0 more than a_l - a_s) is
-clamped at FOLD_MAX_EXP instead (finite for any dt_s below 2^64; a2dt = +inf where dt_s = 0 gives 0).
+2^(a_l log2(e) - a2dt_s), without the multiply by dt_s; its exponent, (a_l - a_s) log2(e) + log2(dt_s), is no
+longer <= 0 where the weight is real, so the clamp moves to FOLD_MAX_EXP (no real weight reaches it unless dt_s >=
+2^64; a2dt = +inf where dt_s = 0 gives the weight 0).
 """
 
 import triton
