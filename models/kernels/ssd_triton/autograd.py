@@ -7,8 +7,8 @@ Split of the work:
     also a2dt, dt in the decay's exponent for the chunk scan and dCB), and its backward twin turns the kernels'
     gradients into those of dt, A and dt_bias in one pass. In between, the kernels (forward.py): forward CB -> the
     chained chunk states and recurrence (chained_states.py; or the staged chunk states -> state passing, or the fused
-    scan) -> chunk scan; backward recomputes CB and the states entering each
-    chunk (nothing [B, NC, H, P, N] is kept between forward and backward), then dS_in and the reverse recurrence
+    scan) -> chunk scan; backward recomputes CB and the states entering each chunk (nothing [B, NC, H, P, N] is
+    kept between forward and backward), then dS_in and the reverse recurrence
     chained in one kernel (or staged, or fused) -> dx / ddt / dD ->
     dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config
     bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C in one kernel per group (bc_finish).

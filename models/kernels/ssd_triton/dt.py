@@ -91,9 +91,10 @@ def dt_fwd_kernel(
     tl.store(dt_p_ptr + out, dt_p, mask=in_q)
     tl.store(dA_cs_ptr + out, dA_cs, mask=in_q)
     if FOLD_DT:
-        # log2 of a positive floor, then +inf where dt_p = 0 (padding, or dt clamped or rounded to 0): the weight is
-        # then 2^-inf = 0, as dt_s = 0 makes it, and no log2(0) is ever evaluated.
-        log2_dt = tl.log2(tl.maximum(dt_p, 1e-30))
+        # +inf where dt_p = 0 (padding, or dt clamped or rounded to 0): the weight is then 2^-inf = 0, as dt_s = 0
+        # makes it. log2 takes dt_p floored at float32's smallest normal, so that no log2(0) is evaluated (the
+        # interpreter's numpy warns) and every normal dt_p is taken as it is.
+        log2_dt = tl.log2(tl.maximum(dt_p, 1.1754943508222875e-38))
         tl.store(a2dt_ptr + out, tl.where(dt_p > 0.0, dA_cs * LOG2E - log2_dt, float("inf")), mask=in_q)
 
 
