@@ -34,6 +34,7 @@ Needs NVML (`pynvml`, from nvidia-ml-py, which the GPU machines have).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import contextlib
 import json
@@ -64,11 +65,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="FIELD=VALUE",
         help="our SSD kernels' config field, as bench_ssd.py's --set (repeatable; e.g. overlap_dcb=True)",
     )
+    ap.add_argument(
+        "--conv",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="one of our conv's module settings (bench_conv.TUNED; repeatable; e.g. _FWD_ONE_DOC_BRANCH=True)",
+    )
     ap.add_argument("--out", default="", help="write the rows and totals as JSON here")
     a = ap.parse_args(argv)
+    from benchmarks.bench_conv import TUNED
     from benchmarks.bench_ssd import parse_sets
 
     a.config_overrides = parse_sets(ap, a.set)
+    a.conv_settings = {}
+    for item in a.conv:
+        name, _, value = item.partition("=")
+        if name not in TUNED:
+            ap.error(f"--conv {item}: {name!r} is none of the conv's settings ({', '.join(TUNED)})")
+        try:
+            a.conv_settings[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            ap.error(f"--conv {item}: {value!r} is not a Python literal (e.g. True, 64)")
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
     if a.ssd_stages and a.families:
@@ -388,6 +406,12 @@ def main(argv=None) -> dict:
 
         patched_config(a.config_overrides)
         print(f"our SSD kernels' config overrides: {a.config_overrides}", flush=True)
+    if a.conv_settings:
+        from models.kernels import conv_triton
+
+        for name, value in a.conv_settings.items():
+            setattr(conv_triton, name, value)
+        print(f"our conv's settings: {a.conv_settings}", flush=True)
     fams = families(a.size, device)
     wanted = [f for f in a.families.split(",") if f] or list(fams)
     unknown = sorted(set(wanted) - set(fams))

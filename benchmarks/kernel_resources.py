@@ -352,8 +352,21 @@ def conv_kernels(has_seq: bool):
 
     ptrs = dict(x_ptr=BF16, out_ptr=BF16, dout_ptr=BF16, dx_ptr=BF16, seq_ptr="*i32")
     common = dict(HAS_BIAS=True, HAS_SEQ=has_seq, SILU=True, W=4, FAST=ct._FAST_SIGMOID, s_w_k=1)
-    fwd = dict(common, BLOCK_L=ct._FWD_BLOCK_L, BLOCK_D=ct._FWD_BLOCK_D, CHANNELS_FASTEST=ct._FWD_CHANNELS_FASTEST)
-    bwd = dict(common, ROWS=ct._BWD_ROWS, BLOCK_D=ct._BWD_BLOCK_D, PREFETCH=ct._BWD_PREFETCH, UNROLL=ct._BWD_UNROLL)
+    fwd = dict(
+        common,
+        BLOCK_L=ct._FWD_BLOCK_L,
+        BLOCK_D=ct._FWD_BLOCK_D,
+        CHANNELS_FASTEST=ct._FWD_CHANNELS_FASTEST,
+        ONE_DOC_BRANCH=ct._FWD_ONE_DOC_BRANCH,
+    )
+    bwd = dict(
+        common,
+        ROWS=ct._BWD_ROWS,
+        BLOCK_D=ct._BWD_BLOCK_D,
+        PREFETCH=ct._BWD_PREFETCH,
+        UNROLL=ct._BWD_UNROLL,
+        ONE_DOC_BRANCH=ct._BWD_ONE_DOC_BRANCH,
+    )
     yield "conv_fwd", ct.conv_fwd_kernel, ptrs, fwd, ct._FWD_WARPS, 1
     yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, 1
 

@@ -60,6 +60,11 @@ def test_refusals_before_any_work():
     with pytest.raises(SystemExit):
         be.parse_args(["--set", "overlap_dbc=True"])  # a misspelt config field
     assert be.parse_args(["--set", "overlap_dcb=True"]).config_overrides == {"overlap_dcb": True}
+    with pytest.raises(SystemExit):
+        be.parse_args(["--conv", "_FWD_ONE_DOC=True"])  # no such conv setting
+    with pytest.raises(SystemExit):
+        be.parse_args(["--conv", "_FWD_ONE_DOC_BRANCH=yes"])  # no Python literal
+    assert be.parse_args(["--conv", "_BWD_ONE_DOC_BRANCH=True"]).conv_settings == {"_BWD_ONE_DOC_BRANCH": True}
     with pytest.raises(ValueError, match="NOT_DOUBLED"):
         with be.kernel_launches(collections.Counter(), double="chained_states_fwd_kernel"):
             pass

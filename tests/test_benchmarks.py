@@ -816,6 +816,38 @@ def test_kernel_resources_folded_dt_drops_a_multiply_per_element():
         assert regs_f <= regs + 2 and spills_f <= spills, found
 
 
+def test_kernel_resources_conv_one_document_branch(monkeypatch):
+    """conv_triton's one-document branch compiled for sm_90 (1.3B tiles, documents): the backward then holds two
+    stream loops, the one-document loop as short as the loop compiled without documents (Triton 3.6: 301 against
+    377 instructions per two steps) and the other within a few of before (373; Triton 3.9: 300 / 381 against 376);
+    the forward holds two bodies (twice the MUFU); registers within a few (Triton 3.6: 128 and 127 against 128 and
+    126, so four programs per SM stay; 3.9: 132 and 136). Whether it pays is a GPU measurement (docs/performance.md,
+    session 41)."""
+    from benchmarks import kernel_resources as kr
+    from models.kernels import conv_triton as ct
+
+    def compiled(has_seq: bool, branch: bool) -> dict:
+        monkeypatch.setattr(ct, "_FWD_ONE_DOC_BRANCH", branch)
+        monkeypatch.setattr(ct, "_BWD_ONE_DOC_BRANCH", branch)
+        return {
+            name: kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)
+            for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(has_seq)
+        }
+
+    masked, plain, branched = compiled(True, False), compiled(False, False), compiled(True, True)
+    step_loops = {k: sorted(x["instructions"] for x in v["conv_bwd"]["loops"][:-1]) for k, v in
+                  dict(masked=masked, plain=plain, branched=branched).items()}  # fmt: skip
+    assert len(step_loops["masked"]) == len(step_loops["plain"]) == 1 and len(step_loops["branched"]) == 2, step_loops
+    (one_doc, tested), (before,), (without,) = step_loops["branched"], step_loops["masked"], step_loops["plain"]
+    assert one_doc <= without + 2 and tested <= before + 8 and one_doc < tested, step_loops
+    fwd_mufu = {
+        k: v["conv_fwd"]["loops"][-1]["kernel"]["MUFU"] for k, v in dict(masked=masked, branched=branched).items()
+    }
+    assert fwd_mufu["branched"] == 2 * fwd_mufu["masked"], fwd_mufu
+    for name in ("conv_fwd", "conv_bwd"):
+        assert branched[name]["registers"] <= masked[name]["registers"] + 10, (name, branched, masked)
+
+
 def test_kernel_resources_optimizer_update_without_shared_memory():
     """kernel_resources.py compiles the optimizer's kernels too; for sm_90 our AdamW's update moves nothing through
     shared memory (the bf16 copies stored in the float32 results' layout: with 8-element copy stores Triton moved

@@ -271,20 +271,29 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
     return errors
 
 
+_CONV_ONE_DOC_DEFAULTS = {}  # conv_triton's own one-document branch settings, read before any case changes them
+
+
 def check_conv(
     b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
-    unroll=2,
+    unroll=2, one_doc_branch=None,
 ):  # fmt: skip
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
     row), streams = (rows, positions per row) of a backward program (several streams and programs: the windows
-    carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order."""
+    carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order;
+    one_doc_branch: both kernels' branch that skips the document tests in a program within one document (None:
+    the module's defaults)."""
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
 
     conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
     conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
+    if not _CONV_ONE_DOC_DEFAULTS:
+        _CONV_ONE_DOC_DEFAULTS.update(fwd=conv_triton._FWD_ONE_DOC_BRANCH, bwd=conv_triton._BWD_ONE_DOC_BRANCH)
+    conv_triton._FWD_ONE_DOC_BRANCH = _CONV_ONE_DOC_DEFAULTS["fwd"] if one_doc_branch is None else one_doc_branch
+    conv_triton._BWD_ONE_DOC_BRANCH = _CONV_ONE_DOC_DEFAULTS["bwd"] if one_doc_branch is None else one_doc_branch
     g = torch.Generator().manual_seed(seed)
     dt = getattr(torch, x_dtype)
     buf = torch.randn(b, L, token_stride, generator=g).to(dt)
@@ -975,6 +984,21 @@ def test_conv_kernels_documents_strided_channel_last():
         interpret(
             conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
             streams=(2, 8), unroll=unroll,
+        )  # fmt: skip
+
+
+def test_conv_kernels_one_document_branch():
+    """Both conv kernels' branch for a program whose window lies in one document (its two end ids equal: no
+    per-tap document tests), with documents cut at the windows' edges. Forward programs of 32 positions read
+    32p - 3 ... 32p + 31: cuts at 29 (the window's first position in the new document: one document), 30 (its
+    first position alone in the old one) and 63 (its last alone in the new one), and at 32; backward programs of
+    2 streams x 8 positions read 16p - 3 ... 16p + 18: cuts at 29, 30, 82 (the last position, whose g the last dx
+    needs) and 83 (just past the window). A window end read one position short fails dx or out."""
+    cuts = [[29, 96], [63], [32, 83], [30], [82]]
+    for branch in (True, False):
+        interpret(
+            conv=True, b=5, L=100, D=40, W=4, seed=11, seq_cuts=cuts, silu=True, bias=True, token_stride=48,
+            streams=(2, 8), one_doc_branch=branch,
         )  # fmt: skip
 
 

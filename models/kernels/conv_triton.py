@@ -138,7 +138,7 @@ def _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
-                    FAST: tl.constexpr):  # fmt: skip
+                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr):  # fmt: skip
     """BLOCK_L positions x BLOCK_D channels, as BLOCK_L / 4 groups of four consecutive positions: a group's four
     output rows come from seven x rows (t - 3 ... t + 3), each loaded and converted once. (Before session 38 each
     output row loaded its four taps: 4 loads and conversions per output element where this takes 1.75; sm_90 SASS
@@ -157,14 +157,29 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
     mask_d = offs_d < D
     bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
     x_b = x_ptr + b * s_x_b
+    seq_b = seq_ptr + b * L
+    out_b = out_ptr + b * s_o_b
     t_G = pid_l * BLOCK_L + 4 * tl.arange(0, BLOCK_L // 4)
-    _group_rows(
-        _rows(x_b, t_G - 3, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G - 2, offs_d, mask_d, L, s_x_l),
-        _rows(x_b, t_G - 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G, offs_d, mask_d, L, s_x_l),
-        _rows(x_b, t_G + 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G + 2, offs_d, mask_d, L, s_x_l),
-        _rows(x_b, t_G + 3, offs_d, mask_d, L, s_x_l), seq_ptr + b * L, out_ptr + b * s_o_b, t_G, offs_d, mask_d,
-        L, s_o_l, bias, w0, w1, w2, w3, HAS_SEQ, SILU, FAST,
-    )  # fmt: skip
+    xm3, xm2 = _rows(x_b, t_G - 3, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G - 2, offs_d, mask_d, L, s_x_l)
+    xm1, x0 = _rows(x_b, t_G - 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G, offs_d, mask_d, L, s_x_l)
+    x1, x2 = _rows(x_b, t_G + 1, offs_d, mask_d, L, s_x_l), _rows(x_b, t_G + 2, offs_d, mask_d, L, s_x_l)
+    x3 = _rows(x_b, t_G + 3, offs_d, mask_d, L, s_x_l)
+    if HAS_SEQ and ONE_DOC_BRANCH:
+        # Documents are runs of equal ids, so the window (positions start - 3 ... start + BLOCK_L - 1, clipped to
+        # [0, L): x is 0 outside) lies in one document iff its two ends have the same id: two scalar loads, no
+        # reduction, and then no per-tap document test.
+        start = pid_l * BLOCK_L
+        first = tl.load(seq_b + tl.maximum(start - 3, 0))
+        last = tl.load(seq_b + tl.minimum(start + BLOCK_L, L) - 1)
+        if first == last:
+            _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d, L, s_o_l, bias, w0, w1, w2,
+                        w3, False, SILU, FAST)  # fmt: skip
+        else:
+            _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d, L, s_o_l, bias, w0, w1, w2,
+                        w3, True, SILU, FAST)  # fmt: skip
+    else:
+        _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d, L, s_o_l, bias, w0, w1, w2, w3,
+                    HAS_SEQ, SILU, FAST)  # fmt: skip
 
 
 @triton.jit
@@ -223,7 +238,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
-                    FAST: tl.constexpr):  # fmt: skip
+                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
@@ -235,11 +250,37 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
-    x_b = x_ptr + b * s_x_b
-    dout_b = dout_ptr + b * s_y_b
     seq_b = seq_ptr + b * L
-    dx_b = dx_ptr + b * s_dx_b
-    start_R = (pid_s * ROWS + tl.arange(0, ROWS)) * SEG
+    start = pid_s * ROWS * SEG
+    # The program's partial sums: [B * N_PARTS, 4, D] (tap k of 4, as _weight numbers them) and [B * N_PARTS, D].
+    part = b * N_PARTS + pid_s
+    x_b, dout_b, dx_b = x_ptr + b * s_x_b, dout_ptr + b * s_y_b, dx_ptr + b * s_dx_b
+    dw_part, db_part = dw_part_ptr + part * 4 * D, db_part_ptr + part * D
+    # fmt: off
+    if HAS_SEQ and ONE_DOC_BRANCH:
+        # The program reads positions start - 3 ... start + ROWS * SEG + 2 (clipped to [0, L)); documents are runs
+        # of equal ids, so they lie in one document iff its two ends have the same id: then no document tests.
+        first = tl.load(seq_b + tl.maximum(start - 3, 0))
+        last = tl.load(seq_b + tl.minimum(start + ROWS * SEG + 3, L) - 1)
+        if first == last:
+            _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
+                     s_dx_l, bias, w0, w1, w2, w3, False, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST)
+        else:
+            _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
+                     s_dx_l, bias, w0, w1, w2, w3, True, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST)
+    else:
+        _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
+                 s_dx_l, bias, w0, w1, w2, w3, HAS_SEQ, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST)
+    # fmt: on
+
+
+@triton.jit
+def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l, s_dx_l,
+             bias, w0, w1, w2, w3, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """conv_bwd_kernel's streams from the start of the program's first one: dx stored, the program's weight- and
+    bias-gradient sums stored at dw_part ([4, D]) and db_part ([D])."""
+    start_R = start + tl.arange(0, ROWS) * SEG
     # The window before the segment: x and ids at start - 3 ... start - 1 (g there is not needed).
     xm3, xm2, xm1, sm3, sm2, sm1 = _stream_window(x_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, HAS_SEQ)
     dw0 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
@@ -285,18 +326,16 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
             dx = _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ)
             dx_ptrs = dx_b + t_R.to(tl.int64)[:, None] * s_dx_l + offs_d[None, :]
             own_t = (t_R >= start_R) & (t_R < start_R + SEG) & (t_R < L)
-            tl.store(dx_ptrs, dx.to(dx_ptr.dtype.element_ty), mask=own_t[:, None] & mask_d[None, :])
+            tl.store(dx_ptrs, dx.to(dx_b.dtype.element_ty), mask=own_t[:, None] & mask_d[None, :])
             xm3, xm2, xm1 = xm2, xm1, x0
             sm3, sm2, sm1 = sm2, sm1, s0
             gm3, gm2, gm1 = gm2, gm1, g0
-    # This program's partial sums: [B * N_PARTS, 4, D] (tap k of 4, as _weight numbers them) and [B * N_PARTS, D].
-    part = b * N_PARTS + pid_s
-    dw_base = dw_part_ptr + part * 4 * D + offs_d
+    dw_base = dw_part + offs_d
     tl.store(dw_base, tl.sum(dw0, axis=0), mask=mask_d)
     tl.store(dw_base + D, tl.sum(dw1, axis=0), mask=mask_d)
     tl.store(dw_base + 2 * D, tl.sum(dw2, axis=0), mask=mask_d)
     tl.store(dw_base + 3 * D, tl.sum(dw3, axis=0), mask=mask_d)
-    tl.store(db_part_ptr + part * D + offs_d, tl.sum(db, axis=0), mask=mask_d)
+    tl.store(db_part + offs_d, tl.sum(db, axis=0), mask=mask_d)
 
 
 def _channel_last(x_BDL: torch.Tensor) -> torch.Tensor:
@@ -324,6 +363,13 @@ _FWD_BLOCK_D = 128
 _FWD_BLOCK_L = 32
 _FWD_WARPS = 4
 _FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see conv_fwd_kernel)
+# With documents, a program whose window (positions start - 3 ... start + 31) lies in one document (its two end ids
+# equal: two scalar loads; this relies on ids that do not decrease along a row, which the SSD kernels require too)
+# runs the body without per-tap document tests (conv_fwd_kernel). sm_90 SASS, Triton 3.6, 1.3B tiles: 601
+# instructions on that path and 734 on the other, against 712 (no documents: 576); with ~1000-token documents ~96%
+# of programs take the short path. Session 38's branch, whose test reduced the window's 35 ids across the program,
+# drew less power but ran 15% longer. Off until measured in joules on a GPU (session 41's plan).
+_FWD_ONE_DOC_BRANCH = False
 # A forward as streams (the backward's layout: each x row loaded once, the window carried; 64 registers) was slower
 # (session 24, H100, 1.3B / 370M with documents: 0.129-0.160 / 0.080-0.096 ms against this tiled one's 0.113 /
 # 0.064) and was removed.
@@ -342,6 +388,11 @@ _BWD_SEG = 64
 _BWD_WARPS = 4
 _BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
 _BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
+# The same for the backward's programs (window start - 3 ... start + ROWS * SEG + 2, ~74% of them in one document
+# at ~1000-token documents): the stream loop 301 instructions per two steps on that path, 373 on the other, against
+# 377 (Triton 3.6, 128 registers both ways). Off until measured (documents cost the backward ~5% of its joules,
+# session 38).
+_BWD_ONE_DOC_BRANCH = False
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
 # (tl.sigmoid's PTX wraps each in range checks: ~18 of a rolled step's ~237 instructions); the interpreter (the CPU
 # tests) runs the same formula with tl.exp2 and a division. Outputs against causal_conv1d's unchanged at bf16
@@ -369,7 +420,7 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, CHANNELS_FASTEST=_FWD_CHANNELS_FASTEST, FAST=_fast(),
-        num_warps=_FWD_WARPS,
+        ONE_DOC_BRANCH=_FWD_ONE_DOC_BRANCH, num_warps=_FWD_WARPS,
     )  # fmt: skip
     return out_BLD.transpose(1, 2)
 
@@ -395,7 +446,7 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, UNROLL=_BWD_UNROLL, FAST=_fast(),
-        num_warps=_BWD_WARPS,
+        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
     dw = dw_part.sum(0)[4 - W :].t().contiguous()  # taps 4 - W ... 3 are the weight's columns
