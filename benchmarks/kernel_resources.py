@@ -423,7 +423,13 @@ def main():
         help="B / C groups (1 at every config's shape: Triton then compiles G as the constant 1)",
     )
     ap.add_argument("--no_seq", action="store_true", help="compile without seq_idx (documents)")
-    ap.add_argument("--set", nargs="*", default=[], help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        action="extend",
+        default=[],
+        help="BlockConfig overrides, e.g. dx_m=32 dc_warps=8 (repeatable, as the other benchmarks' --set)",
+    )
     ap.add_argument("--kernels", default="", help="only the kernels whose name matches this regular expression")
     ap.add_argument("--loops", action="store_true", help="also each loop's instructions by kind (nvdisasm)")
     ap.add_argument("--converts", action="store_true", help="also the IR's layout conversions (via shared memory)")
