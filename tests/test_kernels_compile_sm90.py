@@ -25,7 +25,7 @@ from tests.interpreter_child import child_results, run_checks
 pytest.importorskip("triton")
 
 # test_ssd_triton cases (their functions call `interpret(**case)`, run here in this process) that together launch
-# every SSD, conv and add-RMSNorm kernel
+# every SSD kernel
 SSD_TESTS = (
     "test_documents_initial_states_two_groups_remainder",
     "test_one_group_D_per_channel_z_odd_chunk",
@@ -36,12 +36,11 @@ SSD_TESTS = (
     "test_chained_scan_forward",
     "test_fused_scan_several_blocks_of_P_ragged_N",
     "test_per_head_backward_mode_staged_forward",
-    "test_add_rmsnorm_kernels",
-    "test_conv_kernels_documents_strided_channel_last",
-    "test_conv_kernels_widths_without_documents",
 )
 # modules whose child() runs their interpreter cases through tests/interpreter_child.py
 CHILD_MODULES = (
+    "tests.test_conv_triton",
+    "tests.test_add_rmsnorm_triton",
     "tests.test_gated_rmsnorm_triton",
     "tests.test_cross_entropy_triton",
     "tests.test_adamw_triton",

@@ -85,8 +85,6 @@ def run_case_in_child(**case):
     # A case flag names its check (the rest of the case are the check's arguments); without one, the SSD itself.
     checks = {
         "final_only_halves": check_final_state_only_halves,
-        "add_rmsnorm": check_add_rmsnorm,
-        "conv": check_conv,
         "fp16_gate": check_fp16_gate_dD,
         "carried_decay": check_decay_through_initial_states,
         "fp16_decay": check_fp16_decay_gradient,
@@ -228,102 +226,6 @@ def check_against_reference(fn, inp, chunk_size, dt_softplus=True, dt_limit=(0.0
             errors["d" + k] = rel(lk[k].grad, v.grad)
     bad = {k: e for k, e in errors.items() if not e <= tol}
     assert not bad, f"over {tol}: {bad}; all: {errors}"
-    return errors
-
-
-def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
-    """add_rmsnorm_triton against add_rmsnorm_ref in float64: normed output, new residual (and its dtype), and the
-    gradients of x, residual and weight with both outputs used downstream (the new residual's own gradient flows
-    back through the add). residual: None, "float32" or "x" (x's dtype)."""
-    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
-    from models.kernels.norm_reference import add_rmsnorm_ref
-
-    g = torch.Generator().manual_seed(seed)
-    dt = getattr(torch, x_dtype)
-    x = torch.randn(b, L, D, generator=g).to(dt)
-    res = (
-        None
-        if residual is None
-        else (torch.randn(b, L, D, generator=g) * 2).to(torch.float32 if residual == "float32" else dt)
-    )
-    w = 1 + 0.2 * torch.randn(D, generator=g)
-    c_y, c_s = (
-        torch.randn(b, L, D, generator=g, dtype=torch.float64),
-        torch.randn(b, L, D, generator=g, dtype=torch.float64),
-    )
-    out = {}
-    for name, fn, up in (("ours", add_rmsnorm_triton, False), ("ref", add_rmsnorm_ref, True)):
-        leaves = [None if t is None else (t.double() if up else t.clone()).requires_grad_() for t in (x, res, w)]
-        y, s = fn(leaves[0], leaves[1], leaves[2], eps=1e-5, residual_in_fp32=residual_in_fp32)
-        ((y.double() * c_y).sum() + (s.double() * c_s).sum()).backward()
-        out[name] = dict(
-            y=y, s=s, dx=leaves[0].grad, dw=leaves[2].grad, **({} if res is None else {"dres": leaves[1].grad})
-        )
-    want_s = res.dtype if res is not None else (torch.float32 if residual_in_fp32 else dt)
-    assert out["ours"]["s"].dtype == want_s and out["ours"]["y"].dtype == dt, (out["ours"]["s"].dtype, want_s)
-    assert out["ours"]["dx"].dtype == dt
-    tol = 1e-5 if dt == torch.float32 else 2e-3  # float16 outputs carry its rounding (2^-11)
-    errors = {
-        k: ((out["ours"][k].double() - v.double()).norm() / v.double().norm()).item() for k, v in out["ref"].items()
-    }
-    bad = {k: e for k, e in errors.items() if not e <= tol}
-    assert not bad, f"over {tol}: {bad}; all: {errors}"
-    return errors
-
-
-_CONV_ONE_DOC_DEFAULTS = {}  # conv_triton's own one-document branch settings, read before any case changes them
-
-
-def check_conv(
-    b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
-    unroll=2, one_doc_branch=None,
-):  # fmt: skip
-    """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
-    channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
-    row), streams = (rows, positions per row) of a backward program (several streams and programs: the windows
-    carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order;
-    one_doc_branch: both kernels' branch that skips the document tests in a program within one document (None:
-    the module's defaults)."""
-    from models.kernels import conv_triton
-    from models.kernels.conv_reference import causal_conv1d_ref
-
-    conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
-    conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
-    conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
-    if not _CONV_ONE_DOC_DEFAULTS:
-        _CONV_ONE_DOC_DEFAULTS.update(fwd=conv_triton._FWD_ONE_DOC_BRANCH, bwd=conv_triton._BWD_ONE_DOC_BRANCH)
-    conv_triton._FWD_ONE_DOC_BRANCH = _CONV_ONE_DOC_DEFAULTS["fwd"] if one_doc_branch is None else one_doc_branch
-    conv_triton._BWD_ONE_DOC_BRANCH = _CONV_ONE_DOC_DEFAULTS["bwd"] if one_doc_branch is None else one_doc_branch
-    g = torch.Generator().manual_seed(seed)
-    dt = getattr(torch, x_dtype)
-    buf = torch.randn(b, L, token_stride, generator=g).to(dt)
-    x = buf[:, :, 1 : D + 1].transpose(1, 2)  # [B, D, L], channels contiguous, token stride token_stride
-    w = 0.5 * torch.randn(D, W, generator=g)
-    bvec = 0.1 * torch.randn(D, generator=g) if bias else None
-    seq = None
-    if seq_cuts is not None:
-        seq = torch.zeros(b, L, dtype=torch.int32)
-        for row, cuts in enumerate(seq_cuts):
-            for c in cuts:
-                seq[row, c:] += 1
-    dout = torch.randn(b, D, L, generator=g, dtype=torch.float64)
-    act = "silu" if silu else None
-    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, w, bvec)]
-    ref = causal_conv1d_ref(leaves[0], leaves[1], leaves[2], seq, act)
-    (ref * dout).sum().backward()
-    out = conv_triton.conv_forward_triton(x, w, bvec, seq, silu)
-    assert out.shape == x.shape and out.dtype == dt and out.stride(1) == 1
-    dx, dw, db = conv_triton.conv_backward_triton(x, w, bvec, dout.to(dt), seq, silu)
-    got = dict(out=out, dx=dx, dw=dw, **({"db": db} if bias else {}))
-    want = dict(out=ref, dx=leaves[0].grad, dw=leaves[1].grad, **({"db": leaves[2].grad} if bias else {}))
-    errors = {k: ((got[k].double() - v).norm() / v.norm()).item() for k, v in want.items()}
-    tol = 1e-5 if dt == torch.float32 else 4e-3
-    bad = {k: e for k, e in errors.items() if not e <= tol}
-    assert not bad, f"over {tol}: {bad}; all: {errors}"
-    # dx written into a given channel-last buffer (the mixer's view of dzxbcdt), the same values.
-    dbuf = torch.zeros(b, L, token_stride, dtype=dt)
-    conv_triton.conv_backward_triton(x, w, bvec, dout.to(dt), seq, silu, dbuf[:, :, 1 : D + 1].transpose(1, 2))
-    assert torch.equal(dbuf[:, :, 1 : D + 1].transpose(1, 2), dx) and not dbuf[:, :, 0].any()
     return errors
 
 
@@ -961,68 +863,6 @@ def test_fused_path_kernel_halves_wiring():
     interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True)
 
 
-def test_add_rmsnorm_kernels():
-    """Our fused residual add + RMSNorm (the blocks' pre-norm): the first block (no residual, new residual in float32),
-    a float32 residual with float16 x (the bf16 model's case), a residual in x's dtype; a width that is not a power
-    of two (masked tails) and more rows than backward programs (each sums several rows' weight gradient)."""
-    interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=1, x_dtype="float32", residual=None, residual_in_fp32=True)
-    interpret(add_rmsnorm=True, b=2, L=37, D=48, seed=2, x_dtype="float16", residual="float32")
-    interpret(add_rmsnorm=True, b=1, L=20, D=64, seed=3, x_dtype="float32", residual="x")
-
-
-def test_conv_kernels_documents_strided_channel_last():
-    """Our causal conv (conv_triton.py) against the float64 reference: silu, bias, documents (one starting at 0,
-    one-token documents, cuts inside a tile and at a tile edge), x a strided channel-last view, channels not a
-    multiple of the block, and several backward programs along L (partial weight gradients summed)."""
-    cuts = [[1, 2, 30, 64, 65], [33]]
-    interpret(
-        conv=True, b=2, L=100, D=40, W=4, seed=1, seq_cuts=cuts, silu=True, bias=True, token_stride=48, streams=(2, 8)
-    )
-    # The stream loop rolled (one step per iteration) and at 3 steps per iteration (segments of 8: 11 steps, so one
-    # step past the end whose weight terms must not count; they, or a stale window, fail dw or dx).
-    for unroll in (1, 3):
-        interpret(
-            conv=True, b=1, L=50, D=24, W=4, seed=7, seq_cuts=[[5, 17]], silu=True, bias=True, token_stride=32,
-            streams=(2, 8), unroll=unroll,
-        )  # fmt: skip
-
-
-def test_conv_kernels_one_document_branch():
-    """Both conv kernels' branch for a program whose window lies in one document (its two end ids equal: no
-    per-tap document tests), with documents cut at the windows' edges. Forward programs of 32 positions read
-    32p - 3 ... 32p + 31: cuts at 29 (the window's first position in the new document: one document), 30 (its
-    first position alone in the old one) and 63 (its last alone in the new one), and at 32; backward programs of
-    2 streams x 8 positions read 16p - 3 ... 16p + 18: cuts at 29, 30, 82 (the last position, whose g the last dx
-    needs) and 83 (just past the window). A window end read one position short fails dx or out."""
-    cuts = [[29, 96], [63], [32, 83], [30], [82]]
-    for branch in (True, False):
-        interpret(
-            conv=True, b=5, L=100, D=40, W=4, seed=11, seq_cuts=cuts, silu=True, bias=True, token_stride=48,
-            streams=(2, 8), one_doc_branch=branch,
-        )  # fmt: skip
-
-
-def test_conv_kernels_widths_without_documents():
-    """Widths 2 and 3, no documents, no bias, no activation (and the forward's other grid order); float16 x with
-    width 4; sequences of 2 and 3 tokens."""
-    interpret(conv=True, b=1, L=70, D=16, W=2, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17)
-    interpret(
-        conv=True, b=1, L=70, D=16, W=3, seed=2, seq_cuts=None, silu=False, bias=False, token_stride=17,
-        streams=(2, 16),
-    )  # fmt: skip
-    interpret(
-        conv=True, b=2, L=45, D=24, W=3, seed=3, seq_cuts=None, silu=True, bias=False, token_stride=32,
-        fwd_channels_fastest=False,
-    )  # fmt: skip
-    interpret(
-        conv=True, b=1, L=40, D=8, W=4, seed=4, seq_cuts=[[10]], silu=True, bias=True, token_stride=16,
-        x_dtype="float16",
-    )  # fmt: skip
-    # sequences shorter than the conv's window, one of them with a document starting at its second position
-    interpret(conv=True, b=2, L=2, D=8, W=4, seed=5, seq_cuts=[[1], []], silu=True, bias=True, token_stride=16)
-    interpret(conv=True, b=1, L=3, D=8, W=4, seed=6, seq_cuts=None, silu=True, bias=True, token_stride=16)
-
-
 def test_fused_path_kernel_halves_final_state_only():
     """The kernel-halves backward with no gradient for the output, only for the final state."""
     interpret(final_only_halves=True, b=2, L=40, H=4, P=16, G=1, N=16, seed=8, chunk_size=16)
@@ -1175,14 +1015,3 @@ def test_model_option_keeps_states_in_the_kernels_config(monkeypatch):
                     call()
                 seen.append(e.value.args[0])
     assert seen == [False] * 4 + [True] * 4
-
-
-def test_conv_forward_refuses_a_tile_that_is_not_groups_of_four(monkeypatch):
-    """The conv forward computes its tile as groups of four positions: a tuned _FWD_BLOCK_L that is no multiple of 4
-    is refused before any launch, by name."""
-    from models.kernels import conv_triton
-
-    monkeypatch.setattr(conv_triton, "_FWD_BLOCK_L", 30)
-    x = torch.zeros(1, 8, 16).transpose(1, 2)  # [B, D, L] = [1, 16, 8], channels contiguous
-    with pytest.raises(ValueError, match="_FWD_BLOCK_L must be a multiple of 4"):
-        conv_triton.conv_forward_triton(x, torch.zeros(16, 4), None, None, True)

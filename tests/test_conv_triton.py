@@ -1,0 +1,157 @@
+"""Our depthwise causal conv1d (models/kernels/conv_triton.py) on the CPU, through Triton's interpreter.
+
+Forward and backward (dx, dweight, dbias) against causal_conv1d_ref in float64 with autograd: silu and none, bias
+and none, widths 2 to 4, documents (seq_idx: one starting at 0, one-token documents, cuts inside a tile, at a tile's
+edge and at the edges of the windows the one-document branch tests), x as a strided channel-last view (the mixer's
+slice of zxbcdt), channels not a multiple of the block, several backward programs and streams along L, the stream
+loop rolled and unrolled, float32 and float16 x, sequences shorter than the window. float32 runs to 1e-5.
+
+As in test_ssd_triton.py, Triton reads TRITON_INTERPRET when first imported, so the cases run in one child process
+with the variable set (all of them, once per session); each test reads its cases' results. A case sets every module
+setting it depends on (the child runs the cases one after another in one process).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.interpreter_child import child_results, run_checks
+
+pytest.importorskip("triton")
+
+_ONE_DOC_DEFAULTS = {}  # conv_triton's own one-document branch settings, read before any case changes them
+
+
+def check_conv(
+    b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
+    unroll=2, one_doc_branch=None,
+):  # fmt: skip
+    """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
+    channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
+    row), streams = (rows, positions per row) of a backward program (several streams and programs: the windows
+    carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order;
+    one_doc_branch: both kernels' branch that skips the document tests in a program within one document (None:
+    the module's defaults)."""
+    from models.kernels import conv_triton
+    from models.kernels.conv_reference import causal_conv1d_ref
+
+    conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
+    conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
+    conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
+    if not _ONE_DOC_DEFAULTS:
+        _ONE_DOC_DEFAULTS.update(fwd=conv_triton._FWD_ONE_DOC_BRANCH, bwd=conv_triton._BWD_ONE_DOC_BRANCH)
+    conv_triton._FWD_ONE_DOC_BRANCH = _ONE_DOC_DEFAULTS["fwd"] if one_doc_branch is None else one_doc_branch
+    conv_triton._BWD_ONE_DOC_BRANCH = _ONE_DOC_DEFAULTS["bwd"] if one_doc_branch is None else one_doc_branch
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, x_dtype)
+    buf = torch.randn(b, L, token_stride, generator=g).to(dt)
+    x = buf[:, :, 1 : D + 1].transpose(1, 2)  # [B, D, L], channels contiguous, token stride token_stride
+    w = 0.5 * torch.randn(D, W, generator=g)
+    bvec = 0.1 * torch.randn(D, generator=g) if bias else None
+    seq = None
+    if seq_cuts is not None:
+        seq = torch.zeros(b, L, dtype=torch.int32)
+        for row, cuts in enumerate(seq_cuts):
+            for c in cuts:
+                seq[row, c:] += 1
+    dout = torch.randn(b, D, L, generator=g, dtype=torch.float64)
+    act = "silu" if silu else None
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, w, bvec)]
+    ref = causal_conv1d_ref(leaves[0], leaves[1], leaves[2], seq, act)
+    (ref * dout).sum().backward()
+    out = conv_triton.conv_forward_triton(x, w, bvec, seq, silu)
+    assert out.shape == x.shape and out.dtype == dt and out.stride(1) == 1
+    dx, dw, db = conv_triton.conv_backward_triton(x, w, bvec, dout.to(dt), seq, silu)
+    got = dict(out=out, dx=dx, dw=dw, **({"db": db} if bias else {}))
+    want = dict(out=ref, dx=leaves[0].grad, dw=leaves[1].grad, **({"db": leaves[2].grad} if bias else {}))
+    errors = {k: ((got[k].double() - v).norm() / v.norm()).item() for k, v in want.items()}
+    tol = 1e-5 if dt == torch.float32 else 4e-3
+    bad = {k: e for k, e in errors.items() if not e <= tol}
+    assert not bad, f"over {tol}: {bad}; all: {errors}"
+    # dx written into a given channel-last buffer (the mixer's view of dzxbcdt), the same values.
+    dbuf = torch.zeros(b, L, token_stride, dtype=dt)
+    conv_triton.conv_backward_triton(x, w, bvec, dout.to(dt), seq, silu, dbuf[:, :, 1 : D + 1].transpose(1, 2))
+    assert torch.equal(dbuf[:, :, 1 : D + 1].transpose(1, 2), dx) and not dbuf[:, :, 0].any()
+    return errors
+
+
+def _case(**kw):
+    return dict(dict(silu=True, bias=True, W=4, seq_cuts=None), **kw)
+
+
+CASES = {
+    # silu, bias, documents (one starting at 0, one-token ones, cuts inside a tile and at a tile edge), a strided
+    # channel-last x, channels not a multiple of the block, several backward programs along L
+    "documents_strided": _case(b=2, L=100, D=40, seed=1, seq_cuts=[[1, 2, 30, 64, 65], [33]], token_stride=48,
+                               streams=(2, 8)),
+    # the stream loop rolled (one step per iteration) and at 3 steps per iteration (segments of 8: 11 steps, so one
+    # step past the end whose weight terms must not count; they, or a stale window, fail dw or dx)
+    "stream_rolled": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8), unroll=1),
+    "stream_three_steps": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8),
+                                unroll=3),
+    # the one-document branch (test_one_document_branch's docstring says which cut tests which window edge)
+    "one_doc_branch_on": _case(b=5, L=100, D=40, seed=11, seq_cuts=[[29, 96], [63], [32, 83], [30], [82]],
+                               token_stride=48, streams=(2, 8), one_doc_branch=True),
+    "one_doc_branch_off": _case(b=5, L=100, D=40, seed=11, seq_cuts=[[29, 96], [63], [32, 83], [30], [82]],
+                                token_stride=48, streams=(2, 8), one_doc_branch=False),
+    # widths 2 and 3, no bias, no activation, the forward's other grid order; float16 x at width 4
+    "width2_plain": _case(b=1, L=70, D=16, W=2, seed=2, silu=False, bias=False, token_stride=17),
+    "width3_plain": _case(b=1, L=70, D=16, W=3, seed=2, silu=False, bias=False, token_stride=17, streams=(2, 16)),
+    "width3_other_grid_order": _case(b=2, L=45, D=24, W=3, seed=3, bias=False, token_stride=32,
+                                     fwd_channels_fastest=False),
+    "float16_x": _case(b=1, L=40, D=8, seed=4, seq_cuts=[[10]], token_stride=16, x_dtype="float16"),
+    # sequences shorter than the conv's window, one with a document starting at its second position
+    "two_tokens": _case(b=2, L=2, D=8, seed=5, seq_cuts=[[1], []], token_stride=16),
+    "three_tokens": _case(b=1, L=3, D=8, seed=6, token_stride=16),
+}  # fmt: skip
+
+
+def child():
+    from tests.test_ssd_triton import _patch_interpreter_scalar_index
+
+    _patch_interpreter_scalar_index()
+    run_checks({name: (lambda kw=kw: check_conv(**kw)) for name, kw in CASES.items()})
+
+
+@pytest.fixture(scope="module")
+def results():
+    return child_results("tests.test_conv_triton")
+
+
+def _passed(results, *names):
+    for name in names:
+        assert results[name]["ok"], f"case {name} ({CASES[name]}) failed:\n{results[name]['out']}"
+
+
+def test_documents_strided_channel_last(results):
+    """Documents, a strided channel-last x, several backward programs, the stream loop rolled and at three steps."""
+    _passed(results, "documents_strided", "stream_rolled", "stream_three_steps")
+
+
+def test_one_document_branch(results):
+    """Both kernels' branch for a program whose window lies in one document (its two end ids equal: no per-tap
+    document tests), with documents cut at the windows' edges. Forward programs of 32 positions read 32p - 3 ...
+    32p + 31: cuts at 29 (the window's first position in the new document: one document), 30 (its first position
+    alone in the old one) and 63 (its last alone in the new one), and at 32; backward programs of 2 streams x 8
+    positions read 16p - 3 ... 16p + 18: cuts at 29, 30, 82 (the last position, whose g the last dx needs) and 83
+    (just past the window). A window end read one position short fails dx or out (checked by mutation)."""
+    _passed(results, "one_doc_branch_on", "one_doc_branch_off")
+
+
+def test_widths_without_documents(results):
+    """Widths 2 and 3, no documents, no bias, no activation (and the forward's other grid order); float16 x with
+    width 4; sequences of 2 and 3 tokens."""
+    _passed(results, "width2_plain", "width3_plain", "width3_other_grid_order", "float16_x", "two_tokens",
+            "three_tokens")  # fmt: skip
+
+
+def test_forward_refuses_a_tile_that_is_not_groups_of_four(monkeypatch):
+    """The conv forward computes its tile as groups of four positions: a tuned _FWD_BLOCK_L that is no multiple of 4
+    is refused before any launch, by name."""
+    from models.kernels import conv_triton
+
+    monkeypatch.setattr(conv_triton, "_FWD_BLOCK_L", 30)
+    x = torch.zeros(1, 8, 16).transpose(1, 2)  # [B, D, L] = [1, 16, 8], channels contiguous
+    with pytest.raises(ValueError, match="_FWD_BLOCK_L must be a multiple of 4"):
+        conv_triton.conv_forward_triton(x, torch.zeros(16, 4), None, None, True)
