@@ -366,7 +366,7 @@ _FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see 
 # With documents, a program whose window (positions start - 3 ... start + 31) lies in one document (its two end ids
 # equal: two scalar loads; this relies on ids that do not decrease along a row, which the SSD kernels require too)
 # runs the body without per-tap document tests (conv_fwd_kernel). sm_90 SASS, Triton 3.6, 1.3B tiles: 601
-# instructions on that path and 734 on the other, against 712 (no documents: 576); with ~1000-token documents ~96%
+# instructions on that path and 734 on the other, against 712 (no documents: 576); with ~1000-token documents 96-97%
 # of programs take the short path. Session 38's branch, whose test reduced the window's 35 ids across the program,
 # drew less power but ran 15% longer. Off until measured in joules on a GPU (session 41's plan).
 _FWD_ONE_DOC_BRANCH = False
@@ -388,7 +388,7 @@ _BWD_SEG = 64
 _BWD_WARPS = 4
 _BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
 _BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
-# The same for the backward's programs (window start - 3 ... start + ROWS * SEG + 2, ~74% of them in one document
+# The same for the backward's programs (window start - 3 ... start + ROWS * SEG + 2, 75-83% of them in one document
 # at ~1000-token documents): the stream loop 301 instructions per two steps on that path, 373 on the other, against
 # 377 (Triton 3.6, 128 registers both ways). Off until measured (documents cost the backward ~5% of its joules,
 # session 38).
