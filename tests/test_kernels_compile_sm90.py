@@ -24,8 +24,8 @@ from tests.interpreter_child import child_results, run_checks
 
 pytest.importorskip("triton")
 
-# test_ssd_triton cases (their functions call `interpret(**case)`, run here in this process) that together launch
-# every SSD kernel
+# test_ssd_triton cases (their functions call `interpret(**case)` / `interpret_all(*cases)`, run here in this process
+# one after another) that together launch every SSD kernel
 SSD_TESTS = (
     "test_documents_initial_states_two_groups_remainder",
     "test_one_group_D_per_channel_z_odd_chunk",
@@ -69,11 +69,15 @@ def _run_ssd_test(name: str) -> None:
             autograd.block_config = default  # a case may override the tile shapes
         return out.getvalue()
 
-    saved, t.interpret = t.interpret, interpret
+    def interpret_all(*cases):
+        return [interpret(**case) for case in cases]
+
+    saved = t.interpret, t.interpret_all
+    t.interpret, t.interpret_all = interpret, interpret_all
     try:
         getattr(t, name)()
     finally:
-        t.interpret = saved
+        t.interpret, t.interpret_all = saved
 
 
 def _run_child_module(module: str) -> None:

@@ -8,9 +8,9 @@ that are not powers of two. The interpreter runs the kernels in float32 numpy, s
 1e-7; the tolerance (2e-5) leaves room for long reductions and fails on any real indexing error.
 
 Triton reads TRITON_INTERPRET when it is first imported (its own helpers such as tl.zeros are
-defined then), so the cases run in a separate Python process with the variable set (one worker that takes
-them one after another, restoring the tile shapes a case overrides); nothing leaks into other tests (mamba_ssm's
-kernels on a GPU machine).
+defined then), so the cases run in separate Python processes with the variable set (workers that take them one
+after another, restoring the tile shapes a case overrides: one per core, at most two, so that a test's independent
+cases run side by side through interpret_all); nothing leaks into other tests (mamba_ssm's kernels on a GPU machine).
 """
 
 import ast
@@ -118,12 +118,14 @@ class _InterpreterWorker:
         )  # fmt: skip
         atexit.register(self.proc.kill)
 
-    def run(self, case: dict, timeout: float = 600) -> str:
+    def submit(self, case: dict) -> None:
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         self.proc.stdin.write(repr(case) + "\n")
         self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+
+    def finish(self, case: dict, ready: bool) -> str:
+        """The submitted case's output (its result line is ready, else it timed out); fails with its output."""
         line = self.proc.stdout.readline() if ready else ""
         if not line:  # timed out or died: report its stderr, start afresh next time
             self.proc.kill()
@@ -133,8 +135,15 @@ class _InterpreterWorker:
         assert result["ok"], f"case {case} failed:\n{result['out'][-6000:]}"
         return result["out"]
 
+    def run(self, case: dict, timeout: float = 600) -> str:
+        self.submit(case)
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return self.finish(case, bool(ready))
 
-_WORKER = _InterpreterWorker()
+
+# One worker per core, at most two: a test's independent cases (interpret_all) run side by side, and the pytest
+# process only waits (CI has two cores: the interpreter cases are most of this file's time).
+_WORKERS = [_InterpreterWorker() for _ in range(max(1, min(2, os.cpu_count() or 1)))]
 
 
 def serve():
@@ -166,7 +175,31 @@ def serve():
 
 def interpret(**case):
     """Run one case in the interpreter worker; fail with its output if it fails. Returns what the case printed."""
-    return _WORKER.run(case)
+    return _WORKERS[0].run(case)
+
+
+def interpret_all(*cases: dict, timeout: float = 600) -> list[str]:
+    """Independent cases spread over the workers (each case resets what it changes, serve()); fails with the first
+    failed case's output once all have finished. Returns what each case printed, in order."""
+    outs, failures = [None] * len(cases), []
+    queue, busy = list(enumerate(cases)), {}  # busy: worker -> (index, case)
+    while queue or busy:
+        for worker in _WORKERS:
+            if worker not in busy and queue:
+                busy[worker] = queue.pop(0)
+                worker.submit(busy[worker][1])
+        ready, _, _ = select.select([w.proc.stdout for w in busy], [], [], timeout)
+        for worker in list(busy):
+            if ready and worker.proc.stdout not in ready:
+                continue
+            i, case = busy.pop(worker)
+            try:
+                outs[i] = worker.finish(case, bool(ready))
+            except AssertionError as e:
+                failures.append(e)
+    if failures:
+        raise failures[0]
+    return outs
 
 
 def make_inputs(b, L, H, P, G, N, seed, D_shape="H", with_z=False, with_init=True, seq_cuts=None, A_scale=1.0):
@@ -565,14 +598,16 @@ def test_chunk_states_one_and_two_heads_per_program():
     state_passing.py), with one head per program (config state_heads / chained_heads 1; also the fallback for odd
     heads per group) and two: documents, initial and final states, two groups, several position blocks per chunk, a
     remainder; and whole tiles without documents (the kernels' EVEN path)."""
+    cases = []
     for chained in (True, False):
         for heads in (1, 2):
             cfg = dict(state_heads=heads, chained_heads=heads, chained=chained)
-            interpret(
-                b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
-                config=dict(cfg, state_k=8),
-            )  # fmt: skip
-            interpret(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=cfg)
+            cases += [
+                dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+                     config=dict(cfg, state_k=8)),
+                dict(b=1, L=64, H=4, P=16, G=1, N=16, seed=8, call=dict(chunk_size=32), config=cfg),
+            ]  # fmt: skip
+    interpret_all(*cases)
 
 
 def test_entering_states_kept_for_the_backward():
@@ -582,16 +617,13 @@ def test_entering_states_kept_for_the_backward():
     test). Also through
     the mixer's two backward paths (autograd inside, and the kernel halves), which carry them in their own saved
     tensors. Handing the backward the states one chunk off fails it (checked by mutation)."""
-    for chained in (True, False):
-        interpret(
-            b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
-            config=dict(keep_states=True, chained=chained),
-        )  # fmt: skip
     kept = dict(keep_states=True)
-    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True, config=kept)
-    interpret(
-        b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True,
-        config=kept,
+    interpret_all(
+        *(dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+               config=dict(keep_states=True, chained=chained)) for chained in (True, False)),
+        dict(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True, config=kept),
+        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True,
+             config=kept),
     )  # fmt: skip
 
 
@@ -610,17 +642,13 @@ def test_chained_scan_forward():
     documents that cross chunk ends, initial and final states, two groups, a remainder; whole tiles with several row
     blocks per chunk; D per channel, z and dt limits with a chunk that is not a power of two. A hand-off from the
     wrong slot, or the state term without its document mask, fails it (checked by mutation)."""
-    interpret(
-        b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
-        config=dict(chained_scan=True),
-    )  # fmt: skip
-    interpret(
-        b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=32),
-        config=dict(SMALL_TILES, chained_scan=True),
-    )  # fmt: skip
-    interpret(
-        b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
-        call=dict(chunk_size=24, dt_limit=(0.01, 1.5)), config=dict(SMALL_TILES, chained_scan=True),
+    interpret_all(
+        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
+             config=dict(chained_scan=True)),
+        dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=32),
+             config=dict(SMALL_TILES, chained_scan=True)),
+        dict(b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
+             call=dict(chunk_size=24, dt_limit=(0.01, 1.5)), config=dict(SMALL_TILES, chained_scan=True)),
     )  # fmt: skip
 
 
@@ -676,18 +704,19 @@ def test_dx_term_order_heads_and_chunk_major_grids():
     the default decodes one axis, launch.program_ids); dx's row sums (q, ddt) as 1-D tensors (dx_row_sums_2d False,
     the form before session 25), with each term order. All with documents, initial states and four position blocks
     per chunk."""
-    for config in (
+    configs = (
         dict(dx_state_first=False),
         dict(dx_heads=2),
         dict(dx_heads=2, dx_state_first=False),
         dict(inner_first=False),
         dict(dx_row_sums_2d=False),
         dict(dx_row_sums_2d=False, dx_state_first=False, dx_heads=2),
-    ):
-        interpret(
-            b=2, L=100, H=4, P=16, G=1, N=16, seed=12, seq_cuts=[[30, 70], [50]], call=dict(chunk_size=64),
-            config=dict(SMALL_TILES, **config),
-        )  # fmt: skip
+    )
+    interpret_all(*(
+        dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=12, seq_cuts=[[30, 70], [50]], call=dict(chunk_size=64),
+             config=dict(SMALL_TILES, **config))
+        for config in configs
+    ))  # fmt: skip
 
 
 def test_steep_decay():
@@ -712,15 +741,17 @@ def test_dt_folded_into_the_decay_exponent():
     by dt, or an a2dt without log2(dt), fails (checked by mutation)."""
     fold = dict(SMALL_TILES, fold_dt=True)
     docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
-    interpret(**docs, call=dict(chunk_size=64), config=fold)
-    interpret(**docs, call=dict(chunk_size=64), config=dict(fold, dcb_tiles=False, dcb_cols_by_dot=True))
-    interpret(b=1, L=128, H=2, P=16, G=1, N=16, seed=22, with_init=False, call=dict(chunk_size=64), config=fold)
     steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
-    interpret(**steep, call=dict(chunk_size=64, tol=1e-3), config=fold)
-    interpret(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fold)
-    interpret(**docs, call=dict(chunk_size=64), config=dict(fold, keep_states=True))
-    interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
-              config=dict(fold_dt=True))  # fmt: skip
+    interpret_all(
+        dict(**docs, call=dict(chunk_size=64), config=fold),
+        dict(**docs, call=dict(chunk_size=64), config=dict(fold, dcb_tiles=False, dcb_cols_by_dot=True)),
+        dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=22, with_init=False, call=dict(chunk_size=64), config=fold),
+        dict(**steep, call=dict(chunk_size=64, tol=1e-3), config=fold),
+        dict(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fold),
+        dict(**docs, call=dict(chunk_size=64), config=dict(fold, keep_states=True)),
+        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
+             config=dict(fold_dt=True)),
+    )  # fmt: skip
 
 
 def test_dcb_grid_per_tile_and_per_row_block():
@@ -731,23 +762,14 @@ def test_dcb_grid_per_tile_and_per_row_block():
     offset, fail it) and per head (the default since session 24); the state term in one slice of the heads (the
     default) and in two (dcb_state_split 2: partial sums per slice, added in bc_finish); the column sums as row sums
     of a transposed product (dcb_cols_by_dot) on both grids."""
-    cases = ((True, True, 1, False), (True, True, 2, False), (False, True, 1, False), (True, False, 1, False),
+    base = dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]])
+    grids = ((True, True, 1, False), (True, True, 2, False), (False, True, 1, False), (True, False, 1, False),
              (True, True, 1, True), (False, True, 1, True))  # fmt: skip
-    for dcb_tiles, pairs, split, cols_dot in cases:
-        interpret(
-            b=1,
-            L=128,
-            H=2,
-            P=16,
-            G=1,
-            N=16,
-            seed=9,
-            seq_cuts=[[40, 100]],
-            call=dict(chunk_size=64),
-            config=dict(
-                SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs, dcb_state_split=split, dcb_cols_by_dot=cols_dot
-            ),
-        )
+    cases = [
+        dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs,
+                                                           dcb_state_split=split, dcb_cols_by_dot=cols_dot))
+        for dcb_tiles, pairs, split, cols_dot in grids
+    ]  # fmt: skip
     # Per-head column sums below the diagonal as one sum reduced across the warps (dcb_col_parts 1) and as two
     # partial sums over row groups (the default is 4: a part written to another block's extra slot, or dt_bwd adding
     # an extra slot at the positions of its own block or later, fails: checked by mutation), on both grids.
@@ -761,16 +783,13 @@ def test_dcb_grid_per_tile_and_per_row_block():
         (False, 2, True, 64),
         (True, 4, True, 16),
     ):
-        interpret(
-            b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=chunk),
+        cases.append(dict(
+            **base, call=dict(chunk_size=chunk),
             config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_col_parts=parts, dcb_diag_col_parts=diag),
-        )  # fmt: skip
+        ))  # fmt: skip
     # The heads loop pipelined as Triton decides (dcb_heads_stages None; the default is 3): the same code to the
     # interpreter, which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
-    interpret(
-        b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
-        config=dict(SMALL_TILES, dcb_heads_stages=None),
-    )  # fmt: skip
+    interpret_all(*cases, dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_heads_stages=None)))
 
 
 def test_dcb_col_parts_refused_unless_a_power_of_two_dividing_the_rows():
@@ -805,11 +824,11 @@ def test_no_kernel_reads_unwritten_memory():
         dict(SMALL_TILES, dx_reads_cb=True),  # dx reads CB transposed (no CBᵀ copy)
         dict(dx_reads_cb=True, keep_states=True),
     )
-    for config in configs:
-        interpret(
-            b=1, L=128, H=4, P=16, G=1, N=16, seed=3, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
-            config=config, poison_empty=True,
-        )  # fmt: skip
+    interpret_all(*(
+        dict(b=1, L=128, H=4, P=16, G=1, N=16, seed=3, seq_cuts=[[40, 100]], call=dict(chunk_size=64),
+             config=config, poison_empty=True)
+        for config in configs
+    ))  # fmt: skip
 
 
 def test_per_head_backward_mode_staged_forward():
@@ -859,8 +878,10 @@ def test_fused_path_kernel_halves_wiring():
     mixer's backward; dz and dxBC written into dzxbcdt in place), with reference stand-ins for the halves (but the
     conv's forward with documents, which is our Triton kernel there): documents, initial / final states, two groups,
     against the float64 reference."""
-    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=6, chunk_size=16, split_path=True, halves=True)
-    interpret(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True)
+    interpret_all(
+        dict(b=2, L=40, H=4, P=16, G=1, N=16, seed=6, chunk_size=16, split_path=True, halves=True),
+        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, chunk_size=16, split_path=True, halves=True, init_final=True),
+    )
 
 
 def test_fused_path_kernel_halves_final_state_only():
@@ -897,12 +918,15 @@ def test_kept_states_carry_the_decay_gradient_in_two_parts():
     dC read) and the low part it left out; the chunk-end terms of dA need both (the case above), chained and staged.
     Keeping only the high part fails this (dA error ~1e-4; checked by mutation); and the kept path against the
     recomputing one, every gradient (check_kept_matches_recomputed)."""
+    cases = []
     for chained in (True, False):
-        interpret(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained=chained))
-        interpret(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True, config=dict(keep_states=True, chained=chained))
-        interpret(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, chained=chained))
+        cases += [
+            dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained=chained)),
+            dict(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True, config=dict(keep_states=True, chained=chained)),
+            dict(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, chained=chained)),
+        ]
     # Two heads per chained program: both heads' high / low parts, forward and backward.
-    interpret(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2))
+    interpret_all(*cases, dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2)))
 
 
 def test_bad_input_raises_before_compute():
