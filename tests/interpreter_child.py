@@ -33,12 +33,28 @@ def run_checks(checks: dict[str, Callable[[], object]]) -> None:
     print(json.dumps(results))
 
 
+def start_child(module: str, call: str = "child()") -> subprocess.Popen:
+    """Starts `module`.`call` in a child process with TRITON_INTERPRET=1 (finish_child collects it), so that
+    several children can run side by side."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = f"import {module} as t; t.{call}"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish_child(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    """A started child's JSON results (killed if it outlives timeout)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the interpreter child timed out after {timeout} s:\n{err[-6000:]}") from None
+    assert proc.returncode == 0, f"the interpreter child failed:\n{err[-6000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def child_results(module: str, timeout: float = 300) -> dict:
     """Runs `module`.child() in a child process with TRITON_INTERPRET=1 and returns its JSON results."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = f"import {module} as t; t.child()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return finish_child(start_child(module), timeout)

@@ -20,7 +20,7 @@ import pkgutil
 
 import pytest
 
-from tests.interpreter_child import child_results, run_checks
+from tests.interpreter_child import finish_child, run_checks, start_child
 
 pytest.importorskip("triton")
 
@@ -90,28 +90,36 @@ def _run_child_module(module: str) -> None:
     assert not failed, failed
 
 
-def check_record() -> list[dict]:
+def check_record(part: str) -> list[dict]:
+    """The launches of SSD_TESTS' cases (part "ssd") or of CHILD_MODULES' checks (part "modules")."""
     from tests.test_ssd_triton import _patch_interpreter_scalar_index
     from tests.triton_sm90 import record_launches
 
     _patch_interpreter_scalar_index()
     with record_launches() as launches:
-        for name in SSD_TESTS:
-            _run_ssd_test(name)
-        for module in CHILD_MODULES:
-            _run_child_module(module)
+        if part == "ssd":
+            for name in SSD_TESTS:
+                _run_ssd_test(name)
+        else:
+            for module in CHILD_MODULES:
+                _run_child_module(module)
     return launches
 
 
-def child() -> None:
-    run_checks({"record": check_record})
+def child(part: str) -> None:
+    run_checks({"record": lambda: check_record(part)})
 
 
 @pytest.fixture(scope="module")
 def launches():
-    r = child_results("tests.test_kernels_compile_sm90", timeout=900)["record"]
-    assert r["ok"], r["out"]
-    return r["out"]
+    # The two parts in two children side by side (~30 s each under the interpreter on the CI's two cores).
+    children = [start_child("tests.test_kernels_compile_sm90", f"child({part!r})") for part in ("ssd", "modules")]
+    recorded = []
+    for proc in children:
+        r = finish_child(proc, timeout=900)["record"]
+        assert r["ok"], r["out"]
+        recorded += r["out"]
+    return recorded
 
 
 def _our_kernels() -> set[tuple[str, str]]:
