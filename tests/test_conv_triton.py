@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.interpreter_child import child_results, run_checks
+from tests.interpreter_child import finish_child, run_checks, start_child
 
 pytest.importorskip("triton")
 
@@ -107,16 +107,19 @@ CASES = {
 }  # fmt: skip
 
 
-def child():
+def child(part: int = 0, parts: int = 1):
+    """Every parts-th case from the part-th on (the fixture runs two children side by side)."""
     from tests.test_ssd_triton import _patch_interpreter_scalar_index
 
     _patch_interpreter_scalar_index()
-    run_checks({name: (lambda kw=kw: check_conv(**kw)) for name, kw in CASES.items()})
+    names = list(CASES)[part::parts]
+    run_checks({name: (lambda kw=CASES[name]: check_conv(**kw)) for name in names})
 
 
 @pytest.fixture(scope="module")
 def results():
-    return child_results("tests.test_conv_triton")
+    children = [start_child("tests.test_conv_triton", f"child({part}, 2)") for part in range(2)]
+    return {name: r for proc in children for name, r in finish_child(proc).items()}
 
 
 def _passed(results, *names):
