@@ -344,14 +344,6 @@ def _dcb_tile(
         cb = tl.load(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_k[None, :])
     else:
         cb = tl.load(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_k[None, :], mask=in_tile, other=0.0)
-    MASKED: tl.constexpr = DIAG or HAS_SEQ
-    if MASKED:
-        keep = offs_k[None, :] <= offs_m[:, None]
-        if HAS_SEQ:
-            valid_k = in_k & (t0 + offs_k < L)
-            seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=valid_k, other=-2)
-            seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-1)
-            keep = keep & (seq_k[None, :] == seq_m[:, None])
     dy_chunk = dy_ptr + b.to(tl.int64) * s_y_b + t0.to(tl.int64) * s_y_l
     x_chunk = x_ptr + b.to(tl.int64) * s_x_b + t0.to(tl.int64) * s_x_l
     R_rows = R_ptr + tl.cast(k0 // BLOCK, tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
@@ -390,7 +382,20 @@ def _dcb_tile(
         else:
             _store_sums(R_rows, R_cols, q, r, tl.sum(M, axis=0), offs_m, offs_k, Q, in_k, DIAG)
     # fmt: on
-    if MASKED:
-        dcb_acc = tl.where(keep, dcb_acc, 0.0)
-    dCB_tile = dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q
-    tl.store(dCB_tile + offs_m[:, None] * Q + offs_k[None, :], dcb_acc, mask=in_tile)
+    if DIAG:  # pairs above the diagonal (s > l): 0
+        dcb_acc = tl.where(offs_k[None, :] <= offs_m[:, None], dcb_acc, 0.0)
+    dCB_ptrs = (
+        dCB_ptr + (((hb.to(tl.int64) * BATCH + b) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q + offs_k[None, :]
+    )
+    if HAS_SEQ:
+        # Pairs in different documents: 0, by a store of their own. As a tl.where on dcb_acc (the form before session
+        # 41) the document mask cost the heads loop 27 instructions per head in 64-bit address arithmetic, although
+        # applied after it (sm_90, Triton 3.6, 1.3B: below the diagonal 584 -> 557 per head, 555 without documents;
+        # on it 615 -> 593; with fold_dt 509 -> 500, 540 -> 531), whichever way the ids were loaded.
+        seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k, mask=in_k & (t0 + offs_k < L), other=-2)
+        seq_m = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_m, mask=valid_m, other=-1)
+        same = seq_k[None, :] == seq_m[:, None]
+        tl.store(dCB_ptrs, tl.zeros_like(dcb_acc), mask=in_tile & ~same)
+        tl.store(dCB_ptrs, dcb_acc, mask=in_tile & same)
+    else:
+        tl.store(dCB_ptrs, dcb_acc, mask=in_tile)
