@@ -34,7 +34,6 @@ Needs NVML (`pynvml`, from nvidia-ml-py, which the GPU machines have).
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import contextlib
 import json
@@ -78,15 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from benchmarks.bench_ssd import parse_sets
 
     a.config_overrides = parse_sets(ap, a.set)
-    a.conv_settings = {}
-    for item in a.conv:
-        name, _, value = item.partition("=")
-        if name not in TUNED:
-            ap.error(f"--conv {item}: {name!r} is none of the conv's settings ({', '.join(TUNED)})")
-        try:
-            a.conv_settings[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            ap.error(f"--conv {item}: {value!r} is not a Python literal (e.g. True, 64)")
+    a.conv_settings = parse_sets(ap, a.conv, TUNED, "--conv")
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
     if a.ssd_stages and a.families:

@@ -399,18 +399,19 @@ def patched_config(over):
     ours_autograd.block_config = lambda q, p, n: dataclasses.replace(block_config(q, p, n), **over)
 
 
-def parse_sets(ap, sets):
-    """--set FIELD=VALUE pairs as config overrides; an unknown field or a value that is no Python literal is refused."""
-    fields = BlockConfig.__dataclass_fields__
+def parse_sets(ap, sets, names=None, flag: str = "--set"):
+    """NAME=VALUE pairs (of `flag`) as a dict; a name outside `names` (default: our SSD kernels' config fields) or a
+    value that is no Python literal is refused."""
+    names = BlockConfig.__dataclass_fields__ if names is None else names
     over = {}
     for item in sets:
         name, _, value = item.partition("=")
-        if name not in fields:
-            ap.error(f"--set {item}: no config field {name!r} (fields: {', '.join(fields)})")
+        if name not in names:
+            ap.error(f"{flag} {item}: {name!r} is none of {', '.join(names)}")
         try:
             over[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            ap.error(f"--set {item}: {value!r} is not a Python literal (e.g. True, 64, 'grouped')")
+            ap.error(f"{flag} {item}: {value!r} is not a Python literal (e.g. True, 64, 'grouped')")
     return over
 
 
