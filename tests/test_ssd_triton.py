@@ -732,13 +732,14 @@ def test_steep_decay():
 
 
 def test_dt_folded_into_the_decay_exponent():
-    """config fold_dt: the chunk scan and dCB take exp(a_l - a_s) dt_s as 2^(a_l log2(e) - a2dt_s), with a2dt from the
-    dt kernel (dt.py). Every output and gradient against the reference: with documents, initial states and a
-    remainder (the masked loads' +inf padding) at four position blocks per chunk, for both dCB grids and with the
-    column sums from the transposed product; whole tiles (dCB's unclamped tiles below the diagonal); decay steep
-    enough to overflow an unclamped exponent; dt = 0 at valid positions (no softplus, dt's lower limit 0: a2dt = +inf,
-    never log2(0)); kept states; and the fused mixer (its backward passes a2dt on). A kernel that still multiplies
-    by dt, or an a2dt without log2(dt), fails (checked by mutation)."""
+    """config fold_dt (the default since session 42; the other tests run it too): the chunk scan and dCB take
+    exp(a_l - a_s) dt_s as 2^(a_l log2(e) - a2dt_s), with a2dt from the dt kernel (dt.py). Every output and gradient
+    against the reference: with documents, initial states and a remainder (the masked loads' +inf padding) at four
+    position blocks per chunk, for both dCB grids and with the column sums from the transposed product; whole tiles
+    (dCB's unclamped tiles below the diagonal); decay steep enough to overflow an unclamped exponent; dt = 0 at valid
+    positions (no softplus, dt's lower limit 0: a2dt = +inf, never log2(0)); kept states; and the fused mixer (its
+    backward passes a2dt on). A kernel that still multiplies by dt, or an a2dt without log2(dt), fails (checked by
+    mutation). The unfolded path (fold_dt false, still selectable) with documents and in the fused mixer."""
     fold = dict(SMALL_TILES, fold_dt=True)
     docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
     steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
@@ -751,6 +752,9 @@ def test_dt_folded_into_the_decay_exponent():
         dict(**docs, call=dict(chunk_size=64), config=dict(fold, keep_states=True)),
         dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
              config=dict(fold_dt=True)),
+        dict(**docs, call=dict(chunk_size=64), config=dict(fold, fold_dt=False)),
+        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
+             config=dict(fold_dt=False)),
     )  # fmt: skip
 
 

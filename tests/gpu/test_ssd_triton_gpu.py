@@ -176,11 +176,11 @@ def test_kept_states_match_recomputed(chunk_size, variant):
     "dtype, variant", [(BF, "seq_init_final"), (BF, "seq_init_final_whole"), (BF, "noseq_Dhdim_z"), (F32, "seq")]
 )
 def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
-    """config fold_dt (the chunk scan's and dCB's weights exp(a_l - a_s) dt_s as 2^(a_l log2(e) - a2dt_s), a2dt from
-    the dt kernel with the GPU's log2): every output and gradient as close to the float64 reference as the default
-    path's (within 5%), with kept states (the configs' default) at chunk 256, with documents, initial and final states,
-    masked and mask-free tiles, D of [H, P] and z, bf16 and float32. bench_ssd.py --set fold_dt=True compares it
-    with mamba_ssm's errors."""
+    """config fold_dt (the default since session 42: the chunk scan's and dCB's weights exp(a_l - a_s) dt_s as
+    2^(a_l log2(e) - a2dt_s), a2dt from the dt kernel with the GPU's log2): every output and gradient as close to the
+    float64 reference as the unfolded path's (within 5%), with kept states (the configs' default) at chunk 256, with
+    documents, initial and final states, masked and mask-free tiles, D of [H, P] and z, bf16 and float32.
+    test_ssd_triton_matches_reference compares the default (folded) path with mamba_ssm's errors."""
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ssd_autograd
@@ -189,23 +189,25 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
     b, L, H, P, N = 2, (768 if variant.endswith("_whole") else 600), 8, 64, 128
     tensors = make(dtype, b, L, H, P, N, 1, variant.removesuffix("_whole"), gen)
     fn = functools.partial(ssd_chunk_scan_triton, keep_states=True)
-    default = run_all(fn, tensors, 256)
     plain = ssd_autograd.block_config
-    monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), fold_dt=True))
-    folded = run_all(fn, tensors, 256)
+    runs = {}
+    for fold in (True, False):
+        monkeypatch.setattr(ssd_autograd, "block_config", lambda *a, f=fold: dataclasses.replace(plain(*a), fold_dt=f))
+        runs[fold] = run_all(fn, tensors, 256)
+    folded, unfolded = runs[True], runs[False]
     ref = run_all(ssd_chunk_scan_ref, tensors, 256, dtype_override=torch.float64)
-    errs = {k: (rel_err(folded[k], ref[k]), rel_err(default[k], ref[k])) for k in ref}
-    assert any(not torch.equal(folded[k], default[k]) for k in ref), "the option did not reach the kernels"
+    errs = {k: (rel_err(folded[k], ref[k]), rel_err(unfolded[k], ref[k])) for k in ref}
+    assert any(not torch.equal(folded[k], unfolded[k]) for k in ref), "the option did not reach the kernels"
     worse = {k: e for k, e in errs.items() if not e[0] <= 1.05 * e[1] + 1e-6}
-    assert not worse, f"folded dt's error over the default path's (folded, default): {worse}; all: {errs}"
+    assert not worse, f"folded dt's error over the unfolded path's (folded, unfolded): {worse}; all: {errs}"
 
 
 @pytest.mark.parametrize("keep_states", (True, False))
 def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
-    """config overlap_dcb (dCB on a second stream beside the chained dstates, dx and dB, joined before bc_finish):
-    every output and gradient bit for bit the one-stream path's, with documents and initial and final states, with
-    kept and recomputed states (the fork comes after the states' recompute). (Under a CUDA graph capture: the
-    trainer's graph tests, tests/gpu/test_cuda_graph_gpu.py, once the option is on by default.)"""
+    """config overlap_dcb (the default since session 42: dCB on a second stream beside the chained dstates, dx and
+    dB, joined before bc_finish): every output and gradient bit for bit the one-stream path's, with documents and
+    initial and final states, with kept and recomputed states (the fork comes after the states' recompute). Under a
+    CUDA graph capture the backward stays on one stream (the trainer's graph tests, tests/gpu/test_cuda_graph_gpu)."""
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ssd_autograd
@@ -214,12 +216,67 @@ def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
     b, L, H, P, N = 2, 768, 8, 64, 128
     tensors = make(torch.bfloat16, b, L, H, P, N, 1, "seq_init_final", gen)
     fn = functools.partial(ssd_chunk_scan_triton, keep_states=keep_states)
-    one_stream = run_all(fn, tensors, 256)
     plain = ssd_autograd.block_config
+    monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=False))
+    one_stream = run_all(fn, tensors, 256)
+    ssd_autograd._side_stream.cache_clear()
     monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=True))
     two_streams = run_all(fn, tensors, 256)
     assert ssd_autograd._side_stream.cache_info().currsize == 1, "the option did not reach the backward"
     assert all(torch.equal(one_stream[k], two_streams[k]) for k in one_stream), "a second stream changed a result"
+
+
+def test_dcb_on_a_second_stream_inside_a_cuda_graph(monkeypatch):
+    """overlap_dcb's fork and join captured in a CUDA graph (autograd.py keeps the backward on one stream while a
+    graph is captured until this test has passed on a GPU; here that check is patched away): the replayed forward and
+    backward give the eager one-stream path's outputs and gradients bit for bit, with documents and initial and final
+    states, kept states, and replays of new inputs copied into the graph's buffers."""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd as ssd_autograd
+
+    gen = torch.Generator().manual_seed(12)
+    b, L, H, P, N = 2, 768, 8, 64, 128
+    first = make(torch.bfloat16, b, L, H, P, N, 1, "seq_init_final", gen)
+    second = make(torch.bfloat16, b, L, H, P, N, 1, "seq_init_final", gen)
+    fn = functools.partial(ssd_chunk_scan_triton, keep_states=True)
+    plain = ssd_autograd.block_config
+    monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=False))
+    eager = [run_all(fn, t, 256) for t in (first, second)]
+    monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ssd_autograd._side_stream.cache_clear()
+
+    static = {n: t.detach().clone() if isinstance(t, torch.Tensor) else t for n, t in first.items()}
+    leaves = {n: t.requires_grad_() for n, t in static.items() if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    g = torch.Generator(device=DEV).manual_seed(0)
+    y_shape = (b, L, H, P)
+    gy = torch.randn(y_shape, device=DEV, generator=g, dtype=torch.float64)
+    gf = torch.randn((b, H, P, N), device=DEV, generator=g, dtype=torch.float64)
+
+    def step():
+        y, fin = fn(**static, chunk_size=256, dt_softplus=True, return_final_states=True)
+        loss = (y.double() * gy).sum() + (fin.double() * gf).sum()
+        return y, fin, torch.autograd.grad(loss, list(leaves.values()))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles the kernels), as torch's docs do
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, fin, grads = step()
+    assert ssd_autograd._side_stream.cache_info().currsize == 1, "the capture did not fork"
+    for inputs, expected in zip((first, second), eager):
+        with torch.no_grad():
+            for n, t in leaves.items():
+                t.copy_(inputs[n])
+        graph.replay()
+        torch.cuda.synchronize()
+        got = {"y": y, "final_states": fin, **{"d" + n: gr for n, gr in zip(leaves, grads)}}
+        differ = sorted(k for k in expected if not torch.equal(got[k], expected[k]))
+        assert not differ, f"replayed results differ from the eager one-stream path's: {differ}"
 
 
 def split_path_inputs(seed, b, L, P, G, dtype, with_init=False, H=8, N=64, d_model=256):

@@ -151,8 +151,12 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         )
 
     # dCB needs neither dH nor dx: with config overlap_dcb it runs on a second stream beside the chained dstates
-    # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish.
-    side = _side_stream(dev) if cfg.overlap_dcb and grouped and dev.type == "cuda" else None
+    # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish. Every tensor it
+    # reads or writes is referenced by launch_dcb until after the join, so none is freed while it runs. Not while a
+    # CUDA graph is captured (training.cuda_graph): a fork inside a capture is untested on the GPU as yet.
+    side = None
+    if cfg.overlap_dcb and grouped and dev.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        side = _side_stream(dev)
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):

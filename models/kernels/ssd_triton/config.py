@@ -190,19 +190,22 @@ class BlockConfig:
     dx_row_sums_2d: bool = True
     # dCB (dcb_bwd.py, "grouped" mode) on a second CUDA stream, beside the chained dstates, dx and dB, which it does
     # not depend on (autograd.py): the chained dstates wait on their chain and draw less than the power limit
-    # (~570 W at the 1.3B shape, H200, session 38), so dCB's tiles could fill their idle issue slots. Untimed as
-    # yet (session 39 had no GPU): off until measured.
-    overlap_dcb: bool = False
+    # (~570 W at the 1.3B shape, H200, session 38), so dCB's tiles fill their idle issue slots. Session 42 (H200,
+    # bench_energy.py, 1.3B with documents): our SSD forward + backward 987.9 -> 963.1 mJ (-2.5%), 1.424 -> 1.390 ms;
+    # results bit for bit the one-stream path's (the 1.3B's losses too). Not under a CUDA graph capture (autograd.py
+    # says why).
+    overlap_dcb: bool = True
     # dt folded into the decay's exponent in the chunk scan's and dCB's per-element weights: the dt kernel also writes
     # a2dt = a_s log2(e) - log2(dt_s) ([B, H, NC, Q] float32, kept for the backward: 4 MiB per layer at the 1.3B
     # shape), and exp(a_l - a_s) dt_s becomes 2^(a_l log2(e) - a2dt_s): one multiply per element and head fewer, and
     # no a_s to load. sm_90 (Triton 3.6, kernel_resources.py --set fold_dt=True --loops, 1.3B tiles with documents):
     # the chunk scan's inner loop 334 -> 273 instructions per iteration, dCB's heads loop 584 -> 509 per head below
-    # the diagonal and 615 -> 540 on it, spills 24 -> 16 bytes. The exponent's rounding grows by that of log2(dt), far
-    # below bf16's; untimed, and its errors against mamba_ssm's unmeasured (session 40 had no GPU): off until
-    # measured. Like the decay's clamp at 0 in every intra-chunk weight (ours and mamba_ssm's), it takes dt >= 0:
-    # a2dt is +inf (weight 0) where dt is not positive.
-    fold_dt: bool = False
+    # the diagonal and 615 -> 540 on it, spills 24 -> 16 bytes. Session 42 (H200, bench_energy.py): our SSD forward +
+    # backward 987.9 -> 973.4 mJ (-1.5%), 1.424 -> 1.398 ms. The exponent's rounding grows by that of log2(dt), far
+    # below bf16's: every output and gradient within the float64 reference's tolerances and mamba_ssm's error ratio
+    # (tests/gpu/test_ssd_triton_gpu.py). Like the decay's clamp at 0 in every intra-chunk weight (ours and
+    # mamba_ssm's), it takes dt >= 0: a2dt is +inf (weight 0) where dt is not positive.
+    fold_dt: bool = True
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
