@@ -739,8 +739,10 @@ def test_dt_folded_into_the_decay_exponent():
     (dCB's unclamped tiles below the diagonal); decay steep enough to overflow an unclamped exponent; dt = 0 at valid
     positions (no softplus, dt's lower limit 0: a2dt = +inf, never log2(0)); kept states; and the fused mixer (its
     backward passes a2dt on). A kernel that still multiplies by dt, or an a2dt without log2(dt), fails (checked by
-    mutation). The unfolded path (fold_dt false, still selectable) with documents and in the fused mixer."""
-    fold = dict(SMALL_TILES, fold_dt=True)
+    mutation). With config fold_dt_states (off by default) the chunk states' scale (chained and staged states,
+    forward and the backward's recompute) and dB's take it too. The unfolded path (fold_dt false, still selectable;
+    fold_dt_states then has nothing to read) with documents and in the fused mixer."""
+    fold = dict(SMALL_TILES, fold_dt=True, fold_dt_states=True)
     docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
     steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
     interpret_all(
@@ -751,7 +753,8 @@ def test_dt_folded_into_the_decay_exponent():
         dict(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fold),
         dict(**docs, call=dict(chunk_size=64), config=dict(fold, keep_states=True)),
         dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
-             config=dict(fold_dt=True)),
+             config=dict(fold_dt=True, fold_dt_states=True)),
+        dict(**docs, call=dict(chunk_size=64), config=dict(fold, chained=False)),
         dict(**docs, call=dict(chunk_size=64), config=dict(fold, fold_dt=False)),
         dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
              config=dict(fold_dt=False)),

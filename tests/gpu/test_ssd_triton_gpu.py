@@ -179,8 +179,9 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
     """config fold_dt (the default since session 42: the chunk scan's and dCB's weights exp(a_l - a_s) dt_s as
     2^(a_l log2(e) - a2dt_s), a2dt from the dt kernel with the GPU's log2): every output and gradient as close to the
     float64 reference as the unfolded path's (within 5%), with kept states (the configs' default) at chunk 256, with
-    documents, initial and final states, masked and mask-free tiles, D of [H, P] and z, bf16 and float32.
-    test_ssd_triton_matches_reference compares the default (folded) path with mamba_ssm's errors."""
+    documents, initial and final states, masked and mask-free tiles, D of [H, P] and z, bf16 and float32; also with
+    config fold_dt_states (the chunk states' and dB's scale folded too). test_ssd_triton_matches_reference compares
+    the default (folded) path with mamba_ssm's errors."""
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ssd_autograd
@@ -191,15 +192,21 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
     fn = functools.partial(ssd_chunk_scan_triton, keep_states=True)
     plain = ssd_autograd.block_config
     runs = {}
-    for fold in (True, False):
-        monkeypatch.setattr(ssd_autograd, "block_config", lambda *a, f=fold: dataclasses.replace(plain(*a), fold_dt=f))
-        runs[fold] = run_all(fn, tensors, 256)
-    folded, unfolded = runs[True], runs[False]
+    for fold, states in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(
+            ssd_autograd,
+            "block_config",
+            lambda *a, f=fold, s=states: dataclasses.replace(plain(*a), fold_dt=f, fold_dt_states=s),
+        )
+        runs[fold, states] = run_all(fn, tensors, 256)
+    unfolded = runs[False, False]
     ref = run_all(ssd_chunk_scan_ref, tensors, 256, dtype_override=torch.float64)
-    errs = {k: (rel_err(folded[k], ref[k]), rel_err(unfolded[k], ref[k])) for k in ref}
-    assert any(not torch.equal(folded[k], unfolded[k]) for k in ref), "the option did not reach the kernels"
-    worse = {k: e for k, e in errs.items() if not e[0] <= 1.05 * e[1] + 1e-6}
-    assert not worse, f"folded dt's error over the unfolded path's (folded, unfolded): {worse}; all: {errs}"
+    for options in ((True, False), (True, True)):  # fold_dt, and with fold_dt_states
+        folded = runs[options]
+        errs = {k: (rel_err(folded[k], ref[k]), rel_err(unfolded[k], ref[k])) for k in ref}
+        assert any(not torch.equal(folded[k], unfolded[k]) for k in ref), f"{options} did not reach the kernels"
+        worse = {k: e for k, e in errs.items() if not e[0] <= 1.05 * e[1] + 1e-6}
+        assert not worse, f"{options}: folded dt's error over the unfolded path's (folded, unfolded): {worse}; {errs}"
 
 
 @pytest.mark.parametrize("keep_states", (True, False))

@@ -73,7 +73,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     BP, BN = max(16, next_power_of_2(P)), max(16, next_power_of_2(N))
     S_lo = None  # the low part of kept states; S_in32 then holds their high part, S_in
     if S_kept is None:
-        CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg)
+        CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg, a2dt)
     else:
         CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
         S_in = S_in32 = S_kept[0]
@@ -273,10 +273,11 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             num_stages=cfg.dc_stages,
         )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
+    db_fold = grouped and a2dt is not None and cfg.fold_dt_states  # the chunk states' scale from a2dt (chunk_state.py)
     chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
-        dt_p,
+        a2dt if db_fold else dt_p,
         dA_cs,
         C,
         dH,
@@ -296,6 +297,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         *dy.stride(),
         HAS_SEQ=has_seq,
         INTRA=not grouped,
+        FOLD_DT=db_fold,
         BLOCK_K=cfg.db_k,
         BLOCK_M=cfg.db_m,
         BLOCK_P=BP,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
 
@@ -191,7 +192,9 @@ def chunk_state_bwd_db_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
+    FOLD_DT: tl.constexpr,  # dt_ptr holds a2dt (dt.py; config fold_dt_states): the scale is one 2^(a_last - a2dt_s)
 ):
+    tl.static_assert(not (FOLD_DT and INTRA), "the intra-chunk term multiplies by dt itself")
     pid0, pid_k, _ = program_ids(tl.cdiv(Q, BLOCK_K), 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb
@@ -217,9 +220,14 @@ def chunk_state_bwd_db_kernel(
         h = g * (H // G) + hb * HEADS_PER_PROG + i
         dA_base = dA_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
         dt_base = dt_ptr + ((b.to(tl.int64) * H + h) * NC + c) * Q
-        a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
-        dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
         a_last = tl.load(dA_base + Q - 1)
+        if FOLD_DT:
+            a2dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=float("inf"))
+            weight_k = tl.exp2(a_last * LOG2E - a2dt_k)
+        else:
+            a_k = tl.load(dA_base + offs_k, mask=offs_k < Q, other=0.0)
+            dt_k = tl.load(dt_base + offs_k, mask=offs_k < Q, other=0.0)
+            weight_k = tl.exp(a_last - a_k) * dt_k
         x_k = tl.load(
             x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_k[:, None] * s_x_l + offs_p[None, :] * s_x_p,
             mask=valid_k[:, None] & mask_p[None, :],
@@ -230,7 +238,7 @@ def chunk_state_bwd_db_kernel(
             mask=mask_p[:, None] & mask_n[None, :],
             other=0.0,
         )
-        scale_k = tl.where(keep_k, tl.exp(a_last - a_k) * dt_k, 0.0)
+        scale_k = tl.where(keep_k, weight_k, 0.0)
         dB_h = tl.dot(x_k, dH.to(x_k.dtype), input_precision=PREC) * scale_k[:, None]
         dy_base = dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h
         if INTRA:

@@ -132,10 +132,11 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
     return y, S_in, final
 
 
-def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False):
+def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False,
+                   a2dt=None):  # fmt: skip
     """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each; with keep_s32 also S_in in
     float32 (state_passing.py says why the backward wants it), with keep_split the kept states (kept_states_buffer:
-    S_in is its first slab), else None."""
+    S_in is its first slab), else None. a2dt (config fold_dt_states): the states' scale with dt in its exponent."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -148,7 +149,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     chunk_state_fwd_kernel[grid](
         x,
         B,
-        dt_p,
+        dt_p if a2dt is None else a2dt,
         dA_cs,
         seq_arg,
         states,
@@ -167,6 +168,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,
+        FOLD_DT=a2dt is not None,
         PREC=dot_precision(x),
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
@@ -255,8 +257,8 @@ def keeps_states(cfg: BlockConfig) -> bool:
 def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None):
     """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
     entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None). a2dt (dt.py,
-    config fold_dt): the chunk scan kernel's weights with dt in their exponent (the fused and chained-scan forwards
-    do not take it)."""
+    config fold_dt): the chunk scan kernel's weights with dt in their exponent, and with config fold_dt_states the
+    chunk states' scale too (the fused and chained-scan forwards do not take it)."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
@@ -267,19 +269,22 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
     if cfg.chained and cfg.chained_scan:
         return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
-    S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg))
+    S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
+                               a2dt=a2dt if cfg.fold_dt_states else None)  # fmt: skip
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt), final, kept
 
 
-def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig):
+def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig, a2dt=None):
     """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32), S_in [b, NC, H, P, N] in x's dtype (for the
     products that round it to the operand dtype anyway) and in float32 (for the state passing backward's dtot,
-    state_passing.py; the fused path stores only float32)."""
+    state_passing.py; the fused path stores only float32). a2dt: as ssd_forward's, so that the recomputed states are
+    the forward's."""
     NC, Q = dt_p.shape[2:]
     CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
         return CB, CBT, S_in, S_in
     states = chained_states if cfg.chained else _staged_states
-    S_in, _, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True)
+    S_in, _, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True,
+                             a2dt=a2dt if cfg.fold_dt_states else None)  # fmt: skip
     return CB, CBT, S_in, S_in32
