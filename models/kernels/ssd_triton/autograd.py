@@ -43,7 +43,7 @@ from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import ColumnParts, dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, ssd_forward
+from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, ssd_forward, states_a2dt
 from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import staged_dstates
@@ -273,11 +273,11 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
             num_stages=cfg.dc_stages,
         )
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    db_fold = grouped and a2dt is not None and cfg.fold_dt_states  # the chunk states' scale from a2dt (chunk_state.py)
+    db_a2dt = states_a2dt(a2dt, cfg) if grouped else None  # the chunk states' scale, as the forward's
     chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
         dy,
         x,
-        a2dt if db_fold else dt_p,
+        dt_p if db_a2dt is None else db_a2dt,
         dA_cs,
         C,
         dH,
@@ -297,7 +297,7 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
         *dy.stride(),
         HAS_SEQ=has_seq,
         INTRA=not grouped,
-        FOLD_DT=db_fold,
+        FOLD_DT=db_a2dt is not None,
         BLOCK_K=cfg.db_k,
         BLOCK_M=cfg.db_m,
         BLOCK_P=BP,

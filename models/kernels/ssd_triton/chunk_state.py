@@ -129,24 +129,24 @@ def _state_tile(acc, b_tile, x_ptrs, dA_head, dt_head, a_last, offs_k, offs_p, v
                 HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, FOLD_DT: tl.constexpr):  # fmt: skip
     """acc += xᵀ · (B ∘ scale) over one block of positions, for one head: scale_s = [kept] exp(a_last - a_s) dt_s
     (FOLD_DT: dt_head holds a2dt, a_last is in log2 units, scale_s = [kept] 2^(a_last - a2dt_s))."""
+    if EVEN:
+        xT = tl.load(x_ptrs)
+    else:
+        xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
     if FOLD_DT:
         # a2dt is +inf past the chunk's end (the padding's dt is 0): its scale is 0 without a mask.
         if EVEN:
             a2dt_k = tl.load(dt_head + offs_k)
-            xT = tl.load(x_ptrs)
         else:
             a2dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=float("inf"))
-            xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
         weight_k = tl.exp2(a_last - a2dt_k)
     else:
         if EVEN:
             a_k = tl.load(dA_head + offs_k)
             dt_k = tl.load(dt_head + offs_k)
-            xT = tl.load(x_ptrs)
         else:
             a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
             dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
-            xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
         weight_k = tl.exp(a_last - a_k) * dt_k
     if EVEN and not HAS_SEQ:
         scale_k = weight_k

@@ -209,8 +209,8 @@ class BlockConfig:
     # With fold_dt, the chunk states' per-position scale exp(a_last - a_s) dt_s as 2^(a_last log2(e) - a2dt_s) too
     # (chunk_state.py; the chained and staged states, forward and recompute): no dt to load or multiply by. sm_90
     # (Triton 3.6, kernel_resources.py --kernels chained_states --loops, 1.3B tiles): the chained forward's loop 307
-    # -> 273 instructions with documents, 261 -> 225 without. Untimed (session 42 found it after its device time):
-    # off until measured.
+    # -> 273 instructions with documents, 263 -> 225 without; dB's 251 -> 230. Untimed (session 42 found it after
+    # its device time): off until measured.
     fold_dt_states: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session

@@ -248,6 +248,12 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     return y
 
 
+def states_a2dt(a2dt, cfg: BlockConfig):
+    """What the chunk states' kernels (and dB's) take for their scale: a2dt (dt.py) with config fold_dt_states, else
+    None (they then read dt and a)."""
+    return a2dt if cfg.fold_dt_states else None
+
+
 def keeps_states(cfg: BlockConfig) -> bool:
     """Whether the forward hands the entering states to the backward (config keep_states; the chained and staged
     paths only)."""
@@ -270,7 +276,7 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
         return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
-                               a2dt=a2dt if cfg.fold_dt_states else None)  # fmt: skip
+                               a2dt=states_a2dt(a2dt, cfg))  # fmt: skip
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt), final, kept
 
 
@@ -285,6 +291,5 @@ def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig, a2
         _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
         return CB, CBT, S_in, S_in
     states = chained_states if cfg.chained else _staged_states
-    S_in, _, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True,
-                             a2dt=a2dt if cfg.fold_dt_states else None)  # fmt: skip
+    S_in, _, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True, a2dt=states_a2dt(a2dt, cfg))
     return CB, CBT, S_in, S_in32
