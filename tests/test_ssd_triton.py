@@ -89,6 +89,7 @@ def run_case_in_child(**case):
         "carried_decay": check_decay_through_initial_states,
         "fp16_decay": check_fp16_decay_gradient,
         "kept_vs_recomputed": check_kept_matches_recomputed,
+        "states_scale_same": check_states_scale_same,
     }
     for flag, check in checks.items():
         if case.pop(flag, False):
@@ -545,6 +546,46 @@ def check_kept_matches_recomputed(L, chunk_size):
     return diffs
 
 
+def check_states_scale_same(b, L, H, P, G, N, seed, chunk_size, seq_cuts=None, with_init=True, dt_softplus=True):
+    """config states_scale (the dt kernel writes the chunk states' whole scale, documents masked; the forward's
+    chained or staged states read it) against the same config without it (the states' kernels take a2dt): y, the
+    final states and every gradient bit for bit equal (one formula, the same float32 values), and the scale read by
+    the states' kernel (a spy on states_scale_input), so that equal results do not come from an unused option."""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd, chained_states, forward
+
+    inp = make_inputs(b, L, H, P, G, N, seed, seq_cuts=seq_cuts, with_init=with_init)
+    g = torch.Generator().manual_seed(7)
+    results, read = {}, []
+    spied = forward.states_scale_input
+
+    def spy(dt_p, a2dt, scale):
+        read.append(scale is not None)
+        return spied(dt_p, a2dt, scale)
+
+    forward.states_scale_input = chained_states.states_scale_input = spy
+    configured = autograd.block_config
+    gy = gf = None
+    for flag in (False, True):
+        autograd.block_config = lambda q, p, n, f=flag: dataclasses.replace(configured(q, p, n), states_scale=f)
+        leaves = {k: (v.detach().clone().float().requires_grad_() if v is not None and v.is_floating_point() else v)
+                  for k, v in inp.items()}  # fmt: skip
+        y, final = autograd.ssd_chunk_scan_triton(
+            **leaves, chunk_size=chunk_size, dt_softplus=dt_softplus, return_final_states=True
+        )
+        if gy is None:
+            gy, gf = torch.randn(y.shape, generator=g), torch.randn(final.shape, generator=g)
+        ((y * gy).sum() + (final * gf).sum()).backward()
+        results[flag] = {"y": y, "final": final, **{"d" + k: v.grad for k, v in leaves.items() if v is not None
+                                                    and v.is_floating_point()}}  # fmt: skip
+    forward.states_scale_input = chained_states.states_scale_input = spied
+    assert read and read[0] is False and any(read), f"the states' kernels never read the scale: {read}"
+    differ = [k for k, v in results[False].items() if not torch.equal(v, results[True][k])]
+    assert not differ, f"states_scale changed {differ}"
+    return {"reads": read}
+
+
 def check_decay_through_initial_states(bound):
     """float16, the state carried across chunks dominating dA: large initial states, small x, slow decay, and only
     a final-state cotangent. dA is then the chunk-end terms exp(a_last) * sum(dS * S_in), sums over P * N products
@@ -739,9 +780,9 @@ def test_dt_folded_into_the_decay_exponent():
     (dCB's unclamped tiles below the diagonal); decay steep enough to overflow an unclamped exponent; dt = 0 at valid
     positions (no softplus, dt's lower limit 0: a2dt = +inf, never log2(0)); kept states; and the fused mixer (its
     backward passes a2dt on). A kernel that still multiplies by dt, or an a2dt without log2(dt), fails (checked by
-    mutation). With config fold_dt_states (off by default) the chunk states' scale (chained and staged states,
-    forward and the backward's recompute) and dB's take it too. The unfolded path (fold_dt false, still selectable;
-    fold_dt_states then has nothing to read) with documents and in the fused mixer."""
+    mutation). With config fold_dt_states (the default since session 43) the chunk states' scale (chained and staged
+    states, forward and the backward's recompute) and dB's take it too. The unfolded path (fold_dt false, still
+    selectable; fold_dt_states then has nothing to read) with documents and in the fused mixer."""
     fold = dict(SMALL_TILES, fold_dt=True, fold_dt_states=True)
     docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
     steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
@@ -758,6 +799,28 @@ def test_dt_folded_into_the_decay_exponent():
         dict(**docs, call=dict(chunk_size=64), config=dict(fold, fold_dt=False)),
         dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
              config=dict(fold_dt=False)),
+    )  # fmt: skip
+
+
+def test_states_scale_from_the_dt_kernel():
+    """config states_scale (on top of fold_dt_states): the dt kernel writes the chunk states' per-position scale
+    with the documents' mask, and the forward's chained or staged states read it. Bit for bit the path without it,
+    the scale read (check_states_scale_same): documents (several per chunk, one across a chunk edge), a remainder
+    past the last chunk (the scale 0 there), initial states, chained and staged states, kept states, four position
+    blocks per chunk, dt = 0 at valid positions (no softplus: a2dt = +inf, scale 0), no documents; and every output
+    against the float64 reference with it on. A scale that keeps positions of an earlier document, or drops the
+    chunk's last cumsum, fails (checked by mutation)."""
+    on = dict(SMALL_TILES, fold_dt=True, fold_dt_states=True, states_scale=True)
+    docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=31, seq_cuts=[[30, 64, 70], [50]])
+    same = dict(states_scale_same=True, chunk_size=64)
+    interpret_all(
+        dict(**docs, **same, config=dict(on, states_scale=False)),
+        dict(**docs, **same, config=dict(on, states_scale=False, chained=False)),
+        dict(**docs, **same, config=dict(on, states_scale=False, keep_states=True)),
+        dict(**docs, **same, dt_softplus=False, config=dict(on, states_scale=False)),
+        dict(b=1, L=128, H=2, P=16, G=2, N=16, seed=32, with_init=False, **same, config=dict(on, states_scale=False)),
+        dict(**docs, call=dict(chunk_size=64), config=on),
+        dict(**docs, call=dict(chunk_size=64), config=dict(on, chained=False, keep_states=True)),
     )  # fmt: skip
 
 

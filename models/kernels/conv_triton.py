@@ -368,8 +368,9 @@ _FWD_CHANNELS_FASTEST = True  # the grid's first axis walks channel blocks (see 
 # runs the body without per-tap document tests (conv_fwd_kernel). sm_90 SASS, Triton 3.6, 1.3B tiles: 601
 # instructions on that path and 734 on the other, against 712 (no documents: 576); with ~1000-token documents 96-97%
 # of programs take the short path. Session 38's branch, whose test reduced the window's 35 ids across the program,
-# drew less power but ran 15% longer. Off until measured in joules on a GPU (session 41's plan).
-_FWD_ONE_DOC_BRANCH = False
+# drew less power but ran 15% longer. Session 43 (H200, bench_energy.py, 3 s windows, between three baselines within
+# 0.1% of each other): 67.04 -> 64.73 mJ per call (-3.45%), 0.0956 -> 0.0919 ms.
+_FWD_ONE_DOC_BRANCH = True
 # A forward as streams (the backward's layout: each x row loaded once, the window carried; 64 registers) was slower
 # (session 24, H100, 1.3B / 370M with documents: 0.129-0.160 / 0.080-0.096 ms against this tiled one's 0.113 /
 # 0.064) and was removed.
@@ -390,8 +391,8 @@ _BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
 _BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
 # The same for the backward's programs (window start - 3 ... start + ROWS * SEG + 2, 75-83% of them in one document
 # at ~1000-token documents): the stream loop 301 instructions per two steps on that path, 373 on the other, against
-# 377 (Triton 3.6, 128 registers both ways). Off until measured (documents cost the backward ~5% of its joules,
-# session 38).
+# 377 (Triton 3.6, 128 registers both ways). Off: session 43 (H200, bench_energy.py, 3 s windows) measured it equal
+# in joules (124.8 against 124.8 mJ) and 5.6% slower (0.190 against 0.180 ms).
 _BWD_ONE_DOC_BRANCH = False
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
 # (tl.sigmoid's PTX wraps each in range checks: ~18 of a rolled step's ~237 instructions); the interpreter (the CPU

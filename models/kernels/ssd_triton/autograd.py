@@ -43,7 +43,13 @@ from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import ColumnParts, dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, ssd_forward, states_a2dt
+from models.kernels.ssd_triton.forward import (
+    cb_and_entering_states,
+    cb_for_backward,
+    ssd_forward,
+    states_a2dt,
+    writes_states_scale,
+)
 from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import staged_dstates
@@ -368,8 +374,11 @@ def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, sof
     each; and last the entering states [K, B, NC, H, P, N] with config keep_states, else None: then nothing of that
     size is kept)."""
     NC = math.ceil(x.shape[1] / Q)
-    dt_p, dA_cs, a2dt = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt)
-    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt)
+    dt_p, dA_cs, a2dt, states_scale = dt_forward(
+        dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt, seq, writes_states_scale(cfg)
+    )
+    # states_scale is the forward's alone (the backward's dB and recompute take a2dt: the same values)
+    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt, states_scale)
     return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept)
 
 

@@ -93,7 +93,7 @@ def chained_scan_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     own, _ = chunk_local_states(
         x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b, s_x_l, s_x_h,
-        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN_STATE, PREC, 1, BLOCK_P, BLOCK_N, BLOCK_K, False,
+        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN_STATE, PREC, 1, BLOCK_P, BLOCK_N, BLOCK_K, False, False,
     )  # fmt: skip
 
     # The state entering chunk c (float32), and at once the state leaving it, handed on (or the final state).

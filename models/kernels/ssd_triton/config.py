@@ -209,9 +209,18 @@ class BlockConfig:
     # With fold_dt, the chunk states' per-position scale exp(a_last - a_s) dt_s as 2^(a_last log2(e) - a2dt_s) too
     # (chunk_state.py; the chained and staged states, forward and recompute): no dt to load or multiply by. sm_90
     # (Triton 3.6, kernel_resources.py --kernels chained_states --loops, 1.3B tiles): the chained forward's loop 307
-    # -> 273 instructions with documents, 263 -> 225 without; dB's 251 -> 230. Untimed (session 42 found it after
-    # its device time): off until measured.
-    fold_dt_states: bool = False
+    # -> 273 instructions with documents, 263 -> 225 without; dB's 251 -> 230. Session 43 (H200, bench_energy.py):
+    # our SSD forward + backward 989.3 -> 963.7 mJ (-2.6%), 1.428 -> 1.396 ms; errors against float64 within 1% of
+    # mamba_ssm's ratio at every output (bench_ssd.py --numerics_seeds 3).
+    fold_dt_states: bool = True
+    # With fold_dt_states, the dt kernel also writes the chunk states' whole per-position scale [seq_s == seq_last]
+    # 2^(a_last log2(e) - a2dt_s) ([B, H, NC, Q] float32, 4 MiB at the 1.3B shape, the forward's only: dB and the
+    # backward's recompute take a2dt, the same values), and the chained and staged states' forward read it: their loop
+    # loads no document ids or a_last and takes no exponent. sm_90 (Triton 3.6, kernel_resources.py --kernels
+    # chained_states --loops, 1.3B tiles with documents): the chained forward's loop 273 -> 218 instructions (as
+    # without documents; 122 -> 127 registers, under dx's and its cap of 128), the staged states' 665 -> 503. The
+    # same float32 values as without it (tests/test_ssd_triton.py). Off until measured on a GPU (session 43).
+    states_scale: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.

@@ -21,7 +21,7 @@ from models.kernels.ssd_triton.chained_scan import chained_scan
 from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
-from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
+from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel, states_scale_input
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
@@ -133,10 +133,11 @@ def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y
 
 
 def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False,
-                   a2dt=None):  # fmt: skip
+                   a2dt=None, scale=None):  # fmt: skip
     """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each; with keep_s32 also S_in in
     float32 (state_passing.py says why the backward wants it), with keep_split the kept states (kept_states_buffer:
-    S_in is its first slab), else None. a2dt (config fold_dt_states): the states' scale with dt in its exponent."""
+    S_in is its first slab), else None. a2dt (config fold_dt_states): the states' scale with dt in its exponent;
+    scale (config states_scale): that scale itself (chunk_state.py)."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -149,7 +150,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     chunk_state_fwd_kernel[grid](
         x,
         B,
-        dt_p if a2dt is None else a2dt,
+        states_scale_input(dt_p, a2dt, scale),
         dA_cs,
         seq_arg,
         states,
@@ -168,7 +169,8 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,
-        FOLD_DT=a2dt is not None,
+        FOLD_DT=a2dt is not None and scale is None,
+        SCALE_GIVEN=scale is not None,
         PREC=dot_precision(x),
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
@@ -254,17 +256,30 @@ def states_a2dt(a2dt, cfg: BlockConfig):
     return a2dt if cfg.fold_dt_states else None
 
 
+def writes_states_scale(cfg: BlockConfig) -> bool:
+    """Whether the dt kernel writes the chunk states' whole scale for the forward (config states_scale, on top of
+    fold_dt and fold_dt_states; only the chained and staged states read it)."""
+    return (
+        cfg.states_scale
+        and cfg.fold_dt
+        and cfg.fold_dt_states
+        and not cfg.fused
+        and not (cfg.chained and cfg.chained_scan)
+    )
+
+
 def keeps_states(cfg: BlockConfig) -> bool:
     """Whether the forward hands the entering states to the backward (config keep_states; the chained and staged
     paths only)."""
     return cfg.keep_states and not cfg.fused and not (cfg.chained and cfg.chained_scan)
 
 
-def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None):
+def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None, states_scale=None):
     """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
     entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None). a2dt (dt.py,
     config fold_dt): the chunk scan kernel's weights with dt in their exponent, and with config fold_dt_states the
-    chunk states' scale too (the fused and chained-scan forwards do not take it)."""
+    chunk states' scale too; states_scale (dt.py, config states_scale): that scale whole, which the chunk states then
+    read instead (the fused and chained-scan forwards take neither)."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
     if cfg.fused:
@@ -276,7 +291,7 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
         return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
-                               a2dt=states_a2dt(a2dt, cfg))  # fmt: skip
+                               a2dt=states_a2dt(a2dt, cfg), scale=states_scale)  # fmt: skip
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt), final, kept
 
 
