@@ -1,11 +1,12 @@
-"""Compile our Triton SSD, conv and optimizer kernels for Hopper (sm_90) on any machine, GPU or not, and print what
-ptxas made of them.
+"""Compile our Triton SSD, conv, optimizer and norm kernels for Hopper (sm_90) on any machine, GPU or not, and print
+what ptxas made of them.
 
     python3 benchmarks/kernel_resources.py                 # the default tiles at the 1.3B shape (bf16)
     python3 benchmarks/kernel_resources.py --set dx_m=32   # other tiles (BlockConfig fields)
     python3 benchmarks/kernel_resources.py --kernels conv_bwd --loops   # one kernel's loops, instruction by kind
     python3 benchmarks/kernel_resources.py --kernels dx --converts      # its layout conversions (via shared memory)
     python3 benchmarks/kernel_resources.py --kernels adamw --loops      # the optimizer's instructions ("kernel")
+    python3 benchmarks/kernel_resources.py --kernels norm --loops       # the norms' (per row; 16 elements a thread)
 
 Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
 the widths of the plain global loads; with --loops, per loop of the machine code (nvdisasm: a branch back to an
@@ -411,6 +412,60 @@ def optimizer_kernels():
     yield "sumsq", sumsq_triton._sumsq_kernel, sumsq, sums, sumsq_triton.WARPS, 1
 
 
+def norm_kernels(d_model: int = 2048, d_inner: int = 4096):
+    """(name, kernel, argument types, constexprs, warps, stages) of the norms' kernels (add_rmsnorm_triton.py,
+    gated_rmsnorm_triton.py) at their modules' launch shapes, for rows of d_model (the block's pre-norm: bf16 x, a
+    float32 residual as residual_in_fp32 keeps it) and groups of d_inner (the gated norm, norm_before_gate false,
+    bf16; its backward recomputes the output, as the fused mixer asks)."""
+    from models.kernels import add_rmsnorm_triton as an
+    from models.kernels import gated_rmsnorm_triton as gn
+    from models.kernels._utils import rows_in_flight, warps_for_row
+
+    f32p, f32 = "*fp32", "fp32"
+    block = triton.next_power_of_2(d_model)
+    add_fwd = dict(X=BF16, RES=f32p, W=f32p, Y=BF16, RES_OUT=f32p, RSTD=f32p, eps=f32)
+    add_bwd = dict(DY=BF16, S=f32p, W=f32p, RSTD=f32p, DRES_OUT=f32p, DX=BF16, DRES=f32p, DW_PART=f32p)
+    stages = rows_in_flight(d_model * (2 + 4 + 4), an._BWD_STAGES)
+    yield (
+        "add_rmsnorm_fwd",
+        an._add_rmsnorm_fwd_kernel,
+        add_fwd,
+        dict(HAS_RES=True, BLOCK=block),
+        warps_for_row(block, an._FWD_ELEMS_PER_THREAD),
+        1,
+    )
+    consts = dict(HAS_DRES_OUT=True, HAS_RES=True, BLOCK=block, STAGES=stages)
+    yield (
+        "add_rmsnorm_bwd",
+        an._add_rmsnorm_bwd_kernel,
+        add_bwd,
+        consts,
+        warps_for_row(block, an._BWD_ELEMS_PER_THREAD),
+        1,
+    )
+    block = triton.next_power_of_2(d_inner)
+    gated = dict(Y=BF16, Z=BF16, W=f32p, OUT=BF16, RSTD=f32p, DOUT=BF16, DY=BF16, DZ=BF16, DW_PART=f32p, eps=f32)
+    common = dict(NORM_BEFORE_GATE=False, Y_COLS=0, BLOCK=block, FAST=gn._FAST_SIGMOID)
+    yield (
+        "gated_norm_fwd",
+        gn._gated_rmsnorm_fwd_kernel,
+        gated,
+        common,
+        warps_for_row(block, gn._FWD_ELEMS_PER_THREAD),
+        1,
+    )
+    stages = rows_in_flight(block * 6, gn._BWD_STAGES)
+    consts = dict(common, RECOMPUTE=True, STAGES=stages)
+    yield (
+        "gated_norm_bwd",
+        gn._gated_rmsnorm_bwd_kernel,
+        gated,
+        consts,
+        warps_for_row(block, gn._BWD_ELEMS_PER_THREAD),
+        1,
+    )
+
+
 # Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets.
 MAXNREG = {
     "chunk_scan_bwd_dx": "dx_maxnreg",
@@ -475,6 +530,7 @@ def main():
         *kernels(cfg, args.headdim, args.dstate, not args.no_seq),
         *conv_kernels(not args.no_seq),
         *optimizer_kernels(),
+        *norm_kernels(),
     ]
     for name, kernel, ptrs, consts, warps, stages in every:
         if not re.search(args.kernels, name):

@@ -872,6 +872,29 @@ def test_kernel_resources_states_scale_from_the_dt_kernel():
     assert regs <= 128 and spills == 0, found
 
 
+def test_kernel_resources_norms_instructions_per_element():
+    """kernel_resources.py compiles the norms too (norm_kernels: the block's add + RMSNorm, the gated norm) for
+    sm_90 at the 1.3B widths, without spills, and their instructions per element of a row stay near what session 38
+    chose them for (Triton 3.6 / 3.9: add + RMSNorm forward 17.5 / 18.0 per element of the kernel, backward 18.9 per
+    element of the rows loop; gated norm forward 30, backward 36.3 / 36.3): at 8 elements per thread instead of 16
+    the add + RMSNorm ran 26 and drew 6% more joules (docs/performance.md, session 38)."""
+    from benchmarks import kernel_resources as kr
+    from models.kernels import add_rmsnorm_triton as an
+    from models.kernels import gated_rmsnorm_triton as gn
+
+    per_element = {}
+    elements = dict(add_rmsnorm_fwd=an._FWD_ELEMS_PER_THREAD, add_rmsnorm_bwd=an._BWD_ELEMS_PER_THREAD,
+                    gated_norm_fwd=gn._FWD_ELEMS_PER_THREAD, gated_norm_bwd=gn._BWD_ELEMS_PER_THREAD)  # fmt: skip
+    for name, kernel, ptrs, consts, warps, stages in kr.norm_kernels():
+        info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)
+        assert info["spill_stack_bytes"] == 0, (name, info)
+        rows_loop = [loop for loop in info["loops"] if "kernel" not in loop]
+        count = rows_loop[0]["instructions"] if rows_loop else info["loops"][-1]["kernel"]["instructions"]
+        per_element[name] = count / elements[name]
+    limits = dict(add_rmsnorm_fwd=20, add_rmsnorm_bwd=21, gated_norm_fwd=32, gated_norm_bwd=40)
+    assert all(per_element[k] <= limit for k, limit in limits.items()), per_element
+
+
 def test_kernel_resources_conv_one_document_branch(monkeypatch):
     """conv_triton's one-document branch compiled for sm_90 (1.3B tiles, documents): the backward then holds two
     stream loops, the one-document loop as short as the loop compiled without documents (Triton 3.6: 301 against
