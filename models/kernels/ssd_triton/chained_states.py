@@ -438,10 +438,11 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     n_slots = NC if keep_s32 else 2
     # With the kept high / low parts the chain hands states on through them (_kept_chain_step): no float32 carry.
     carry = dummy(dev) if store_lo else torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
+    scale_input, scale_flags = states_scale_input(dt_p, a2dt, scale)
     chained_states_fwd_kernel[(NC * n_chains,)](
         x,
         B,
-        states_scale_input(dt_p, a2dt, scale),
+        scale_input,
         dA_cs,
         seq if seq is not None else dummy(dev),
         init if init is not None else dummy(dev),
@@ -465,8 +466,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
         CARRY_IS_KEPT=store_lo,
-        FOLD_DT=a2dt is not None and scale is None,
-        SCALE_GIVEN=scale is not None,
+        **scale_flags,
         maxnreg=cfg.chained_fwd_maxnreg,
         **meta,
     )

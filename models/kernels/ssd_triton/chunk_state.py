@@ -22,9 +22,15 @@ from models.kernels.ssd_triton.chunk_cb import LOG2E
 
 
 def states_scale_input(dt_p, a2dt, scale):
-    """What the chunk states' kernels read through dt_ptr: the whole scale (SCALE_GIVEN), else a2dt (FOLD_DT), else
-    dt_p."""
-    return scale if scale is not None else a2dt if a2dt is not None else dt_p
+    """(what the chunk states' kernels read through dt_ptr, their FOLD_DT and SCALE_GIVEN): the whole scale, else
+    a2dt, else dt_p."""
+    if scale is not None:
+        return scale, dict(FOLD_DT=False, SCALE_GIVEN=True)
+    return (
+        (dt_p, dict(FOLD_DT=False, SCALE_GIVEN=False))
+        if a2dt is None
+        else (a2dt, dict(FOLD_DT=True, SCALE_GIVEN=False))
+    )
 
 
 @fast_launch
@@ -153,26 +159,26 @@ def _state_tile(acc, b_tile, x_ptrs, dA_head, dt_head, a_last, offs_k, offs_p, v
             scale_k = tl.load(dt_head + offs_k)
         else:
             scale_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
-        return acc + tl.dot(xT, (b_tile * scale_k[:, None]).to(xT.dtype), input_precision=PREC)
-    if FOLD_DT:
-        # a2dt is +inf past the chunk's end (the padding's dt is 0): its scale is 0 without a mask.
-        if EVEN:
-            a2dt_k = tl.load(dt_head + offs_k)
-        else:
-            a2dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=float("inf"))
-        weight_k = tl.exp2(a_last - a2dt_k)
     else:
-        if EVEN:
-            a_k = tl.load(dA_head + offs_k)
-            dt_k = tl.load(dt_head + offs_k)
+        if FOLD_DT:
+            # a2dt is +inf past the chunk's end (the padding's dt is 0): its scale is 0 without a mask.
+            if EVEN:
+                a2dt_k = tl.load(dt_head + offs_k)
+            else:
+                a2dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=float("inf"))
+            weight_k = tl.exp2(a_last - a2dt_k)
         else:
-            a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
-            dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
-        weight_k = tl.exp(a_last - a_k) * dt_k
-    if EVEN and not HAS_SEQ:
-        scale_k = weight_k
-    else:
-        scale_k = tl.where(keep, weight_k, 0.0)
+            if EVEN:
+                a_k = tl.load(dA_head + offs_k)
+                dt_k = tl.load(dt_head + offs_k)
+            else:
+                a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
+                dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
+            weight_k = tl.exp(a_last - a_k) * dt_k
+        if EVEN and not HAS_SEQ:
+            scale_k = weight_k
+        else:
+            scale_k = tl.where(keep, weight_k, 0.0)
     # The per-position scale multiplies B, and B is rounded to the operand dtype after it (as mamba_ssm does), not
     # x: rounding the scaled x instead left the states with an error that the decay gradient picks up coherently
     # (Triton interpreter, float16, whole chunks: dA error 9.7e-4 against mamba_ssm's 7.2e-4; 7.3e-4 this way).

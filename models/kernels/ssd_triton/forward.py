@@ -147,10 +147,11 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
     heads = heads_per_program(H // G, min(cfg.state_heads, 2))
     grid = (b * NC * H // heads, cdiv(P, cfg.state_p), cdiv(N, cfg.state_n))
+    scale_input, scale_flags = states_scale_input(dt_p, a2dt, scale)
     chunk_state_fwd_kernel[grid](
         x,
         B,
-        states_scale_input(dt_p, a2dt, scale),
+        scale_input,
         dA_cs,
         seq_arg,
         states,
@@ -169,8 +170,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,
-        FOLD_DT=a2dt is not None and scale is None,
-        SCALE_GIVEN=scale is not None,
+        **scale_flags,
         PREC=dot_precision(x),
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
