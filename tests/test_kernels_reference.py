@@ -459,6 +459,31 @@ def test_split_conv1d_scan_bad_sizes():
         )
 
 
+def test_split_conv1d_scan_takes_A_or_A_log():
+    """ops.mamba_split_conv1d_scan takes the model's A_log in place of A (A = -exp(A_log); our kernels take the
+    exponential inside, the other backends before the call): the same output and gradients as A given; A and A_log
+    both or neither is refused before anything runs."""
+    g = torch.Generator().manual_seed(3)
+    b, L, H, P, N = 1, 12, 2, 4, 4
+    conv_dim = H * P + 2 * N
+    zxbcdt = torch.randn(b, L, H * P + conv_dim + H, generator=g, dtype=F64)
+    cw, D = torch.randn(conv_dim, 4, generator=g, dtype=F64), torch.randn(H, generator=g, dtype=F64)
+    a_log = torch.rand(H, generator=g, dtype=F64)
+    outs = {}
+    for name in ("A", "A_log"):
+        leaf = a_log.clone().requires_grad_()
+        A, kw = (-torch.exp(leaf), {}) if name == "A" else (None, {"A_log": leaf})
+        out = mamba_split_conv1d_scan(
+            zxbcdt, cw, None, torch.zeros(H, dtype=F64), A, D, 4, headdim=P, backend="reference", **kw
+        )
+        outs[name] = (out, *torch.autograd.grad(out.square().sum(), leaf))
+    for got, want in zip(outs["A_log"], outs["A"]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for A, kw in ((-torch.ones(H), {"A_log": torch.zeros(H)}), (None, {})):
+        with pytest.raises(ValueError, match="give A or A_log"):
+            mamba_split_conv1d_scan(zxbcdt, cw, None, torch.zeros(H), A, D, 4, headdim=P, backend="reference", **kw)
+
+
 # ----------------------------------------------------------------------------- (f) gradients
 
 

@@ -355,14 +355,16 @@ def kernel_halves_from_references():
 
 
 def check_split_path(
-    b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False, kept_states=False
-):
+    b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False, kept_states=False,
+    a_log=False,
+):  # fmt: skip
     """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj in one Function that
     recomputes the conv and the norm in its backward; conv and norm run their references on the CPU) against
     mamba_split_conv1d_scan_ref in float64, output (and final states) and all gradients. Also what its backward keeps:
     the bytes saved for backward must be those of zxbcdt and the SSD output plus [B, H, L]-sized extras, not the
     conv output or out_proj's input (each as large as the SSD output); with kept_states (config keep_states) also
-    the float32 entering states [B, NC, H, P, N], which must then be there."""
+    the float32 entering states [B, NC, H, P, N], which must then be there. a_log: ours takes the model's A_log
+    (A=None, A_log=log(-A)) and its gradient, compared as dA = dA_log / A (the dt kernels take the exponential)."""
     from models.kernels import ops
     from models.kernels.reference import mamba_split_conv1d_scan_ref
 
@@ -397,6 +399,9 @@ def check_split_path(
         ("ref", mamba_split_conv1d_scan_ref, torch.float64, {}),
     ):
         leaves = {k: v.detach().clone().to(dtype).requires_grad_() for k, v in tensors.items()}
+        if a_log and name == "ours":
+            leaves["A_log"] = torch.log(-leaves.pop("A").detach()).requires_grad_()
+            kw = dict(kw, A=None)
         sizes = []
 
         def pack(t):
@@ -419,6 +424,8 @@ def check_split_path(
         loss = (out.double() * cot).sum() + (0 if final is None else (final.double() * cot_final).sum())
         loss.backward()
         res[name] = {"out": out.double(), **{"d" + k: v.grad.double() for k, v in leaves.items()}}
+        if "A_log" in leaves:  # d/dA_log = d/dA * A, with A = -exp(A_log) in float64 here
+            res[name]["dA"] = res[name].pop("dA_log") / -torch.exp(leaves["A_log"].detach().double())
         if final is not None:
             res[name]["final"] = final.double()
     errors = {k: ((res["ours"][k] - v).norm() / v.norm()).item() for k, v in res["ref"].items()}
@@ -939,8 +946,14 @@ def test_fused_scan_several_blocks_of_P_ragged_N():
 
 
 def test_fused_path_contract_under_triton_backend():
-    """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, with our SSD."""
-    interpret(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True)
+    """ops.mamba_split_conv1d_scan(backend='triton'): the model's fused-path call, with our SSD; also given A_log (the
+    model's parameter, A = -exp(A_log) inside the dt kernels) through the autograd and the kernel-halves backward:
+    A_log's gradient must be dA times A (dA alone, or A not negated, fails: checked by mutation)."""
+    interpret_all(
+        dict(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, split_path=True),
+        dict(b=2, L=40, H=4, P=16, G=1, N=16, seed=9, chunk_size=16, split_path=True, a_log=True),
+        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=10, chunk_size=16, split_path=True, halves=True, a_log=True),
+    )
 
 
 def test_fused_path_kernel_halves_wiring():
@@ -1103,7 +1116,9 @@ def test_model_option_keeps_states_in_the_kernels_config(monkeypatch):
             m.setattr(ops, "mamba_split_conv1d_scan_triton", stand_in)
             for call in (
                 lambda: ops.ssd_chunk_scan(*args, 16, keep_states=keep),
-                lambda: ops.mamba_split_conv1d_scan(zxbcdt, None, None, None, None, None, 16, keep_states=keep),
+                lambda: ops.mamba_split_conv1d_scan(
+                    zxbcdt, None, None, None, -torch.ones(2), None, 16, keep_states=keep
+                ),
             ):
                 with pytest.raises(Seen) as e:
                     call()

@@ -252,7 +252,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     bias, w0, w1, w2, w3 = _channel_params(w_ptr, bias_ptr, offs_d, mask_d, s_w_d, s_w_k, HAS_BIAS, W, BLOCK_D)
     seq_b = seq_ptr + b * L
     start = pid_s * ROWS * SEG
-    # The program's partial sums: [B * N_PARTS, 4, D] (tap k of 4, as _weight numbers them) and [B * N_PARTS, D].
+    # The program's partial sums: [B * N_PARTS, D, 4] (tap k of 4, as _weight numbers them) and [B * N_PARTS, D].
     part = b * N_PARTS + pid_s
     x_b, dout_b, dx_b = x_ptr + b * s_x_b, dout_ptr + b * s_y_b, dx_ptr + b * s_dx_b
     dw_part, db_part = dw_part_ptr + part * 4 * D, db_part_ptr + part * D
@@ -330,11 +330,11 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, 
             xm3, xm2, xm1 = xm2, xm1, x0
             sm3, sm2, sm1 = sm2, sm1, s0
             gm3, gm2, gm1 = gm2, gm1, g0
-    dw_base = dw_part + offs_d
-    tl.store(dw_base, tl.sum(dw0, axis=0), mask=mask_d)
-    tl.store(dw_base + D, tl.sum(dw1, axis=0), mask=mask_d)
-    tl.store(dw_base + 2 * D, tl.sum(dw2, axis=0), mask=mask_d)
-    tl.store(dw_base + 3 * D, tl.sum(dw3, axis=0), mask=mask_d)
+    # [BLOCK_D, 4]: channel d's four taps side by side, the weight's own layout (its sum over parts needs no
+    # transpose). join(join(t0, t2), join(t1, t3)) is [BLOCK_D, 2, 2] with [d, i, j] = tap 2 i + j.
+    dw = tl.join(tl.join(tl.sum(dw0, axis=0), tl.sum(dw2, axis=0)), tl.join(tl.sum(dw1, axis=0), tl.sum(dw3, axis=0)))
+    dw = tl.reshape(dw, (BLOCK_D, 4))
+    tl.store(dw_part + offs_d[:, None] * 4 + tl.arange(0, 4)[None, :], dw, mask=mask_d[:, None])
     tl.store(db_part + offs_d, tl.sum(db, axis=0), mask=mask_d)
 
 
@@ -438,7 +438,7 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         raise ValueError(f"dx must be channel-last like x, got strides {dx_BDL.stride()}")
     n_parts = cdiv(L, _BWD_ROWS * _BWD_SEG)
     seg = cdiv(L, _BWD_ROWS * n_parts)
-    dw_part = torch.empty(b * n_parts, 4, d, device=x_BDL.device, dtype=torch.float32)
+    dw_part = torch.empty(b * n_parts, d, 4, device=x_BDL.device, dtype=torch.float32)
     db_part = torch.empty(b * n_parts, d, device=x_BDL.device, dtype=torch.float32)
     conv_bwd_kernel[(n_parts, cdiv(d, _BWD_BLOCK_D), b)](
         x_BDL, weight_DW, bias_D if bias_D is not None else weight_DW, seq_idx_BL if seq_idx_BL is not None else x_BDL,
@@ -450,7 +450,9 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
-    dw = dw_part.sum(0)[4 - W :].t().contiguous()  # taps 4 - W ... 3 are the weight's columns
+    dw = dw_part.sum(0)  # [d, 4], contiguous like the weight: no copy after the sum (one kernel fewer a layer)
+    if W < 4:
+        dw = dw[:, 4 - W :].contiguous()  # taps 4 - W ... 3 are the weight's columns
     db = db_part.sum(0) if bias_D is not None else None
     return dx_BDL, dw, db
 

@@ -240,13 +240,17 @@ def mamba_split_conv1d_scan(
     *,
     backend: str = "auto",
     keep_states: bool = False,
+    A_log: torch.Tensor | None = None,
 ):
     """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
 
     With our SSD (backends 'auto' on CUDA, 'triton'): conv, our SSD kernels and the gated norm in one autograd
     Function that recomputes the conv and the norm in its backward, as mamba_ssm's fused mixer does
-    (split_conv1d_scan.py). keep_states: as in ssd_chunk_scan.
+    (split_conv1d_scan.py). keep_states: as in ssd_chunk_scan. A_log: the model's parameter in place of A (pass
+    A=None): A = -exp(A_log), taken inside our dt kernels (no PyTorch ops for it) or here for the other backends.
     """
+    if (A is None) == (A_log is None):
+        raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
     if use_triton_ssd(backend, zxbcdt):
         return mamba_split_conv1d_scan_triton(
             zxbcdt,
@@ -269,7 +273,10 @@ def mamba_split_conv1d_scan(
             initial_states=initial_states,
             return_final_states=return_final_states,
             keep_states=keep_states,
+            A_log=A_log,
         )
+    if A is None:  # at least float32 (a bfloat16 parameter under FSDP's mixed precision), float64 kept
+        A = -torch.exp(A_log.to(torch.promote_types(A_log.dtype, torch.float32)))
     fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
     return fn(
         zxbcdt,

@@ -43,6 +43,9 @@ class _Sizes:
     dt_limit: tuple[float, float]
     other_backend: str
     keep_states: bool = False  # the SSD's entering states kept for its backward (ssd_chunk_scan_triton)
+    # A given as A_log (A = -exp(A_log), the model's parameter): the dt kernels take the exponential and return
+    # A_log's gradient, so no PyTorch ops for it run in the forward or the backward (four tiny kernels per layer)
+    a_is_log: bool = False
 
     @property
     def headdim(self) -> int:
@@ -173,7 +176,7 @@ class _MixerFunction(torch.autograd.Function):
         )
         y_dtype = x.dtype if norm_w is not None else torch.float32  # the gate without a norm wants float32 y
         y, final, saved = ssd_forward_pass(
-            x, dt, A32, dt_bias, B, C, D32, init, seq, s.chunk_size, cfg, y_dtype, True, s.dt_limit
+            x, dt, A32, dt_bias, B, C, D32, init, seq, s.chunk_size, cfg, y_dtype, True, s.dt_limit, s.a_is_log
         )
         y_BLD = y.reshape(*zxbcdt.shape[:2], s.dim)
         rstd = None
@@ -238,8 +241,9 @@ class _MixerFunction(torch.autograd.Function):
         dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)
         saved = (x, dt, A32, dt_bias, dt_p, dA_cs, a2dt, B, C, D32, init, seq, S_kept)
         _, ddt, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
-            saved, y_.grad.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC)
-        )
+            saved, y_.grad.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC),
+            a_is_log=s.a_is_log,
+        )  # fmt: skip
         torch.autograd.backward(xBC, dxBC)  # -> xBC_in_.grad, conv_w_.grad, conv_b_.grad
         parts = (zx0_.grad if s.d_nonssm else None, z_.grad, xBC_in_.grad, ddt.to(zxbcdt.dtype))
         dzxbcdt = torch.cat([g for g in parts if g is not None], dim=-1)
@@ -294,11 +298,12 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     x, B, C = s.ssd_operands(xBC)
     dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)  # the SSD's gradients = the conv's output's
     saved = (x, dt, A32, dt_bias, dt_p, dA_cs, a2dt, B, C, D32, init, seq, S_kept)
-    _, ddt, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
-        saved, dy.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC)
-    )
+    # ddt straight into dzxbcdt's slice (dt's dtype, the slice's strides): no copy kernel after it
+    _, _, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
+        saved, dy.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC),
+        ddt_out=ddt_out, a_is_log=s.a_is_log,
+    )  # fmt: skip
     del xBC, x, B, C
-    ddt_out.copy_(ddt)
     dconv_w, dconv_b = _conv_backward_halves(xBC_in, conv_w, conv_b, dxBC, seq, s, dxBC_in)
     return (
         dzxbcdt,
@@ -339,7 +344,10 @@ def mamba_split_conv1d_scan_triton(
     *,
     other_backend: str = "auto",
     keep_states: bool = False,
+    A_log=None,
 ):
+    if (A is None) == (A_log is None):
+        raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
     if zxbcdt.dim() != 3:
         raise ValueError(f"zxbcdt must be [batch, seqlen, features], got {tuple(zxbcdt.shape)}")
     d_nonssm, dim, dstate, nheads = split_zxbcdt_sizes(zxbcdt.shape[-1], conv1d_weight.shape[0], D, headdim, ngroups)
@@ -370,6 +378,7 @@ def mamba_split_conv1d_scan_triton(
         dt_limit=(float(dt_limit[0]), float(dt_limit[1])),
         other_backend=other_backend,
         keep_states=keep_states,
+        a_is_log=A is None,
     )
     with no_autocast(zxbcdt.device):
         out, final = _MixerFunction.apply(
@@ -377,7 +386,7 @@ def mamba_split_conv1d_scan_triton(
             conv1d_weight,
             conv1d_bias,
             dt_bias,
-            A,
+            A if A_log is None else A_log,
             D,
             rmsnorm_weight,
             outproj_weight,

@@ -136,7 +136,7 @@ class Mamba2Mixer(nn.Module):
             self.conv1d.weight.squeeze(1),
             self.conv1d.bias,
             self.dt_bias,
-            -torch.exp(self.A_log.float()),
+            None,  # A: from A_log, inside our dt kernels on their path (ops.mamba_split_conv1d_scan)
             D,
             self.args.chunk_size,
             seq_idx=seq_idx,
@@ -152,6 +152,7 @@ class Mamba2Mixer(nn.Module):
             return_final_states=return_final_states,
             backend=self.backend,
             keep_states=self.args.ssd_keep_states,
+            A_log=self.A_log,
         )
         return out if return_final_states else (out, None)
 

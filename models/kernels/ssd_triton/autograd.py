@@ -369,23 +369,26 @@ def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockC
     return dx, ddt, (O, rev_parts, add_parts, q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit
 
 
-def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit):
+def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit, a_is_log=False):
     """The forward outside autograd: (y, final_states, saved), where ``saved`` is what ssd_backward_pass needs
     (inputs plus the float32 dt_p, within-chunk decay a and, with config fold_dt, a2dt (else None), [B, H, NC, Q]
     each; and last the entering states [K, B, NC, H, P, N] with config keep_states, else None: then nothing of that
-    size is kept)."""
+    size is kept). a_is_log: A holds A_log (A = -exp(A_log) in the dt kernels; ssd_backward_pass then returns A_log's
+    gradient and must be told so too)."""
     NC = math.ceil(x.shape[1] / Q)
     dt_p, dA_cs, a2dt, states_scale = dt_forward(
-        dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt, seq, writes_states_scale(cfg)
+        dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt, seq, writes_states_scale(cfg), a_is_log
     )
     # states_scale is the forward's alone (the backward's dB and recompute take a2dt: the same values)
     y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt, states_scale)
     return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept)
 
 
-def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None):
+def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None, ddt_out=None, a_is_log=False):
     """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
-    dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see _ssd_bwd)."""
+    dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see _ssd_bwd);
+    ddt_out: [B, L, H] in dt's dtype to write ddt into (any strides), else it is allocated. a_is_log: as the
+    forward's (dA is then A_log's gradient)."""
     x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept = saved
     # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
     dy_exact = dy if dy.dtype != x.dtype else None
@@ -394,7 +397,9 @@ def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None):
     dx, ddt_p, decay_parts, dB, dC, (dD, dD_parts), dinit = _ssd_bwd(
         dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept, a2dt
     )
-    ddt, dA, ddt_bias, dD_summed = dt_backward(dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit, dD_parts)
+    ddt, dA, ddt_bias, dD_summed = dt_backward(
+        dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit, dD_parts, ddt_out=ddt_out, a_is_log=a_is_log
+    )
     if dD_parts is not None:
         dD = dD_summed
     return dx, ddt, dA, ddt_bias, dB, dC, dD, dinit if init is not None else None

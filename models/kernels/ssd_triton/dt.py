@@ -56,6 +56,16 @@ def _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt
     return u, v
 
 
+@triton.jit
+def _load_A(A_ptr, offs_h, mask_h, A_LOG: tl.constexpr):
+    """A [BLOCK_H] in float32: as stored, or with A_LOG -exp(A_log) from the model's parameter (no PyTorch ops
+    for it, either way)."""
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0)
+    if A_LOG:
+        A = -tl.exp(A)
+    return A
+
+
 @fast_launch
 @triton.jit
 def dt_fwd_kernel(
@@ -81,6 +91,7 @@ def dt_fwd_kernel(
     FOLD_DT: tl.constexpr,
     HAS_SEQ: tl.constexpr,
     STATES_SCALE: tl.constexpr,
+    A_LOG: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -94,7 +105,7 @@ def dt_fwd_kernel(
     valid = in_q & (t < L)[:, None]
     _, v = _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt_h, HAS_BIAS, SOFTPLUS)
     dt_p = tl.where(valid, tl.minimum(tl.maximum(v, lo), hi), 0.0)  # padded positions: dt = 0
-    A = tl.load(A_ptr + offs_h, mask=offs_h < H, other=0.0)
+    A = _load_A(A_ptr, offs_h, offs_h < H, A_LOG)
     dA_cs = tl.cumsum(dt_p * A[None, :], axis=0)
     out = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
     tl.store(dt_p_ptr + out, dt_p, mask=in_q)
@@ -173,6 +184,7 @@ def dt_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_DD: tl.constexpr,
     SOFTPLUS: tl.constexpr,
+    A_LOG: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -216,7 +228,7 @@ def dt_bwd_kernel(
 
     u, v = _dt_pre_clamp(dt_ptr, bias_ptr, b, t, offs_h, valid, H, s_dt_b, s_dt_l, s_dt_h, HAS_BIAS, SOFTPLUS)
     dt_p = tl.where(valid, tl.minimum(tl.maximum(v, lo), hi), 0.0)
-    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0)
+    A = _load_A(A_ptr, offs_h, mask_h, A_LOG)
     d_dt_p = tl.load(ddt_p_ptr + at, mask=in_q, other=0.0) + g * A[None, :]
     d_u = tl.where(valid & (v >= lo) & (v <= hi), d_dt_p, 0.0)
     if SOFTPLUS:
@@ -235,7 +247,10 @@ def dt_bwd_kernel(
     tl.debug_barrier()
     n_parts = tl.num_programs(0)
     if tl.atomic_add(done_ptr + tl.program_id(1), 1, sem="acq_rel") == n_parts - 1:
-        tl.store(dA_ptr + offs_h, _sum_rows(dA_part_ptr, n_parts, H, offs_h, mask_h, BLOCK_R), mask=mask_h)
+        dA = _sum_rows(dA_part_ptr, n_parts, H, offs_h, mask_h, BLOCK_R)
+        if A_LOG:
+            dA = dA * A  # d/dA_log of -exp(A_log) is A itself
+        tl.store(dA_ptr + offs_h, dA, mask=mask_h)
         if HAS_BIAS:
             tl.store(dbias_ptr + offs_h, _sum_rows(dbias_part_ptr, n_parts, H, offs_h, mask_h, BLOCK_R), mask=mask_h)
 
@@ -267,10 +282,11 @@ def dt_forward(
     fold_dt: bool = False,
     seq=None,
     states_scale: bool = False,
+    a_is_log: bool = False,
 ):
     """(dt_p, dA_cs, a2dt, scale), float32 [b, H, NC, Q] each (dt_p zero past the end); a2dt (module docstring) only
     with fold_dt, else None; scale (the chunk states' weights, seq's documents masked) only with states_scale (which
-    needs fold_dt), else None."""
+    needs fold_dt), else None. a_is_log: A_H holds A_log, and A = -exp(A_log) is taken in the kernel."""
     if states_scale and not fold_dt:
         raise ValueError("dt_forward: states_scale is computed from a2dt; it needs fold_dt")
     b, L, H = dt_BLH.shape
@@ -300,6 +316,7 @@ def dt_forward(
         FOLD_DT=fold_dt,
         HAS_SEQ=seq is not None,
         STATES_SCALE=states_scale,
+        A_LOG=a_is_log,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
     )
@@ -320,15 +337,19 @@ def dt_backward(
     softplus: bool,
     limit: tuple[float, float],
     dD_parts=None,
+    ddt_out=None,
+    a_is_log: bool = False,
 ):
-    """(d dt [b, L, H] in dt's dtype, dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
+    """(d dt [b, L, H] in dt's dtype (written into ddt_out when given: any strides, e.g. the mixer's view of its
+    input gradient, so no copy follows), dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
     SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
     add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: dCB's extra column-sum slots
-    or None; dD_parts: D's partial sums [n, H] (float32) to sum, or None."""
+    or None; dD_parts: D's partial sums [n, H] (float32) to sum, or None. a_is_log: A_H holds A_log (as in
+    dt_forward), and the gradient returned for it is A_log's."""
     b, L, H = dt_BLH.shape
     NC, Q = ddt_p.shape[2:]
     dev = dt_BLH.device
-    ddt = torch.empty(b, L, H, device=dev, dtype=dt_BLH.dtype)
+    ddt = torch.empty(b, L, H, device=dev, dtype=dt_BLH.dtype) if ddt_out is None else ddt_out
     parts = torch.empty(2, b * NC, H, device=dev, dtype=torch.float32)  # dA, d dt_bias per program
     sums = torch.empty(3, H, device=dev, dtype=torch.float32)  # dA, d dt_bias, dD
     block_q, block_h = _tiles(Q, H)
@@ -372,6 +393,7 @@ def dt_backward(
         HAS_BIAS=dt_bias is not None,
         HAS_DD=dD_parts is not None,
         SOFTPLUS=softplus,
+        A_LOG=a_is_log,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
         BLOCK_R=32,
