@@ -5,14 +5,11 @@ Split of the work:
     limits: dt.py's kernel makes the float32 [B, H, NC, Q] dt_p and the within-chunk cumulative decay
     a = cumsum(dt_p A) (the last chunk padded with dt = 0, so padding neither decays nor adds; with config fold_dt
     also a2dt, dt in the decay's exponent for the chunk scan and dCB), and its backward twin turns the kernels'
-    gradients into those of dt, A and dt_bias in one pass. In between, the kernels (forward.py): forward CB -> the
-    chained chunk states and recurrence (chained_states.py; or the staged chunk states -> state passing, or the fused
-    scan) -> chunk scan; backward recomputes CB and the states entering each chunk (nothing [B, NC, H, P, N] is
-    kept between forward and backward), then dS_in and the reverse recurrence
-    chained in one kernel (or staged, or fused) -> dx / ddt / dD ->
-    dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd; config
-    bc_mode "grouped") -> dB's state term -> dC, dB += dCB B, dCBᵀ C in one kernel per group (bc_finish).
-    (bc_mode "per_head", bc_bwd: each head's dCB is multiplied in-kernel.) The z gate is a PyTorch op after it.
+    gradients into those of dt, A and dt_bias in one pass. In between, the kernels: forward.py's CB -> the chained
+    chunk states and recurrence (chained_states.py; or the staged chunk states -> state passing, or the fused scan)
+    -> chunk scan; backward.py's recompute of CB and the states entering each chunk (unless config keep_states kept
+    them), dS_in and the reverse recurrence, dx / ddt / dD, dCB and the decay terms, dB, and dC / dB finished per
+    group (that module's docstring). The z gate is a PyTorch op after it.
 
 The gradient with respect to dA_t (before the cumsum) is, within its chunk, the sum of four parts:
     sum_{l >= t} O_l            y's state term (O from the dCB / dC kernel)
@@ -34,339 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from models.kernels._utils import no_autocast
-from models.kernels.fast_launch import cdiv, next_power_of_2
 from models.kernels.ssd_reference import _check_inputs
-from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
-from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
-from models.kernels.ssd_triton.chained_states import chained_dstates
-from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
-from models.kernels.ssd_triton.config import BlockConfig, block_config, heads_per_program, whole_tiles
-from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
-from models.kernels.ssd_triton.dt import ColumnParts, dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import (
-    cb_and_entering_states,
-    cb_for_backward,
-    ssd_forward,
-    states_a2dt,
-    writes_states_scale,
-)
-from models.kernels.ssd_triton.fused_scan import fused_dstates
-from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
-from models.kernels.ssd_triton.state_passing import staged_dstates
+from models.kernels.ssd_triton.backward import ssd_backward_kernels
+from models.kernels.ssd_triton.config import block_config
+from models.kernels.ssd_triton.dt import dt_backward, dt_forward
+from models.kernels.ssd_triton.forward import ssd_forward, writes_states_scale
 
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The second stream dCB runs on with config overlap_dcb (one per device, made once)."""
-    return torch.cuda.Stream(device)
-
-
-def _ssd_bwd(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None, out=None,
-             S_kept=None, a2dt=None):  # fmt: skip
-    """dy_exact: dy before its rounding to x's dtype (the kernels' operands), when it was more precise; dD is then
-    summed from it (D of [H, P] sums few terms per entry, so that rounding would show). out: (dx, dB, dC) to write
-    into (any strides; the mixer's views of one buffer), else they are allocated. S_kept: the forward's entering
-    states (config keep_states; [K, B, NC, H, P, N], state_passing.kept_states_buffer), else they are recomputed.
-    a2dt: dt folded into the decay's exponent for dCB (dt.py; config fold_dt), else None."""
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    NC = dt_p.shape[2]
-    dev = x.device
-    has_seq = seq is not None
-    seq_arg = seq if has_seq else dummy(dev)
-    BP, BN = max(16, next_power_of_2(P)), max(16, next_power_of_2(N))
-    S_lo = None  # the low part of kept states; S_in32 then holds their high part, S_in
-    if S_kept is None:
-        CB, CBT, S_in, S_in32 = cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg, a2dt)
-    else:
-        CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
-        S_in = S_in32 = S_kept[0]
-        S_lo = S_kept[1] if S_kept.shape[0] == 2 else None
-    # dC (and the per-head a_l gradient), then dB; summed over head blocks.
-    R = H // G
-    hpp = heads_per_program(R, cfg.heads_per_prog)
-    n_hb = R // hpp
-    grouped = cfg.bc_mode == "grouped"
-    # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
-    state_split = heads_per_program(hpp, cfg.dcb_state_split) if grouped and cfg.dcb_tiles else 1
-    dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
-    O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
-    n_m = cdiv(Q, cfg.dc_m)
-    pairs = cfg.dcb_head_pairs and hpp % 2 == 0
-    # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
-    col_parts = cfg.dcb_parts(pairs) if grouped else 1
-    dCB_part = None
-    if grouped:
-        # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
-        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
-        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
-        # column sums' extra partial-sum slots.
-        n_diag = col_parts if cfg.dcb_diag_col_parts and col_parts > 1 else 0  # the diagonal's parts
-        n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
-        R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
-    else:
-        R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
-
-    def launch_dcb():
-        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
-        chunk_scan_bwd_dcb_kernel[dcb_grid](
-            dy,
-            x,
-            dt_p if a2dt is None else a2dt,
-            dA_cs,
-            C,
-            CB,
-            S_in,
-            seq_arg,
-            dC_part,
-            dCB_part,
-            O,
-            R_part,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            N,
-            hpp,
-            b,
-            state_split,
-            *x.stride(),
-            *C.stride(),
-            *dy.stride(),
-            HAS_SEQ=has_seq,
-            EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
-            TILE_GRID=cfg.dcb_tiles,
-            PREC=dot_precision(x),
-            BLOCK_M=cfg.dc_m,
-            BLOCK_P=BP,
-            BLOCK_N=BN,
-            INNER_FIRST=cfg.inner_first,
-            PAIRS=pairs,
-            COLS_DOT=cfg.dcb_cols_by_dot,
-            HEADS_STAGES=cfg.dcb_heads_stages,
-            COL_PARTS=col_parts,
-            DIAG_PARTS=cfg.dcb_diag_col_parts,
-            FOLD_DT=a2dt is not None,
-            num_warps=cfg.dc_warps,
-            maxnreg=cfg.dc_maxnreg,
-            num_stages=cfg.dc_stages,
-        )
-
-    # dCB needs neither dH nor dx: with config overlap_dcb it runs on a second stream beside the chained dstates
-    # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish. Every tensor it
-    # reads or writes is referenced by launch_dcb until after the join, so none is freed while it runs. Not while a
-    # CUDA graph is captured (training.cuda_graph): a captured fork gives the same results on the GPU (session 43's
-    # test_dcb_on_a_second_stream_inside_a_cuda_graph), but the 370M's graph step has not been timed with it yet.
-    side = None
-    if cfg.overlap_dcb and grouped and dev.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        side = _side_stream(dev)
-    if side is not None:
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            launch_dcb()
-    # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
-    # float32 S_in, state_passing.py says why).
-    if cfg.fused:
-        dH, dinit, dtot = fused_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
-    elif cfg.chained:
-        dH, dinit, dtot = chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg, S_lo)
-    else:
-        dH, dinit, dtot = staged_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg, S_lo)
-    del S_in32, S_lo
-
-    # dx, ddt, dD.
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out[0]
-    ddt = torch.empty_like(dt_p)
-    q = torch.empty_like(dt_p)
-    n_k = cdiv(Q, cfg.dx_k)
-    dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
-    dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
-    chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
-        CB if cfg.dx_reads_cb else CBT,
-        x,
-        dt_p,
-        dA_cs,
-        B,
-        dy,
-        dH,
-        D if D is not None else dummy(dev),
-        seq_arg,
-        dx,
-        ddt,
-        q,
-        dD_part,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        *x.stride(),
-        *B.stride(),
-        *dy.stride(),
-        *dx.stride(),
-        HAS_SEQ=has_seq,
-        HAS_D=D is not None,
-        D_HAS_HDIM=D is not None and D.dim() == 2,
-        EVEN=whole_tiles(L, Q, P, BP, cfg.dx_k, cfg.dx_m),
-        FROM_CB=cfg.dx_reads_cb,
-        HEADS=dx_heads,
-        BLOCK_K=cfg.dx_k,
-        BLOCK_M=cfg.dx_m,
-        BLOCK_P=BP,
-        BLOCK_N=cfg.dx_n,
-        INNER_FIRST=cfg.inner_first,
-        DX_STATE_FIRST=cfg.dx_state_first,
-        SUMS_2D=cfg.dx_row_sums_2d,
-        PREC=dot_precision(x),
-        num_warps=cfg.dx_warps,
-        maxnreg=cfg.dx_maxnreg,
-        num_stages=cfg.dx_stages,
-    )
-    # dD: from dy_exact here, or from the dx kernel's partial sums: D of [H, P] summed here, of [H] by dt_bwd_kernel
-    # (dD_parts, [blocks, H]: one reduction kernel fewer).
-    dD = dD_parts = None
-    if D is not None:
-        if dy_exact is not None:
-            dD = torch.einsum("blhp,blhp->hp" if D.dim() == 2 else "blhp,blhp->h", dy_exact.float(), x.float())
-        elif D.dim() == 2:
-            dD = dD_part.sum(dim=0)
-        else:
-            dD_parts = dD_part
-
-    if grouped:
-        if side is None:
-            launch_dcb()
-    else:
-        chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
-            dy,
-            x,
-            dt_p,
-            dA_cs,
-            B,
-            C,
-            CB,
-            S_in,
-            seq_arg,
-            dC_part,
-            O,
-            R_part,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            N,
-            hpp,
-            b,
-            *x.stride(),
-            *B.stride(),
-            *C.stride(),
-            *dy.stride(),
-            HAS_SEQ=has_seq,
-            BLOCK_M=cfg.dc_m,
-            BLOCK_K=cfg.dc_k,
-            BLOCK_P=BP,
-            BLOCK_N=BN,
-            PREC=dot_precision(x),
-            num_warps=cfg.dc_warps,
-            maxnreg=cfg.dc_maxnreg,
-            num_stages=cfg.dc_stages,
-        )
-    dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    db_a2dt = states_a2dt(a2dt, cfg) if grouped else None  # the chunk states' scale, as the forward's
-    chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
-        dy,
-        x,
-        dt_p if db_a2dt is None else db_a2dt,
-        dA_cs,
-        C,
-        dH,
-        seq_arg,
-        dB_part,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        hpp,
-        b,
-        *x.stride(),
-        *C.stride(),
-        *dy.stride(),
-        HAS_SEQ=has_seq,
-        INTRA=not grouped,
-        FOLD_DT=db_a2dt is not None,
-        BLOCK_K=cfg.db_k,
-        BLOCK_M=cfg.db_m,
-        BLOCK_P=BP,
-        BLOCK_N=BN,
-        INNER_FIRST=cfg.inner_first,
-        PREC=dot_precision(x),
-        num_warps=cfg.db_warps,
-        maxnreg=cfg.db_maxnreg,
-        num_stages=cfg.db_stages,
-    )
-    if side is not None:
-        torch.cuda.current_stream(dev).wait_stream(side)
-    if grouped:
-        # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
-        if out is None:
-            dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
-            dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
-        else:
-            dB, dC = out[1], out[2]
-        bcf_n = min(BN, cfg.bcf_n)
-        bc_finish_kernel[(b * NC * G, cdiv(Q, cfg.dc_m), 2 * cdiv(N, bcf_n))](
-            dCB_part,
-            dC_part,
-            dB_part,
-            B,
-            C,
-            dB,
-            dC,
-            L,
-            Q,
-            NC,
-            G,
-            N,
-            b,
-            *B.stride(),
-            *C.stride(),
-            *dB.stride(),
-            *dC.stride(),
-            N_DC=n_hb * state_split,
-            N_HB=n_hb,
-            PREC=dot_precision(x),
-            BLOCK_M=cfg.dc_m,
-            BLOCK_K=cfg.dc_m,
-            BLOCK_N=bcf_n,
-            num_warps=cfg.bcf_warps,
-            num_stages=2,
-        )
-    else:
-        dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
-        dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
-        if out is not None:
-            dB, dC = out[1].copy_(dB), out[2].copy_(dC)
-
-    # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dC kernel:
-    # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
-    # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
-    # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
-    rev_parts, add_parts = (R_part[:n_m], None) if grouped else (None, R_part)
-    col_extra = None  # the column sums' extra slots (col_parts > 1)
-    if grouped and R_part.shape[0] > n_m:
-        col_extra = ColumnParts(R_part[n_m:], col_parts - 1, cfg.dc_m, n_diag)
-    return dx, ddt, (O, rev_parts, add_parts, q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit
 
 
 def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit, a_is_log=False):
@@ -386,7 +57,8 @@ def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, sof
 
 def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None, ddt_out=None, a_is_log=False):
     """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
-    dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see _ssd_bwd);
+    dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see
+    backward.ssd_backward_kernels);
     ddt_out: [B, L, H] in dt's dtype to write ddt into (any strides), else it is allocated. a_is_log: as the
     forward's (dA is then A_log's gradient)."""
     x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept = saved
@@ -394,7 +66,7 @@ def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None, d
     dy_exact = dy if dy.dtype != x.dtype else None
     dy = dy.to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
-    dx, ddt_p, decay_parts, dB, dC, (dD, dD_parts), dinit = _ssd_bwd(
+    dx, ddt_p, decay_parts, dB, dC, (dD, dD_parts), dinit = ssd_backward_kernels(
         dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept, a2dt
     )
     ddt, dA, ddt_bias, dD_summed = dt_backward(

@@ -189,10 +189,10 @@ class BlockConfig:
     # 370M; with documents it pays only under dx_maxnreg (below).
     dx_row_sums_2d: bool = True
     # dCB (dcb_bwd.py, "grouped" mode) on a second CUDA stream, beside the chained dstates, dx and dB, which it does
-    # not depend on (autograd.py): the chained dstates wait on their chain and draw less than the power limit
+    # not depend on (backward.py): the chained dstates wait on their chain and draw less than the power limit
     # (~570 W at the 1.3B shape, H200, session 38), so dCB's tiles fill their idle issue slots. Session 42 (H200,
     # bench_energy.py, 1.3B with documents): our SSD forward + backward 987.9 -> 963.1 mJ (-2.5%), 1.424 -> 1.390 ms;
-    # results bit for bit the one-stream path's (the 1.3B's losses too). Not under a CUDA graph capture (autograd.py
+    # results bit for bit the one-stream path's (the 1.3B's losses too). Not under a CUDA graph capture (backward.py
     # says why).
     overlap_dcb: bool = True
     # dt folded into the decay's exponent in the chunk scan's and dCB's per-element weights: the dt kernel also writes
