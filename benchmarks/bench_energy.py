@@ -21,6 +21,14 @@ Families (the fused mixer's kernels as train.py runs them on CUDA; bf16; packed 
 and references that are not part of the step: mamba_ssm's SSD forward + backward at the same inputs (when
 installed), copy (1 GiB read and written by an element-wise kernel: HBM at full speed) and idle.
 
+--variant (repeatable) measures our SSD's forward + backward under config variants instead, in one process: a
+baseline first, then the variants with a baseline after every second one and at the end; each variant's mJ per
+call against the mean of the baselines on either side of it, and its outputs and gradients against the baseline's
+(a variant that computes something else is marked, its energy meaningless). The SSD's tiles were chosen in
+milliseconds on an H100 (sessions 9-26); at the power limit they cost their joules, which this ranks:
+
+    python3 benchmarks/bench_energy.py --size 1.3b --seconds 3 --variant dcb_col_parts=2 --variant bcf_n=64,bcf_warps=8
+
 --ssd_stages splits our SSD's forward + backward by kernel instead: the whole is measured with one kernel launched
 twice at each of its calls, in turn, and that kernel's ms and mJ per launch are the excess over the whole measured
 alone (the mean of baselines taken between them). The chained kernels cannot run twice in a row (NOT_DOUBLED): what
@@ -71,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="NAME=VALUE",
         help="one of our conv's module settings (bench_conv.TUNED; repeatable; e.g. _FWD_ONE_DOC_BRANCH=True)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE[,FIELD=VALUE...]",
+        help="our SSD under this config variant (on top of --set), between baselines (repeatable; module docstring)",
+    )
     ap.add_argument("--out", default="", help="write the rows and totals as JSON here")
     a = ap.parse_args(argv)
     from benchmarks.bench_conv import TUNED
@@ -78,6 +93,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     a.config_overrides = parse_sets(ap, a.set)
     a.conv_settings = parse_sets(ap, a.conv, TUNED, "--conv")
+    a.variants = [parse_sets(ap, [f for f in v.split(",") if f], flag="--variant") for v in a.variant]
+    if a.variants and (a.ssd_stages or a.families):
+        ap.error("--variant measures our SSD alone, variant by variant: leave --families and --ssd_stages out")
+    if any(not v for v in a.variants):
+        ap.error("--variant needs at least one FIELD=VALUE")
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
     if a.ssd_stages and a.families:
@@ -117,13 +137,12 @@ def families(size_name: str, device: torch.device) -> dict:
     """name -> a zero-argument callable running that family once at the size's shapes (the optimizer None off CUDA:
     our AdamW is a CUDA kernel; the rest also runs on the CPU under TRITON_INTERPRET=1, which the tests use)."""
     from benchmarks.bench_conv import documents
-    from benchmarks.bench_ssd import fwd_bwd_fn, make_inputs
+    from benchmarks.bench_ssd import fwd_bwd_fn
     from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
     from models.kernels.autocast_linear import mm_float32
     from models.kernels.conv_triton import conv_backward_triton, conv_forward_triton
     from models.kernels.cross_entropy_triton import linear_cross_entropy_triton
     from models.kernels.gated_rmsnorm_triton import gated_rmsnorm_bwd, gated_rmsnorm_fwd
-    from models.kernels.ssd_triton import ssd_chunk_scan_triton
     from models.loss import IGNORE_INDEX
 
     size = SIZES[size_name]
@@ -151,13 +170,9 @@ def families(size_name: str, device: torch.device) -> dict:
     norm_w = torch.ones(DI, device=device)
     _, rstd = gated_rmsnorm_fwd(y, norm_w, z, args.norm_eps, DI // G, args.norm_before_gate)
     dz = torch.empty_like(z)
-    ssd_inp = make_inputs(dict(b=b, L=L, H=H, P=P, N=N, G=G), True, 0, device=device)
-    ssd_step, _ = fwd_bwd_fn(
-        lambda *a, **k: ssd_chunk_scan_triton(*a, keep_states=args.ssd_keep_states, **k),
-        ssd_inp,
-        args.chunk_size,
-        randn(b, L, H, P),
-    )
+    ssd = ssd_problem(size_name, device)
+    ssd_inp = ssd["inp"]
+    ssd_step, _ = fwd_bwd_fn(ssd["fn"], ssd_inp, ssd["Q"], ssd["dy"])
     hidden = randn(b, L, D).requires_grad_()
     residual = randn(b, L, D, dtype=torch.float32).requires_grad_()
     add_w = torch.ones(D, device=device, requires_grad=True)
@@ -206,6 +221,89 @@ def families(size_name: str, device: torch.device) -> dict:
         **references,
         copy=lambda: torch.mul(big, 1.0, out=big_out),  # a kernel: a graph would turn copy_ into a copy-engine node
     )
+
+
+def ssd_problem(size_name: str, device: torch.device) -> dict:
+    """Our SSD as the size's training step calls it: fn (ssd_chunk_scan_triton with the size's ssd_keep_states),
+    inp (bench_ssd.make_inputs: bf16, packed documents), the chunk size Q and the output's cotangent dy."""
+    from benchmarks.bench_ssd import make_inputs
+    from models.kernels.ssd_triton import ssd_chunk_scan_triton
+
+    size, args = SIZES[size_name], model_args(size_name)
+    b, L, P, N, G = size.batch, size.seq_len, args.headdim, args.d_state, args.ngroups
+    H = args.d_inner // P
+    dy = (torch.randn(b, L, H, P, generator=torch.Generator().manual_seed(1))).to(device, torch.bfloat16)
+    return dict(
+        fn=lambda *a, **k: ssd_chunk_scan_triton(*a, keep_states=args.ssd_keep_states, **k),
+        inp=make_inputs(dict(b=b, L=L, H=H, P=P, N=N, G=G), True, 0, device=device),
+        Q=args.chunk_size,
+        dy=dy,
+    )
+
+
+def variant_plan(n_variants: int, baseline_every: int = 2) -> list[int | None]:
+    """The order of an --variant run: None for a baseline, i for variant i; a baseline first, after every
+    `baseline_every` variants and last, so every variant has a baseline on either side."""
+    plan: list[int | None] = [None]
+    for i in range(n_variants):
+        plan.append(i)
+        if (i + 1) % baseline_every == 0 or i == n_variants - 1:
+            plan.append(None)
+    return plan
+
+
+def ssd_variants(problem: dict, variants: list[dict], base: dict, measure_fn, outputs_fn=None,
+                 max_rel_diff: float = 2e-2) -> list[dict]:  # fmt: skip
+    """Rows of an --variant run in variant_plan's order: each config (base, or base updated by a variant) patched
+    into our SSD (bench_ssd.patched_config), its outputs and gradients taken once (outputs_fn, default
+    bench_ssd._outputs_and_grads: this also compiles it) and compared with the first baseline's, then measure_fn on
+    its forward + backward. A variant that fails (e.g. shared memory) is a row with its error; one whose outputs
+    differ by more than max_rel_diff is marked "differs". The base config is patched back at the end."""
+    from benchmarks.bench_ssd import _outputs_and_grads, fwd_bwd_fn, patched_config
+
+    outputs_fn = outputs_fn or _outputs_and_grads
+    fn, inp, Q, dy = problem["fn"], problem["inp"], problem["Q"], problem["dy"]
+    step, _ = fwd_bwd_fn(fn, inp, Q, dy)  # reads the patched config at every call
+    rows, reference = [], None
+    try:
+        for i in variant_plan(len(variants)):
+            over = {} if i is None else variants[i]
+            row = dict(variant="baseline" if i is None else ",".join(f"{k}={v!r}" for k, v in over.items()), index=i)
+            patched_config({**base, **over})
+            try:
+                outs = outputs_fn(fn, inp, Q, dy)
+                if reference is None:
+                    reference = outs
+                row["max_rel_diff"] = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+                                          for a, b in zip(outs, reference))  # fmt: skip
+                row["differs"] = not row["max_rel_diff"] <= max_rel_diff
+                row.update(measure_fn(step))
+            except Exception as e:  # a variant the kernels cannot run (shared memory, registers, a refused value)
+                if i is None:
+                    raise
+                row["failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+    finally:
+        patched_config(base)
+    return variant_table(rows)
+
+
+def variant_table(rows: list[dict]) -> list[dict]:
+    """rows (ssd_variants') with each measured variant's energy against the mean of the nearest baselines before
+    and after it (vs_baselines, a fraction) and the baselines' spread over the run."""
+    base_at = [k for k, r in enumerate(rows) if r["index"] is None]
+    for k, r in enumerate(rows):
+        if r["index"] is None or "mj_per_call" not in r:
+            continue
+        before = max(j for j in base_at if j < k)
+        after = min((j for j in base_at if j > k), default=before)
+        ref_mj = (rows[before]["mj_per_call"] + rows[after]["mj_per_call"]) / 2
+        ref_ms = (rows[before]["ms"] + rows[after]["ms"]) / 2
+        r["vs_baselines"], r["ms_vs_baselines"] = r["mj_per_call"] / ref_mj - 1, r["ms"] / ref_ms - 1
+    mjs = [rows[j]["mj_per_call"] for j in base_at]
+    for j in base_at:
+        rows[j]["baselines_spread"] = (max(mjs) - min(mjs)) / min(mjs)
+    return rows
 
 
 def model_args(size_name: str):
@@ -403,12 +501,21 @@ def main(argv=None) -> dict:
         for name, value in a.conv_settings.items():
             setattr(conv_triton, name, value)
         print(f"our conv's settings: {a.conv_settings}", flush=True)
+    size = SIZES[a.size]
+    if a.variants:
+        shape = f"size {a.size} ({size.batch} x {size.seq_len})"
+        print(f"{torch.cuda.get_device_name()}, power limit {nvml.power_limit_w():.0f} W, our SSD forward + backward "
+              f"at {shape}, {len(a.variants)} variants", flush=True)  # fmt: skip
+        problem = ssd_problem(a.size, device)
+        rows = ssd_variants(problem, a.variants, a.config_overrides, lambda step: measure(step, nvml, a.seconds))
+        print_variants(rows)
+        result = dict(device=torch.cuda.get_device_name(), size=a.size, base=a.config_overrides, variants=rows)
+        return _written(result, a.out)
     fams = families(a.size, device)
     wanted = [f for f in a.families.split(",") if f] or list(fams)
     unknown = sorted(set(wanted) - set(fams))
     if unknown:
         raise SystemExit(f"unknown --families {unknown}; choose from {list(fams)}")
-    size = SIZES[a.size]
     if a.ssd_stages:
         print(f"{torch.cuda.get_device_name()}, power limit {nvml.power_limit_w():.0f} W, our SSD forward + backward "
               f"at size {a.size} ({size.batch} x {size.seq_len}), kernel by kernel", flush=True)  # fmt: skip
@@ -437,6 +544,20 @@ def main(argv=None) -> dict:
     for name, j in sorted(totals["joules_by_family"].items(), key=lambda kv: -kv[1]):
         print(f"  {name:20s} {j:7.2f} J ({100 * j / totals['joules']:4.1f}%)")
     return _written(dict(device=torch.cuda.get_device_name(), size=a.size, rows=rows, totals=totals), a.out)
+
+
+def print_variants(rows: list[dict]) -> None:
+    """ssd_variants' rows, one line each: ms, W, mJ per call, against the baselines, and the outputs' check."""
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['variant']:50s} FAILED {r['failed']}", flush=True)
+            continue
+        vs = ""
+        if "vs_baselines" in r:
+            vs = f"{100 * r['vs_baselines']:+6.2f}% mJ {100 * r['ms_vs_baselines']:+6.2f}% ms"
+        check = "  OUTPUTS DIFFER" if r["differs"] else f"  (diff {r['max_rel_diff']:.1e})"
+        print(f"{r['variant']:50s} {r['ms']:7.4f} ms {r['watts']:6.1f} W {r['mj_per_call']:8.1f} mJ {vs}{check}")
+    print(f"baselines' spread: {100 * rows[0]['baselines_spread']:.2f}%", flush=True)
 
 
 def _written(result: dict, path: str) -> dict:

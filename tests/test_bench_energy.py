@@ -73,6 +73,104 @@ def test_refusals_before_any_work():
             be.main(["--size", "debug"])
 
 
+def test_variant_plan_puts_a_baseline_on_either_side_of_every_variant():
+    assert be.variant_plan(5) == [None, 0, 1, None, 2, 3, None, 4, None]
+    assert be.variant_plan(1) == [None, 0, None]
+    assert be.variant_plan(3, baseline_every=1) == [None, 0, None, 1, None, 2, None]
+
+
+def test_variant_table_compares_each_variant_with_its_neighbouring_baselines():
+    rows = [
+        dict(index=None, ms=1.0, mj_per_call=100.0),
+        dict(index=0, ms=0.9, mj_per_call=99.0),
+        dict(index=1, failed="OutOfResources"),
+        dict(index=None, ms=1.2, mj_per_call=102.0),
+        dict(index=2, ms=1.1, mj_per_call=98.0),
+        dict(index=None, ms=1.0, mj_per_call=100.0),
+    ]
+    t = be.variant_table(rows)
+    assert t[1]["vs_baselines"] == pytest.approx(99.0 / 101.0 - 1)
+    assert t[1]["ms_vs_baselines"] == pytest.approx(0.9 / 1.1 - 1)
+    assert t[4]["vs_baselines"] == pytest.approx(98.0 / 101.0 - 1)
+    assert "vs_baselines" not in t[2]
+    assert t[0]["baselines_spread"] == pytest.approx(0.02)
+
+
+def test_ssd_variants_checks_outputs_catches_failures_and_restores_the_config():
+    """The --variant run's logic with stand-ins for the kernels' outputs and the measurement: every config patched in
+    turn (the stand-ins read it), a variant whose outputs differ is marked, a failing one (refused by BlockConfig, or
+    in the measurement) is a row with its error and the run goes on, and the base config (--set) is what stays
+    patched afterwards."""
+    from benchmarks import bench_ssd
+    from models.kernels.ssd_triton import autograd as ours_autograd
+
+    def current():  # the config our SSD would run with now
+        return ours_autograd.block_config(256, 64, 128)
+
+    def outputs(fn, inp, Q, dy):
+        c = current()
+        return [torch.ones(3) * (2.0 if c.bcf_n == 16 else 1.0)]  # bcf_n=16 "computes something else"
+
+    def measure(step):
+        c = current()
+        if c.bcf_warps == 2:
+            raise RuntimeError("out of resources")
+        return dict(ms=1.0, watts=700.0, mj_per_call=100.0 - c.bcf_warps)  # bcf_warps 8: 4 mJ less than 4
+
+    problem = dict(fn=None, inp=dict(x=torch.zeros(2)), Q=256, dy=None)
+    variants = [dict(bcf_warps=8), dict(dcb_col_parts=3), dict(bcf_warps=2), dict(bcf_n=16)]
+    try:
+        rows = be.ssd_variants(problem, variants, dict(overlap_dcb=False), measure, outputs)
+        assert [r["index"] for r in rows] == be.variant_plan(4)
+        by_name = {r["variant"]: r for r in rows}
+        assert by_name["bcf_warps=8"]["vs_baselines"] == pytest.approx(96.0 / 96.0 - 1 - 4.0 / 96.0)
+        assert not by_name["bcf_warps=8"]["differs"]
+        assert by_name["dcb_col_parts=3"]["failed"].startswith("ValueError: BlockConfig.dcb_col_parts")  # refused
+        assert by_name["bcf_warps=2"]["failed"] == "RuntimeError: out of resources"  # failed in the measurement
+        assert by_name["bcf_n=16"]["differs"] and by_name["bcf_n=16"]["max_rel_diff"] == pytest.approx(1.0)
+        assert current().overlap_dcb is False and current().bcf_warps != 8  # the base (--set) stays patched
+
+        def interrupted(step):  # not an Exception: the run stops, with the base patched back
+            if current().bcf_warps == 8:
+                raise KeyboardInterrupt
+            return measure(step)
+
+        with pytest.raises(KeyboardInterrupt):
+            be.ssd_variants(problem, variants, dict(overlap_dcb=False), interrupted, outputs)
+        assert current().overlap_dcb is False and current().bcf_warps != 8
+    finally:
+        bench_ssd.patched_config({})
+
+
+def test_variant_refusals():
+    with pytest.raises(SystemExit):
+        be.parse_args(["--variant", "dcb_col_part=2"])  # no such field
+    with pytest.raises(SystemExit):
+        be.parse_args(["--variant", "dcb_col_parts=2", "--families", "copy"])
+    with pytest.raises(SystemExit):
+        be.parse_args(["--variant", "dcb_col_parts=2", "--ssd_stages"])
+    with pytest.raises(SystemExit):
+        be.parse_args(["--variant", ","])
+    a = be.parse_args(["--variant", "dcb_col_parts=2", "--variant", "bcf_n=64,bcf_warps=8"])
+    assert a.variants == [dict(dcb_col_parts=2), dict(bcf_n=64, bcf_warps=8)]
+
+
+def _ssd_variant_wiring() -> dict:
+    """--variant's wiring with the real kernels (interpreter, debug size): a tile variant computes the same function
+    (its outputs within float32 rounding of the baseline's), and measure_fn gets a step that runs the SSD."""
+    ran = []
+
+    def measure(step):
+        step()
+        ran.append(1)
+        return dict(ms=1.0, watts=1.0, mj_per_call=1.0)
+
+    rows = be.ssd_variants(be.ssd_problem("debug", torch.device("cpu")), [dict(dx_heads=2)], {}, measure)
+    assert len(ran) == 3 and [r["index"] for r in rows] == [None, 0, None]
+    assert not rows[1]["differs"] and rows[1]["max_rel_diff"] < 1e-4, rows[1]
+    return dict(max_rel_diff=rows[1]["max_rel_diff"])
+
+
 def _ran(fn) -> None:
     fn()  # its outputs are tensors, which the child's JSON report does not carry
 
@@ -94,6 +192,7 @@ def child():
     assert fams["optimizer"] is None
     checks = {name: (lambda fn=fn: _ran(fn)) for name, fn in fams.items() if name not in _CPU_SKIPPED}
     checks["ssd_stages"] = lambda: _ssd_launches_counted_and_doubled(fams["ssd_fwd_bwd"])
+    checks["ssd_variants"] = _ssd_variant_wiring
     run_checks(checks)
 
 
@@ -101,6 +200,6 @@ def child():
 def test_every_family_runs_at_the_debug_size_under_the_interpreter():
     results = child_results("tests.test_bench_energy")
     step_families = set(be.step_calls(1)) - set(_CPU_SKIPPED)
-    assert set(results) - {"ssd_fwd_bwd_mamba_ssm"} == step_families | {"copy", "ssd_stages"}
+    assert set(results) - {"ssd_fwd_bwd_mamba_ssm"} == step_families | {"copy", "ssd_stages", "ssd_variants"}
     failed = {name: r["out"] for name, r in results.items() if not r["ok"]}
     assert not failed, failed
