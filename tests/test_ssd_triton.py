@@ -558,13 +558,11 @@ def check_states_scale_same(b, L, H, P, G, N, seed, chunk_size, seq_cuts=None, w
     chained or staged states read it) against the same config without it (the states' kernels take a2dt): y, the
     final states and every gradient bit for bit equal (one formula, the same float32 values), and the scale read by
     the states' kernel (a spy on states_scale_input), so that equal results do not come from an unused option."""
-    import dataclasses
-
     from models.kernels.ssd_triton import autograd, chained_states, forward
 
     inp = make_inputs(b, L, H, P, G, N, seed, seq_cuts=seq_cuts, with_init=with_init)
     g = torch.Generator().manual_seed(7)
-    results, read = {}, []
+    read = []
     spied = forward.states_scale_input
 
     def spy(dt_p, a2dt, scale):
@@ -573,7 +571,24 @@ def check_states_scale_same(b, L, H, P, G, N, seed, chunk_size, seq_cuts=None, w
 
     forward.states_scale_input = chained_states.states_scale_input = spy
     configured = autograd.block_config
-    gy = gf = None
+    try:
+        results = _states_scale_runs(inp, chunk_size, dt_softplus, configured, g)
+    finally:
+        forward.states_scale_input = chained_states.states_scale_input = spied
+        autograd.block_config = configured
+    assert read and read[0] is False and any(read), f"the states' kernels never read the scale: {read}"
+    differ = [k for k, v in results[False].items() if not torch.equal(v, results[True][k])]
+    assert not differ, f"states_scale changed {differ}"
+    return {"reads": read}
+
+
+def _states_scale_runs(inp, chunk_size, dt_softplus, configured, g):
+    """check_states_scale_same's two runs (states_scale off, on): y, final states and every gradient of each."""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd
+
+    results, gy, gf = {}, None, None
     for flag in (False, True):
         autograd.block_config = lambda q, p, n, f=flag: dataclasses.replace(configured(q, p, n), states_scale=f)
         leaves = {k: (v.detach().clone().float().requires_grad_() if v is not None and v.is_floating_point() else v)
@@ -586,11 +601,7 @@ def check_states_scale_same(b, L, H, P, G, N, seed, chunk_size, seq_cuts=None, w
         ((y * gy).sum() + (final * gf).sum()).backward()
         results[flag] = {"y": y, "final": final, **{"d" + k: v.grad for k, v in leaves.items() if v is not None
                                                     and v.is_floating_point()}}  # fmt: skip
-    forward.states_scale_input = chained_states.states_scale_input = spied
-    assert read and read[0] is False and any(read), f"the states' kernels never read the scale: {read}"
-    differ = [k for k, v in results[False].items() if not torch.equal(v, results[True][k])]
-    assert not differ, f"states_scale changed {differ}"
-    return {"reads": read}
+    return results
 
 
 def check_decay_through_initial_states(bound):

@@ -26,11 +26,9 @@ def states_scale_input(dt_p, a2dt, scale):
     a2dt, else dt_p."""
     if scale is not None:
         return scale, dict(FOLD_DT=False, SCALE_GIVEN=True)
-    return (
-        (dt_p, dict(FOLD_DT=False, SCALE_GIVEN=False))
-        if a2dt is None
-        else (a2dt, dict(FOLD_DT=True, SCALE_GIVEN=False))
-    )
+    if a2dt is not None:
+        return a2dt, dict(FOLD_DT=True, SCALE_GIVEN=False)
+    return dt_p, dict(FOLD_DT=False, SCALE_GIVEN=False)
 
 
 @fast_launch
