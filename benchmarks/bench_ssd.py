@@ -70,9 +70,6 @@ TUNE_VARIANTS = {
     "grouped": dict(bc_mode="grouped"),
     "grouped_hpp8": dict(bc_mode="grouped", heads_per_prog=8),
     "grouped_hpp16_k64": dict(bc_mode="grouped", heads_per_prog=16, dc_k=64),
-    # The staged forward / state recurrence (mamba_ssm's structure) against the fused one (fused_scan.py).
-    "fused": dict(fused=True),
-    "fused_p64": dict(fused=True, fused_p=64, fusedb_p=64),
     # Wider inner loops / deeper pipelines for every kernel with an inner loop over positions.
     "k64": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64),
     "k64_s4": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64, **{k: 4 for k in _STAGES}),
@@ -133,10 +130,6 @@ TUNE_VARIANTS = {
     "keep_states": dict(keep_states=True),
     # Session 15: the backward's chain hands dH on as high + low parts (more registers: N tiles of 64 spill none).
     "chained_bwd_n64_keep": dict(chained_bwd_n=64, keep_states=True),
-    # Session 13: the forward's chained states and chunk scan in one kernel (chained_scan.py), 4 or 8 warps.
-    "chained_scan": dict(chained_scan=True),
-    "chained_scan_w8": dict(chained_scan=True, chained_scan_warps=8),
-    "chained_scan_s2": dict(chained_scan=True, chained_stages=2),
     # Session 14: dCB's column sums (a reduction across warps) once per head or once per pair of heads (default).
     "dcb_sums_per_head": dict(dcb_head_pairs=False),
     "dcb_sums_per_pair": dict(dcb_head_pairs=True),
@@ -206,18 +199,6 @@ TUNE_GROUPS = {
     ),
     "pass": (("state_passing_fwd_kernel", "state_passing_bwd_kernel"), ("pass_",)),
     "scan": (("chunk_scan_fwd_kernel",), ("scan_",)),
-    "fused": (
-        (
-            "fused_scan_fwd_kernel",
-            "fused_state_bwd_kernel",
-            "chunk_state_fwd_kernel",
-            "state_passing_fwd_kernel",
-            "chunk_scan_fwd_kernel",
-            "chunk_scan_bwd_dstates_kernel",
-            "state_passing_bwd_kernel",
-        ),
-        ("fused",),
-    ),
     "dx": (("chunk_scan_bwd_dx_kernel",), ("dx_",)),
     "dcdb": (
         (

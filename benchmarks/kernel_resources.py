@@ -44,13 +44,11 @@ from models.kernels.fast_launch import FastLaunch
 from models.kernels.ssd_triton import (
     bc_bwd,
     bc_finish,
-    chained_scan,
     chained_states,
     chunk_scan,
     chunk_scan_bwd,
     chunk_state,
     dcb_bwd,
-    fused_scan,
 )
 from models.kernels.ssd_triton.config import block_config
 
@@ -228,26 +226,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.chained_stages,
     )
     yield (
-        "chained_scan_fwd (chained_scan=True)",
-        chained_scan.chained_scan_fwd_kernel,
-        dict(ptrs, sync_ptr="*i32"),
-        dict(
-            **seq,
-            HAS_INIT=False,
-            HAS_D=True,
-            D_HAS_HDIM=False,
-            EVEN_STATE=True,
-            EVEN_SCAN=True,
-            BLOCK_P=bp,
-            BLOCK_N=bn,
-            BLOCK_K=cfg.state_k,
-            BLOCK_M=cfg.scan_m,
-            BLOCK_KS=cfg.scan_k,
-        ),
-        cfg.chained_scan_warps,
-        cfg.chained_stages,
-    )
-    yield (
         "chunk_scan_fwd",
         chunk_scan.chunk_scan_fwd_kernel,
         ptrs,
@@ -343,26 +321,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         ),
         cfg.bcf_warps,
         2,
-    )
-    yield (
-        "fused_scan_fwd (fused=True)",
-        fused_scan.fused_scan_fwd_kernel,
-        ptrs,
-        dict(
-            **seq,
-            HAS_INIT=False,
-            HAS_D=True,
-            D_HAS_HDIM=False,
-            WITH_Y=True,
-            STORE_S_IN=False,
-            BLOCK_P=cfg.fused_p,
-            BLOCK_N=bn,
-            BLOCK_M=cfg.fused_m,
-            BLOCK_K=cfg.fused_k,
-            BLOCK_KS=cfg.fused_ks,
-        ),
-        cfg.fused_warps,
-        cfg.fused_stages,
     )
 
 

@@ -35,8 +35,6 @@ KERNEL_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "^dt_bwd_kernel",
             "^chunk_scan_bwd_",
             "^chunk_state_bwd_",
-            "^fused_state_bwd_kernel",
-            "^fused_scan_fwd_kernel",
             "^chained_states_fwd_kernel",
             "^chained_dstates_bwd_kernel",
         ),

@@ -696,21 +696,6 @@ def test_chained_states_several_tiles_per_head():
     )  # fmt: skip
 
 
-def test_chained_scan_forward():
-    """The forward's chunk states, recurrence and chunk scan in one kernel (config chained_scan, chained_scan.py):
-    documents that cross chunk ends, initial and final states, two groups, a remainder; whole tiles with several row
-    blocks per chunk; D per channel, z and dt limits with a chunk that is not a power of two. A hand-off from the
-    wrong slot, or the state term without its document mask, fails it (checked by mutation)."""
-    interpret_all(
-        dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
-             config=dict(chained_scan=True)),
-        dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]], call=dict(chunk_size=32),
-             config=dict(SMALL_TILES, chained_scan=True)),
-        dict(b=2, L=50, H=4, P=16, G=1, N=16, seed=1, D_shape="HP", with_z=True, with_init=False,
-             call=dict(chunk_size=24, dt_limit=(0.01, 1.5)), config=dict(SMALL_TILES, chained_scan=True)),
-    )  # fmt: skip
-
-
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
 # diagonal run (with the default tiles a chunk of 32 or less is one block, and only the diagonal one would).
 SMALL_TILES = dict(
@@ -907,8 +892,6 @@ def test_no_kernel_reads_unwritten_memory():
         dict(SMALL_TILES, dcb_tiles=False, keep_states=True),
         dict(SMALL_TILES, scan_m=32, dx_k=32, dc_m=32),
         dict(bc_mode="per_head", heads_per_prog=2, chained=False),
-        dict(SMALL_TILES, fused=True, fused_m=16, fused_k=16, fused_ks=16, fusedb_k=16),
-        dict(SMALL_TILES, chained_scan=True),
         dict(SMALL_TILES, dx_reads_cb=True),  # dx reads CB transposed (no CBᵀ copy)
         dict(dx_reads_cb=True, keep_states=True),
     )
@@ -937,23 +920,13 @@ def test_per_head_backward_mode_staged_forward():
     )
 
 
-def test_fused_scan_several_blocks_of_P_ragged_N():
-    """fused_scan (config fused, not the default) with 2 programs per head over P (24 = 16 + a partial block of 8)
-    and N = 20 (padded to 32): the carried state's block boundaries, with documents, initial states, 2 groups and a
-    remainder chunk. (Without fused=True this test ran the default kernels and missed that Triton 3.9 had removed
-    the block pointers fused_scan used.)"""
-    interpret(
-        b=2,
-        L=40,
-        H=4,
-        P=24,
-        G=2,
-        N=20,
-        seed=6,
-        seq_cuts=CUTS,
-        call=dict(chunk_size=16),
-        config=dict(fused=True, fused_p=16, fusedb_p=16, fused_m=16, fused_k=16, fused_ks=16, fusedb_k=16),
-    )
+def test_headdim_and_state_size_not_powers_of_two():
+    """P = 24 and N = 20, padded to blocks of 32 in the backward (config.py), with 16-wide P tiles in the forward's
+    states and chunk scan (a full block of 16 and a partial one of 8): the chained and the staged states, with
+    documents, initial states, 2 groups and a remainder chunk. (This case once ran the removed fused_scan, and caught
+    Triton 3.9's removal of the block pointers it used.)"""
+    case = dict(b=2, L=40, H=4, P=24, G=2, N=20, seed=6, seq_cuts=CUTS, call=dict(chunk_size=16))
+    interpret_all(dict(case, config=dict(state_p=16, scan_p=16)), dict(case, config=dict(chained=False, state_p=16)))
 
 
 def test_fused_path_contract_under_triton_backend():

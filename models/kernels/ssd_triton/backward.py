@@ -3,7 +3,7 @@ those of dt, A and dt_bias (autograd.py's ssd_backward_pass calls both).
 
 Order (forward.py's recompute first): CB and CBᵀ, and the states entering each chunk S_in (recomputed, or the
 forward's with config keep_states) -> dS_in and the reverse recurrence between chunks, chained in one kernel
-(chained_states.py; or staged, state_passing.py, or fused, fused_scan.py) -> dx / ddt / dD (chunk_scan_bwd.py) ->
+(chained_states.py; or staged, state_passing.py) -> dx / ddt / dD (chunk_scan_bwd.py) ->
 dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd.py, config bc_mode
 "grouped"; on a second stream beside the recurrence, dx and dB with config overlap_dcb) -> dB's state term
 (bc_bwd.py) -> dC, dB += dCB B, dCBᵀ C in one kernel per group (bc_finish.py). With bc_mode "per_head" (bc_bwd.py)
@@ -25,7 +25,6 @@ from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, who
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import ColumnParts
 from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, states_a2dt
-from models.kernels.ssd_triton.fused_scan import fused_dstates
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import staged_dstates
 
@@ -147,9 +146,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
             launch_dcb()
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
-    if cfg.fused:
-        dH, dinit, dtot = fused_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg)
-    elif cfg.chained:
+    if cfg.chained:
         dH, dinit, dtot = chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg, S_lo)
     else:
         dH, dinit, dtot = staged_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg, S_lo)

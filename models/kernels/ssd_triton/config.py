@@ -4,6 +4,14 @@ Every block size is a power of two >= 16 (tl.dot's minimum); tiles over chunk po
 the chunk (masked), so any chunk size works. The backward kernels hold all of P (dx, dC, dB) and all
 of N (dC, dB) in one program, so those two are padded up to powers of two there. Tile choices change
 only speed, never results beyond float rounding (the tests run several).
+
+Removed in session 45, after their measurements (the code is in git before commit "Remove the SSD kernel variants
+measured slower"): ``fused`` (fused_scan.py: one program per batch, head and block of P walking the chunks with the
+state in registers; 1.3B, H100, 2026-11-23: forward and S_in recompute 1.40 ms against the staged path's 1.04, the
+backward recurrence 0.28 against 0.25: 256 programs walking 16 chunks in series leave 132 SMs waiting on latency)
+and ``chained_scan`` (chained_scan.py: the chained states and the chunk scan in one kernel, one program per chunk,
+batch and head; session 13, H100, 1.3B: 0.453 ms against 0.176 + 0.223 for the two kernels, since one program walks
+the chunk's row blocks in series where the chunk scan runs them side by side).
 """
 
 from __future__ import annotations
@@ -55,22 +63,6 @@ class BlockConfig:
     db_m: int
     db_warps: int
     db_stages: int
-    # fused (fused_scan.py): one program per (batch, head, block of P) walks the chunks with the state in
-    # registers: forward outputs and the backward's S_in recompute (fused_p: block of P; fused_m: block of output
-    # positions; fused_k: inner block of s for the outputs; fused_ks: block of s for the chunk's own state), and
-    # the backward recurrence with dS_in (fusedb_*). False (default): the staged kernels (chunk_state,
-    # state_passing, chunk_scan, chunk_scan_bwd_dstates), mamba_ssm's structure, which measured faster (block_config).
-    fused: bool
-    fused_p: int
-    fused_m: int
-    fused_k: int
-    fused_ks: int
-    fused_warps: int
-    fused_stages: int
-    fusedb_p: int
-    fusedb_k: int
-    fusedb_warps: int
-    fusedb_stages: int
     heads_per_prog: int  # dC / dB: heads one program sums before writing its partial
     # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
     # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
@@ -137,7 +129,7 @@ class BlockConfig:
     # states on through the kept parts themselves. [2, B, NC, H, P, N] held from forward to backward: 128 MiB per
     # layer at 1.3B, 6 GiB over its 48 layers. Session 15 (H100, bench_ssd.py): 1.3B 1.842 -> 1.630 ms, 370M 1.008 ->
     # 0.899 (the model: ModelArgs.ssd_keep_states; end to end 1.3B 41.1k -> 42.4k tokens/s at 54.1 -> 60.1 GiB).
-    # Off: mamba_ssm's memory. Not with ``fused`` or ``chained_scan``.
+    # Off: mamba_ssm's memory.
     keep_states: bool = False
     # bc_finish (dC, dB from the partial sums and dCB): programs for dC and for dB apart, each over bcf_n columns of N,
     # with bcf_warps warps. Session 14 (H100, 1.3B and 370M alike, 256 row blocks): one program for both outputs and
@@ -150,7 +142,7 @@ class BlockConfig:
     dx_reads_cb: bool = False
     # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
     # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
-    # (chunk_state.py, then state_passing.py). Ignored when ``fused``. The chained kernels take state_p, state_k and
+    # (chunk_state.py, then state_passing.py). The chained kernels take state_p, state_k and
     # state_warps, and their own heads per program, N tiles and pipeline depth below. Session 12 (H100, 1.3B; the
     # forward kernel runs twice, in the forward and in the backward's recompute): staged chunk states + state passing
     # 0.452 ms, dS_in + state passing backward 0.234 ms; chained with 2 heads per program 0.439 / 0.398, 1 head 0.407
@@ -163,13 +155,6 @@ class BlockConfig:
     # 0.190, 370M 0.109 -> 0.103; tiles of 64 uncapped (168 registers, 3 per SM) 0.209 / 0.112.
     chained_bwd_n: int = 64
     chained_stages: int = 3
-    # The forward's chained states and the chunk scan in one kernel (chained_scan.py: one program per chunk, batch and
-    # head, S_in never written); False: chained_states.py, then chunk_scan.py. Needs ``chained``. Session 13 (H100,
-    # 1.3B): 0.453 ms against 0.176 + 0.223 for the two kernels (8 warps 0.758, 2 stages 0.550; 208 registers at 4
-    # warps): one program per head walks the chunk's four row blocks in series, where the chunk scan runs them (and
-    # pairs of heads) side by side at 3 programs per SM. Off.
-    chained_scan: bool = False
-    chained_scan_warps: int = 4
     # Grid order of the chunk scan, dx, dCB and dB (launch.program_ids): the programs of one chunk side by side
     # (True), so that what they share (the chunk's x, dy, CB, states) is read from L2, or the chunk index on the
     # grid's first axis (False). Session 12 (H100, 1.3B, ncu): L2 hit rate chunk scan 41% -> 74%, dx 39% -> 69%, dCB
@@ -288,7 +273,6 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
     q_inner = min(32, q)
     p = min(64, _pow2_at_least_16(headdim))
     n = min(64, _pow2_at_least_16(dstate))
-    n_full = _pow2_at_least_16(dstate)
     return BlockConfig(
         cb_m=q,
         cb_s=q,
@@ -322,19 +306,4 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
         db_stages=3,
         heads_per_prog=64,
         bc_mode="grouped",
-        # Not the default: at the 1.3B shape (H100, 2026-11-23) the fused kernels took 1.40 ms (fused_p 64, 8 warps;
-        # 2.85 ms with fused_p 32) for the forward and the S_in recompute against 1.04 ms for the staged chunk
-        # states + state passing + chunk scan, and 0.28 ms for the backward recurrence against 0.25 ms: 256
-        # programs walking 16 chunks in series leave the H100's 132 SMs waiting on latency.
-        fused=False,
-        fused_p=min(p, max(16, 8192 // n_full)),
-        fused_m=q,
-        fused_k=q_inner,
-        fused_ks=q,
-        fused_warps=8,
-        fused_stages=2,
-        fusedb_p=min(p, max(16, 8192 // n_full)),
-        fusedb_k=q,
-        fusedb_warps=8,
-        fusedb_stages=2,
     )

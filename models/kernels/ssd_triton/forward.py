@@ -1,12 +1,10 @@
 """Launchers of the forward kernels: C·Bᵀ, and the states entering each chunk with or without the outputs.
 
-Three paths compute the same function (config ``fused``, ``chained``):
+Two paths compute the same function (config ``chained``):
   - chained (default): cb_fwd -> chained_states_fwd (the chunk states and the recurrence between chunks in one
     kernel, chained_states.py) -> chunk_scan_fwd;
   - staged: cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with the
-    [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure);
-  - fused: cb_fwd -> fused_scan_fwd, one program per (batch, head, block of P) walking the chunks with the state
-    in registers (fused_scan.py; measured slower, config.py).
+    [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure).
 The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
 [B, NC, H, P, N] is kept between forward and backward), or with config keep_states takes the forward's S_in (high
 and low parts, state_passing.py) and recomputes CB only.
@@ -16,14 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from models.kernels.fast_launch import cdiv, next_power_of_2
-from models.kernels.ssd_triton.chained_scan import chained_scan
+from models.kernels.fast_launch import cdiv
 from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel, states_scale_input
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
-from models.kernels.ssd_triton.fused_scan import fused_scan_fwd_kernel
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_passing_fwd_kernel
 
@@ -31,10 +27,7 @@ from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_pa
 def cb_read_block(cfg: BlockConfig) -> int:
     """The widest block of rows in which a consumer of CB (or CBᵀ) reads columns up to the block's end: entries
     (l, s) with s >= (l // it + 1) * it are never read (chunk_cb.py). Every block size is a power of two."""
-    blocks = [cfg.scan_m, cfg.scan_k, cfg.dx_k, cfg.dx_m, cfg.dc_m, cfg.dc_k]
-    if cfg.fused:
-        blocks += [cfg.fused_m, cfg.fused_k, cfg.fused_ks, cfg.fusedb_k]
-    return max(blocks)
+    return max(cfg.scan_m, cfg.scan_k, cfg.dx_k, cfg.dx_m, cfg.dc_m, cfg.dc_k)
 
 
 def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool = False):
@@ -76,60 +69,6 @@ def cb_for_backward(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig):
     if cfg.dx_reads_cb:
         return chunk_cb(x, B, C, seq, Q, NC, cfg), None
     return chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
-
-
-def _fused_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, with_y: bool, store_s_in: bool, y_dtype=None):
-    """y (with_y, in y_dtype or x's; else None), S_in [b, NC, H, P, N] in float32 (store_s_in; else None),
-    final [b, H, P, N] (float32)."""
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    NC, Q = dt_p.shape[2:]
-    dev = x.device
-    y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format) if with_y else None
-    S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32) if store_s_in else None
-    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
-    y_arg = y if with_y else x  # never written without WITH_Y; its strides are just passed along
-    grid = (b * H, cdiv(P, cfg.fused_p))
-    fused_scan_fwd_kernel[grid](
-        CB,
-        x,
-        dt_p,
-        dA_cs,
-        B,
-        C,
-        D if D is not None else dummy(dev),
-        seq if seq is not None else dummy(dev),
-        init if init is not None else dummy(dev),
-        y_arg,
-        S_in if store_s_in else dummy(dev),
-        final,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        *x.stride(),
-        *B.stride(),
-        *C.stride(),
-        *y_arg.stride(),
-        HAS_SEQ=seq is not None,
-        HAS_INIT=init is not None,
-        HAS_D=D is not None,
-        D_HAS_HDIM=D is not None and D.dim() == 2,
-        WITH_Y=with_y,
-        STORE_S_IN=store_s_in,
-        PREC=dot_precision(x),
-        BLOCK_P=cfg.fused_p,
-        BLOCK_N=max(16, next_power_of_2(N)),
-        BLOCK_M=cfg.fused_m,
-        BLOCK_K=cfg.fused_k,
-        BLOCK_KS=cfg.fused_ks,
-        num_warps=cfg.fused_warps,
-        num_stages=cfg.fused_stages,
-    )
-    return y, S_in, final
 
 
 def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False,
@@ -259,19 +198,12 @@ def states_a2dt(a2dt, cfg: BlockConfig):
 def writes_states_scale(cfg: BlockConfig) -> bool:
     """Whether the dt kernel writes the chunk states' whole scale for the forward (config states_scale, on top of
     fold_dt and fold_dt_states; only the chained and staged states read it)."""
-    return (
-        cfg.states_scale
-        and cfg.fold_dt
-        and cfg.fold_dt_states
-        and not cfg.fused
-        and not (cfg.chained and cfg.chained_scan)
-    )
+    return cfg.states_scale and cfg.fold_dt and cfg.fold_dt_states
 
 
 def keeps_states(cfg: BlockConfig) -> bool:
-    """Whether the forward hands the entering states to the backward (config keep_states; the chained and staged
-    paths only)."""
-    return cfg.keep_states and not cfg.fused and not (cfg.chained and cfg.chained_scan)
+    """Whether the forward hands the entering states to the backward (config keep_states)."""
+    return cfg.keep_states
 
 
 def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None, states_scale=None):
@@ -279,16 +211,9 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
     entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None). a2dt (dt.py,
     config fold_dt): the chunk scan kernel's weights with dt in their exponent, and with config fold_dt_states the
     chunk states' scale too; states_scale (dt.py, config states_scale): that scale whole, which the chunk states then
-    read instead (the fused and chained-scan forwards take neither)."""
+    read instead."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
-    if cfg.fused:
-        y, _, final = _fused_scan(
-            x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, with_y=True, store_s_in=False, y_dtype=y_dtype
-        )
-        return y, final, None
-    if cfg.chained and cfg.chained_scan:
-        return (*chained_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype), None)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
                                a2dt=states_a2dt(a2dt, cfg), scale=states_scale)  # fmt: skip
@@ -298,13 +223,10 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig, a2dt=None):
     """The backward's recompute: CB and CBᵀ [b, NC, G, Q, Q] (float32), S_in [b, NC, H, P, N] in x's dtype (for the
     products that round it to the operand dtype anyway) and in float32 (for the state passing backward's dtot,
-    state_passing.py; the fused path stores only float32). a2dt: as ssd_forward's, so that the recomputed states are
+    state_passing.py). a2dt: as ssd_forward's, so that the recomputed states are
     the forward's."""
     NC, Q = dt_p.shape[2:]
     CB, CBT = cb_for_backward(x, B, C, seq, Q, NC, cfg)
-    if cfg.fused:
-        _, S_in, _ = _fused_scan(x, dt_p, dA_cs, B, C, None, seq, init, CB, cfg, with_y=False, store_s_in=True)
-        return CB, CBT, S_in, S_in
     states = chained_states if cfg.chained else _staged_states
     S_in, _, S_in32 = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_s32=True, a2dt=states_a2dt(a2dt, cfg))
     return CB, CBT, S_in, S_in32
