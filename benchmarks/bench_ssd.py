@@ -62,17 +62,12 @@ TUNE_VARIANTS = {
     "s3_w8": {**{k: 3 for k in _STAGES}, **{k: 8 for k in _WARPS}},
     "big": _BIG,
     "big_w8": {**_BIG, **{k: 8 for k in _WARPS}},
-    "small_s3": dict(
-        scan_k=32, state_k=32, dx_m=32, dc_k=32, db_m=32, heads_per_prog=4, pass_block=512, **{k: 3 for k in _STAGES}
-    ),
+    "small_s3": dict(scan_k=32, state_k=32, dx_m=32, heads_per_prog=4, pass_block=512, **{k: 3 for k in _STAGES}),
     "hpp16_s1": dict(heads_per_prog=16, **{k: 1 for k in _STAGES}),
-    # dCB summed over heads first, then one product per group (dcb_bwd.py); its matmuls are counted in "dcdb".
-    "grouped": dict(bc_mode="grouped"),
-    "grouped_hpp8": dict(bc_mode="grouped", heads_per_prog=8),
-    "grouped_hpp16_k64": dict(bc_mode="grouped", heads_per_prog=16, dc_k=64),
+    "hpp8": dict(heads_per_prog=8),  # heads per dCB / dB program: partial sums over head blocks (bc_finish.py)
     # Wider inner loops / deeper pipelines for every kernel with an inner loop over positions.
-    "k64": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64),
-    "k64_s4": dict(scan_k=64, dx_m=64, dc_k=64, db_m=64, **{k: 4 for k in _STAGES}),
+    "k64": dict(scan_k=64, dx_m=64),
+    "k64_s4": dict(scan_k=64, dx_m=64, **{k: 4 for k in _STAGES}),
     "m128_w8": dict(scan_m=128, dx_k=128, db_k=128, scan_warps=8, dx_warps=8, db_warps=8),
     # After the mask-free inner loops (session 7): fewer registers leave room for wider tiles / more warps.
     "scan_k64": dict(scan_k=64),
@@ -202,14 +197,13 @@ TUNE_GROUPS = {
     "dx": (("chunk_scan_bwd_dx_kernel",), ("dx_",)),
     "dcdb": (
         (
-            "chunk_scan_bwd_dc_kernel",
             "chunk_state_bwd_db_kernel",
             "chunk_scan_bwd_dcb_kernel",
             "*gemm",
             "*xmma",
             "*cutlass",
         ),
-        ("dc_", "db_", "heads_per_prog", "bc_mode", "dcb_"),
+        ("dc_", "db_", "heads_per_prog", "dcb_"),
     ),
     "bcf": (("bc_finish_kernel",), ("bcf_",)),
 }
@@ -392,7 +386,7 @@ def parse_sets(ap, sets, names=None, flag: str = "--set"):
         try:
             over[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            ap.error(f"{flag} {item}: {value!r} is not a Python literal (e.g. True, 64, 'grouped')")
+            ap.error(f"{flag} {item}: {value!r} is not a Python literal (e.g. True, 64, None)")
     return over
 
 

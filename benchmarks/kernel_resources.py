@@ -42,12 +42,12 @@ from triton.compiler import ASTSource
 
 from models.kernels.fast_launch import FastLaunch
 from models.kernels.ssd_triton import (
-    bc_bwd,
     bc_finish,
     chained_states,
     chunk_scan,
     chunk_scan_bwd,
     chunk_state,
+    db_bwd,
     dcb_bwd,
 )
 from models.kernels.ssd_triton.config import block_config
@@ -291,13 +291,11 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     )
     yield (
         "chunk_state_bwd_db",
-        bc_bwd.chunk_state_bwd_db_kernel,
+        db_bwd.chunk_state_bwd_db_kernel,
         ptrs,
         dict(
             **seq,
-            INTRA=False,
             BLOCK_K=cfg.db_k,
-            BLOCK_M=cfg.db_m,
             BLOCK_P=bp,
             BLOCK_N=bn,
             INNER_FIRST=cfg.inner_first,

@@ -79,9 +79,8 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
     captured = {}
     original_dt = autograd.dt_backward
 
-    def spy(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest, **kw):  # noqa: E741
-        # O and R's slots arrive apart ("grouped": R as row minus column sums, reverse-cumsummed like O).
-        assert add_parts is None, "decay_parts expects bc_mode 'grouped'"
+    def spy(dt, dt_bias, A, ddt_p, O, rev_parts, q, dtot, *rest, **kw):  # noqa: E741
+        # O and R's slots arrive apart (R as row minus column sums, reverse-cumsummed like O).
         NC, Q = ddt_p.shape[2:]
         dt_p, _, _, _ = autograd.dt_forward(dt, dt_bias, A, Q, NC, True, (0.0, float("inf")))
         captured["parts"] = dict(
@@ -91,7 +90,7 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
             dtot=dtot.double().sum(0)[..., None].expand_as(q).clone(),
         )
         captured["dt_p"] = dt_p.double()
-        return original_dt(dt, dt_bias, A, ddt_p, O, rev_parts, add_parts, q, dtot, *rest, **kw)
+        return original_dt(dt, dt_bias, A, ddt_p, O, rev_parts, q, dtot, *rest, **kw)
 
     autograd.dt_backward = spy
     ours = {}

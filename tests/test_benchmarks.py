@@ -986,10 +986,10 @@ def test_bench_ssd_set_overrides_config_fields():
     from benchmarks import bench_ssd
 
     ap = argparse.ArgumentParser()
-    assert bench_ssd.parse_sets(ap, ["keep_states=True", "dx_warps=8", "bc_mode='grouped'"]) == {
+    assert bench_ssd.parse_sets(ap, ["keep_states=True", "dx_warps=8", "heads_per_prog=8"]) == {
         "keep_states": True,
         "dx_warps": 8,
-        "bc_mode": "grouped",
+        "heads_per_prog": 8,
     }
     for bad in ("keep_state=True", "keep_states=Tru"):
         with pytest.raises(SystemExit):

@@ -34,7 +34,7 @@ SSD_TESTS = (
     "test_fused_path_kernel_halves_final_state_only",
     "test_chained_states_several_tiles_per_head",
     "test_headdim_and_state_size_not_powers_of_two",
-    "test_per_head_backward_mode_staged_forward",
+    "test_staged_states_two_heads_per_program",
 )
 # modules whose child() runs their interpreter cases through tests/interpreter_child.py
 CHILD_MODULES = (

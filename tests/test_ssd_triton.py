@@ -698,9 +698,7 @@ def test_chained_states_several_tiles_per_head():
 
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
 # diagonal run (with the default tiles a chunk of 32 or less is one block, and only the diagonal one would).
-SMALL_TILES = dict(
-    cb_m=16, cb_s=16, state_k=16, scan_m=16, scan_k=16, dx_k=16, dx_m=16, dc_m=16, dc_k=16, db_k=16, db_m=16
-)
+SMALL_TILES = dict(cb_m=16, cb_s=16, state_k=16, scan_m=16, scan_k=16, dx_k=16, dx_m=16, dc_m=16, db_k=16)
 
 
 def test_one_group_D_per_channel_z_odd_chunk():
@@ -891,7 +889,7 @@ def test_no_kernel_reads_unwritten_memory():
         SMALL_TILES,
         dict(SMALL_TILES, dcb_tiles=False, keep_states=True),
         dict(SMALL_TILES, scan_m=32, dx_k=32, dc_m=32),
-        dict(bc_mode="per_head", heads_per_prog=2, chained=False),
+        dict(heads_per_prog=2, chained=False),
         dict(SMALL_TILES, dx_reads_cb=True),  # dx reads CB transposed (no CBᵀ copy)
         dict(dx_reads_cb=True, keep_states=True),
     )
@@ -902,10 +900,9 @@ def test_no_kernel_reads_unwritten_memory():
     ))  # fmt: skip
 
 
-def test_per_head_backward_mode_staged_forward():
-    """The non-default paths: bc_mode 'per_head' (each head's dCB times B / C in the kernels; the default is
-    'grouped'), 2 heads/program, and the staged forward / state recurrence (the default chains them:
-    chained_states.py)."""
+def test_staged_states_two_heads_per_program():
+    """The staged forward / state recurrence (config chained False; the default chains them: chained_states.py)
+    with 2 heads per dCB / dB program (2 head blocks whose partial sums bc_finish adds)."""
     interpret(
         b=2,
         L=40,
@@ -916,7 +913,7 @@ def test_per_head_backward_mode_staged_forward():
         seed=5,
         seq_cuts=CUTS,
         call=dict(chunk_size=16),
-        config=dict(bc_mode="per_head", heads_per_prog=2, chained=False),
+        config=dict(heads_per_prog=2, chained=False),
     )
 
 
@@ -958,10 +955,10 @@ def test_fused_path_kernel_halves_final_state_only():
 
 def test_fused_path_contract_states_nonssm_no_norm():
     """The same with initial / final states (the CP path), a non-SSM part (d_nonssm), the plain z gate instead of
-    the norm, no out_proj, two groups, and the per-head backward for dB / dC (copied into the mixer's buffer)."""
+    the norm, no out_proj, two groups, and the staged states."""
     interpret(
         b=2, L=40, H=4, P=16, G=2, N=16, seed=5, chunk_size=16, split_path=True,
-        d_nonssm=8, norm=False, outproj=False, init_final=True, config=dict(bc_mode="per_head"),
+        d_nonssm=8, norm=False, outproj=False, init_final=True, config=dict(chained=False),
     )  # fmt: skip
 
 
@@ -1035,8 +1032,8 @@ def test_bad_input_raises_before_compute():
 @pytest.mark.parametrize("chunk_size", [16, 32, 20])
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("variant", ["seq_init", "seq_noinit_noD", "noseq_init_z", "exact_multiple_no_softplus"])
-@pytest.mark.parametrize("bc_mode", ["per_head", "grouped"])
-def test_sweep(chunk_size, G, variant, bc_mode):
+@pytest.mark.parametrize("states", ["chained", "staged"])
+def test_sweep(chunk_size, G, variant, states):
     L = 64 if variant == "exact_multiple_no_softplus" else 45
     interpret(
         b=2,
@@ -1051,14 +1048,8 @@ def test_sweep(chunk_size, G, variant, bc_mode):
         with_init=variant in ("seq_init", "noseq_init_z"),
         seq_cuts=CUTS if variant.startswith("seq") else None,
         call=dict(chunk_size=chunk_size, dt_softplus=variant != "exact_multiple_no_softplus"),
-        # per_head runs with the staged states, grouped with the fused scan (the default chained states run in every
-        # other test): every path in every variant.
-        config=dict(
-            bc_mode=bc_mode,
-            heads_per_prog=2 if bc_mode == "grouped" else 8,
-            fused=bc_mode == "grouped",
-            chained=bc_mode == "grouped",
-        ),
+        # Both forward / recurrence paths in every variant, at 2 head blocks and at 1.
+        config=dict(heads_per_prog=2 if states == "chained" else 8, chained=states == "chained"),
     )
 
 

@@ -8,8 +8,8 @@ triton imports this package fine; ``triton_available()`` says whether the kernel
 Files: chunk_cb (C·Bᵀ per group), chunk_state (chunk states; dS_in), state_passing (the recurrence
 between chunks, both directions), chained_states (the chunk states and the recurrence in one kernel each way, chunk
 handing on to chunk: the default), chunk_scan (outputs), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over
-heads, dC's state term, decay terms; the default backward for B and C), bc_bwd (dB's state term; the per-head
-alternative for dB and dC), bc_finish (dB and dC's last step in "grouped" mode), dt (dt's preprocessing and the
+heads, dC's state term, decay terms), db_bwd (dB's state term), bc_finish (dB and dC from their partial sums and
+dCB), dt (dt's preprocessing and the
 gradient of dt, A and dt_bias, one kernel each way), config (tile shapes per kernel), launch (what launchers share,
 and the grid order), forward (the forward launchers), backward (the backward launchers), autograd (the Function and
 the entry point).

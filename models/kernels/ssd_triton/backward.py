@@ -4,10 +4,9 @@ those of dt, A and dt_bias (autograd.py's ssd_backward_pass calls both).
 Order (forward.py's recompute first): CB and CBᵀ, and the states entering each chunk S_in (recomputed, or the
 forward's with config keep_states) -> dS_in and the reverse recurrence between chunks, chained in one kernel
 (chained_states.py; or staged, state_passing.py) -> dx / ddt / dD (chunk_scan_bwd.py) ->
-dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd.py, config bc_mode
-"grouped"; on a second stream beside the recurrence, dx and dB with config overlap_dcb) -> dB's state term
-(bc_bwd.py) -> dC, dB += dCB B, dCBᵀ C in one kernel per group (bc_finish.py). With bc_mode "per_head" (bc_bwd.py)
-each head's dCB is multiplied in-kernel instead.
+dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd.py; on a second
+stream beside the recurrence, dx and dB with config overlap_dcb) -> dB's state term (db_bwd.py) -> dC, dB += dCB B,
+dCBᵀ C in one kernel per group (bc_finish.py).
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ import functools
 import torch
 
 from models.kernels.fast_launch import cdiv, next_power_of_2
-from models.kernels.ssd_triton.bc_bwd import chunk_scan_bwd_dc_kernel, chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
 from models.kernels.ssd_triton.chained_states import chained_dstates
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
+from models.kernels.ssd_triton.db_bwd import chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import ColumnParts
 from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, states_a2dt
@@ -64,26 +63,21 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     R = H // G
     hpp = heads_per_program(R, cfg.heads_per_prog)
     n_hb = R // hpp
-    grouped = cfg.bc_mode == "grouped"
     # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
-    state_split = heads_per_program(hpp, cfg.dcb_state_split) if grouped and cfg.dcb_tiles else 1
+    state_split = heads_per_program(hpp, cfg.dcb_state_split) if cfg.dcb_tiles else 1
     dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = cdiv(Q, cfg.dc_m)
     pairs = cfg.dcb_head_pairs and hpp % 2 == 0
     # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
-    col_parts = cfg.dcb_parts(pairs) if grouped else 1
-    dCB_part = None
-    if grouped:
-        # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
-        dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
-        # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the
-        # column sums' extra partial-sum slots.
-        n_diag = col_parts if cfg.dcb_diag_col_parts and col_parts > 1 else 0  # the diagonal's parts
-        n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
-        R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
-    else:
-        R_part = torch.zeros(n_m, *dt_p.shape, device=dev, dtype=torch.float32)  # blocks above the diagonal stay 0
+    col_parts = cfg.dcb_parts(pairs)
+    # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
+    dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
+    # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the column
+    # sums' extra partial-sum slots.
+    n_diag = col_parts if cfg.dcb_diag_col_parts and col_parts > 1 else 0  # the diagonal's parts
+    n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
+    R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
 
     def launch_dcb():
         dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
@@ -138,7 +132,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     # CUDA graph is captured (training.cuda_graph): a captured fork gives the same results on the GPU (session 43's
     # test_dcb_on_a_second_stream_inside_a_cuda_graph), but the 370M's graph step has not been timed with it yet.
     side = None
-    if cfg.overlap_dcb and grouped and dev.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+    if cfg.overlap_dcb and dev.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         side = side_stream(dev)
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -213,54 +207,14 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         else:
             dD_parts = dD_part
 
-    if grouped:
-        if side is None:
-            launch_dcb()
-    else:
-        chunk_scan_bwd_dc_kernel[(b * NC * G * n_hb, n_m)](
-            dy,
-            x,
-            dt_p,
-            dA_cs,
-            B,
-            C,
-            CB,
-            S_in,
-            seq_arg,
-            dC_part,
-            O,
-            R_part,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            N,
-            hpp,
-            b,
-            *x.stride(),
-            *B.stride(),
-            *C.stride(),
-            *dy.stride(),
-            HAS_SEQ=has_seq,
-            BLOCK_M=cfg.dc_m,
-            BLOCK_K=cfg.dc_k,
-            BLOCK_P=BP,
-            BLOCK_N=BN,
-            PREC=dot_precision(x),
-            num_warps=cfg.dc_warps,
-            maxnreg=cfg.dc_maxnreg,
-            num_stages=cfg.dc_stages,
-        )
+    if side is None:
+        launch_dcb()
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
-    db_a2dt = states_a2dt(a2dt, cfg) if grouped else None  # the chunk states' scale, as the forward's
+    db_a2dt = states_a2dt(a2dt, cfg)  # the chunk states' scale, as the forward's
     chunk_state_bwd_db_kernel[grid(b * NC * G * n_hb, cdiv(Q, cfg.db_k), 1, cfg.inner_first)](
-        dy,
         x,
         dt_p if db_a2dt is None else db_a2dt,
         dA_cs,
-        C,
         dH,
         seq_arg,
         dB_part,
@@ -274,13 +228,9 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         hpp,
         b,
         *x.stride(),
-        *C.stride(),
-        *dy.stride(),
         HAS_SEQ=has_seq,
-        INTRA=not grouped,
         FOLD_DT=db_a2dt is not None,
         BLOCK_K=cfg.db_k,
-        BLOCK_M=cfg.db_m,
         BLOCK_P=BP,
         BLOCK_N=BN,
         INNER_FIRST=cfg.inner_first,
@@ -291,53 +241,45 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     )
     if side is not None:
         torch.cuda.current_stream(dev).wait_stream(side)
-    if grouped:
-        # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
-        if out is None:
-            dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
-            dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
-        else:
-            dB, dC = out[1], out[2]
-        bcf_n = min(BN, cfg.bcf_n)
-        bc_finish_kernel[(b * NC * G, cdiv(Q, cfg.dc_m), 2 * cdiv(N, bcf_n))](
-            dCB_part,
-            dC_part,
-            dB_part,
-            B,
-            C,
-            dB,
-            dC,
-            L,
-            Q,
-            NC,
-            G,
-            N,
-            b,
-            *B.stride(),
-            *C.stride(),
-            *dB.stride(),
-            *dC.stride(),
-            N_DC=n_hb * state_split,
-            N_HB=n_hb,
-            PREC=dot_precision(x),
-            BLOCK_M=cfg.dc_m,
-            BLOCK_K=cfg.dc_m,
-            BLOCK_N=bcf_n,
-            num_warps=cfg.bcf_warps,
-            num_stages=2,
-        )
+    # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
+    if out is None:
+        dB = torch.empty(b, L, G, N, device=dev, dtype=B.dtype)
+        dC = torch.empty(b, L, G, N, device=dev, dtype=C.dtype)
     else:
-        dC = dC_part.sum(0) if n_hb > 1 else dC_part[0]
-        dB = dB_part.sum(0) if n_hb > 1 else dB_part[0]
-        if out is not None:
-            dB, dC = out[1].copy_(dB), out[2].copy_(dC)
+        dB, dC = out[1], out[2]
+    bcf_n = min(BN, cfg.bcf_n)
+    bc_finish_kernel[(b * NC * G, cdiv(Q, cfg.dc_m), 2 * cdiv(N, bcf_n))](
+        dCB_part,
+        dC_part,
+        dB_part,
+        B,
+        C,
+        dB,
+        dC,
+        L,
+        Q,
+        NC,
+        G,
+        N,
+        b,
+        *B.stride(),
+        *C.stride(),
+        *dB.stride(),
+        *dC.stride(),
+        N_DC=n_hb * state_split,
+        N_HB=n_hb,
+        PREC=dot_precision(x),
+        BLOCK_M=cfg.dc_m,
+        BLOCK_K=cfg.dc_m,
+        BLOCK_N=bcf_n,
+        num_warps=cfg.bcf_warps,
+        num_stages=2,
+    )
 
-    # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dC kernel:
-    # O, and R as row minus column sums in "grouped" mode), earlier side q, chunk ends dtot (state passing).
-    # R's slots go to dt_bwd_kernel unsummed: in "grouped" mode per-position row minus column sums, whose reverse
-    # cumsum is the decay term (with O's), in "per_head" mode R_t itself (added after the cumsum).
-    rev_parts, add_parts = (R_part[:n_m], None) if grouped else (None, R_part)
+    # The decay gradient's parts, combined with dt's own gradient by dt_bwd_kernel (dt.py): later side (dCB's
+    # kernel: O, and R as per-position row minus column sums, whose reverse cumsum is the decay term with O's, in
+    # slots that go to dt_bwd_kernel unsummed), earlier side q, chunk ends dtot (state passing).
     col_extra = None  # the column sums' extra slots (col_parts > 1)
-    if grouped and R_part.shape[0] > n_m:
+    if R_part.shape[0] > n_m:
         col_extra = ColumnParts(R_part[n_m:], col_parts - 1, cfg.dc_m, n_diag)
-    return dx, ddt, (O, rev_parts, add_parts, q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit
+    return dx, ddt, (O, R_part[:n_m], q, dtot, col_extra), dB, dC, (dD, dD_parts), dinit

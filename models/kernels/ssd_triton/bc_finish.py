@@ -1,4 +1,4 @@
-"""The last step of dB and dC in the "grouped" backward: partial sums and the intra-chunk products in one kernel.
+"""The last step of dB and dC in the backward: partial sums and the intra-chunk products in one kernel.
 
 For positions r of chunk c and group g (dCB summed over its head blocks; its tiles above the diagonal are never
 written, and the loops below read the tiles on and below it only: dcb_bwd.py):

@@ -52,21 +52,15 @@ class BlockConfig:
     dx_warps: int
     dx_stages: int
     # (dx_heads: heads per dx program, declared with the defaults at the end)
-    # dC (+ decay terms): block of l (in "grouped" mode also the inner block of s: its tiles are square, and
-    # bc_finish's), inner blocks of s in "per_head" mode (dc_k).
+    # dCB, dC's state term and the decay terms (dcb_bwd.py): its square tiles [l, s], and bc_finish's blocks of l.
     dc_m: int
-    dc_k: int
     dc_warps: int
     dc_stages: int
-    # dB: block of s, inner blocks of l.
+    # dB's state term (db_bwd.py): block of s.
     db_k: int
-    db_m: int
     db_warps: int
     db_stages: int
-    heads_per_prog: int  # dC / dB: heads one program sums before writing its partial
-    # "grouped": dCB summed over the heads first, then one product per group (dcb_bwd.py); "per_head": the dC, dB
-    # kernels multiply each head's dCB by B / C (bc_bwd.py). Same results up to rounding.
-    bc_mode: str = "grouped"
+    heads_per_prog: int  # dCB / dB: heads one program sums before writing its partial
     # Heads per dx program (1 or 2, consecutive heads of one group): with 2 the group's CBᵀ and B tiles are read once
     # for both heads (chunk_scan_bwd.py). A value that does not divide the heads per group falls back to 1. One head,
     # its state term first and inner blocks of 32 (dx_m) take 128 registers at 4 warps (four programs per SM)
@@ -79,7 +73,7 @@ class BlockConfig:
     # 242 registers at 4 warps against 168 (2 programs per SM, not 3) and still pay: 1.3B chunk states 0.305 -> 0.251
     # ms, dS_in 0.117 -> 0.111 (H100, docs/performance.md, session 10).
     state_heads: int = 2
-    # dCB's grid (dcb_bwd.py, "grouped" mode): one program per tile of [l, s] (True) or per block of rows l walking
+    # dCB's grid (dcb_bwd.py): one program per tile of [l, s] (True) or per block of rows l walking
     # its tiles in series (False: the last block does Q / dc_m tiles while the first does one, so the grid's time is
     # that of its longest program).
     dcb_tiles: bool = True
@@ -173,7 +167,7 @@ class BlockConfig:
     # dx_sums_1d is the old code): without documents dx 0.365 -> 0.331 ms at the 1.3B shape, 0.187 -> 0.173 at the
     # 370M; with documents it pays only under dx_maxnreg (below).
     dx_row_sums_2d: bool = True
-    # dCB (dcb_bwd.py, "grouped" mode) on a second CUDA stream, beside the chained dstates, dx and dB, which it does
+    # dCB (dcb_bwd.py) on a second CUDA stream, beside the chained dstates, dx and dB, which it does
     # not depend on (backward.py): the chained dstates wait on their chain and draw less than the power limit
     # (~570 W at the 1.3B shape, H200, session 38), so dCB's tiles fill their idle issue slots. Session 42 (H200,
     # bench_energy.py, 1.3B with documents): our SSD forward + backward 987.9 -> 963.1 mJ (-2.5%), 1.424 -> 1.390 ms;
@@ -263,11 +257,12 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
     docs/performance.md): 64-row tiles, 4 warps and 3 pipeline stages beat 128-wide tiles and 8 warps for every
     kernel; the inner loops over positions are 64 wide in the backward (dC / dCB, dB: 3.26 ms for the whole
     forward + backward against 3.54 ms with 32; dx too until session 22's one head per program, config dx_heads) and
-    32 wide in the chunk scan (0.40 ms against 0.43); the chunk
-    states prefer all of N (128) in one tile. The "grouped" dB / dC backward with 8 heads per program beat the
-    best "per_head" one (3.905 against 4.443 ms); after the mask-free inner loops, more heads per program won each
-    time (whole forward + backward: 8 heads 2.527 ms, 16 2.424, 32 2.363-2.374, 64 2.332): fewer partial sums over
-    head blocks to reduce (with ngroups 1, 64 means none). Smaller chunks shrink the tiles to fit.
+    32 wide in the chunk scan (0.40 ms against 0.43); the chunk states prefer all of N (128) in one tile. The
+    "grouped" dB / dC backward (dCB summed over the heads first, then one product per group: dcb_bwd.py,
+    bc_finish.py) with 8 heads per program beat the best "per_head" one (each head's dCB times B and C in the
+    kernels; 3.905 against 4.443 ms; removed in session 45); after the mask-free inner loops, more heads per program
+    won each time (whole forward + backward: 8 heads 2.527 ms, 16 2.424, 32 2.363-2.374, 64 2.332): fewer partial
+    sums over head blocks to reduce (with ngroups 1, 64 means none). Smaller chunks shrink the tiles to fit.
     """
     q = min(64, _pow2_at_least_16(chunk_size))
     q_inner = min(32, q)
@@ -297,13 +292,10 @@ def block_config(chunk_size: int, headdim: int, dstate: int) -> BlockConfig:
         dx_warps=4,
         dx_stages=3,
         dc_m=q,
-        dc_k=q,
         dc_warps=4,
         dc_stages=3,
         db_k=q,
-        db_m=q,
         db_warps=4,
         db_stages=3,
         heads_per_prog=64,
-        bc_mode="grouped",
     )

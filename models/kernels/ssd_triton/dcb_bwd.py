@@ -1,14 +1,14 @@
-"""Backward for C and B with the intra-chunk part summed over heads first (bc_mode "grouped").
+"""Backward for C and B with the intra-chunk part summed over heads first.
 
-The per-head kernels in bc_bwd.py multiply every head's dCB^h by B (for dC) and by C (for dB) inside the
-kernel: two N-wide products per head and tile pair. Here one program per (batch, chunk, group, block of
+Multiplying every head's dCB^h by B (for dC) and by C (for dB) would take two N-wide products per head and tile
+pair (the removed "per_head" mode, config.py's block_config). Here one program per (batch, chunk, group, block of
 heads, tile [l, s]) sums dCB^h over its heads (config dcb_tiles; or one per block of l walking its tiles), so the
 intra-chunk parts become two per-group products in bc_finish, dC += dCB B and dB += dCBᵀ C (C·Bᵀ's own backward,
 once per group):
     dCB_ls = sum_h [s <= l, seq_s == seq_l] exp(a^h_l - a^h_s) dt^h_s (dy^h_l · x^h_s)      (float32)
 The same launch gives, per head, the state term O of the decay gradient and the state term of dC summed over its
 heads (in programs of their own, each for a slice of the heads: config dcb_state_split; the state term of dB comes
-from chunk_state_bwd_db_kernel with INTRA=False), and the intra-chunk decay
+from db_bwd.py), and the intra-chunk decay
 terms: with M_ls = dCB^h_ls CB_ls, the pairs whose decay spans t sum to
     R_t = sum_{l >= t > s} M_ls = sum_{j >= t} (r_j - c_j),   r_j = sum_s M_js (row), c_j = sum_l M_lj (column),
 so each tile only adds its row and column sums of M, into R_part[slot, b, h, c, position]: a tile (rows of block

@@ -12,9 +12,9 @@ a_last the chunk's last cumsum: computed here, where the chunk's cumsum is at ha
 no document ids, a_last or exponent (chunk_state.py, config states_scale); the same formula as that loop's, so the
 same float32 values.
 Backward, from the chunked SSD's gradients (autograd.py): the gradient of dA_cs's pre-cumsum input
-    g_t = sum_{j >= t} REV_j + ADD_t + sum_{s < t} q_s + sum_blocks dtot_c
-(REV: the per-position terms whose reverse cumsum enters, ADD: terms that enter as they are; dcb_bwd.py and
-chunk_scan_bwd.py say which; both may come as a kernel's partial sums in slots, added here), then
+    g_t = sum_{j >= t} REV_j + sum_{s < t} q_s + sum_blocks dtot_c
+(REV: the per-position terms whose reverse cumsum enters, from dcb_bwd.py as partial sums in slots, added here; q
+from chunk_scan_bwd.py; dtot from the recurrence between chunks), then
 d(dt_p) = ddt + g A, dA_h = sum g dt_p, and back through the clamp (no gradient where it clamps, as torch.clamp)
 and softplus (sigmoid(u)) to d(dt) in dt's dtype and d(dt_bias). dA and
 d(dt_bias) come out as partial sums per (batch, chunk) program, [b * NC, H] each, which the last program of each
@@ -152,7 +152,6 @@ def dt_bwd_kernel(
     rev_ptr,
     rev_parts_ptr,
     col_extra_ptr,
-    add_parts_ptr,
     q_ptr,
     dtot_ptr,
     ddt_ptr,
@@ -174,7 +173,6 @@ def dt_bwd_kernel(
     n_col_diag,
     col_extra_per_block,
     col_block,
-    n_add_parts,
     n_dD_parts,
     s_dt_b,
     s_dt_l,
@@ -207,7 +205,7 @@ def dt_bwd_kernel(
     at = ((b.to(tl.int64) * H + offs_h[None, :]) * NC + c) * Q + offs_q[:, None]  # [b, H, NC, Q]
 
     # g: the gradient of dt_p * A at each position (module docstring).
-    # REV and ADD may come as [n, b, H, NC, Q] partial sums (the dCB / dC kernels' slots), added here.
+    # REV comes as [n, b, H, NC, Q] partial sums (dCB's slots), added here.
     slot = tl.cast(BATCH, tl.int64) * H * NC * Q
     rev = tl.load(rev_ptr + at, mask=in_q, other=0.0)
     for i in range(n_rev_parts):
@@ -220,8 +218,6 @@ def dt_bwd_kernel(
     for i in range(n_col_diag):  # the diagonal tiles' parts (config dcb_diag_col_parts), written at every position
         rev += tl.load(col_extra_ptr + (n_col_extra + i) * slot + at, mask=in_q, other=0.0)
     g = tl.cumsum(rev, axis=0, reverse=True)
-    for i in range(n_add_parts):
-        g += tl.load(add_parts_ptr + i * slot + at, mask=in_q, other=0.0)
     q = tl.load(q_ptr + at, mask=in_q, other=0.0)
     g += tl.cumsum(q, axis=0) - q
     dtot = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -333,7 +329,6 @@ def dt_backward(
     ddt_p,
     rev,
     rev_parts,
-    add_parts,
     q,
     dtot,
     col_extra: ColumnParts | None,
@@ -345,8 +340,8 @@ def dt_backward(
 ):
     """(d dt [b, L, H] in dt's dtype (written into ddt_out when given: any strides, e.g. the mixer's view of its
     input gradient, so no copy follows), dA [H] and d dt_bias [H] in float32 or None, dD [H] or None) from the chunked
-    SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts and
-    add_parts, partial sums [n, b, H, NC, Q] or None, summed in the kernel; col_extra: dCB's extra column-sum slots
+    SSD's ddt_p and the parts of the decay gradient (module docstring): rev [b, H, NC, Q], plus rev_parts, partial
+    sums [n, b, H, NC, Q], summed in the kernel; col_extra: dCB's extra column-sum slots
     or None; dD_parts: D's partial sums [n, H] (float32) to sum, or None. a_is_log: A_H holds A_log (as in
     dt_forward), and the gradient returned for it is A_log's."""
     b, L, H = dt_BLH.shape
@@ -363,9 +358,8 @@ def dt_backward(
         A_H,
         ddt_p,
         rev,
-        rev if rev_parts is None else rev_parts,
+        rev_parts,
         rev if col_extra is None else col_extra.slots,
-        rev if add_parts is None else add_parts,
         q,
         dtot,
         ddt,
@@ -382,12 +376,11 @@ def dt_backward(
         H,
         b,
         dtot.shape[0],
-        0 if rev_parts is None else rev_parts.shape[0],
+        rev_parts.shape[0],
         0 if col_extra is None else col_extra.slots.shape[0] - col_extra.n_diag,
         0 if col_extra is None else col_extra.n_diag,
         1 if col_extra is None else max(col_extra.per_block, 1),
         Q if col_extra is None else col_extra.block,
-        0 if add_parts is None else add_parts.shape[0],
         0 if dD_parts is None else dD_parts.shape[0],
         *dt_BLH.stride(),
         *ddt.stride(),

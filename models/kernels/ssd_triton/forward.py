@@ -27,7 +27,7 @@ from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_pa
 def cb_read_block(cfg: BlockConfig) -> int:
     """The widest block of rows in which a consumer of CB (or CBᵀ) reads columns up to the block's end: entries
     (l, s) with s >= (l // it + 1) * it are never read (chunk_cb.py). Every block size is a power of two."""
-    return max(cfg.scan_m, cfg.scan_k, cfg.dx_k, cfg.dx_m, cfg.dc_m, cfg.dc_k)
+    return max(cfg.scan_m, cfg.scan_k, cfg.dx_k, cfg.dx_m, cfg.dc_m)
 
 
 def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool = False):
