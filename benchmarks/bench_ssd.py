@@ -93,14 +93,6 @@ TUNE_VARIANTS = {
     "hpp32": dict(heads_per_prog=32),
     "hpp64": dict(heads_per_prog=64),
     "s2": {k: 2 for k in _STAGES},
-    # Session 11: dCB's grid, one program per tile (default) or per block of rows.
-    "dcb_rows": dict(dcb_tiles=False),
-    "dcb_tiles": dict(dcb_tiles=True),
-    # ... and the state term of dC in programs of its own, for 1 / split of the heads each (default 2).
-    "dcb_split1": dict(dcb_state_split=1),
-    "dcb_split2": dict(dcb_state_split=2),
-    "dcb_split8": dict(dcb_state_split=8),
-    "dcb_split16": dict(dcb_state_split=16),
     # Session 12: the chunk states and the recurrence between chunks chained in one kernel each way (default) or
     # staged in two (chained_states.py), and the chained kernels' tiles.
     "staged": dict(chained=False),
@@ -125,10 +117,7 @@ TUNE_VARIANTS = {
     "keep_states": dict(keep_states=True),
     # Session 15: the backward's chain hands dH on as high + low parts (more registers: N tiles of 64 spill none).
     "chained_bwd_n64_keep": dict(chained_bwd_n=64, keep_states=True),
-    # Session 14: dCB's column sums (a reduction across warps) once per head or once per pair of heads (default).
-    "dcb_sums_per_head": dict(dcb_head_pairs=False),
-    "dcb_sums_per_pair": dict(dcb_head_pairs=True),
-    # ... and bc_finish's programs over blocks of N (dC and dB apart), and their warps.
+    # bc_finish's programs over blocks of N (dC and dB apart), and their warps.
     "bcf_n128_w8": dict(bcf_n=128, bcf_warps=8),
     "bcf_n64_w8": dict(bcf_n=64, bcf_warps=8),
     "bcf_n32": dict(bcf_n=32),
@@ -160,17 +149,12 @@ TUNE_VARIANTS = {
     "dx_k128_w8": dict(dx_k=128, dx_warps=8),
     "scan_h1_k16": dict(scan_heads=1, scan_k=16),
     "scan_k16": dict(scan_k=16),
-    # dCB's column sums off the diagonal as the row sums of a transposed product, or reduced across warps (default)
-    "dcb_cols_dot": dict(dcb_cols_by_dot=True),
-    "dcb_cols_reduced": dict(dcb_cols_by_dot=False),
-    # Session 24's dCB variants, pinned to what they measured then (docs/performance.md), whatever the defaults now:
-    # pairs or per head, the heads loop's stages, per-head column sums in one sum (dcb_col_parts 1) or in parts.
-    "dcb_heads_s2": dict(dcb_heads_stages=2, dcb_head_pairs=True),
-    "dcb_heads_s3": dict(dcb_heads_stages=3, dcb_head_pairs=True),
-    "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_col_parts=1),
-    "dcb_heads_s2_per_head": dict(dcb_heads_stages=2, dcb_head_pairs=False, dcb_col_parts=1),
-    "dcb_heads_s4_per_head": dict(dcb_heads_stages=4, dcb_head_pairs=False, dcb_col_parts=1),
-    "dcb_per_head": dict(dcb_heads_stages=None, dcb_head_pairs=False, dcb_col_parts=1),
+    # Session 24's dCB variants (per head), pinned to what they measured then (docs/performance.md), whatever the
+    # defaults now: the heads loop's stages, per-head column sums in one sum (dcb_col_parts 1) or in parts.
+    "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_col_parts=1),
+    "dcb_heads_s2_per_head": dict(dcb_heads_stages=2, dcb_col_parts=1),
+    "dcb_heads_s4_per_head": dict(dcb_heads_stages=4, dcb_col_parts=1),
+    "dcb_per_head": dict(dcb_heads_stages=None, dcb_col_parts=1),
     "dcb_col_parts_1": dict(dcb_col_parts=1),  # per-head column sums reduced across warps (before session 24)
     "dcb_col_parts_2": dict(dcb_col_parts=2, dcb_diag_col_parts=False),
     "dcb_diag_parts": dict(dcb_diag_col_parts=True),  # the default since session 25
@@ -183,7 +167,6 @@ TUNE_VARIANTS = {
     "scan_s2": dict(scan_stages=2),  # the chunk scan's forward in 2 stages (48 KB of shared memory) ...
     "scan_s2_cap": dict(scan_stages=2, scan_maxnreg=128),  # ... and at <= 128 registers: four programs per SM
     "scan_cap": dict(scan_maxnreg=128),
-    "dcb_heads_s3_per_head_cols_dot": dict(dcb_heads_stages=3, dcb_head_pairs=False, dcb_cols_by_dot=True),
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

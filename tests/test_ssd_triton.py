@@ -777,7 +777,7 @@ def test_dt_folded_into_the_decay_exponent():
     """config fold_dt (the default since session 42; the other tests run it too): the chunk scan and dCB take
     exp(a_l - a_s) dt_s as 2^(a_l log2(e) - a2dt_s), with a2dt from the dt kernel (dt.py). Every output and gradient
     against the reference: with documents, initial states and a remainder (the masked loads' +inf padding) at four
-    position blocks per chunk, for both dCB grids and with the column sums from the transposed product; whole tiles
+    position blocks per chunk; whole tiles
     (dCB's unclamped tiles below the diagonal); decay steep enough to overflow an unclamped exponent; dt = 0 at valid
     positions (no softplus, dt's lower limit 0: a2dt = +inf, never log2(0)); kept states; and the fused mixer (its
     backward passes a2dt on). A kernel that still multiplies by dt, or an a2dt without log2(dt), fails (checked by
@@ -789,7 +789,6 @@ def test_dt_folded_into_the_decay_exponent():
     steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
     interpret_all(
         dict(**docs, call=dict(chunk_size=64), config=fold),
-        dict(**docs, call=dict(chunk_size=64), config=dict(fold, dcb_tiles=False, dcb_cols_by_dot=True)),
         dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=22, with_init=False, call=dict(chunk_size=64), config=fold),
         dict(**steep, call=dict(chunk_size=64, tol=1e-3), config=fold),
         dict(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fold),
@@ -825,39 +824,21 @@ def test_states_scale_from_the_dt_kernel():
     )  # fmt: skip
 
 
-def test_dcb_grid_per_tile_and_per_row_block():
-    """dCB's two grids (config dcb_tiles): one program per tile of [l, s] (the default) and one per block of rows
-    walking its tiles, with four blocks per chunk, so that tiles off the diagonal have several columns to choose
-    from (a wrong column block fails: checked by mutation), documents and whole tiles; the column sums reduced per
-    pair of heads (dcb_head_pairs: the pair's heads swapped, or the first one's sums written at the second's
-    offset, fail it) and per head (the default since session 24); the state term in one slice of the heads (the
-    default) and in two (dcb_state_split 2: partial sums per slice, added in bc_finish); the column sums as row sums
-    of a transposed product (dcb_cols_by_dot) on both grids."""
+def test_dcb_tiles_and_column_sums_in_parts():
+    """dCB's grid of one program per tile of [l, s] (and one per head block for the state term), with four blocks
+    per chunk, so that tiles off the diagonal have several columns to choose from (a wrong column block fails:
+    checked by mutation), documents and whole tiles, at 1 and at 2 heads per program. Per-head column sums below the
+    diagonal as one sum reduced across the warps (dcb_col_parts 1) and as 2 or 4 partial sums over row groups (the
+    default is 4: a part written to another block's extra slot, or dt_bwd adding an extra slot at the positions of
+    its own block or later, fails: checked by mutation); on the diagonal too (dcb_diag_col_parts: r alone, the parts
+    in slots of their own), also at one block per chunk (chunk 16: no tiles below the diagonal, only the diagonal's
+    slots)."""
     base = dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]])
-    grids = ((True, True, 1, False), (True, True, 2, False), (False, True, 1, False), (True, False, 1, False),
-             (True, True, 1, True), (False, True, 1, True))  # fmt: skip
     cases = [
-        dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_head_pairs=pairs,
-                                                           dcb_state_split=split, dcb_cols_by_dot=cols_dot))
-        for dcb_tiles, pairs, split, cols_dot in grids
+        dict(**base, call=dict(chunk_size=chunk),
+             config=dict(SMALL_TILES, dcb_col_parts=parts, dcb_diag_col_parts=diag, heads_per_prog=heads))
+        for parts, diag, chunk, heads in ((1, False, 64, 64), (2, False, 64, 1), (4, True, 64, 64), (4, True, 16, 1))
     ]  # fmt: skip
-    # Per-head column sums below the diagonal as one sum reduced across the warps (dcb_col_parts 1) and as two
-    # partial sums over row groups (the default is 4: a part written to another block's extra slot, or dt_bwd adding
-    # an extra slot at the positions of its own block or later, fails: checked by mutation), on both grids.
-    # On the diagonal too (dcb_diag_col_parts: r alone, the parts in slots of their own), also at one block per
-    # chunk (chunk 16: no tiles below the diagonal, only the diagonal's slots).
-    for dcb_tiles, parts, diag, chunk in (
-        (True, 1, False, 64),
-        (False, 2, False, 64),
-        (True, 2, False, 64),
-        (True, 4, True, 64),
-        (False, 2, True, 64),
-        (True, 4, True, 16),
-    ):
-        cases.append(dict(
-            **base, call=dict(chunk_size=chunk),
-            config=dict(SMALL_TILES, dcb_tiles=dcb_tiles, dcb_col_parts=parts, dcb_diag_col_parts=diag),
-        ))  # fmt: skip
     # The heads loop pipelined as Triton decides (dcb_heads_stages None; the default is 3): the same code to the
     # interpreter, which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
     interpret_all(*cases, dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_heads_stages=None)))
@@ -874,20 +855,18 @@ def test_dcb_col_parts_refused_unless_a_power_of_two_dividing_the_rows():
     for bad in (3, 0, 2 * cfg.dc_m):
         with pytest.raises(ValueError, match="dcb_col_parts .* must be a power of two dividing dc_m"):
             dataclasses.replace(cfg, dcb_col_parts=bad)
-    assert dataclasses.replace(cfg, dcb_col_parts=1).dcb_parts(pairs=False) == 1
-    assert cfg.dcb_parts(pairs=False) == 4 and cfg.dcb_parts(pairs=True) == 1
-    assert dataclasses.replace(cfg, dcb_cols_by_dot=True).dcb_parts(pairs=False) == 1
+    assert dataclasses.replace(cfg, dcb_col_parts=1).dcb_col_parts == 1 and cfg.dcb_col_parts == 4
 
 
 def test_no_kernel_reads_unwritten_memory():
     """Every float buffer allocated empty starts as NaN (poison_empty): CB's tiles past its consumers' diagonal
     blocks are not stored (chunk_cb.py), so a consumer reading one, or any kernel reading what no kernel wrote,
-    fails. Default tiles, small tiles (four row blocks per chunk), dCB's row grid, kept states, and the staged and
-    per-head paths (a CB read block one step too small fails it: checked by mutation)."""
+    fails. Default tiles, small tiles (four row blocks per chunk), kept states, and the staged states at 2 heads per
+    dCB program (a CB read block one step too small fails it: checked by mutation)."""
     configs = (
         {},
         SMALL_TILES,
-        dict(SMALL_TILES, dcb_tiles=False, keep_states=True),
+        dict(SMALL_TILES, keep_states=True),
         dict(SMALL_TILES, scan_m=32, dx_k=32, dc_m=32),
         dict(heads_per_prog=2, chained=False),
         dict(SMALL_TILES, dx_reads_cb=True),  # dx reads CB transposed (no CBᵀ copy)

@@ -63,14 +63,10 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     R = H // G
     hpp = heads_per_program(R, cfg.heads_per_prog)
     n_hb = R // hpp
-    # dC's state term: partial sums per head block, and under dCB's tile grid per slice of a block's heads too.
-    state_split = heads_per_program(hpp, cfg.dcb_state_split) if cfg.dcb_tiles else 1
-    dC_part = torch.empty(n_hb * state_split, b, L, G, N, device=dev, dtype=torch.float32)
+    dC_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)  # dC's state term per head block
     O = torch.empty_like(dt_p)  # noqa: E741 - the docstring's O (and R)
     n_m = cdiv(Q, cfg.dc_m)
-    pairs = cfg.dcb_head_pairs and hpp % 2 == 0
-    # Column sums below the diagonal in partial sums over row groups (dcb_bwd.py): per-head sums only.
-    col_parts = cfg.dcb_parts(pairs)
+    col_parts = cfg.dcb_col_parts  # column sums below (and on) the diagonal in partial sums over row groups
     # Tiles above the diagonal are not written: bc_finish reads the tiles on and below it only.
     dCB_part = torch.empty(n_hb, b, NC, G, Q, Q, device=dev, dtype=torch.float32)
     # Row and column sums of the intra-chunk decay terms, every entry written once (dcb_bwd.py), and the column
@@ -80,7 +76,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
 
     def launch_dcb():
-        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + state_split if cfg.dcb_tiles else 1, cfg.inner_first)
+        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + 1, cfg.inner_first)  # tiles, and the state term's programs
         chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
@@ -103,20 +99,16 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
             N,
             hpp,
             b,
-            state_split,
             *x.stride(),
             *C.stride(),
             *dy.stride(),
             HAS_SEQ=has_seq,
             EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
-            TILE_GRID=cfg.dcb_tiles,
             PREC=dot_precision(x),
             BLOCK_M=cfg.dc_m,
             BLOCK_P=BP,
             BLOCK_N=BN,
             INNER_FIRST=cfg.inner_first,
-            PAIRS=pairs,
-            COLS_DOT=cfg.dcb_cols_by_dot,
             HEADS_STAGES=cfg.dcb_heads_stages,
             COL_PARTS=col_parts,
             DIAG_PARTS=cfg.dcb_diag_col_parts,
@@ -266,7 +258,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         *C.stride(),
         *dB.stride(),
         *dC.stride(),
-        N_DC=n_hb * state_split,
         N_HB=n_hb,
         PREC=dot_precision(x),
         BLOCK_M=cfg.dc_m,

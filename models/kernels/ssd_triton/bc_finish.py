@@ -2,7 +2,7 @@
 
 For positions r of chunk c and group g (dCB summed over its head blocks; its tiles above the diagonal are never
 written, and the loops below read the tiles on and below it only: dcb_bwd.py):
-    dC_r = sum_i dC_state[i, r] + sum_{s <= r} dCB_rs B_s        (i: head blocks, and slices of their heads)
+    dC_r = sum_hb dC_state[hb, r] + sum_{s <= r} dCB_rs B_s      (hb: head blocks)
     dB_r = sum_hb dB_state[hb, r] + sum_{l >= r} dCB_lr C_l
 written straight in B's / C's dtype. In PyTorch this was a reduction over head blocks per tensor, two padded
 float32 copies of B and C, two float32 batched products (SIMT on Hopper: no tensor cores for float32 without
@@ -49,10 +49,9 @@ def bc_finish_kernel(
     s_dc_l,
     s_dc_g,
     s_dc_n,
-    # The partial sums' counts (dC's state term: head blocks x slices, dcb_bwd.py; dB's and dCB's: head blocks) as
-    # constants, so that the loops over them unroll and their loads are in flight together (as run-time counts, 2
-    # head blocks took bc_finish from 0.030 to 0.066 ms at the 1.3B shape; H100, session 22).
-    N_DC: tl.constexpr,
+    # The partial sums' count (dC's state term, dB's and dCB's: one per head block, dcb_bwd.py) as a constant, so
+    # that the loops over them unroll and their loads are in flight together (as a run-time count, 2 head blocks
+    # took bc_finish from 0.030 to 0.066 ms at the 1.3B shape; H100, session 22).
     N_HB: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -76,8 +75,8 @@ def bc_finish_kernel(
     mask_mn = valid_m[:, None] & (offs_n < N)[None, :]
     t_m = (t0 + offs_m).to(tl.int64)
 
-    # State terms: partial sums, [N_DC, b, L, G, N] (dC: per head block and slice of its heads, dcb_bwd.py) and
-    # [N_HB, b, L, G, N] (dB: per head block) float32.
+    # State terms: partial sums per head block, [N_HB, b, L, G, N] float32 (dC's from dcb_bwd.py, dB's from
+    # db_bwd.py).
     state_at = (b.to(tl.int64) * L + t_m[:, None]) * G * N + g * N + offs_n[None, :]
     hb_stride = tl.cast(BATCH, tl.int64) * L * G * N  # BATCH may arrive as a constexpr (the JIT specialises 1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -85,7 +84,7 @@ def bc_finish_kernel(
     chunk = ((b.to(tl.int64) * NC + c) * G + g) * Q * Q
     hb_chunk = tl.cast(BATCH, tl.int64) * NC * G * Q * Q
     if do_dC:
-        for i in tl.static_range(N_DC):
+        for i in tl.static_range(N_HB):
             acc += tl.load(dC_state_ptr + i * hb_stride + state_at, mask=mask_mn, other=0.0)
         B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
         hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)

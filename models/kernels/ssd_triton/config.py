@@ -11,7 +11,15 @@ state in registers; 1.3B, H100, 2026-11-23: forward and S_in recompute 1.40 ms a
 backward recurrence 0.28 against 0.25: 256 programs walking 16 chunks in series leave 132 SMs waiting on latency)
 and ``chained_scan`` (chained_scan.py: the chained states and the chunk scan in one kernel, one program per chunk,
 batch and head; session 13, H100, 1.3B: 0.453 ms against 0.176 + 0.223 for the two kernels, since one program walks
-the chunk's row blocks in series where the chunk scan runs them side by side).
+the chunk's row blocks in series where the chunk scan runs them side by side). Also removed then: the "per_head"
+dB / dC backward (block_config says why); dCB's grid of one program per block of rows walking its tiles
+(``dcb_tiles`` False: the grid's time is that of its longest program); the state term of dC in several programs
+per head block (``dcb_state_split``; session 11, H100, 1.3B: 2 slices 0.494 ms against 0.517 for 1, but 1 slice
+the faster since session 17: dCB + bc_finish 0.468 -> 0.453); column sums reduced once per pair of heads
+(``dcb_head_pairs``; off since session 24: per head at 3 pipeline stages 0.404-0.406 ms against 0.421-0.423); and
+column sums as the row sums of a second, transposed product (``dcb_cols_by_dot``; session 22: dCB 0.428 -> 0.396
+ms in every tile, but dA's error 1.13x mamba_ssm's as the diagonal's M_jj no longer cancelled exactly; off the
+diagonal only 0.427 -> 0.412, dA up to 1.10x).
 """
 
 from __future__ import annotations
@@ -73,30 +81,6 @@ class BlockConfig:
     # 242 registers at 4 warps against 168 (2 programs per SM, not 3) and still pay: 1.3B chunk states 0.305 -> 0.251
     # ms, dS_in 0.117 -> 0.111 (H100, docs/performance.md, session 10).
     state_heads: int = 2
-    # dCB's grid (dcb_bwd.py): one program per tile of [l, s] (True) or per block of rows l walking
-    # its tiles in series (False: the last block does Q / dc_m tiles while the first does one, so the grid's time is
-    # that of its longest program).
-    dcb_tiles: bool = True
-    # Under dCB's tile grid, the state term of dC (and O) runs in programs of its own, each for 1 / dcb_state_split of
-    # a head block's heads (partial sums added in bc_finish). In the diagonal tile's program it made that program
-    # twice as long as the others (session 11, H100, 1.3B: dCB 0.528 ms, ~0.27 of it the state term; split into
-    # programs of their own, dCB + bc_finish: 1 slice 0.517 ms, 2 slices 0.494, 4 0.514, 8 0.535, 16 0.582). Since
-    # the head pairs (below) one slice is faster again (session 17, H100: 1.3B dCB + bc_finish 0.468 -> 0.453 ms,
-    # forward + backward 1.818 -> 1.798; 370M 0.258 -> 0.252, 0.992 -> 0.985).
-    dcb_state_split: int = 1
-    # dCB's tiles reduce the column sums of the decay terms (across warps) once per pair of heads, not per head
-    # (dcb_bwd.py; needs an even number of heads per program, else per head). Session 14 (H100, 1.3B): dCB 0.449 ->
-    # 0.430 ms; two heads per iteration instead (shared memory for both heads' tiles, 1 program per SM) 0.435 at 3
-    # pipeline stages, 0.478 at 2, 0.529 at 1. Off since session 24: with dcb_heads_stages 3 (below) per head is the
-    # faster (H100, 1.3B dCB: pairs 0.421-0.423 ms, pairs + 3 stages 0.474, per head + 3 stages 0.404-0.406).
-    dcb_head_pairs: bool = False
-    # ... or, in the tiles off the diagonal, without a reduction across warps (dcb_bwd.py's COLS_DOT): each head's
-    # tile also computed transposed (a second product, x · dyᵀ, and its element-wise factors again), whose row sums
-    # are the column sums. Session 22 (H100): in every tile, dCB 1.3B 0.428 -> 0.396 ms, 370M 0.221 -> 0.207 (8 warps
-    # 0.621, 2 stages 0.474), but dA's error rose to 1.13x mamba_ssm's without documents (the diagonal's M_jj no
-    # longer cancelled exactly); off the diagonal only 0.427 -> 0.412 and 0.223 -> 0.212, with dA at 1.02x (one
-    # seed 1.10x) where the reduction gives 0.99-1.01x: off, for 0.2% of the 1.3B's step.
-    dcb_cols_by_dot: bool = False
     # dCB's heads loop software-pipelined over this many stages for all of its loads (tl.range's num_stages), the
     # per-head vectors of the decay (a_m, a_k, dt_k) included: Triton pipelines only loads that feed a product
     # otherwise, so each head waits for those (18 plain global loads per head in Triton 3.6's sm_90 code; with 3
@@ -106,7 +90,7 @@ class BlockConfig:
     # Triton decides 0.434 / 0.228; per head at 2 / 3 / 4 stages 0.489 / 0.404-0.406 / 0.402, 0.249 / 0.208-0.212 /
     # 0.210; per head at 3 stages with dcb_cols_by_dot 0.443 / 0.228.
     dcb_heads_stages: int | None = 3
-    # dCB's tiles below the diagonal (per-head sums: not with dcb_head_pairs or dcb_cols_by_dot) write each head's
+    # dCB's tiles below the diagonal write each head's
     # column sums of M as this many partial sums over groups of dc_m / dcb_col_parts rows (at 4 warps, 4 parts: one
     # per warp, so no reduction across warps, no barrier or shared memory per head), into extra slots of R_part that
     # dt_bwd_kernel adds (dcb_bwd.py). 1: one sum, reduced across the warps, as before. Session 24 (H100, 4 parts,
@@ -225,11 +209,6 @@ class BlockConfig:
                 f"BlockConfig.dcb_col_parts {parts} must be a power of two dividing dc_m {self.dc_m}: 1 for one "
                 "column sum per tile, dc_warps (4) for one per warp"
             )
-
-    def dcb_parts(self, pairs: bool) -> int:
-        """The column parts dCB's tiles use (dcb_bwd.py): dcb_col_parts with per-head sums, 1 (one sum reduced across
-        the warps) with per-pair sums (`pairs`: dcb_head_pairs and an even number of heads) or dcb_cols_by_dot."""
-        return 1 if pairs or self.dcb_cols_by_dot else self.dcb_col_parts
 
 
 def whole_tiles(L: int, Q: int, P: int, block_p: int, *position_blocks: int) -> bool:

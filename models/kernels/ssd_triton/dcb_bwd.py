@@ -2,13 +2,12 @@
 
 Multiplying every head's dCB^h by B (for dC) and by C (for dB) would take two N-wide products per head and tile
 pair (the removed "per_head" mode, config.py's block_config). Here one program per (batch, chunk, group, block of
-heads, tile [l, s]) sums dCB^h over its heads (config dcb_tiles; or one per block of l walking its tiles), so the
+heads, tile [l, s]) sums dCB^h over its heads, so the
 intra-chunk parts become two per-group products in bc_finish, dC += dCB B and dB += dCBᵀ C (C·Bᵀ's own backward,
 once per group):
     dCB_ls = sum_h [s <= l, seq_s == seq_l] exp(a^h_l - a^h_s) dt^h_s (dy^h_l · x^h_s)      (float32)
 The same launch gives, per head, the state term O of the decay gradient and the state term of dC summed over its
-heads (in programs of their own, each for a slice of the heads: config dcb_state_split; the state term of dB comes
-from db_bwd.py), and the intra-chunk decay
+heads (in programs of their own; the state term of dB comes from db_bwd.py), and the intra-chunk decay
 terms: with M_ls = dCB^h_ls CB_ls, the pairs whose decay spans t sum to
     R_t = sum_{l >= t > s} M_ls = sum_{j >= t} (r_j - c_j),   r_j = sum_s M_js (row), c_j = sum_l M_lj (column),
 so each tile only adds its row and column sums of M, into R_part[slot, b, h, c, position]: a tile (rows of block
@@ -16,8 +15,7 @@ m, columns of block k < m) writes +r at its rows in slot k and -c at its columns
 r - c at its positions in slot m, so every entry is written exactly once (no zero fill) and the host takes
 R = reverse cumsum over positions of the sum over slots (autograd.py). M is float32 and the diagonal M_jj enters
 r_j and c_j as the same float32 value, so the subtraction loses nothing at bf16's scale (the cumulative sums of a
-first version's bf16-rounded terms did; docs/performance.md). The column sums reduce across the program's warps;
-config dcb_cols_by_dot (off) takes them, off the diagonal, as the row sums of the tile computed transposed instead.
+first version's bf16-rounded terms did; docs/performance.md). The column sums reduce across the program's warps.
 Below the diagonal, with per-head sums, config dcb_col_parts (4) splits each column sum into partial sums over
 groups of rows, one per warp, so no head waits for a reduction across warps: group 0's goes to slot m as above, the
 others to extra slots after the n_m slots, (n_m - 1) (parts - 1) of them, which dt_bwd_kernel adds only at the
@@ -64,7 +62,6 @@ def chunk_scan_bwd_dcb_kernel(
     N,
     HEADS_PER_PROG,
     BATCH,
-    STATE_SPLIT,
     s_x_b,
     s_x_l,
     s_x_h,
@@ -79,30 +76,21 @@ def chunk_scan_bwd_dcb_kernel(
     s_y_p,
     HAS_SEQ: tl.constexpr,
     EVEN: tl.constexpr,
-    TILE_GRID: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
-    PAIRS: tl.constexpr,
-    COLS_DOT: tl.constexpr,
     HEADS_STAGES: tl.constexpr = None,
     COL_PARTS: tl.constexpr = 1,
     DIAG_PARTS: tl.constexpr = False,
     FOLD_DT: tl.constexpr = False,
 ):
-    if TILE_GRID:
-        # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish
-        # reads the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs
-        # pid_k = n_m + j do the state term of dC and O for the j-th of STATE_SPLIT slices of the heads. Every
-        # program then loops over its heads once, and the state term, which is as long as a tile, no longer runs
-        # after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, 2 slices).
-        pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + STATE_SPLIT, INNER_FIRST)
-    else:
-        # One program per block of rows walks its tiles in series: the last block does n_m tiles, the first one.
-        pid0, pid_m, _ = program_ids(tl.cdiv(Q, BLOCK_M), 1, INNER_FIRST)
-        pid_k = pid_m
+    # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish reads
+    # the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs pid_k = n_m do
+    # the state term of dC and O. Every program loops over its heads once, and the state term, which is as long as a
+    # tile, does not run after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, session 11).
+    pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb
     g = (pid0 // n_hb) % G
@@ -120,71 +108,68 @@ def chunk_scan_bwd_dcb_kernel(
     h0 = g * (H // G) + hb * HEADS_PER_PROG
     m0 = pid_m * BLOCK_M
     n_m = tl.cdiv(Q, BLOCK_M)
-    if pid_k >= n_m:  # TILE_GRID only: a slice of the heads' state term
-        per_slice = HEADS_PER_PROG // STATE_SPLIT
-        j = pid_k - n_m
-        _dcb_state(
-            dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g,
-            s_c_n, s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h0 + j * per_slice, per_slice, hb * STATE_SPLIT + j, offs_m,
-            valid_m, t_m, keep_m, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
-        )  # fmt: skip
-    elif pid_k < pid_m:  # TILE_GRID only: one tile below the diagonal
-        # fmt: off
-        _dcb_tile(
-            dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
-            pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
-            HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-            PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS,
-            FOLD_DT=FOLD_DT,
-        )
-        # fmt: on
-    elif pid_k == pid_m:  # the diagonal tile (TILE_GRID); pid_k > pid_m, above the diagonal, has nothing to do
-        _dcb_rows(
-            dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dCstate_ptr, dCB_ptr, O_ptr, R_ptr,
-            L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
-            s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
-            HAS_SEQ=HAS_SEQ, EVEN=EVEN, TILE_GRID=TILE_GRID, PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P,
-            BLOCK_N=BLOCK_N, PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
-            DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
-        )  # fmt: skip
-
-
-@triton.jit
-def _dcb_rows(
-    dy_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, CB_ptr, S_in_ptr, seq_ptr, dCstate_ptr, dCB_ptr, O_ptr, R_ptr,
-    L, Q, NC, H, G, P, N, HEADS_PER_PROG, BATCH, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n,
-    s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, hb, h0, pid_m, m0, offs_m, valid_m, t_m, keep_m, t0,
-    HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, TILE_GRID: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr,
-    HEADS_STAGES: tl.constexpr, COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr, FOLD_DT: tl.constexpr,
-):  # fmt: skip
-    """The diagonal block's program: without TILE_GRID, the state term of dC and O and the tiles of its rows below
-    the diagonal; then (always) the diagonal tile. Tiles above it are not written (bc_finish never reads them)."""
-    if not TILE_GRID:
+    if pid_k >= n_m:  # the heads' state term
         _dcb_state(
             dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g,
             s_c_n, s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h0, HEADS_PER_PROG, hb, offs_m, valid_m, t_m, keep_m,
             PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         )  # fmt: skip
-
-    # Intra-chunk: dCB summed over the heads, tile by tile (tiles below the diagonal, then the diagonal one).
-    # fmt: off
-    if not TILE_GRID:
-        for k0 in range(0, m0, BLOCK_M):
-            _dcb_tile(
-                dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g,
-                hb, h0, pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
-                HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
-                PAIRS=PAIRS, COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS,
-                DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
-            )
-    _dcb_tile(
-        dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
-        pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
-        HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P, PAIRS=PAIRS,
-        COLS_DOT=COLS_DOT, HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
-    )
-    # fmt: on
+    elif pid_k < pid_m:  # one tile below the diagonal
+        # fmt: off
+        _dcb_tile(
+            dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
+            pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
+            HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+            HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
+        )
+    elif pid_k == pid_m:  # the diagonal tile; pid_k > pid_m, above the diagonal, has nothing to do
+        _dcb_tile(
+            dy_ptr,
+            x_ptr,
+            dt_ptr,
+            dA_ptr,
+            CB_ptr,
+            seq_ptr,
+            dCB_ptr,
+            R_ptr,
+            L,
+            Q,
+            NC,
+            H,
+            G,
+            P,
+            BATCH,
+            b,
+            c,
+            g,
+            hb,
+            h0,
+            pid_m,
+            m0,
+            offs_m,
+            valid_m,
+            t0,
+            s_x_b,
+            s_x_l,
+            s_x_h,
+            s_x_p,
+            s_y_b,
+            s_y_l,
+            s_y_h,
+            s_y_p,
+            HEADS_PER_PROG,
+            HAS_SEQ=HAS_SEQ,
+            EVEN=EVEN,
+            DIAG=True,
+            PREC=PREC,
+            BLOCK=BLOCK_M,
+            BLOCK_P=BLOCK_P,
+            HEADS_STAGES=HEADS_STAGES,
+            COL_PARTS=COL_PARTS,
+            DIAG_PARTS=DIAG_PARTS,
+            FOLD_DT=FOLD_DT,
+        )
+        # fmt: on
 
 
 @triton.jit
@@ -229,13 +214,12 @@ def _dcb_state(
 
 @triton.jit
 def _dcb_head(
-    dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
-    s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr, COLS_DOT: tl.constexpr,
-    CLAMP: tl.constexpr, FOLD_DT: tl.constexpr,
+    dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p, valid_m, in_k,
+    s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN: tl.constexpr, PREC: tl.constexpr, CLAMP: tl.constexpr,
+    FOLD_DT: tl.constexpr,
 ):  # fmt: skip
-    """Head h's share of a tile: dCB^h (unmasked), its row sums r of M = dCB^h CB (at offs_m), M itself, the
-    head's offset into [B, H, NC, Q] arrays, and with COLS_DOT M's column sums (at offs_k) from the transposed
-    product (cbT: the tile of CB transposed), else 0. CLAMP: the decay's exponent clamped at 0, which a whole tile
+    """Head h's share of a tile: dCB^h (unmasked), M = dCB^h CB itself, its row sums r (at offs_m), and the head's
+    offset into [B, H, NC, Q] arrays. CLAMP: the decay's exponent clamped at 0, which a whole tile
     below the diagonal does not need (a falls along the chunk: a_l <= a_s for l > s, up to the cumsum's rounding),
     saving an instruction per element and head (859 against 891 per head in Triton 3.6's loop, the same registers).
     FOLD_DT (config fold_dt): dt_ptr holds a2dt (dt.py), so exp(a_l - a_s) dt_s is one 2^(a_l log2(e) - a2dt_s) and
@@ -272,15 +256,7 @@ def _dcb_head(
             log2_decay = tl.minimum(log2_decay, 0.0)
         dcb = dyx * tl.exp2(log2_decay) * dt_k[None, :]
     M = dcb * cb
-    col = 0.0
-    if COLS_DOT:
-        dyxT = tl.dot(tl.trans(xT), tl.trans(dy_m), input_precision=PREC)  # [s, l]
-        if FOLD_DT:
-            MT = dyxT * tl.exp2(tl.minimum((a_m * LOG2E)[None, :] - dt_k[:, None], FOLD_MAX_EXP)) * cbT
-        else:
-            MT = dyxT * tl.exp2(tl.minimum((a_m * LOG2E)[None, :] - (a_k * LOG2E)[:, None], 0.0)) * dt_k[:, None] * cbT
-        col = tl.sum(MT, axis=1)
-    return dcb, M, tl.sum(M, axis=1), head_q, col
+    return dcb, M, tl.sum(M, axis=1), head_q
 
 
 @triton.jit
@@ -320,17 +296,13 @@ def _dcb_tile(
     dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
     pid_m, k0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
     HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, DIAG: tl.constexpr, PREC: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_P: tl.constexpr, PAIRS: tl.constexpr, COLS_DOT: tl.constexpr, HEADS_STAGES: tl.constexpr,
-    COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr, FOLD_DT: tl.constexpr,
+    BLOCK_P: tl.constexpr, HEADS_STAGES: tl.constexpr, COL_PARTS: tl.constexpr, DIAG_PARTS: tl.constexpr,
+    FOLD_DT: tl.constexpr,
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
-    memory, with a barrier): ~0.11 of dCB's 0.45 ms at the 1.3B shape (H100, docs/performance.md, session 14). With
-    PAIRS the heads still come one per iteration (so the pipeline's shared memory holds one head's tiles), but the
-    odd iterations reduce the previous head's M, kept in registers, together with their own: one reduction per
-    pair. With COLS_DOT, off the diagonal, the column sums come without a reduction across warps: a second product,
-    x_s · dy_l, gives the tile transposed, [s, l], whose row sums (within each warp) are M's column sums; the same
-    terms, rounded in another order. HEADS_STAGES (not None): the heads loop software-pipelined over that many
+    memory, with a barrier): ~0.11 of dCB's 0.45 ms at the 1.3B shape (H100, docs/performance.md, session 14), hence
+    COL_PARTS below. HEADS_STAGES (not None): the heads loop software-pipelined over that many
     stages for every load in it, the per-head vectors a_m, a_k, dt_k too (through shared memory; Triton pipelines
     only the loads that feed a product otherwise, so each head waits for those three plain loads). COL_PARTS > 1
     (per-head sums, below the diagonal, and on it too with DIAG_PARTS): the column sums as partial sums over row
@@ -349,34 +321,14 @@ def _dcb_tile(
     R_rows = R_ptr + tl.cast(k0 // BLOCK, tl.int64) * BATCH * H * NC * Q  # slot k: this tile's row sums
     R_cols = R_ptr + pid_m.to(tl.int64) * BATCH * H * NC * Q  # slot m: its column sums (and the diagonal's r - c)
     dcb_acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    # Off the diagonal only: on it M_jj enters r_j and c_j, and r_j - c_j cancels it exactly only when both hold the
-    # same float32 value (the transposed product rounds it otherwise: dA's error 1.13x mamba_ssm's in one case,
-    # session 22).
-    BY_DOT: tl.constexpr = COLS_DOT and not DIAG
-    if BY_DOT:
-        cbT = tl.trans(cb)  # [s, l]
-    else:
-        cbT = cb  # unused
     # fmt: off
-    M_prev = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    r_prev = tl.zeros((BLOCK,), dtype=tl.float32)
     for i in tl.range(HEADS_PER_PROG, num_stages=HEADS_STAGES):
-        dcb, M, r, q, col = _dcb_head(
-            dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, cbT, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
-            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, BY_DOT, DIAG or not EVEN, FOLD_DT,
+        dcb, M, r, q = _dcb_head(
+            dy_chunk, x_chunk, dt_ptr, dA_ptr, cb, b, c, h0 + i, NC, Q, H, P, t0, L, offs_m, offs_k, offs_p,
+            valid_m, in_k, s_x_h, s_x_l, s_x_p, s_y_h, s_y_l, s_y_p, EVEN, PREC, DIAG or not EVEN, FOLD_DT,
         )
         dcb_acc += dcb
-        if BY_DOT:
-            _store_sums(R_rows, R_cols, q, r, col, offs_m, offs_k, Q, in_k, DIAG)
-        elif PAIRS:
-            if i % 2 == 1:
-                col0, col1 = tl.split(tl.sum(tl.join(M_prev, M), axis=0))
-                _store_sums(R_rows, R_cols, q - NC * Q, r_prev, col0,  # q - NC * Q: head h0 + i - 1
-                            offs_m, offs_k, Q, in_k, DIAG)
-                _store_sums(R_rows, R_cols, q, r, col1, offs_m, offs_k, Q, in_k, DIAG)
-            M_prev = M
-            r_prev = r
-        elif COL_PARTS > 1 and (DIAG_PARTS or not DIAG):
+        if COL_PARTS > 1 and (DIAG_PARTS or not DIAG):
             _store_sums_in_parts(R_ptr, R_rows, R_cols, q, r, M, pid_m, offs_m, offs_k, Q, in_k,
                                  tl.cast(BATCH, tl.int64) * H * NC * Q, COL_PARTS, BLOCK, DIAG)
         else:
