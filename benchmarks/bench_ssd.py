@@ -56,7 +56,6 @@ _STAGES = ("cb_stages", "state_stages", "scan_stages", "dx_stages", "dc_stages",
 _BIG = dict(scan_m=128, scan_n=128, state_n=128, dx_n=128, dx_k=128, db_k=128, cb_m=128, pass_block=2048)
 TUNE_VARIANTS = {
     "base": {},
-    "dx_reads_cb": dict(dx_reads_cb=True),  # dx reads CB transposed; no CBᵀ copy (session 16)
     "w8": {**{k: 8 for k in _WARPS}, "pass_block": 256},
     "s3": {k: 3 for k in _STAGES},
     "s3_w8": {**{k: 3 for k in _STAGES}, **{k: 8 for k in _WARPS}},

@@ -254,7 +254,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             HAS_D=True,
             D_HAS_HDIM=False,
             EVEN=True,
-            FROM_CB=cfg.dx_reads_cb,
             HEADS=cfg.dx_heads,
             BLOCK_K=cfg.dx_k,
             BLOCK_M=cfg.dx_m,

@@ -869,8 +869,7 @@ def test_no_kernel_reads_unwritten_memory():
         dict(SMALL_TILES, keep_states=True),
         dict(SMALL_TILES, scan_m=32, dx_k=32, dc_m=32),
         dict(heads_per_prog=2, chained=False),
-        dict(SMALL_TILES, dx_reads_cb=True),  # dx reads CB transposed (no CBᵀ copy)
-        dict(dx_reads_cb=True, keep_states=True),
+        dict(keep_states=True),
     )
     interpret_all(*(
         dict(b=1, L=128, H=4, P=16, G=1, N=16, seed=3, seq_cuts=[[40, 100]], call=dict(chunk_size=64),

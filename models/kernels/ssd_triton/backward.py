@@ -146,7 +146,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
-        CB if cfg.dx_reads_cb else CBT,
+        CBT,
         x,
         dt_p,
         dA_cs,
@@ -174,7 +174,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
         EVEN=whole_tiles(L, Q, P, BP, cfg.dx_k, cfg.dx_m),
-        FROM_CB=cfg.dx_reads_cb,
         HEADS=dx_heads,
         BLOCK_K=cfg.dx_k,
         BLOCK_M=cfg.dx_m,

@@ -82,6 +82,6 @@ def cb_fwd_kernel(
     in_chunk = (offs_m < Q)[:, None] & ((offs_s < Q) & read_s)[None, :]
     tl.store(CB_ptr + chunk_offset + offs_m[:, None] * Q + offs_s[None, :], acc, mask=in_chunk)
     if WRITE_T:
-        # CBᵀ for the dx kernel, whose operand is CBᵀ (config dx_reads_cb has it read CB transposed instead: its
-        # strided loads made dx slower, 0.412 -> 0.437 ms at 1.3B, session 17).
+        # CBᵀ for the dx kernel, whose operand is CBᵀ (reading CB transposed instead, its strided loads made dx
+        # slower, 0.412 -> 0.437 ms at 1.3B, although this store then goes: CB 0.023 -> 0.019 ms; session 17).
         tl.store(CBT_ptr + chunk_offset + offs_s[None, :] * Q + offs_m[:, None], acc, mask=in_chunk)

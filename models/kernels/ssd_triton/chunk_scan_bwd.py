@@ -73,8 +73,6 @@ def chunk_scan_bwd_dx_kernel(
     HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
     EVEN: tl.constexpr,
-    # CB_ptr holds CB itself, read transposed (config dx_reads_cb): the backward's C·Bᵀ then writes CB only.
-    FROM_CB: tl.constexpr,
     PREC: tl.constexpr,
     HEADS: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -138,10 +136,7 @@ def chunk_scan_bwd_dx_kernel(
     CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
     for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        if FROM_CB:
-            cb_ptrs = CBT_chunk + offs_m[None, :] * Q + offs_k[:, None]
-        else:
-            cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
+        cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
         dy_offs = offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
         # CB is 0 above the diagonal, across documents and past the end (cb_fwd): no mask here, and the clamp keeps
         # the decay finite where CB is 0. CBᵀ's rows are contiguous, so its loads are vectorised.

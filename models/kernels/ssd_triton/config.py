@@ -19,7 +19,8 @@ the faster since session 17: dCB + bc_finish 0.468 -> 0.453); column sums reduce
 (``dcb_head_pairs``; off since session 24: per head at 3 pipeline stages 0.404-0.406 ms against 0.421-0.423); and
 column sums as the row sums of a second, transposed product (``dcb_cols_by_dot``; session 22: dCB 0.428 -> 0.396
 ms in every tile, but dA's error 1.13x mamba_ssm's as the diagonal's M_jj no longer cancelled exactly; off the
-diagonal only 0.427 -> 0.412, dA up to 1.10x).
+diagonal only 0.427 -> 0.412, dA up to 1.10x); and dx reading CB transposed instead of a CBᵀ copy
+(``dx_reads_cb``; chunk_cb.py says why not).
 """
 
 from __future__ import annotations
@@ -115,9 +116,6 @@ class BlockConfig:
     # 0.053 / 0.039).
     bcf_n: int = 32
     bcf_warps: int = 4
-    # dx reads CB itself, transposed, instead of a CBᵀ copy: the backward's C·Bᵀ kernel then writes half the bytes
-    # (CB 0.023 -> 0.019 ms), but dx's strided loads cost more (0.412 -> 0.437; H100, 1.3B, session 17): off.
-    dx_reads_cb: bool = False
     # The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk
     # (chained_states.py: the chunk-own states and dS_in never reach memory); False: the staged kernels
     # (chunk_state.py, then state_passing.py). The chained kernels take state_p, state_k and

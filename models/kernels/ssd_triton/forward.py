@@ -65,9 +65,7 @@ def chunk_cb(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig, transposed: bool =
 
 
 def cb_for_backward(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig):
-    """(CB, CBᵀ) for the backward's kernels, or (CB, None) with config dx_reads_cb (dx then reads CB transposed)."""
-    if cfg.dx_reads_cb:
-        return chunk_cb(x, B, C, seq, Q, NC, cfg), None
+    """(CB, CBᵀ) for the backward's kernels (dx reads CBᵀ, chunk_cb.py says why)."""
     return chunk_cb(x, B, C, seq, Q, NC, cfg, transposed=True)
 
 
