@@ -156,8 +156,12 @@ def test_variant_refusals():
 
 
 def _ssd_variant_wiring() -> dict:
-    """--variant's wiring with the real kernels (interpreter, debug size): a tile variant computes the same function
-    (its outputs within float32 rounding of the baseline's), and measure_fn gets a step that runs the SSD."""
+    """--variant's wiring with the real kernels (interpreter; a problem smaller than the debug size's, shaped like
+    ssd_problem's, since the three runs take ~12 s each at that size): a tile variant computes the same function (its
+    outputs within float32 rounding of the baseline's), and measure_fn gets a step that runs the SSD."""
+    from benchmarks.bench_ssd import make_inputs
+    from models.kernels.ssd_triton import ssd_chunk_scan_triton
+
     ran = []
 
     def measure(step):
@@ -165,7 +169,15 @@ def _ssd_variant_wiring() -> dict:
         ran.append(1)
         return dict(ms=1.0, watts=1.0, mj_per_call=1.0)
 
-    rows = be.ssd_variants(be.ssd_problem("debug", torch.device("cpu")), [dict(dx_heads=2)], {}, measure)
+    cpu = torch.device("cpu")
+    problem = dict(
+        fn=ssd_chunk_scan_triton,
+        inp=make_inputs(dict(b=1, L=128, H=4, P=16, N=16, G=1), True, 0, device=cpu),
+        Q=64,
+        dy=torch.randn(1, 128, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
+    )
+    assert set(problem) == set(be.ssd_problem("debug", cpu))  # the same keys as the real problem's
+    rows = be.ssd_variants(problem, [dict(dx_heads=2)], {}, measure)
     assert len(ran) == 3 and [r["index"] for r in rows] == [None, 0, None]
     assert not rows[1]["differs"] and rows[1]["max_rel_diff"] < 1e-4, rows[1]
     return dict(max_rel_diff=rows[1]["max_rel_diff"])
