@@ -20,6 +20,24 @@ from collections.abc import Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def patch_interpreter_scalar_index():
+    """Triton 3.6's interpreter turns scalar kernel arguments into 1-element arrays and calls int() on them
+    for Python ``range`` bounds; numpy >= 2.4 refuses int() of a 1-d array. Index the single element."""
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_scalar_index_patched", False):  # once per process (the worker runs many cases)
+        return
+    interp._scalar_index_patched = True
+
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interp._patch_lang_tensor = patched
+
+
 def run_checks(checks: dict[str, Callable[[], object]]) -> None:
     """In the child: every check, one JSON object {name: {ok, out}} on stdout; a failing check does not stop the
     others (its traceback is its out)."""

@@ -67,9 +67,9 @@ CASES = {
 
 
 def child():
-    from tests.test_ssd_triton import _patch_interpreter_scalar_index
+    from tests.interpreter_child import patch_interpreter_scalar_index
 
-    _patch_interpreter_scalar_index()
+    patch_interpreter_scalar_index()
     run_checks({name: (lambda kw=kw: check_add_rmsnorm(**kw)) for name, kw in CASES.items()})
 
 

@@ -109,9 +109,9 @@ CASES = {
 
 def child(part: int = 0, parts: int = 1):
     """Every parts-th case from the part-th on (the fixture runs two children side by side)."""
-    from tests.test_ssd_triton import _patch_interpreter_scalar_index
+    from tests.interpreter_child import patch_interpreter_scalar_index
 
-    _patch_interpreter_scalar_index()
+    patch_interpreter_scalar_index()
     names = list(CASES)[part::parts]
     run_checks({name: (lambda kw=CASES[name]: check_conv(**kw)) for name in names})
 

@@ -57,13 +57,14 @@ def _run_ssd_test(name: str) -> None:
     """One test_ssd_triton test with its cases run in this (interpreter) process instead of its worker."""
     import tests.test_ssd_triton as t
     from models.kernels.ssd_triton import autograd
+    from tests.ssd_interpreter import run_case_in_child
 
     def interpret(**case):
         default = autograd.block_config
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
-                t.run_case_in_child(**case)
+                run_case_in_child(**case)
         finally:
             autograd.block_config = default  # a case may override the tile shapes
         return out.getvalue()
@@ -91,10 +92,10 @@ def _run_child_module(module: str) -> None:
 
 def check_record(part: str) -> list[dict]:
     """The launches of SSD_TESTS' cases (part "ssd") or of CHILD_MODULES' checks (part "modules")."""
-    from tests.test_ssd_triton import _patch_interpreter_scalar_index
+    from tests.interpreter_child import patch_interpreter_scalar_index
     from tests.triton_sm90 import record_launches
 
-    _patch_interpreter_scalar_index()
+    patch_interpreter_scalar_index()
     with record_launches() as launches:
         if part == "ssd":
             for name in SSD_TESTS:
