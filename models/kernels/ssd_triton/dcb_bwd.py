@@ -2,13 +2,12 @@
 
 Multiplying every head's dCB^h by B (for dC) and by C (for dB) would take two N-wide products per head and tile
 pair (the removed "per_head" mode, config.py's block_config). Here one program per (batch, chunk, group, block of
-heads, tile [l, s]) sums dCB^h over its heads, so the
-intra-chunk parts become two per-group products in bc_finish, dC += dCB B and dB += dCBᵀ C (C·Bᵀ's own backward,
-once per group):
+heads, tile [l, s]) sums dCB^h over its heads, so the intra-chunk parts become two per-group products in bc_finish,
+dC += dCB B and dB += dCBᵀ C (C·Bᵀ's own backward, once per group):
     dCB_ls = sum_h [s <= l, seq_s == seq_l] exp(a^h_l - a^h_s) dt^h_s (dy^h_l · x^h_s)      (float32)
 The same launch gives, per head, the state term O of the decay gradient and the state term of dC summed over its
-heads (in programs of their own; the state term of dB comes from db_bwd.py), and the intra-chunk decay
-terms: with M_ls = dCB^h_ls CB_ls, the pairs whose decay spans t sum to
+heads (in programs of their own; the state term of dB comes from db_bwd.py), and the intra-chunk decay terms: with
+M_ls = dCB^h_ls CB_ls, the pairs whose decay spans t sum to
     R_t = sum_{l >= t > s} M_ls = sum_{j >= t} (r_j - c_j),   r_j = sum_s M_js (row), c_j = sum_l M_lj (column),
 so each tile only adds its row and column sums of M, into R_part[slot, b, h, c, position]: a tile (rows of block
 m, columns of block k < m) writes +r at its rows in slot k and -c at its columns in slot m, the diagonal tile
@@ -16,7 +15,7 @@ r - c at its positions in slot m, so every entry is written exactly once (no zer
 R = reverse cumsum over positions of the sum over slots (autograd.py). M is float32 and the diagonal M_jj enters
 r_j and c_j as the same float32 value, so the subtraction loses nothing at bf16's scale (the cumulative sums of a
 first version's bf16-rounded terms did; docs/performance.md). The column sums reduce across the program's warps.
-Below the diagonal, with per-head sums, config dcb_col_parts (4) splits each column sum into partial sums over
+Below the diagonal, config dcb_col_parts (4) splits each column sum into partial sums over
 groups of rows, one per warp, so no head waits for a reduction across warps: group 0's goes to slot m as above, the
 others to extra slots after the n_m slots, (n_m - 1) (parts - 1) of them, which dt_bwd_kernel adds only at the
 positions they were written (blocks before m): no zero fill there either. Config dcb_diag_col_parts (on) does the
@@ -115,61 +114,19 @@ def chunk_scan_bwd_dcb_kernel(
             PREC=PREC, BLOCK_M=BLOCK_M, BLOCK_P=BLOCK_P, BLOCK_N=BLOCK_N,
         )  # fmt: skip
     elif pid_k < pid_m:  # one tile below the diagonal
-        # fmt: off
         _dcb_tile(
             dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
             pid_m, pid_k * BLOCK_M, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p,
             HEADS_PER_PROG, HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=False, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
             HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
-        )
+        )  # fmt: skip
     elif pid_k == pid_m:  # the diagonal tile; pid_k > pid_m, above the diagonal, has nothing to do
         _dcb_tile(
-            dy_ptr,
-            x_ptr,
-            dt_ptr,
-            dA_ptr,
-            CB_ptr,
-            seq_ptr,
-            dCB_ptr,
-            R_ptr,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            BATCH,
-            b,
-            c,
-            g,
-            hb,
-            h0,
-            pid_m,
-            m0,
-            offs_m,
-            valid_m,
-            t0,
-            s_x_b,
-            s_x_l,
-            s_x_h,
-            s_x_p,
-            s_y_b,
-            s_y_l,
-            s_y_h,
-            s_y_p,
-            HEADS_PER_PROG,
-            HAS_SEQ=HAS_SEQ,
-            EVEN=EVEN,
-            DIAG=True,
-            PREC=PREC,
-            BLOCK=BLOCK_M,
-            BLOCK_P=BLOCK_P,
-            HEADS_STAGES=HEADS_STAGES,
-            COL_PARTS=COL_PARTS,
-            DIAG_PARTS=DIAG_PARTS,
-            FOLD_DT=FOLD_DT,
-        )
-        # fmt: on
+            dy_ptr, x_ptr, dt_ptr, dA_ptr, CB_ptr, seq_ptr, dCB_ptr, R_ptr, L, Q, NC, H, G, P, BATCH, b, c, g, hb, h0,
+            pid_m, m0, offs_m, valid_m, t0, s_x_b, s_x_l, s_x_h, s_x_p, s_y_b, s_y_l, s_y_h, s_y_p, HEADS_PER_PROG,
+            HAS_SEQ=HAS_SEQ, EVEN=EVEN, DIAG=True, PREC=PREC, BLOCK=BLOCK_M, BLOCK_P=BLOCK_P,
+            HEADS_STAGES=HEADS_STAGES, COL_PARTS=COL_PARTS, DIAG_PARTS=DIAG_PARTS, FOLD_DT=FOLD_DT,
+        )  # fmt: skip
 
 
 @triton.jit
