@@ -12,9 +12,9 @@ Split of the work:
     group (that module's docstring). The z gate is a PyTorch op after it.
 
 The gradient with respect to dA_t (before the cumsum) is, within its chunk, the sum of four parts:
-    sum_{l >= t} O_l            y's state term (O from the dCB / dC kernel)
-  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (same kernel; "grouped" gives it
-                                as row minus column sums of float32 terms, whose reverse cumsum is R: dcb_bwd.py)
+    sum_{l >= t} O_l            y's state term (O from the dCB kernel)
+  + R_t                         intra-chunk pairs (l >= t > s) whose decay spans t (same kernel, as row minus
+                                column sums of float32 terms, whose reverse cumsum is R: dcb_bwd.py)
   + sum_{s < t} q_s             chunk-state terms: exp(a_last - a_s) spans t for s < t (dx kernel)
   + dtot_c                      the decay between chunks, exp(a_last), spans every t (state passing).
 A first version formed these from bf16-rounded sums subtracted from each other and lost two digits; every term

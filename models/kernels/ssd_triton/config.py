@@ -5,8 +5,8 @@ the chunk (masked), so any chunk size works. The backward kernels hold all of P 
 of N (dC, dB) in one program, so those two are padded up to powers of two there. Tile choices change
 only speed, never results beyond float rounding (the tests run several).
 
-Removed in session 45, after their measurements (the code is in git before commit "Remove the SSD kernel variants
-measured slower"): ``fused`` (fused_scan.py: one program per batch, head and block of P walking the chunks with the
+Removed in session 45, after their measurements (their code is in git at commit 4cb31b8, the last one with all of
+them): ``fused`` (fused_scan.py: one program per batch, head and block of P walking the chunks with the
 state in registers; 1.3B, H100, 2026-11-23: forward and S_in recompute 1.40 ms against the staged path's 1.04, the
 backward recurrence 0.28 against 0.25: 256 programs walking 16 chunks in series leave 132 SMs waiting on latency)
 and ``chained_scan`` (chained_scan.py: the chained states and the chunk scan in one kernel, one program per chunk,
