@@ -73,7 +73,7 @@ SIZES = {
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Pure helpers (tested on CPU in tests/test_benchmarks.py)
+# Pure helpers (tested on CPU in tests/test_compare_mamba_ssm.py)
 # ---------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Our options before `--`, train.py overrides after it (in a.overrides)."""

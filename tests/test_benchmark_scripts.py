@@ -1,0 +1,278 @@
+"""The smaller benchmark scripts on the CPU: their refusals without CUDA or with bad shapes, their CPU-side helpers
+(bench_conv's documents, bench_ssd's numerics ratio, chunk and --set, bench_norm's shapes, memory_peak, ncu_ssd,
+efficiency_table, host_cost) and launch_overhead's smoke run."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+
+def test_bench_conv_documents_and_cpu_refusal():
+    """bench_conv.py's packed documents cover every position with ids that start at 0 and rise by one at each cut,
+    about `mean` tokens long; on a machine without CUDA the script stops before any work, naming what it needs."""
+    from benchmarks import bench_conv
+
+    seq = bench_conv.documents(3, 5000, torch.Generator().manual_seed(0), mean=100)
+    assert seq.shape == (3, 5000) and seq.dtype == torch.int32
+    steps = seq[:, 1:] - seq[:, :-1]
+    assert (seq[:, 0] == 0).all() and ((steps == 0) | (steps == 1)).all()
+    n_docs = (seq[:, -1] + 1).sum().item()
+    assert 3 * 5000 / n_docs == pytest.approx(100, rel=0.3)  # mean length
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bench_conv.main([])
+
+
+def test_bench_conv_tune_sets_name_the_kernels_settings():
+    """Every --tune set changes only settings bench_conv restores (TUNED), and each of those is a module constant
+    conv_triton's launchers read: a renamed or removed constant fails here, not on the GPU machine."""
+    from benchmarks import bench_conv
+    from models.kernels import conv_triton
+
+    for name in bench_conv.TUNED:
+        assert hasattr(conv_triton, name), name
+    for setting in bench_conv.TUNE:
+        assert set(setting) <= set(bench_conv.TUNED), setting
+
+
+def test_bench_optimizer_refuses_without_cuda():
+    """bench_optimizer.py stops before building anything on a machine without CUDA, naming what it needs."""
+    from benchmarks import bench_optimizer
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench_optimizer.main([])
+
+
+def test_bench_mixer_refuses_without_cuda_and_unknown_shapes():
+    """bench_mixer.py names the shapes it knows for an unknown one, and stops without CUDA, naming what it needs."""
+    from benchmarks import bench_mixer
+
+    with pytest.raises(SystemExit):
+        bench_mixer.main(["--shapes", "7b"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench_mixer.main(["--shapes", "370m"])
+
+
+def test_bench_loss_refuses_without_cuda():
+    """bench_loss.py stops before allocating anything on a machine without CUDA, naming what it needs."""
+    from benchmarks import bench_loss
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench_loss.main([])
+
+
+def test_memory_peak_replays_a_snapshot_history():
+    """benchmarks/memory_peak.py on a hand-made snapshot: 100 bytes live before the history (one freed in it), then
+    allocations from two of our frames and a foreign one; the peak is found at the right event, its live blocks are
+    grouped by the innermost repository frame (the foreign block by its own innermost frame), and a block freed before
+    the peak is not counted."""
+    from benchmarks.memory_peak import BEFORE, peak_composition
+
+    repo = "/repo"
+    ours_a = [
+        {"filename": "/usr/lib/torch/x.py", "line": 1, "name": "inner"},
+        {"filename": "/repo/m.py", "line": 7, "name": "f"},
+    ]
+    ours_b = [{"filename": "/repo/n.py", "line": 3, "name": "g"}]
+    foreign = [{"filename": "??", "line": 0, "name": "unwind"}]
+    trace = [
+        {"action": "free_completed", "addr": 900, "size": 40},  # from before the history
+        {"action": "alloc", "addr": 1, "size": 10, "frames": ours_a},
+        {"action": "alloc", "addr": 2, "size": 500, "frames": ours_b},
+        {"action": "free_completed", "addr": 2, "size": 500},  # gone before the peak
+        {"action": "alloc", "addr": 3, "size": 300, "frames": ours_a},
+        {"action": "alloc", "addr": 4, "size": 250, "frames": foreign},
+        {"action": "free_requested", "addr": 4, "size": 250},  # not yet freed: still counts
+        {"action": "free_completed", "addr": 4, "size": 250},
+        {"action": "alloc", "addr": 5, "size": 5, "frames": ours_b},
+    ]
+    # At the dump: the 60 bytes left of the 100 from before, blocks 1, 3 and 5.
+    blocks = [{"size": 60, "state": "active_allocated"}, {"size": 10, "state": "active_allocated"},
+              {"size": 300, "state": "active_allocated"}, {"size": 5, "state": "active_allocated"},
+              {"size": 999, "state": "inactive"}]  # fmt: skip
+    snap = {"device_traces": [trace], "segments": [{"device": 0, "blocks": blocks}]}
+    r = peak_composition(snap, 0, repo)
+    assert (r["start"], r["end"]) == (100, 375)
+    assert r["peak"] == 60 + 10 + 300 + 250  # after block 4, before its free
+    assert dict(r["groups"]) == {BEFORE: [60, 0], "m.py:7 f": [310, 2], "??:0 unwind": [250, 1]}
+    assert dict(r["sizes"]) == {10: [10, 1], 300: [300, 1], 250: [250, 1]}
+
+
+def test_ncu_ssd_refuses_bad_shape_and_no_cuda():
+    """ncu_ssd.py names a wrong shape and the missing GPU before any work."""
+    from benchmarks import ncu_ssd
+
+    with pytest.raises(SystemExit, match="expected one of 1.3b, 370m"):
+        ncu_ssd.main(["--shape", "2.7b"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            ncu_ssd.main(["--shape", "370m"])
+
+
+def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
+    from benchmarks.efficiency_table import main
+
+    def write(name, tps, mem, steps=6):
+        (tmp_path / name).mkdir()
+        lines = [
+            json.dumps({"step": s, "loss": 5.0, "tokens_per_sec": tps if s > 1 else 1.0, "memory_gib": mem})
+            for s in range(1, steps + 1)
+        ]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    write("ref", 1000.0, 40.0)
+    write("good", 950.0, 20.0)
+    write("slow", 700.0, 20.0)
+    assert main([str(tmp_path), "--row", "A=good:ref:0.90:0.55", "--json", str(tmp_path / "t.json")]) == 0
+    rows = json.loads((tmp_path / "t.json").read_text())
+    assert rows[0]["ratio"] == 0.95 and rows[0]["memory_ratio"] == 0.5 and rows[0]["ok"]
+    assert main([str(tmp_path), "--row", "B=slow:ref:0.90"]) == 1
+    assert main([str(tmp_path), "--row", "C=good:ref:0.90:0.40"]) == 1  # memory over its target
+    assert main([str(tmp_path), "--row", "D=absent:ref:0.90"]) == 1
+    assert "missing" in capsys.readouterr().out
+    # pipeline rows: the measured bubble (1 - ratio) must also lie within 5 points of the textbook one
+    write("pp", 860.0, 30.0)  # bubble 14%
+    assert main([str(tmp_path), "--row", "P=pp:ref:0.80", "--bubble", "pp=0.111"]) == 0
+    interleaved = ["--row", "P=pp:ref:0.80", "--bubble", "pp=0.059", "--json", str(tmp_path / "b.json")]
+    assert main([str(tmp_path), *interleaved]) == 1
+    bubble = json.loads((tmp_path / "b.json").read_text())[0]["bubble"]
+    assert math.isclose(bubble["measured"], 0.14) and not bubble["ok"]
+    assert "NOT within" in capsys.readouterr().out
+
+
+def test_efficiency_table_repeats_take_the_median_ratio(tmp_path, capsys):
+    """Several folders (multi_gpu.sh's EFF_REPEAT): each pair's ratio within its folder, the row's the median of them
+    (not the ratio of medians), a missing pair left out, the range printed."""
+    from benchmarks.efficiency_table import main
+
+    def write(folder, name, tps):
+        (tmp_path / folder / name).mkdir(parents=True)
+        lines = [json.dumps({"step": s, "loss": 5.0, "tokens_per_sec": tps, "memory_gib": 1.0}) for s in range(1, 7)]
+        (tmp_path / folder / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    # ratios 0.95, 0.80, 0.92 (the second rep's reference ran fast); the fourth rep lost its run
+    for folder, run, ref in (("r1", 950.0, 1000.0), ("r2", 960.0, 1200.0), ("r3", 920.0, 1000.0), ("r4", None, 1000.0)):
+        write(folder, "ref", ref)
+        if run is not None:
+            write(folder, "run", run)
+    folders = [str(tmp_path / f) for f in ("r1", "r2", "r3", "r4")]
+    assert main([*folders, "--row", "A=run:ref:0.90", "--json", str(tmp_path / "t.json")]) == 0
+    row = json.loads((tmp_path / "t.json").read_text())[0]
+    assert row["ratios"] == [0.95, 0.8, 0.92] and row["ratio"] == 0.92 and row["ok"]
+    assert "0.92 (0.80-0.95, 3 pairs)" in capsys.readouterr().out
+    assert main([*folders, "--row", "A=run:ref:0.93"]) == 1  # the median, not the best pair, meets the target
+
+
+def test_host_cost_phases_add_up_and_profile_prints(capsys):
+    """benchmarks/host_cost.py on the CPU (debug model, references): the per-phase host times are positive and add up
+    to the step's, the real-batch step is timed, and --profile prints cProfile's table."""
+    from benchmarks import host_cost
+
+    r = host_cost.main(["--flavor", "debug", "--kernels", "reference", "--steps", "2", "--rows", "2", "--seq", "32",
+                        "--profile", "3"])  # fmt: skip
+    phases = (r["host_forward_ms"], r["host_backward_ms"], r["host_optimizer_ms"])
+    assert all(t > 0 for t in phases) and math.isclose(sum(phases), r["host_step_ms"])
+    assert r["layers"] == 4 and r["real_step_ms"] > 0
+    out = capsys.readouterr().out
+    assert "host" in out and "ms per layer" in out and "Ordered by: internal time" in out
+    assert gc.isenabled(), "host_cost.main left Python's garbage collector off"
+
+
+def test_bench_ssd_numerics_over_seeds_ratio_of_mean_errors(monkeypatch):
+    """bench_ssd.py --numerics_seeds: per output the ratio of the mean errors over the seeds (not the mean of the
+    per-seed ratios) and the per-seed ratios' range; one seed gives numerics() as it is."""
+    from benchmarks import bench_ssd
+
+    errors = {7: (1.0, 2.0), 8: (3.0, 2.0), 9: (2.0, 2.0)}  # seed -> (ours, mamba_ssm) error of dA
+
+    def fake(fns, shape, with_seq, with_init, seed=7):
+        o, m = errors[seed]
+        return {"ours": {"dA": o}, "mamba_ssm": {"dA": m}, "ratio_ours_over_mamba": {"dA": o / m}}
+
+    monkeypatch.setattr(bench_ssd, "numerics", fake)
+    r = bench_ssd.numerics_over_seeds(None, None, False, False, 3)
+    assert r["ours"]["dA"] == pytest.approx(2.0) and r["mamba_ssm"]["dA"] == pytest.approx(2.0)
+    assert r["ratio_ours_over_mamba"]["dA"] == pytest.approx(1.0)
+    assert r["per_seed_ratio_range"]["dA"] == pytest.approx((0.5, 1.5))
+    assert bench_ssd.numerics_over_seeds(None, None, False, False, 1) == fake(None, None, False, False)
+
+
+def test_bench_ssd_at_chunk_replaces_the_chunk_size():
+    """bench_ssd.py --our_chunk: our entry point called with its own chunk size, everything else passed through."""
+    from benchmarks import bench_ssd
+
+    seen = {}
+
+    def fn(x, dt, A, B, C, chunk_size, **kw):
+        seen.update(chunk=chunk_size, **kw)
+        return x
+
+    assert bench_ssd.at_chunk(fn, 0) is fn
+    assert bench_ssd.at_chunk(fn, 128)(1, 2, 3, 4, 5, 256, D=6) == 1 and seen == {"chunk": 128, "D": 6}
+
+
+def test_bench_ssd_set_overrides_config_fields():
+    """bench_ssd.py --set FIELD=VALUE: Python literals for real config fields; an unknown field or a value that is no
+    literal is refused by name before any GPU work."""
+    import argparse
+
+    from benchmarks import bench_ssd
+
+    ap = argparse.ArgumentParser()
+    assert bench_ssd.parse_sets(ap, ["keep_states=True", "dx_warps=8", "heads_per_prog=8"]) == {
+        "keep_states": True,
+        "dx_warps": 8,
+        "heads_per_prog": 8,
+    }
+    for bad in ("keep_state=True", "keep_states=Tru"):
+        with pytest.raises(SystemExit):
+            bench_ssd.parse_sets(ap, [bad])
+
+
+def test_bench_norm_shapes_match_the_models_and_cpu_refusal():
+    """bench_norm.py's operands are the fused mixer's at the 370M / 1.3B flavors with the compare_mamba_ssm batches:
+    B * L rows of d_inner, z a slice of zxbcdt (2 d_inner + 2 G N + H wide); without CUDA the script stops before any
+    work, naming what it needs."""
+    from benchmarks import bench_norm
+    from models.args import build_model_args
+
+    for name, flavor, tokens in (("1.3b", "1.3B", 4 * 4096), ("370m", "370M", 8 * 2048)):
+        a = build_model_args(flavor)
+        width = 2 * a.d_inner + 2 * a.ngroups * a.d_state + a.nheads
+        assert bench_norm.SHAPES[name] == (tokens, a.d_inner, width) and a.ngroups == 1
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bench_norm.main([])
+
+
+def test_launch_overhead_smoke_run_on_cpu(tmp_path):
+    """benchmarks/launch_overhead.py on the CPU: Triton's interpreter, fast_launch inactive, every row measured.
+    A subprocess, since the script selects the interpreter for its whole process."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "launch.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "benchmarks/launch_overhead.py", "--iters", "3", "--out", str(out)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fast_launch active: False" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["launch"].split(",")[0] for row in rows][:4] == ["kernel[grid]", "fast_launch"] * 2
+    assert all(row["host_us"] > 0 for row in rows)

@@ -1,0 +1,251 @@
+"""benchmarks/kernel_resources.py on the CPU: our kernels compiled for sm_90 with the installed Triton's ptxas (no GPU
+needed), and what the compiled code shows: register caps, layout conversions, loops by instruction kind, and the
+instruction counts that sessions' kernel changes were made for."""
+
+from __future__ import annotations
+
+
+def test_kernel_resources_register_cap_reaches_ptxas():
+    """benchmarks/kernel_resources.py compiles for sm_90 without a GPU (Triton's ptxas): dB uncapped takes more than
+    168 registers, and with BlockConfig's db_maxnreg (the default cap, 168) ptxas holds it there, so the config field
+    reaches the compile (session 13: dB 0.112 -> 0.097 ms on an H100 with it)."""
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    cfg = block_config(256, 64, 128)
+    assert cfg.db_maxnreg == 168
+    for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+        if name == "chunk_state_bwd_db":
+            capped = kr.compile_sm90(kernel, ptrs, consts, warps, stages, getattr(cfg, kr.MAXNREG[name]))
+            free = kr.compile_sm90(kernel, ptrs, consts, warps, stages, None)
+            break
+    assert capped["registers"] <= 168 < free["registers"], (capped, free)
+
+
+def test_kernel_resources_register_caps_keep_four_programs_per_sm():
+    """With documents and ngroups 1 (Triton compiles G as the constant 1, as kernel_resources.py now does) dx, the
+    chained states' forward and (in N tiles of 64) the chained dstates take more than 128 registers uncapped, at most
+    three 4-warp programs per SM; BlockConfig's caps (dx_maxnreg, chained_fwd_maxnreg, chained_bwd_maxnreg: 128)
+    reach ptxas and hold them at 128 (session 26, H100 with documents at the 1.3B shape: dx 0.368 -> 0.327 ms, the
+    chained states 0.407 -> 0.363 for their two launches, the chained dstates 0.208 -> 0.190). The chained states'
+    forward needs its cap only without fold_dt_states (the default since session 43: 114 registers uncapped, Triton
+    3.9), so its uncapped count is taken on that path, and its capped one on both."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    regs = {}
+    for fold_states in (True, False):
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt_states=fold_states)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name in ("chunk_scan_bwd_dx", "chained_dstates_bwd") and fold_states or name == "chained_states_fwd":
+                assert warps == 4, (name, warps)
+                cap = getattr(cfg, kr.MAXNREG[name])
+                capped = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, ones=frozenset({"G"}))
+                free = kr.compile_sm90(kernel, ptrs, consts, warps, stages, None, ones=frozenset({"G"}))
+                regs[name, fold_states] = (capped["registers"], free["registers"])
+    assert len(regs) == 4 and all(c <= 128 for c, _ in regs.values()), regs
+    assert all(f > 128 for (name, fold), (_, f) in regs.items() if name != "chained_states_fwd" or not fold), regs
+
+
+def test_kernel_resources_layout_conversions_of_dx_sums():
+    """kernel_resources.py --converts lists the IR's convert_layout ops; compiled for sm_90, dx with its row sums kept
+    2-D (config dx_row_sums_2d, the default) converts no float32 [dx_k, P] tile, and with 1-D sums it converts two
+    (the products Triton 3.6 moves through shared memory before reducing: chunk_scan_bwd.py)."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    ir = "%y = ttg.convert_layout %x : tensor<64x64xf32, #mma> -> tensor<64x64xf32, #blocked> loc(#loc3)"
+    assert kr.layout_conversions(ir) == ["tensor<64x64xf32, #mma> -> tensor<64x64xf32, #blocked>"]
+    tiles = []
+    for sums_2d in (True, False):
+        cfg = dataclasses.replace(block_config(256, 64, 128), dx_row_sums_2d=sums_2d)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name == "chunk_scan_bwd_dx":
+                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, converts=True)
+                tiles.append([c for c in info["layout_conversions"] if c.startswith("tensor<64x64xf32, #mma")])
+    assert len(tiles[0]) == 0 and len(tiles[1]) == 2, tiles
+
+
+def test_kernel_resources_loops_from_disassembly():
+    """kernel_resources.py --loops: a loop is a branch back to a label at or before it (a forward branch or a lone
+    branch to itself is none); its instructions counted by kind, predicates and modifiers stripped. And on a real
+    compile for sm_90, the conv backward's stream loop is found and carries its loads and stores."""
+    from benchmarks import kernel_resources as kr
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.64 R2, desc[UR4][R4.64] ;
+        /*0020*/              @!P0 BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
+        /*0040*/                   MOV R5, R3 ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+        /*0060*/                   MUFU.EX2 R6, R5 ;
+.L_x_1:
+        /*0070*/                   STG.E desc[UR4][R8.64], R6 ;
+        /*0080*/               @P2 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0090*/                   BRA `(.L_x_2);
+"""
+    assert kr.sass_loops(sass) == [
+        dict(instructions=8, BAR=1, MOV=1, SHFL=1, MUFU=1, LDG=1, STG=1),
+        {"kernel": dict(instructions=10, BAR=1, MOV=2, SHFL=1, MUFU=1, LDG=1, STG=1)},
+    ]
+    for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(True):
+        if name == "conv_bwd":
+            loops = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)["loops"]
+    assert len(loops) == 2 and loops[0]["LDG"] >= 2 and loops[0]["STG"] >= 1, loops
+    assert loops[1]["kernel"]["instructions"] > loops[0]["instructions"], loops
+
+
+def test_kernel_resources_folded_dt_drops_a_multiply_per_element():
+    """config fold_dt (dt in the decay's exponent, dt.py's a2dt): compiled for sm_90 at the 1.3B tiles with documents,
+    every per-head loop of the chunk scan and of dCB (those with 32 MUFU.EX2: one per element and head) runs at least
+    one instruction per element fewer than without it (Triton 3.6: 334 -> 273, 584 -> 509, 615 -> 540; the multiply
+    by dt and the a_s loads gone), with no more registers or spills."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    found = {}
+    for fold in (False, True):
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=fold)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name in ("chunk_scan_fwd", "chunk_scan_bwd_dcb"):
+                cap = getattr(cfg, kr.MAXNREG[name])
+                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
+                per_head = sorted(loop["instructions"] for loop in info["loops"][:-1] if loop.get("MUFU") == 32)
+                found[name, fold] = (per_head, info["registers"], info["spill_stack_bytes"])
+    for name in ("chunk_scan_fwd", "chunk_scan_bwd_dcb"):
+        (plain, regs, spills), (folded, regs_f, spills_f) = found[name, False], found[name, True]
+        assert len(plain) == len(folded) >= 1, found
+        assert all(f <= p - 32 for p, f in zip(plain, folded)), (name, plain, folded)
+        assert regs_f <= regs + 2 and spills_f <= spills, found
+
+
+def test_kernel_resources_folded_dt_in_the_chunk_states():
+    """config fold_dt_states (the chunk states' scale exp(a_last - a_s) dt_s as 2^(a_last log2(e) - a2dt_s)):
+    compiled for sm_90 at the 1.3B tiles with documents, the product loop of the chained states' forward and of dB
+    runs at least 16 instructions fewer per iteration (Triton 3.6: 307 -> 273, 251 -> 230; 3.9: 290 -> 271, 256 ->
+    236: dt's load and multiply gone), with no more registers or spills."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    found = {}
+    for fold in (False, True):
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=True, fold_dt_states=fold)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name in ("chained_states_fwd", "chunk_state_bwd_db"):
+                cap = getattr(cfg, kr.MAXNREG[name])
+                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
+                product_loop = next(loop for loop in info["loops"][:-1] if loop.get("HGMMA"))
+                found[name, fold] = (product_loop["instructions"], info["registers"], info["spill_stack_bytes"])
+    for name in ("chained_states_fwd", "chunk_state_bwd_db"):
+        (plain, regs, spills), (folded, regs_f, spills_f) = found[name, False], found[name, True]
+        assert folded <= plain - 16, found
+        assert regs_f <= regs and spills_f <= spills, found
+
+
+def test_kernel_resources_states_scale_from_the_dt_kernel():
+    """config states_scale (the dt kernel writes the chunk states' whole scale, documents masked): compiled for
+    sm_90 at the 1.3B tiles with documents, the chained states' forward loop runs at least 40 instructions fewer per
+    iteration than with fold_dt_states alone (Triton 3.6: 273 -> 218, as without documents: no ids, a_last or
+    exponent in the loop), and within 128 registers without spills (four programs per SM)."""
+    import dataclasses
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    found = {}
+    for given in (False, True):
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=True, fold_dt_states=True, states_scale=given)
+        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+            if name == "chained_states_fwd":
+                cap = getattr(cfg, kr.MAXNREG[name])
+                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
+                product_loop = next(loop for loop in info["loops"][:-1] if loop.get("HGMMA"))
+                found[given] = (product_loop["instructions"], product_loop.get("MUFU", 0), info["registers"],
+                                info["spill_stack_bytes"])  # fmt: skip
+    (plain, _, _, _), (given, mufu, regs, spills) = found[False], found[True]
+    assert given <= plain - 40 and mufu == 0, found
+    assert regs <= 128 and spills == 0, found
+
+
+def test_kernel_resources_norms_instructions_per_element():
+    """kernel_resources.py compiles the norms too (norm_kernels: the block's add + RMSNorm, the gated norm) for
+    sm_90 at the 1.3B widths, without spills, and their instructions per element of a row stay near what session 38
+    chose them for (Triton 3.6 / 3.9: add + RMSNorm forward 17.5 / 18.0 per element of the kernel, backward 18.9 per
+    element of the rows loop; gated norm forward 30, backward 36.3 / 36.3): at 8 elements per thread instead of 16
+    the add + RMSNorm ran 26 and drew 6% more joules (docs/performance.md, session 38)."""
+    from benchmarks import kernel_resources as kr
+    from models.kernels import add_rmsnorm_triton as an
+    from models.kernels import gated_rmsnorm_triton as gn
+
+    per_element = {}
+    elements = dict(add_rmsnorm_fwd=an._FWD_ELEMS_PER_THREAD, add_rmsnorm_bwd=an._BWD_ELEMS_PER_THREAD,
+                    gated_norm_fwd=gn._FWD_ELEMS_PER_THREAD, gated_norm_bwd=gn._BWD_ELEMS_PER_THREAD)  # fmt: skip
+    for name, kernel, ptrs, consts, warps, stages in kr.norm_kernels():
+        info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)
+        assert info["spill_stack_bytes"] == 0, (name, info)
+        rows_loop = [loop for loop in info["loops"] if "kernel" not in loop]
+        count = rows_loop[0]["instructions"] if rows_loop else info["loops"][-1]["kernel"]["instructions"]
+        per_element[name] = count / elements[name]
+    limits = dict(add_rmsnorm_fwd=20, add_rmsnorm_bwd=21, gated_norm_fwd=32, gated_norm_bwd=40)
+    assert all(per_element[k] <= limit for k, limit in limits.items()), per_element
+
+
+def test_kernel_resources_conv_one_document_branch(monkeypatch):
+    """conv_triton's one-document branch compiled for sm_90 (1.3B tiles, documents): the backward then holds two
+    stream loops, the one-document loop as short as the loop compiled without documents (Triton 3.6: 301 against
+    377 instructions per two steps) and the other within a few of before (373; Triton 3.9: 300 / 381 against 376);
+    the forward holds two bodies (twice the MUFU); registers within a few (Triton 3.6: 128 and 127 against 128 and
+    126, so four programs per SM stay; 3.9: 132 and 136). Whether it pays is a GPU measurement (docs/performance.md,
+    session 41)."""
+    from benchmarks import kernel_resources as kr
+    from models.kernels import conv_triton as ct
+
+    def compiled(has_seq: bool, branch: bool) -> dict:
+        monkeypatch.setattr(ct, "_FWD_ONE_DOC_BRANCH", branch)
+        monkeypatch.setattr(ct, "_BWD_ONE_DOC_BRANCH", branch)
+        return {
+            name: kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)
+            for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(has_seq)
+        }
+
+    masked, plain, branched = compiled(True, False), compiled(False, False), compiled(True, True)
+    step_loops = {k: sorted(x["instructions"] for x in v["conv_bwd"]["loops"][:-1]) for k, v in
+                  dict(masked=masked, plain=plain, branched=branched).items()}  # fmt: skip
+    assert len(step_loops["masked"]) == len(step_loops["plain"]) == 1 and len(step_loops["branched"]) == 2, step_loops
+    (one_doc, tested), (before,), (without,) = step_loops["branched"], step_loops["masked"], step_loops["plain"]
+    assert one_doc <= without + 2 and tested <= before + 8 and one_doc < tested, step_loops
+    fwd_mufu = {
+        k: v["conv_fwd"]["loops"][-1]["kernel"]["MUFU"] for k, v in dict(masked=masked, branched=branched).items()
+    }
+    assert fwd_mufu["branched"] == 2 * fwd_mufu["masked"], fwd_mufu
+    for name in ("conv_fwd", "conv_bwd"):
+        assert branched[name]["registers"] <= masked[name]["registers"] + 10, (name, branched, masked)
+
+
+def test_kernel_resources_optimizer_update_without_shared_memory():
+    """kernel_resources.py compiles the optimizer's kernels too; for sm_90 our AdamW's update moves nothing through
+    shared memory (the bf16 copies stored in the float32 results' layout: with 8-element copy stores Triton moved
+    p, m and v to another layout through shared memory, 11 barriers per program) and takes under 32 instructions
+    per element (56 with the float64 bias corrections per program, 24 after the cuts: components/adamw_triton.py)."""
+    from benchmarks import kernel_resources as kr
+    from components import adamw_triton
+
+    found = {}
+    for name, kernel, arg_types, consts, warps, stages in kr.optimizer_kernels():
+        found[name] = kr.compile_sm90(kernel, arg_types, consts, warps, stages, loops=True, converts=True)
+    assert set(found) == {"adamw", "adamw_step_scalars", "sumsq"}, found
+    update = found["adamw"]
+    per_element = update["loops"][-1]["kernel"]["instructions"] / (adamw_triton.BLOCK / (32 * adamw_triton.WARPS))
+    assert update["layout_conversions"] == [] and update["shared_bytes"] == 0, update
+    assert "BAR" not in update["loops"][-1]["kernel"] and per_element < 32, (per_element, update)
