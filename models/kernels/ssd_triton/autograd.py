@@ -6,7 +6,7 @@ Split of the work:
     a = cumsum(dt_p A) (the last chunk padded with dt = 0, so padding neither decays nor adds; with config fold_dt
     also a2dt, dt in the decay's exponent for the chunk scan and dCB), and its backward twin turns the kernels'
     gradients into those of dt, A and dt_bias in one pass. In between, the kernels: forward.py's CB -> the chained
-    chunk states and recurrence (chained_states.py; or the staged chunk states -> state passing, or the fused scan)
+    chunk states and recurrence (chained_states.py; or the staged chunk states -> state passing)
     -> chunk scan; backward.py's recompute of CB and the states entering each chunk (unless config keep_states kept
     them), dS_in and the reverse recurrence, dx / ddt / dD, dCB and the decay terms, dB, and dC / dB finished per
     group (that module's docstring). The z gate is a PyTorch op after it.
