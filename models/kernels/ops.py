@@ -251,41 +251,8 @@ def mamba_split_conv1d_scan(
     """
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
-    if use_triton_ssd(backend, zxbcdt):
-        return mamba_split_conv1d_scan_triton(
-            zxbcdt,
-            conv1d_weight,
-            conv1d_bias,
-            dt_bias,
-            A,
-            D,
-            chunk_size,
-            seq_idx=seq_idx,
-            dt_limit=dt_limit,
-            activation=activation,
-            rmsnorm_weight=rmsnorm_weight,
-            rmsnorm_eps=rmsnorm_eps,
-            outproj_weight=outproj_weight,
-            outproj_bias=outproj_bias,
-            headdim=headdim,
-            ngroups=ngroups,
-            norm_before_gate=norm_before_gate,
-            initial_states=initial_states,
-            return_final_states=return_final_states,
-            keep_states=keep_states,
-            A_log=A_log,
-        )
-    if A is None:  # at least float32 (a bfloat16 parameter under FSDP's mixed precision), float64 kept
-        A = -torch.exp(A_log.to(torch.promote_types(A_log.dtype, torch.float32)))
-    fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
-    return fn(
-        zxbcdt,
-        conv1d_weight,
-        conv1d_bias,
-        dt_bias,
-        A,
-        D,
-        chunk_size,
+    # Every backend takes the same keyword arguments; only ours adds keep_states and A_log.
+    options = dict(
         seq_idx=seq_idx,
         dt_limit=dt_limit,
         activation=activation,
@@ -299,6 +266,13 @@ def mamba_split_conv1d_scan(
         initial_states=initial_states,
         return_final_states=return_final_states,
     )
+    args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias)
+    if use_triton_ssd(backend, zxbcdt):
+        return mamba_split_conv1d_scan_triton(*args, A, D, chunk_size, keep_states=keep_states, A_log=A_log, **options)
+    if A is None:  # at least float32 (a bfloat16 parameter under FSDP's mixed precision), float64 kept
+        A = -torch.exp(A_log.to(torch.promote_types(A_log.dtype, torch.float32)))
+    fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref
+    return fn(*args, A, D, chunk_size, **options)
 
 
 def linear_cross_entropy_sum(
