@@ -24,18 +24,15 @@ import os
 import shutil
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint.export import (
     DTYPES,
-    model_prefix,
     parse_dtype,
     read_metadata,
-    single_process_quiet,
+    read_model_tensors,
+    write_weights_folder,
 )
 from checkpoint.formats import (
     UnsupportedCheckpoint,
@@ -114,37 +111,13 @@ def read_checkpoint_metadata(path: str):
 
 
 def read_dcp_weights(path: str) -> dict[str, torch.Tensor]:
-    """Model tensors of a training checkpoint (step-N) or weights-only DCP folder, FQN-keyed, on the CPU.
-
-    One process, no process group: tensors are allocated from the checkpoint's metadata and filled by dcp.load.
-    """
-    metadata = read_checkpoint_metadata(path)
-    prefix = model_prefix(metadata)
-    weights = {
-        k[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
-        for k, md in metadata.state_dict_metadata.items()
-        if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
-    }
-    if not weights:
-        raise ValueError(f"{path} holds no model tensors")
-    with single_process_quiet():
-        dcp.load({"model": weights} if prefix else weights, storage_reader=FileSystemReader(path))
-    return weights
+    """Model tensors of a training checkpoint (step-N) or weights-only DCP folder, FQN-keyed, on the CPU."""
+    return read_model_tensors(path, read_checkpoint_metadata(path))
 
 
 def write_dcp_weights(sd: dict[str, torch.Tensor], out_dir: str, extra_files: dict[str, str] | None = None) -> None:
     """A weights-only DCP folder (complete or absent: written to <out>.partial and renamed), plus text files."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir):
-        raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
-    tmp = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with single_process_quiet():
-        dcp.save(sd, storage_writer=FileSystemWriter(tmp))
-    for name, text in (extra_files or {}).items():
-        with open(os.path.join(tmp, name), "w") as f:
-            f.write(text)
-    os.rename(tmp, out_dir)
+    write_weights_folder(sd, out_dir, extra_files=extra_files)
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -216,13 +216,12 @@ def load_model_weights(model_parts: list[nn.Module], path: str, process_group=No
     model.load_state_dict(local)
 
 
-def convert_to_weights_only(checkpoint_dir: str, out_dir: str, dtype: str | torch.dtype = "float32") -> list[str]:
-    """Single process, no model instance: read the model tensors of a checkpoint (shapes / dtypes from its
-    metadata), cast them and write a weights-only folder. Holds the whole model in CPU memory once.
-    Returns the keys written."""
-    if dist.is_initialized():
-        raise RuntimeError("convert_to_weights_only runs in one process; use export_model_weights under torchrun")
-    metadata = read_metadata(checkpoint_dir)
+def read_model_tensors(path: str, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+    """The model tensors of a training checkpoint (step-N) or weights-only DCP folder, FQN-keyed, on the CPU.
+
+    One process, no process group, no model instance: tensors are allocated from the checkpoint's metadata (shapes,
+    dtypes) and filled by dcp.load. Holds the whole model in CPU memory once."""
+    metadata = read_metadata(path) if metadata is None else metadata
     prefix = model_prefix(metadata)
     weights = {
         k[len(prefix) :]: torch.empty(md.size, dtype=md.properties.dtype)
@@ -230,21 +229,43 @@ def convert_to_weights_only(checkpoint_dir: str, out_dir: str, dtype: str | torc
         if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
     if not weights:
-        raise ValueError(f"{checkpoint_dir} holds no model tensors (keys start with {prefix!r})")
+        raise ValueError(f"{path} holds no model tensors (keys start with {prefix!r})")
     with single_process_quiet():
-        dcp.load({"model": weights} if prefix else weights, storage_reader=FileSystemReader(checkpoint_dir))
-    weights = cast_floating(weights, parse_dtype(dtype))
+        dcp.load({"model": weights} if prefix else weights, storage_reader=FileSystemReader(path))
+    return weights
+
+
+def write_weights_folder(
+    weights: dict[str, torch.Tensor],
+    out_dir: str,
+    extra_files: dict[str, str] | None = None,
+    copy_files: tuple[str, ...] = (),
+) -> None:
+    """A weights-only DCP folder, complete or absent: written to <out>.partial and renamed at the end, with text
+    files (extra_files: name -> content) and copies of existing files (copy_files: paths) beside the tensors."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir):
-        raise FileExistsError(f"{out_dir} already exists; remove it or choose another --out")
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another output folder")
     tmp = out_dir.rstrip("/") + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     with single_process_quiet():
         dcp.save(weights, storage_writer=FileSystemWriter(tmp))
-    record = os.path.join(checkpoint_dir, "run_record.json")  # keeps the export self-describing (model, tokenizer)
-    if os.path.isfile(record):
-        shutil.copy2(record, tmp)
+    for name, text in (extra_files or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    for src in copy_files:
+        shutil.copy2(src, tmp)
     os.rename(tmp, out_dir)
+
+
+def convert_to_weights_only(checkpoint_dir: str, out_dir: str, dtype: str | torch.dtype = "float32") -> list[str]:
+    """Single process: read the model tensors of a checkpoint, cast them and write a weights-only folder (with the
+    checkpoint's run_record.json, which keeps the export self-describing: model, tokenizer). Returns the keys."""
+    if dist.is_initialized():
+        raise RuntimeError("convert_to_weights_only runs in one process; use export_model_weights under torchrun")
+    weights = cast_floating(read_model_tensors(checkpoint_dir), parse_dtype(dtype))
+    record = os.path.join(checkpoint_dir, "run_record.json")
+    write_weights_folder(weights, out_dir, copy_files=(record,) if os.path.isfile(record) else ())
     return sorted(weights)
 
 
