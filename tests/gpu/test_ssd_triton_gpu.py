@@ -181,8 +181,8 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
     float64 reference as the unfolded path's (within 5%), with kept states (the configs' default) at chunk 256, with
     documents, initial and final states, masked and mask-free tiles, D of [H, P] and z, bf16 and float32; also with
     config fold_dt_states (the default since session 43: the chunk states' and dB's scale folded too), and with
-    config states_scale within 1e-5 of fold_dt_states's values. test_ssd_triton_matches_reference compares the default
-    (folded) path with mamba_ssm's errors."""
+    config states_scale (off; the chunk states' whole scale from the dt kernel) on top.
+    test_ssd_triton_matches_reference compares the default (folded) path with mamba_ssm's errors."""
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ssd_autograd
@@ -202,16 +202,12 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
             ),
         )
         runs[fold, states, scale] = run_all(fn, tensors, 256)
-    # config states_scale (the chunk states' whole scale from the dt kernel): the same formula (bit for bit in the
-    # interpreter; here the compilers may contract differently: within 1e-5 of each other, where a scale that kept an
-    # earlier document's positions differs by ~1)
-    given = runs.pop((True, True, True))
-    diffs = {k: rel_err(given[k], runs[True, True, False][k]) for k in given}
-    assert all(d <= 1e-5 for d in diffs.values()), f"states_scale changed the results: {diffs}"
-    runs = {k[:2]: v for k, v in runs.items()}
-    unfolded = runs[False, False]
+    # states_scale computes the same formula (bit for bit under the interpreter, tests/test_ssd_triton.py), but the
+    # compiled float32 sums re-associate: on an H100 (session 47) its bf16 results differed from fold_dt_states's by
+    # up to 2.2e-4 relative (dA), so it is held to the float64 reference like the other options, checked last.
+    unfolded = runs[False, False, False]
     ref = run_all(ssd_chunk_scan_ref, tensors, 256, dtype_override=torch.float64)
-    for options in ((True, False), (True, True)):  # fold_dt, and with fold_dt_states
+    for options in ((True, False, False), (True, True, False), (True, True, True)):  # fold_dt, fold_dt_states, scale
         folded = runs[options]
         errs = {k: (rel_err(folded[k], ref[k]), rel_err(unfolded[k], ref[k])) for k in ref}
         assert any(not torch.equal(folded[k], unfolded[k]) for k in ref), f"{options} did not reach the kernels"
