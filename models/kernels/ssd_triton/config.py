@@ -180,7 +180,9 @@ class BlockConfig:
     # loads no document ids or a_last and takes no exponent. sm_90 (Triton 3.6, kernel_resources.py --kernels
     # chained_states --loops, 1.3B tiles with documents): the chained forward's loop 273 -> 218 instructions (as
     # without documents; 122 -> 127 registers, under dx's and its cap of 128), the staged states' 665 -> 503. The
-    # same float32 values as without it (tests/test_ssd_triton.py). Off until measured on a GPU (session 43).
+    # same float32 values as without it under the interpreter (tests/test_ssd_triton.py); compiled for an H100 the
+    # sums re-associate (bf16 results up to 2.2e-4 apart in dA, session 47), so its GPU test holds it to the float64
+    # reference. Off until its joules are measured on a GPU.
     states_scale: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
