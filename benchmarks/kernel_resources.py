@@ -169,7 +169,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     """(name, kernel, pointer dtypes, constexprs, warps, stages) of each kernel at these tiles."""
     bp, bn = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))  # as autograd.py pads them
     fold_states = cfg.fold_dt and cfg.fold_dt_states  # the chunk states' and dB's scale from a2dt
-    scale_given = fold_states and cfg.states_scale  # the forward's chunk states read their whole scale (dt.py)
     seq = dict(HAS_SEQ=has_seq, PREC="tf32")
     ptrs = dict(
         x_ptr=BF16,
@@ -193,8 +192,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_P=cfg.state_p,
             BLOCK_N=cfg.state_n,
             BLOCK_K=cfg.state_k,
-            FOLD_DT=fold_states and not scale_given,
-            SCALE_GIVEN=scale_given,
+            FOLD_DT=fold_states,
         ),
         cfg.state_warps,
         cfg.state_stages,
@@ -210,8 +208,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             CARRY_IS_S32=False,
             CARRY_IS_KEPT=cfg.keep_states,
             BLOCK_N=min(cfg.chained_fwd_n, N),
-            FOLD_DT=fold_states and not scale_given,
-            SCALE_GIVEN=scale_given,
+            FOLD_DT=fold_states,
         ),
         cfg.state_warps,
         cfg.chained_stages,

@@ -83,7 +83,7 @@ def decay_parts(inp, seq_idx, gy, gf, chunk: int, mamba, dtype, exact_dtype, dev
     def spy(dt, dt_bias, A, ddt_p, O, rev_parts, q, dtot, *rest, **kw):  # noqa: E741
         # O and R's slots arrive apart (R as row minus column sums, reverse-cumsummed like O).
         NC, Q = ddt_p.shape[2:]
-        dt_p, _, _, _ = autograd.dt_forward(dt, dt_bias, A, Q, NC, True, (0.0, float("inf")))
+        dt_p, _, _ = autograd.dt_forward(dt, dt_bias, A, Q, NC, True, (0.0, float("inf")))
         captured["parts"] = dict(
             O=_rev_cumsum(O.double()),
             R=_rev_cumsum(rev_parts.double().sum(0)),

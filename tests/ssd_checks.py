@@ -365,57 +365,6 @@ def check_kept_matches_recomputed(L, chunk_size):
     return diffs
 
 
-def check_states_scale_same(b, L, H, P, G, N, seed, chunk_size, seq_cuts=None, with_init=True, dt_softplus=True):
-    """config states_scale (the dt kernel writes the chunk states' whole scale, documents masked; the forward's
-    chained or staged states read it) against the same config without it (the states' kernels take a2dt): y, the
-    final states and every gradient bit for bit equal (one formula, the same float32 values), and the scale read by
-    the states' kernel (a spy on states_scale_input), so that equal results do not come from an unused option."""
-    from models.kernels.ssd_triton import autograd, chained_states, forward
-
-    inp = make_inputs(b, L, H, P, G, N, seed, seq_cuts=seq_cuts, with_init=with_init)
-    g = torch.Generator().manual_seed(7)
-    read = []
-    spied = forward.states_scale_input
-
-    def spy(dt_p, a2dt, scale):
-        read.append(scale is not None)
-        return spied(dt_p, a2dt, scale)
-
-    forward.states_scale_input = chained_states.states_scale_input = spy
-    configured = autograd.block_config
-    try:
-        results = _states_scale_runs(inp, chunk_size, dt_softplus, configured, g)
-    finally:
-        forward.states_scale_input = chained_states.states_scale_input = spied
-        autograd.block_config = configured
-    assert read and read[0] is False and any(read), f"the states' kernels never read the scale: {read}"
-    differ = [k for k, v in results[False].items() if not torch.equal(v, results[True][k])]
-    assert not differ, f"states_scale changed {differ}"
-    return {"reads": read}
-
-
-def _states_scale_runs(inp, chunk_size, dt_softplus, configured, g):
-    """check_states_scale_same's two runs (states_scale off, on): y, final states and every gradient of each."""
-    import dataclasses
-
-    from models.kernels.ssd_triton import autograd
-
-    results, gy, gf = {}, None, None
-    for flag in (False, True):
-        autograd.block_config = lambda q, p, n, f=flag: dataclasses.replace(configured(q, p, n), states_scale=f)
-        leaves = {k: (v.detach().clone().float().requires_grad_() if v is not None and v.is_floating_point() else v)
-                  for k, v in inp.items()}  # fmt: skip
-        y, final = autograd.ssd_chunk_scan_triton(
-            **leaves, chunk_size=chunk_size, dt_softplus=dt_softplus, return_final_states=True
-        )
-        if gy is None:
-            gy, gf = torch.randn(y.shape, generator=g), torch.randn(final.shape, generator=g)
-        ((y * gy).sum() + (final * gf).sum()).backward()
-        results[flag] = {"y": y, "final": final, **{"d" + k: v.grad for k, v in leaves.items() if v is not None
-                                                    and v.is_floating_point()}}  # fmt: skip
-    return results
-
-
 def check_decay_through_initial_states(bound):
     """float16, the state carried across chunks dominating dA: large initial states, small x, slow decay, and only
     a final-state cotangent. dA is then the chunk-end terms exp(a_last) * sum(dS * S_in), sums over P * N products

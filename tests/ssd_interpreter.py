@@ -29,7 +29,6 @@ from tests.ssd_checks import (
     check_fp16_gate_dD,
     check_kept_matches_recomputed,
     check_split_path,
-    check_states_scale_same,
     kernel_halves_from_references,
     make_inputs,
 )
@@ -71,7 +70,6 @@ def run_case_in_child(**case):
         "carried_decay": check_decay_through_initial_states,
         "fp16_decay": check_fp16_decay_gradient,
         "kept_vs_recomputed": check_kept_matches_recomputed,
-        "states_scale_same": check_states_scale_same,
     }
     for flag, check in checks.items():
         if case.pop(flag, False):

@@ -153,31 +153,6 @@ def test_kernel_resources_folded_dt_in_the_chunk_states():
         assert regs_f <= regs and spills_f <= spills, found
 
 
-def test_kernel_resources_states_scale_from_the_dt_kernel():
-    """config states_scale (the dt kernel writes the chunk states' whole scale, documents masked): compiled for
-    sm_90 at the 1.3B tiles with documents, the chained states' forward loop runs at least 40 instructions fewer per
-    iteration than with fold_dt_states alone (Triton 3.6: 273 -> 218, as without documents: no ids, a_last or
-    exponent in the loop), and within 128 registers without spills (four programs per SM)."""
-    import dataclasses
-
-    from benchmarks import kernel_resources as kr
-    from models.kernels.ssd_triton.config import block_config
-
-    found = {}
-    for given in (False, True):
-        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=True, fold_dt_states=True, states_scale=given)
-        for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
-            if name == "chained_states_fwd":
-                cap = getattr(cfg, kr.MAXNREG[name])
-                info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
-                product_loop = next(loop for loop in info["loops"][:-1] if loop.get("HGMMA"))
-                found[given] = (product_loop["instructions"], product_loop.get("MUFU", 0), info["registers"],
-                                info["spill_stack_bytes"])  # fmt: skip
-    (plain, _, _, _), (given, mufu, regs, spills) = found[False], found[True]
-    assert given <= plain - 40 and mufu == 0, found
-    assert regs <= 128 and spills == 0, found
-
-
 def test_kernel_resources_norms_instructions_per_element():
     """kernel_resources.py compiles the norms too (norm_kernels: the block's add + RMSNorm, the gated norm) for
     sm_90 at the 1.3B widths, without spills, and their instructions per element of a row stay near what session 38

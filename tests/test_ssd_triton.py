@@ -193,28 +193,6 @@ def test_dt_folded_into_the_decay_exponent():
     )  # fmt: skip
 
 
-def test_states_scale_from_the_dt_kernel():
-    """config states_scale (on top of fold_dt_states): the dt kernel writes the chunk states' per-position scale
-    with the documents' mask, and the forward's chained or staged states read it. Bit for bit the path without it,
-    the scale read (check_states_scale_same): documents (several per chunk, one across a chunk edge), a remainder
-    past the last chunk (the scale 0 there), initial states, chained and staged states, kept states, four position
-    blocks per chunk, dt = 0 at valid positions (no softplus: a2dt = +inf, scale 0), no documents; and every output
-    against the float64 reference with it on. A scale that keeps positions of an earlier document, or drops the
-    chunk's last cumsum, fails (checked by mutation)."""
-    on = dict(SMALL_TILES, fold_dt=True, fold_dt_states=True, states_scale=True)
-    docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=31, seq_cuts=[[30, 64, 70], [50]])
-    same = dict(states_scale_same=True, chunk_size=64)
-    interpret_all(
-        dict(**docs, **same, config=dict(on, states_scale=False)),
-        dict(**docs, **same, config=dict(on, states_scale=False, chained=False)),
-        dict(**docs, **same, config=dict(on, states_scale=False, keep_states=True)),
-        dict(**docs, **same, dt_softplus=False, config=dict(on, states_scale=False)),
-        dict(b=1, L=128, H=2, P=16, G=2, N=16, seed=32, with_init=False, **same, config=dict(on, states_scale=False)),
-        dict(**docs, call=dict(chunk_size=64), config=on),
-        dict(**docs, call=dict(chunk_size=64), config=dict(on, chained=False, keep_states=True)),
-    )  # fmt: skip
-
-
 def test_dcb_tiles_and_column_sums_in_parts():
     """dCB's grid of one program per tile of [l, s] (and one per head block for the state term), with four blocks
     per chunk, so that tiles off the diagonal have several columns to choose from (a wrong column block fails:

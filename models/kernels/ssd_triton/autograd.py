@@ -35,7 +35,7 @@ from models.kernels.ssd_reference import _check_inputs
 from models.kernels.ssd_triton.backward import ssd_backward_kernels
 from models.kernels.ssd_triton.config import block_config
 from models.kernels.ssd_triton.dt import dt_backward, dt_forward
-from models.kernels.ssd_triton.forward import ssd_forward, writes_states_scale
+from models.kernels.ssd_triton.forward import ssd_forward
 
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
 
@@ -47,11 +47,8 @@ def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, sof
     size is kept). a_is_log: A holds A_log (A = -exp(A_log) in the dt kernels; ssd_backward_pass then returns A_log's
     gradient and must be told so too)."""
     NC = math.ceil(x.shape[1] / Q)
-    dt_p, dA_cs, a2dt, states_scale = dt_forward(
-        dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt, seq, writes_states_scale(cfg), a_is_log
-    )
-    # states_scale is the forward's alone (the backward's dB and recompute take a2dt: the same values)
-    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt, states_scale)
+    dt_p, dA_cs, a2dt = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt, a_is_log=a_is_log)
+    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt)
     return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept)
 
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
-from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states, states_scale_input
+from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy
 from models.kernels.ssd_triton.state_passing import chunk_decay, entering_state32, kept_states_buffer
@@ -184,7 +184,6 @@ def chained_states_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FOLD_DT: tl.constexpr,
-    SCALE_GIVEN: tl.constexpr,
 ):
     c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
@@ -192,7 +191,7 @@ def chained_states_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     own0, own1 = chunk_local_states(
         x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b, s_x_l, s_x_h,
-        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K, FOLD_DT, SCALE_GIVEN,
+        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K, FOLD_DT,
     )  # fmt: skip
 
     PN = P * N
@@ -420,11 +419,10 @@ def chain_counters(n_chains: int, device) -> torch.Tensor:
 
 
 def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False,
-                   a2dt=None, scale=None):  # fmt: skip
+                   a2dt=None):  # fmt: skip
     """_staged_states' contract in one kernel: S_in (x's dtype), final (float32) and, with keep_s32, S_in in
     float32, with keep_split the kept states (state_passing.kept_states_buffer: S_in is its first slab), else None.
-    a2dt (dt.py; config fold_dt_states): the chunk states' scale with dt in its exponent; scale (dt.py; config
-    states_scale): that scale itself, documents' mask included (chunk_state.py)."""
+    a2dt (dt.py; config fold_dt_states): the chunk states' scale with dt in its exponent (chunk_state.py)."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -438,11 +436,10 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     n_slots = NC if keep_s32 else 2
     # With the kept high / low parts the chain hands states on through them (_kept_chain_step): no float32 carry.
     carry = dummy(dev) if store_lo else torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
-    scale_input, scale_flags = states_scale_input(dt_p, a2dt, scale)
     chained_states_fwd_kernel[(NC * n_chains,)](
         x,
         B,
-        scale_input,
+        dt_p if a2dt is None else a2dt,
         dA_cs,
         seq if seq is not None else dummy(dev),
         init if init is not None else dummy(dev),
@@ -466,7 +463,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         HAS_INIT=init is not None,
         CARRY_IS_S32=keep_s32,
         CARRY_IS_KEPT=store_lo,
-        **scale_flags,
+        FOLD_DT=a2dt is not None,
         maxnreg=cfg.chained_fwd_maxnreg,
         **meta,
     )

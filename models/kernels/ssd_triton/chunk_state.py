@@ -7,9 +7,7 @@ chunk_scan_bwd_dstates_kernel: the gradient of the state entering each chunk (th
 Both are one [P, chunk] x [chunk, N] product per (batch, chunk, head) with a per-position scale (optionally for two
 heads of a group per program, HEADS 2: the group's B or C is then read once for both); with FOLD_DT (config
 fold_dt_states) dt_ptr holds a2dt = a_s log2(e) - log2(dt_s) (dt.py) and the states' scale exp(a_last - a_s) dt_s is
-one 2^(a_last log2(e) - a2dt_s): no dt to load or multiply by; with SCALE_GIVEN (config states_scale) dt_ptr holds
-the whole scale [seq_s == seq_last] 2^(a_last log2(e) - a2dt_s), documents' mask included (dt.py writes it): no
-document ids, a_last or exponent in the loop;
+one 2^(a_last log2(e) - a2dt_s): no dt to load or multiply by;
 a_* is the within-chunk cumulative sum of dt * A (float32), seq_prev the document of the state
 entering the chunk (0 for the first chunk: the initial state belongs to document 0).
 """
@@ -19,16 +17,6 @@ import triton.language as tl
 
 from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
-
-
-def states_scale_input(dt_p, a2dt, scale):
-    """(what the chunk states' kernels read through dt_ptr, their FOLD_DT and SCALE_GIVEN): the whole scale, else
-    a2dt, else dt_p."""
-    if scale is not None:
-        return scale, dict(FOLD_DT=False, SCALE_GIVEN=True)
-    if a2dt is not None:
-        return a2dt, dict(FOLD_DT=True, SCALE_GIVEN=False)
-    return dt_p, dict(FOLD_DT=False, SCALE_GIVEN=False)
 
 
 @fast_launch
@@ -63,7 +51,6 @@ def chunk_state_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FOLD_DT: tl.constexpr,
-    SCALE_GIVEN: tl.constexpr,
 ):
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
@@ -76,7 +63,7 @@ def chunk_state_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc0, acc1 = chunk_local_states(
         x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b, s_x_l, s_x_h,
-        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K, FOLD_DT, SCALE_GIVEN,
+        s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K, FOLD_DT,
     )  # fmt: skip
     out_mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     out_base0 = states_ptr + ((b.to(tl.int64) * NC + c) * H + h0) * P * N + offs_p[:, None] * N + offs_n[None, :]
@@ -89,32 +76,29 @@ def chunk_state_fwd_kernel(
 def chunk_local_states(x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b,
                        s_x_l, s_x_h, s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ: tl.constexpr, EVEN: tl.constexpr,
                        PREC: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, FOLD_DT: tl.constexpr, SCALE_GIVEN: tl.constexpr):  # fmt: skip
+                       BLOCK_K: tl.constexpr, FOLD_DT: tl.constexpr):  # fmt: skip
     """The [BLOCK_P, BLOCK_N] tiles of chunk c's own state for heads h0 (and h0 + 1 with HEADS 2; else the second
     tile repeats the first), float32: the loop of chunk_state_fwd_kernel, shared with chained_states.py. FOLD_DT:
-    dt_ptr holds a2dt; SCALE_GIVEN: the whole scale (module docstring)."""
+    dt_ptr holds a2dt (module docstring)."""
     t0 = c * Q
     head_q0 = ((b.to(tl.int64) * H + h0) * NC + c) * Q
     head_q1 = head_q0 + NC * Q  # head h0 + 1 (used only with HEADS 2)
-    seq_last = 0
-    if HAS_SEQ and not SCALE_GIVEN:
+    if HAS_SEQ:
         seq_last = tl.load(seq_ptr + b.to(tl.int64) * L + tl.minimum(t0 + Q, L) - 1)
+    else:
+        seq_last = 0
     # Offsets within the chunk are int32 (the bases hold the int64 parts); with EVEN (whole tiles) no load masks.
     x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     B_chunk = B_ptr + b.to(tl.int64) * s_b_b + g * s_b_g + t0.to(tl.int64) * s_b_l
-    a_last0 = 0.0  # (SCALE_GIVEN: the scale holds it)
-    a_last1 = 0.0
-    if not SCALE_GIVEN:
-        a_last0 = tl.load(dA_ptr + head_q0 + Q - 1)
-        if FOLD_DT:
-            a_last0 = a_last0 * LOG2E
+    a_last0 = tl.load(dA_ptr + head_q0 + Q - 1)
+    if FOLD_DT:
+        a_last0 = a_last0 * LOG2E
     acc0 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     acc1 = acc0
     if HEADS == 2:
-        if not SCALE_GIVEN:
-            a_last1 = tl.load(dA_ptr + head_q1 + Q - 1)
-            if FOLD_DT:
-                a_last1 = a_last1 * LOG2E
+        a_last1 = tl.load(dA_ptr + head_q1 + Q - 1)
+        if FOLD_DT:
+            a_last1 = a_last1 * LOG2E
         acc1 = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Q, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -122,7 +106,7 @@ def chunk_local_states(x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_
         b_ptrs = B_chunk + offs_k[:, None] * s_b_l + offs_n[None, :] * s_b_n
         valid_k = (offs_k < Q) & (t0 + offs_k < L)
         keep = valid_k
-        if HAS_SEQ and not SCALE_GIVEN:
+        if HAS_SEQ:
             if EVEN:
                 seq_k = tl.load(seq_ptr + b.to(tl.int64) * L + t0 + offs_k)
             else:
@@ -133,50 +117,41 @@ def chunk_local_states(x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_
         else:
             b_tile = tl.load(b_ptrs, mask=valid_k[:, None] & (offs_n < N)[None, :], other=0.0)
         acc0 = _state_tile(acc0, b_tile, x_chunk0 + x_offs, dA_ptr + head_q0, dt_ptr + head_q0, a_last0, offs_k,
-                           offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC, FOLD_DT, SCALE_GIVEN)  # fmt: skip
+                           offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC, FOLD_DT)  # fmt: skip
         if HEADS == 2:
             acc1 = _state_tile(acc1, b_tile, x_chunk0 + s_x_h + x_offs, dA_ptr + head_q1, dt_ptr + head_q1, a_last1,
-                               offs_k, offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC, FOLD_DT,
-                               SCALE_GIVEN)  # fmt: skip
+                               offs_k, offs_p, valid_k, keep, P, Q, HAS_SEQ, EVEN, PREC, FOLD_DT)  # fmt: skip
     return acc0, acc1
 
 
 @triton.jit
 def _state_tile(acc, b_tile, x_ptrs, dA_head, dt_head, a_last, offs_k, offs_p, valid_k, keep, P, Q,
-                HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, FOLD_DT: tl.constexpr,
-                SCALE_GIVEN: tl.constexpr):  # fmt: skip
+                HAS_SEQ: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, FOLD_DT: tl.constexpr):  # fmt: skip
     """acc += xᵀ · (B ∘ scale) over one block of positions, for one head: scale_s = [kept] exp(a_last - a_s) dt_s
-    (FOLD_DT: dt_head holds a2dt, a_last is in log2 units, scale_s = [kept] 2^(a_last - a2dt_s); SCALE_GIVEN: dt_head
-    holds scale_s itself, 0 past the end)."""
+    (FOLD_DT: dt_head holds a2dt, a_last is in log2 units, scale_s = [kept] 2^(a_last - a2dt_s))."""
     if EVEN:
         xT = tl.load(x_ptrs)
     else:
         xT = tl.load(x_ptrs, mask=(offs_p < P)[:, None] & valid_k[None, :], other=0.0)
-    if SCALE_GIVEN:
+    if FOLD_DT:
+        # a2dt is +inf past the chunk's end (the padding's dt is 0): its scale is 0 without a mask.
         if EVEN:
-            scale_k = tl.load(dt_head + offs_k)
+            a2dt_k = tl.load(dt_head + offs_k)
         else:
-            scale_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
+            a2dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=float("inf"))
+        weight_k = tl.exp2(a_last - a2dt_k)
     else:
-        if FOLD_DT:
-            # a2dt is +inf past the chunk's end (the padding's dt is 0): its scale is 0 without a mask.
-            if EVEN:
-                a2dt_k = tl.load(dt_head + offs_k)
-            else:
-                a2dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=float("inf"))
-            weight_k = tl.exp2(a_last - a2dt_k)
+        if EVEN:
+            a_k = tl.load(dA_head + offs_k)
+            dt_k = tl.load(dt_head + offs_k)
         else:
-            if EVEN:
-                a_k = tl.load(dA_head + offs_k)
-                dt_k = tl.load(dt_head + offs_k)
-            else:
-                a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
-                dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
-            weight_k = tl.exp(a_last - a_k) * dt_k
-        if EVEN and not HAS_SEQ:
-            scale_k = weight_k
-        else:
-            scale_k = tl.where(keep, weight_k, 0.0)
+            a_k = tl.load(dA_head + offs_k, mask=offs_k < Q, other=0.0)
+            dt_k = tl.load(dt_head + offs_k, mask=offs_k < Q, other=0.0)
+        weight_k = tl.exp(a_last - a_k) * dt_k
+    if EVEN and not HAS_SEQ:
+        scale_k = weight_k
+    else:
+        scale_k = tl.where(keep, weight_k, 0.0)
     # The per-position scale multiplies B, and B is rounded to the operand dtype after it (as mamba_ssm does), not
     # x: rounding the scaled x instead left the states with an error that the decay gradient picks up coherently
     # (Triton interpreter, float16, whole chunks: dA error 9.7e-4 against mamba_ssm's 7.2e-4; 7.3e-4 this way).

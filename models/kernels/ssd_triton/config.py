@@ -20,7 +20,10 @@ the faster since session 17: dCB + bc_finish 0.468 -> 0.453); column sums reduce
 column sums as the row sums of a second, transposed product (``dcb_cols_by_dot``; session 22: dCB 0.428 -> 0.396
 ms in every tile, but dA's error 1.13x mamba_ssm's as the diagonal's M_jj no longer cancelled exactly; off the
 diagonal only 0.427 -> 0.412, dA up to 1.10x); and dx reading CB transposed instead of a CBᵀ copy
-(``dx_reads_cb``; chunk_cb.py says why not).
+(``dx_reads_cb``; chunk_cb.py says why not). Removed in session 48 (code at commit 828ea41): the dt kernel writing
+the chunk states' whole per-position scale for the chained and staged states (the chained forward's loop 273 -> 218
+sm_90 instructions); on an H100, 2026-12-05, -0.58% of the SSD's joules against a 1.22% spread of its baselines, and
+compiled, its float32 sums re-associate: the final states' error against float64 1.6e-6 against 4.7e-7.
 """
 
 from __future__ import annotations
@@ -174,16 +177,6 @@ class BlockConfig:
     # our SSD forward + backward 989.3 -> 963.7 mJ (-2.6%), 1.428 -> 1.396 ms; errors against float64 within 1% of
     # mamba_ssm's ratio at every output (bench_ssd.py --numerics_seeds 3).
     fold_dt_states: bool = True
-    # With fold_dt_states, the dt kernel also writes the chunk states' whole per-position scale [seq_s == seq_last]
-    # 2^(a_last log2(e) - a2dt_s) ([B, H, NC, Q] float32, 4 MiB at the 1.3B shape, the forward's only: dB and the
-    # backward's recompute take a2dt, the same values), and the chained and staged states' forward read it: their loop
-    # loads no document ids or a_last and takes no exponent. sm_90 (Triton 3.6, kernel_resources.py --kernels
-    # chained_states --loops, 1.3B tiles with documents): the chained forward's loop 273 -> 218 instructions (as
-    # without documents; 122 -> 127 registers, under dx's and its cap of 128), the staged states' 665 -> 503. The
-    # same float32 values as without it under the interpreter (tests/test_ssd_triton.py); compiled for an H100 the
-    # sums re-associate (bf16 results up to 2.2e-4 apart in dA, session 47), so its GPU test holds it to the float64
-    # reference. Off until its joules are measured on a GPU.
-    states_scale: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.

@@ -4,13 +4,8 @@ Forward, per (batch, chunk, block of heads):
     u = dt + dt_bias;  v = softplus(u) (u > 20: u, as F.softplus);  dt_p = clamp(v, lo, hi);  0 past the end
     dA_cs = cumsum over the chunk of dt_p * A                        ([b, H, NC, Q], float32, chunk-padded)
     a2dt = dA_cs log2(e) - log2(dt_p)   (+inf where dt_p = 0)        (only with config fold_dt, same shape)
-    scale = [seq_s == seq_last] 2^(a_last log2(e) - a2dt_s)           (only with config states_scale, same shape)
 a2dt folds dt into the decay's exponent: the intra-chunk weight exp(a_l - a_s) dt_s of the chunk scan and of dCB is
-2^(a_l log2(e) - a2dt_s), one MUFU.EX2 without the multiply by dt_s per element (config.py's fold_dt). scale is
-the chunk states' per-position weight exp(a_last - a_s) dt_s, 0 outside the chunk's last document and past the end,
-a_last the chunk's last cumsum: computed here, where the chunk's cumsum is at hand, the chained states' loop needs
-no document ids, a_last or exponent (chunk_state.py, config states_scale); the same formula as that loop's, so the
-same float32 values.
+2^(a_l log2(e) - a2dt_s), one MUFU.EX2 without the multiply by dt_s per element (config.py's fold_dt).
 Backward, from the chunked SSD's gradients (autograd.py): the gradient of dA_cs's pre-cumsum input
     g_t = sum_{j >= t} REV_j + sum_{s < t} q_s + sum_blocks dtot_c
 (REV: the per-position terms whose reverse cumsum enters, from dcb_bwd.py as partial sums in slots, added here; q
@@ -78,8 +73,6 @@ def dt_fwd_kernel(
     dt_p_ptr,
     dA_cs_ptr,
     a2dt_ptr,
-    seq_ptr,
-    scale_ptr,
     L,
     Q,
     NC,
@@ -92,8 +85,6 @@ def dt_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     SOFTPLUS: tl.constexpr,
     FOLD_DT: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
-    STATES_SCALE: tl.constexpr,
     A_LOG: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -118,19 +109,7 @@ def dt_fwd_kernel(
         # makes it. log2 takes dt_p floored at float32's smallest normal, so that no log2(0) is evaluated (the
         # interpreter's numpy warns) and every normal dt_p is taken as it is.
         log2_dt = tl.log2(tl.maximum(dt_p, 1.1754943508222875e-38))
-        a2dt = tl.where(dt_p > 0.0, dA_cs * LOG2E - log2_dt, float("inf"))
-        tl.store(a2dt_ptr + out, a2dt, mask=in_q)
-        if STATES_SCALE:
-            # a_last log2(e): the chunk's last cumsum (chunk-padded, as the states' kernels load it) per head, its
-            # product rounded before the difference below, as in those kernels (no fused multiply-add there either)
-            a2_last = tl.sum(tl.where((offs_q == Q - 1)[:, None], dA_cs * LOG2E, 0.0), axis=0)
-            keep = valid
-            if HAS_SEQ:
-                seq_row = seq_ptr + b.to(tl.int64) * L
-                seq_t = tl.load(seq_row + t, mask=(offs_q < Q) & (t < L), other=-1)
-                keep = keep & (seq_t == tl.load(seq_row + tl.minimum(c * Q + Q, L) - 1))[:, None]
-            scale = tl.where(keep, tl.exp2(a2_last[None, :] - a2dt), 0.0)
-            tl.store(scale_ptr + out, scale, mask=in_q)
+        tl.store(a2dt_ptr + out, tl.where(dt_p > 0.0, dA_cs * LOG2E - log2_dt, float("inf")), mask=in_q)
 
 
 class ColumnParts(NamedTuple):
@@ -279,20 +258,14 @@ def dt_forward(
     softplus: bool,
     limit: tuple[float, float],
     fold_dt: bool = False,
-    seq=None,
-    states_scale: bool = False,
     a_is_log: bool = False,
 ):
-    """(dt_p, dA_cs, a2dt, scale), float32 [b, H, NC, Q] each (dt_p zero past the end); a2dt (module docstring) only
-    with fold_dt, else None; scale (the chunk states' weights, seq's documents masked) only with states_scale (which
-    needs fold_dt), else None. a_is_log: A_H holds A_log, and A = -exp(A_log) is taken in the kernel."""
-    if states_scale and not fold_dt:
-        raise ValueError("dt_forward: states_scale is computed from a2dt; it needs fold_dt")
+    """(dt_p, dA_cs, a2dt), float32 [b, H, NC, Q] each (dt_p zero past the end); a2dt (module docstring) only with
+    fold_dt, else None. a_is_log: A_H holds A_log, and A = -exp(A_log) is taken in the kernel."""
     b, L, H = dt_BLH.shape
     dt_p = torch.empty(b, H, NC, Q, device=dt_BLH.device, dtype=torch.float32)
     dA_cs = torch.empty_like(dt_p)
     a2dt = torch.empty_like(dt_p) if fold_dt else None
-    scale = torch.empty_like(dt_p) if states_scale else None
     block_q, block_h = _tiles(Q, H)
     dt_fwd_kernel[(b * NC, cdiv(H, block_h))](
         dt_BLH,
@@ -301,8 +274,6 @@ def dt_forward(
         dt_p,
         dA_cs,
         a2dt if fold_dt else dt_p,
-        seq if seq is not None else dt_p,
-        scale if states_scale else dt_p,
         L,
         Q,
         NC,
@@ -313,13 +284,11 @@ def dt_forward(
         HAS_BIAS=dt_bias is not None,
         SOFTPLUS=softplus,
         FOLD_DT=fold_dt,
-        HAS_SEQ=seq is not None,
-        STATES_SCALE=states_scale,
         A_LOG=a_is_log,
         BLOCK_Q=block_q,
         BLOCK_H=block_h,
     )
-    return dt_p, dA_cs, a2dt, scale
+    return dt_p, dA_cs, a2dt
 
 
 def dt_backward(

@@ -18,7 +18,7 @@ from models.kernels.fast_launch import cdiv
 from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
-from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel, states_scale_input
+from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_passing_fwd_kernel
@@ -70,11 +70,10 @@ def cb_for_backward(x, B, C, seq, Q: int, NC: int, cfg: BlockConfig):
 
 
 def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False,
-                   a2dt=None, scale=None):  # fmt: skip
+                   a2dt=None):  # fmt: skip
     """Chunk states (float32) -> S_in (x's dtype) and final (float32), one kernel each; with keep_s32 also S_in in
     float32 (state_passing.py says why the backward wants it), with keep_split the kept states (kept_states_buffer:
-    S_in is its first slab), else None. a2dt (config fold_dt_states): the states' scale with dt in its exponent;
-    scale (config states_scale): that scale itself (chunk_state.py)."""
+    S_in is its first slab), else None. a2dt (config fold_dt_states): the states' scale with dt in its exponent."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
@@ -84,11 +83,10 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     states = torch.empty(b, NC, H, P, N, device=dev, dtype=torch.float32)
     heads = heads_per_program(H // G, min(cfg.state_heads, 2))
     grid = (b * NC * H // heads, cdiv(P, cfg.state_p), cdiv(N, cfg.state_n))
-    scale_input, scale_flags = states_scale_input(dt_p, a2dt, scale)
     chunk_state_fwd_kernel[grid](
         x,
         B,
-        scale_input,
+        dt_p if a2dt is None else a2dt,
         dA_cs,
         seq_arg,
         states,
@@ -107,7 +105,7 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         BLOCK_P=cfg.state_p,
         BLOCK_N=cfg.state_n,
         BLOCK_K=cfg.state_k,
-        **scale_flags,
+        FOLD_DT=a2dt is not None,
         PREC=dot_precision(x),
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
@@ -193,28 +191,21 @@ def states_a2dt(a2dt, cfg: BlockConfig):
     return a2dt if cfg.fold_dt_states else None
 
 
-def writes_states_scale(cfg: BlockConfig) -> bool:
-    """Whether the dt kernel writes the chunk states' whole scale for the forward (config states_scale, on top of
-    fold_dt and fold_dt_states; only the chained and staged states read it)."""
-    return cfg.states_scale and cfg.fold_dt and cfg.fold_dt_states
-
-
 def keeps_states(cfg: BlockConfig) -> bool:
     """Whether the forward hands the entering states to the backward (config keep_states)."""
     return cfg.keep_states
 
 
-def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None, states_scale=None):
+def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None):
     """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
     entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None). a2dt (dt.py,
     config fold_dt): the chunk scan kernel's weights with dt in their exponent, and with config fold_dt_states the
-    chunk states' scale too; states_scale (dt.py, config states_scale): that scale whole, which the chunk states then
-    read instead."""
+    chunk states' scale too."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
-                               a2dt=states_a2dt(a2dt, cfg), scale=states_scale)  # fmt: skip
+                               a2dt=states_a2dt(a2dt, cfg))  # fmt: skip
     return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt), final, kept
 
 
