@@ -1,5 +1,6 @@
-"""benchmarks/bench_energy.py on the CPU: the step's call counts and energy totals, its refusals, and every family's
-wiring at the debug size under Triton's interpreter (the GPU run is the one that measures)."""
+"""benchmarks/bench_energy.py (and energy_ssd.py, its SSD modes) on the CPU: the step's call counts and energy
+totals, its refusals, and every family's wiring at the debug size under Triton's interpreter (the GPU run is the
+one that measures)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks import bench_energy as be
+from benchmarks import energy_ssd as es
 from tests.interpreter_child import child_results, run_checks
 
 # The SSD's wiring is bench_ssd.fwd_bwd_fn's (tests/test_ssd_triton.py runs the kernels; the child runs it once, for
@@ -44,12 +46,44 @@ def test_step_totals_add_the_families_energy_and_divide_by_the_power_limit():
 def test_stage_table_shares_the_whole_by_the_doubled_kernels():
     baselines = [dict(ms=1.0, mj_per_call=700.0), dict(ms=1.2, mj_per_call=720.0)]  # mean 1.1 ms, 710 mJ
     doubled = dict(a=dict(ms=1.3, mj_per_call=850.0), b=dict(ms=1.5, mj_per_call=910.0))
-    rows = {r["kernel"]: r for r in be.stage_table(baselines, doubled, dict(a=1, b=2, chained_x=1))}
+    rows = {r["kernel"]: r for r in es.stage_table(baselines, doubled, dict(a=1, b=2, chained_x=1))}
     assert (rows["a"]["ms"], rows["a"]["mj"], rows["a"]["watts"]) == pytest.approx((0.2, 140.0, 700.0))
     assert (rows["b"]["launches"], rows["b"]["ms"], rows["b"]["mj"]) == (2, pytest.approx(0.2), pytest.approx(100.0))
     rest = rows["rest: chained_x"]  # what was not doubled: the whole minus a once and b twice
     assert (rest["ms"], rest["mj"]) == pytest.approx((0.5, 370.0))
     assert (rows["whole"]["ms"], rows["whole"]["mj"], rows["whole"]["mj_spread"]) == pytest.approx((1.1, 710.0, 20.0))
+
+
+def test_ssd_stages_doubles_each_kernel_in_turn(monkeypatch):
+    """--ssd_stages' run with stand-ins: a step launching three kernels (one chained, which is never doubled) through
+    FastLaunch, a measurement whose cost is 1 ms and 700 mJ per launch plus 0.5 ms and 300 mJ of the rest: each
+    doubled kernel's share comes out as one launch's cost, the chained one lands in "rest" with torch's part."""
+    from types import SimpleNamespace
+
+    from models.kernels.fast_launch import FastLaunch
+
+    real = collections.Counter()  # launches that reach the GPU: what kernel_launches wraps
+    monkeypatch.setattr(FastLaunch, "launch", lambda self, grid, args, kwargs: real.update([self.kernel.fn.__name__]))
+    kernels = {n: SimpleNamespace(kernel=SimpleNamespace(fn=SimpleNamespace(__name__=n)))
+               for n in ("dx_kernel", "dcb_kernel", "chained_states_fwd_kernel")}  # fmt: skip
+
+    def step():
+        for n in ("dx_kernel", "dcb_kernel", "dcb_kernel", "chained_states_fwd_kernel"):
+            FastLaunch.launch(kernels[n], None, (), {})
+
+    def measure(fn):
+        before = sum(real.values())
+        fn()
+        n = sum(real.values()) - before
+        return dict(ms=n + 0.5, mj_per_call=700.0 * n + 300.0)
+
+    rows = {r["kernel"]: r for r in es.ssd_stages(step, measure)}
+    assert (rows["dx_kernel"]["launches"], rows["dcb_kernel"]["launches"]) == (1, 2)
+    assert (rows["dx_kernel"]["ms"], rows["dx_kernel"]["mj"]) == pytest.approx((1.0, 700.0))
+    assert (rows["dcb_kernel"]["ms"], rows["dcb_kernel"]["mj"]) == pytest.approx((1.0, 700.0))
+    rest = rows["rest: chained_states_fwd_kernel"]
+    assert (rest["ms"], rest["mj"]) == pytest.approx((1.5, 1000.0))
+    assert (rows["whole"]["ms"], rows["whole"]["mj"]) == pytest.approx((4.5, 3100.0))
 
 
 def test_refusals_before_any_work():
@@ -66,7 +100,7 @@ def test_refusals_before_any_work():
         be.parse_args(["--conv", "_FWD_ONE_DOC_BRANCH=yes"])  # no Python literal
     assert be.parse_args(["--conv", "_BWD_ONE_DOC_BRANCH=True"]).conv_settings == {"_BWD_ONE_DOC_BRANCH": True}
     with pytest.raises(ValueError, match="NOT_DOUBLED"):
-        with be.kernel_launches(collections.Counter(), double="chained_states_fwd_kernel"):
+        with es.kernel_launches(collections.Counter(), double="chained_states_fwd_kernel"):
             pass
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
@@ -74,9 +108,9 @@ def test_refusals_before_any_work():
 
 
 def test_variant_plan_puts_a_baseline_on_either_side_of_every_variant():
-    assert be.variant_plan(5) == [None, 0, 1, None, 2, 3, None, 4, None]
-    assert be.variant_plan(1) == [None, 0, None]
-    assert be.variant_plan(3, baseline_every=1) == [None, 0, None, 1, None, 2, None]
+    assert es.variant_plan(5) == [None, 0, 1, None, 2, 3, None, 4, None]
+    assert es.variant_plan(1) == [None, 0, None]
+    assert es.variant_plan(3, baseline_every=1) == [None, 0, None, 1, None, 2, None]
 
 
 def test_variant_table_compares_each_variant_with_its_neighbouring_baselines():
@@ -88,7 +122,7 @@ def test_variant_table_compares_each_variant_with_its_neighbouring_baselines():
         dict(index=2, ms=1.1, mj_per_call=98.0),
         dict(index=None, ms=1.0, mj_per_call=100.0),
     ]
-    t = be.variant_table(rows)
+    t = es.variant_table(rows)
     assert t[1]["vs_baselines"] == pytest.approx(99.0 / 101.0 - 1)
     assert t[1]["ms_vs_baselines"] == pytest.approx(0.9 / 1.1 - 1)
     assert t[4]["vs_baselines"] == pytest.approx(98.0 / 101.0 - 1)
@@ -120,8 +154,8 @@ def test_ssd_variants_checks_outputs_catches_failures_and_restores_the_config():
     problem = dict(fn=None, inp=dict(x=torch.zeros(2)), Q=256, dy=None)
     variants = [dict(bcf_warps=8), dict(dcb_col_parts=3), dict(bcf_warps=2), dict(bcf_n=16)]
     try:
-        rows = be.ssd_variants(problem, variants, dict(overlap_dcb=False), measure, outputs)
-        assert [r["index"] for r in rows] == be.variant_plan(4)
+        rows = es.ssd_variants(problem, variants, dict(overlap_dcb=False), measure, outputs)
+        assert [r["index"] for r in rows] == es.variant_plan(4)
         by_name = {r["variant"]: r for r in rows}
         assert by_name["bcf_warps=8"]["vs_baselines"] == pytest.approx(96.0 / 96.0 - 1 - 4.0 / 96.0)
         assert not by_name["bcf_warps=8"]["differs"]
@@ -136,7 +170,7 @@ def test_ssd_variants_checks_outputs_catches_failures_and_restores_the_config():
             return measure(step)
 
         with pytest.raises(KeyboardInterrupt):
-            be.ssd_variants(problem, variants, dict(overlap_dcb=False), interrupted, outputs)
+            es.ssd_variants(problem, variants, dict(overlap_dcb=False), interrupted, outputs)
         assert current().overlap_dcb is False and current().bcf_warps != 8
     finally:
         bench_ssd.patched_config({})
@@ -177,7 +211,7 @@ def _ssd_variant_wiring() -> dict:
         dy=torch.randn(1, 128, 4, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16),
     )
     assert set(problem) == set(be.ssd_problem("debug", cpu))  # the same keys as the real problem's
-    rows = be.ssd_variants(problem, [dict(dx_heads=2)], {}, measure)
+    rows = es.ssd_variants(problem, [dict(dx_heads=2)], {}, measure)
     assert len(ran) == 3 and [r["index"] for r in rows] == [None, 0, None]
     assert not rows[1]["differs"] and rows[1]["max_rel_diff"] < 1e-4, rows[1]
     return dict(max_rel_diff=rows[1]["max_rel_diff"])
@@ -191,7 +225,7 @@ def _ssd_launches_counted_and_doubled(ssd_step) -> dict:
     """--ssd_stages' wiring: every SSD kernel's launches counted by name, and a doubled kernel launched twice per call
     (the outer count sees each launch the inner one makes)."""
     outer, inner = collections.Counter(), collections.Counter()
-    with be.kernel_launches(outer), be.kernel_launches(inner, double="chunk_scan_bwd_dx_kernel"):
+    with es.kernel_launches(outer), es.kernel_launches(inner, double="chunk_scan_bwd_dx_kernel"):
         ssd_step()
     assert {"chunk_scan_fwd_kernel", "chunk_scan_bwd_dx_kernel", "chunk_scan_bwd_dcb_kernel"} <= set(inner), inner
     assert outer["chunk_scan_bwd_dx_kernel"] == 2 * inner["chunk_scan_bwd_dx_kernel"] == 2
