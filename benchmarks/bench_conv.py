@@ -97,7 +97,8 @@ TUNE = [
     dict(_BWD_UNROLL=4),
     dict(_FAST_SIGMOID=False),
     dict(_BWD_ROWS=2, _BWD_WARPS=2),
-    dict(_FWD_ONE_DOC_BRANCH=True, _BWD_ONE_DOC_BRANCH=True),  # session 41: no document tests in one-document programs
+    dict(_FWD_ONE_DOC_BRANCH=False, _BWD_ONE_DOC_BRANCH=False),  # before sessions 43 / 49: document tests everywhere
+    dict(_BWD_BLOCK_D=128, _BWD_ROWS=4),  # the backward's tiles before session 49
 ]
 TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
          "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID", "_FWD_ONE_DOC_BRANCH",

@@ -21,6 +21,7 @@ from tests.interpreter_child import finish_child, run_checks, start_child
 pytest.importorskip("triton")
 
 _ONE_DOC_DEFAULTS = {}  # conv_triton's own one-document branch settings, read before any case changes them
+_STREAM_DEFAULTS = {}  # and its backward's streams (rows, positions per row)
 
 
 def check_conv(
@@ -36,7 +37,9 @@ def check_conv(
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
 
-    conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else (4, 64)  # the defaults
+    if not _STREAM_DEFAULTS:
+        _STREAM_DEFAULTS.update(streams=(conv_triton._BWD_ROWS, conv_triton._BWD_SEG))
+    conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else _STREAM_DEFAULTS["streams"]
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
     conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
     if not _ONE_DOC_DEFAULTS:

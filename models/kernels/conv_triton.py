@@ -383,17 +383,27 @@ _FWD_ONE_DOC_BRANCH = True
 # instead of two, within 1%; 32 or 128 positions per stream 0.29; 8 streams at 4 warps (242 registers) 0.31.
 # 64 positions per stream: a grid of 4.12 waves at the 1.3B (4 programs per SM at 128 registers); a split chosen
 # to fill the last wave (54 positions, 4.9 waves; 370M 47) timed within the calls' noise of it (session 20, call 10).
-_BWD_BLOCK_D = 128
-_BWD_ROWS = 4
+# Session 49 (H100, time and joules under sustained load, 1.3B with documents, one-document branch on): 64 channels
+# x 8 streams 222.3 us against 229.7 at 128 x 4 (256 x 2: 225.5; 2 streams at 2 warps 228.3; 32 or 128 positions
+# per stream 249.0 / 237.3; one position loaded ahead 228.8; rolled 269.6). The H100 runs this kernel below its
+# power limit (550-640 W), so in a step it costs its time: the 1.3B's step grew by about the time of a sleep or a
+# copy put into it, not by their joules (docs/performance.md, session 49). The weight- and bias-gradient sums
+# finished inside the kernel by each channel block's last program (an atomic ticket) instead of the two PyTorch
+# reductions below ran slower (225.5 us with a serial sum, 244 with 8 partial sums per load, which took the stream
+# loop from 19 to 28 register moves, against 222.6 in one CUDA graph) and were not kept.
+_BWD_BLOCK_D = 64
+_BWD_ROWS = 8
 _BWD_SEG = 64
 _BWD_WARPS = 4
 _BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
 _BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
 # The same for the backward's programs (window start - 3 ... start + ROWS * SEG + 2, 75-83% of them in one document
 # at ~1000-token documents): the stream loop 301 instructions per two steps on that path, 373 on the other, against
-# 377 (Triton 3.6, 128 registers both ways). Off: session 43 (H200, bench_energy.py, 3 s windows) measured it equal
-# in joules (124.8 against 124.8 mJ) and 5.6% slower (0.190 against 0.180 ms).
-_BWD_ONE_DOC_BRANCH = False
+# 377 (Triton 3.6, 128 registers both ways). Session 43 (H200, bench_energy.py, 3 s windows) measured it equal
+# in joules (124.8 against 124.8 mJ) and 5.6% slower (0.190 against 0.180 ms); on the H100 (session 49, the
+# target's device, at 128 x 4) it is faster and cheaper: 0.229 against 0.234 ms, 124.9-127.7 against 131.9-132.8 mJ
+# (bench_energy.py, two processes each, alternating). On since session 49.
+_BWD_ONE_DOC_BRANCH = True
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
 # (tl.sigmoid's PTX wraps each in range checks: ~18 of a rolled step's ~237 instructions); the interpreter (the CPU
 # tests) runs the same formula with tl.exp2 and a division. Outputs against causal_conv1d's unchanged at bf16
