@@ -276,3 +276,32 @@ def test_launch_overhead_smoke_run_on_cpu(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["launch"].split(",")[0] for row in rows][:4] == ["kernel[grid]", "fast_launch"] * 2
     assert all(row["host_us"] > 0 for row in rows)
+
+
+def test_step_energy_per_step_extra_and_cpu_smoke_run(tmp_path):
+    """step_energy.py: per-step figures from one mark per step over the timed steps only (the last warm-up step's
+    mark to the last one), --extra's forms and their refusals, and a smoke run of our side at the debug size on the
+    CPU (times only: no energy counter there)."""
+    from benchmarks import step_energy
+
+    marks = [(0.0, 0.0), (1.0, 100.0), (1.5, 5000.0), (2.0, 10000.0), (2.5, 15000.0)]
+    got = step_energy.per_step(marks, warmup=2)  # timed steps 3-5: marks 1 -> 4
+    assert got["timed_steps"] == 3 and got["ms_per_step"] == pytest.approx(500.0)
+    assert got["joules_per_step"] == pytest.approx(14.9 / 3) and got["watts"] == pytest.approx(14.9 / 1.5)
+    assert step_energy.per_step([(0.0, None), (1.0, None)], warmup=1)["joules_per_step"] is None
+    with pytest.raises(ValueError, match="no timed step"):
+        step_energy.per_step(marks[:2], warmup=2)
+    assert step_energy.parse_extra("none") == ("none", 0.0)
+    assert step_energy.parse_extra("sleep2.5") == ("sleep", 2.5) and step_energy.parse_extra("copy4") == ("copy", 4)
+    for bad in ("copy1.5", "sleep", "nap3", "copy-1"):
+        with pytest.raises(ValueError, match="--extra"):
+            step_energy.parse_extra(bad)
+    with pytest.raises(SystemExit):
+        step_energy.parse_args(["--side", "theirs", "--size", "debug"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the smoke run below is the CPU's")
+    out = tmp_path / "r.json"
+    result = step_energy.main(["--side", "ours", "--size", "debug", "--warmup", "1", "--steps", "2",
+                               "--dump_folder", str(tmp_path / "run"), "--out", str(out)])  # fmt: skip
+    assert result["timed_steps"] == 2 and result["ms_per_step"] > 0 and result["joules_per_step"] is None
+    assert result["tokens_per_sec"] > 0 and json.loads(out.read_text())["side"] == "ours"
