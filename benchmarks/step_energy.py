@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -31,6 +32,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.bench_energy import _written  # noqa: E402
 from benchmarks.compare_mamba_ssm import SIZES, ours_command, read_jsonl, summarize_ours, theirs_worker  # noqa: E402
 
 
@@ -94,7 +96,7 @@ def energy_reader():
     """A callable giving NVML's energy counter in mJ for this process's GPU, or None where there is none."""
     if not torch.cuda.is_available():
         return lambda: None
-    from benchmarks.bench_energy import _Nvml
+    from benchmarks.bench_energy import _Nvml  # lazily: needs NVML
 
     nvml = _Nvml()
     return nvml.energy_mj
@@ -147,8 +149,6 @@ def main(argv=None) -> dict:
         train.global_grad_norm = mark_then(original)
         try:
             if os.path.isdir(a.dump_folder):
-                import shutil
-
                 shutil.rmtree(a.dump_folder)
             train.main(ours_command(size, a.warmup, a.steps, a.dump_folder, [])[2:])
         finally:
@@ -165,10 +165,7 @@ def main(argv=None) -> dict:
     result.update(per_step(marks, a.warmup), side=a.side, size=a.size, extra=a.extra,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
     print("STEP_ENERGY " + json.dumps(result), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return _written(result, a.out)
 
 
 if __name__ == "__main__":
