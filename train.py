@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     #    checkpoint's optimizer state is keyed by parameter names whatever the split.
     # Autocast runs the products in compute_dtype where the weights stay float32 (one GPU, DDP; FSDP2 casts itself).
     autocast_dtype = compute_dtype if on_gpu and compute_dtype != torch.float32 and not pdims.fsdp_enabled else None
-    # Under autocast our AdamW can keep the weights' copies in its dtype (optimizer.weight_copies); a captured CUDA
-    # graph casts inside itself (models/kernels/weight_copies.py), so it keeps none.
-    # The distributed optimizer updates each rank's rows of the weights, whose other rows arrive by an all-gather.
+    # Under autocast our AdamW can keep the weights' copies in its dtype (optimizer.weight_copies; a captured CUDA
+    # graph reads them too). The distributed optimizer updates each rank's rows of the weights, whose other rows
+    # arrive by an all-gather, so it keeps none.
     distributed_optimizer = pdims.ddp_enabled and cfg.parallelism.distributed_optimizer
-    copies_dtype = autocast_dtype if not (cfg.training.cuda_graph or distributed_optimizer) else None
+    copies_dtype = autocast_dtype if not distributed_optimizer else None
     optimizers = [build_optimizer([part], cfg.optimizer, device.type, copies_dtype) for part in model_parts]
     # parallelism.distributed_optimizer: the weights re-homed in padded storage, the moments sharded over the dp ranks
     # (parallelisms/distributed_optimizer.py); before the checkpoint load, which fills them.
@@ -176,11 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     if sharded_dp is not None:
         sharded_dp.make_gradient_views()
     # training.cuda_graph: one microbatch's forward + backward replayed as one CUDA graph.
+    # On one GPU a step's first microbatch writes the gradients (no zeroing, no adding); DDP's buffer views and
+    # FSDP's sharded gradients are added into.
     graphed = (
-        GraphedMicrobatch(model_parts[0], autocast_dtype, cfg.training.loss_chunk_tokens)
+        GraphedMicrobatch(model_parts[0], autocast_dtype, cfg.training.loss_chunk_tokens,
+                          overwrite_grads=flat_grads is None and sharded_dp is None and not pdims.fsdp_enabled)
         if cfg.training.cuda_graph
         else None
-    )
+    )  # fmt: skip
 
     # 7. The loop. From here on SIGTERM finishes the step, saves and exits (before it, it ends the process at
     #    once: there is nothing to save, and torchrun's shutdown of a failed start must not wait for us).
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         if sharded_dp is not None:
             sharded_dp.all_gather_weights()  # every rank's updated rows -> the whole weights on every rank
         for opt in optimizers:
+            if graphed is not None and graphed.overwrite_grads:
+                break  # the next step's first replay writes every gradient
             # a CUDA graph and the DDP buffers all hold on to the same .grad tensors
             opt.zero_grad(set_to_none=graphed is None and flat_grads is None and sharded_dp is None)
         worst_expert_load = moe.after_step(skip=skip)
@@ -391,7 +396,7 @@ def microbatch_steps(
         rows = slice(i * micro, (i + 1) * micro)
         if graphed is not None:
             loss_sum += graphed(
-                input_ids[rows], labels[rows], None if seq_idx is None else seq_idx[rows], backward_scale
+                input_ids[rows], labels[rows], None if seq_idx is None else seq_idx[rows], backward_scale, first=i == 0
             )
             continue
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP: reduce-scatter once, after the last microbatch

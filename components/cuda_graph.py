@@ -11,10 +11,14 @@ benchmarks/trace_summary.py (docs/performance.md). A replayed graph launches all
     graphed.release()                                                         # before the process group goes
 
 What a replay does equals the eager code: loss = model(...) (summed token loss), (loss * loss_scale).backward(),
-gradients ADDED to the parameters' .grad. Hence:
+gradients ADDED to the parameters' .grad, or on one GPU (overwrite_grads) WRITTEN there by a step's first microbatch,
+as eager autograd writes into a .grad of None: a second graph, captured for that microbatch with the gradients
+unset, whose backward assigns each one (the 1.3B on an H100: no zeroing of 5.2 GB of float32 gradients and no
+read-add-write of them every step). Hence:
 - every shape is fixed at capture (the microbatch's [rows, seq_len]); a different shape is an error;
-- .grad tensors are the graph's outputs and must stay the same tensors: zero them with
-  `optimizer.zero_grad(set_to_none=False)` (train.py does so when training.cuda_graph is on);
+- .grad tensors are the graph's outputs and must stay the same tensors: never set them to None; where they are
+  added into, zero them with `optimizer.zero_grad(set_to_none=False)` (train.py does so; with overwrite_grads it
+  does not zero at all);
 - nothing in the forward may synchronise with the host or choose shapes from data. That holds for Mamba-2 and
   MLP layers; attention (document masks built from seq_idx) and MoE (data-dependent token counts) do not
   qualify, and train.py refuses them, with PP / CP, FSDP's CPU offload and compile, before any compute.
@@ -39,26 +43,54 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from models.kernels import weight_copies
+
+# Bytes each live graph's memory pool holds for its replays beyond what its live outputs occupy: the blocks its
+# captured intermediates (activations, temporaries) use at every replay, which torch.cuda.memory_allocated stops
+# counting once the capture ends (they are free blocks of a private pool). Keyed by id(GraphedMicrobatch).
+_POOL_HIDDEN_BYTES: dict[int, int] = {}
+
+
+def graph_pool_hidden_bytes() -> int:
+    """Device bytes that live graphs use at replay and torch.cuda.memory_allocated does not count (see above):
+    components/metrics.py adds them to the reported memory, else a graph run's figure would leave out its
+    activations after the first step (session 50: a 1.3B graph run reported 48.9 GiB, the eager one 53.9)."""
+    return sum(_POOL_HIDDEN_BYTES.values())
+
+
+def _pool_hidden_bytes(pool) -> int:
+    """Reserved minus allocated bytes of the graph memory pool `pool` (the allocator's segments of that pool)."""
+    segments = [seg for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) == tuple(pool)]
+    return sum(seg["total_size"] - seg["allocated_size"] for seg in segments)
+
 
 class GraphedMicrobatch:
     """Replays forward + backward of `model` for one microbatch of a fixed shape; see the module docstring."""
 
-    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None, loss_chunk_tokens: int, warmup: int = 3):
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None, loss_chunk_tokens: int, warmup: int = 3,
+                 overwrite_grads: bool = False):  # fmt: skip
         """autocast_dtype: the dtype autocast runs the products in over float32 weights (one GPU, DDP), None for
-        none (float32 training, or FSDP2, whose mixed precision casts the gathered weights itself)."""
+        none (float32 training, or FSDP2, whose mixed precision casts the gathered weights itself).
+        overwrite_grads (one GPU; not DDP's buffer views or FSDP's sharded gradients, which must be added into): a
+        step's first microbatch replays a graph whose backward WRITES the gradients, as eager autograd does into
+        a .grad of None, and only later microbatches replay one that adds into them; no zeroing between steps."""
         self.model, self.autocast_dtype, self.loss_chunk_tokens, self.warmup = (
             model,
             autocast_dtype,
             loss_chunk_tokens,
             warmup,
         )
+        self.overwrite_grads = overwrite_grads
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Never traced by dynamo. Applied here, not as a decorator: the decorator imports torch._dynamo (~1 s)
         # when this module is imported, which every training process does.
         self._call_outside_compile = torch.compiler.disable(self._replay)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        # "write" (overwrite_grads: a step's first microbatch) and "add" graphs, each with its loss output; one
+        # memory pool for both (they never run at the same time).
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self.static_losses: dict[str, torch.Tensor] = {}
         self.static: dict[str, torch.Tensor | None] = {}
-        self.static_loss: torch.Tensor | None = None
+        self.copied: list[torch.Tensor] = []
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -67,12 +99,12 @@ class GraphedMicrobatch:
         return torch.autocast("cuda", dtype=self.autocast_dtype, cache_enabled=False)
 
     def release(self) -> None:
-        """Frees the graph and its memory pool. Needed before the process group is destroyed when the graph holds
+        """Frees the graphs and their memory pool. Needed before the process group is destroyed when the graph holds
         collectives (FSDP2): NCCL's teardown otherwise waits on the captured work for ever (2 x H200, 2026-11-28)."""
-        if self.graph is not None:
-            self.graph.reset()
-            self.graph = None
-        self.static, self.static_loss = {}, None
+        for graph in self.graphs.values():
+            graph.reset()
+        _POOL_HIDDEN_BYTES.pop(id(self), None)
+        self.graphs, self.static_losses, self.static, self.copied = {}, {}, {}, []
 
     def _forward_backward(self) -> torch.Tensor:
         s = self.static
@@ -98,13 +130,16 @@ class GraphedMicrobatch:
             s["seq_idx"].copy_(seq_idx, non_blocking=True)
         s["loss_scale"].copy_(loss_scale)
 
-    def _capture(self, input_ids, labels, seq_idx, loss_scale) -> None:
-        self.static = {
-            "input_ids": input_ids.clone(),
-            "labels": labels.clone(),
-            "seq_idx": None if seq_idx is None else seq_idx.clone(),
-            "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32, device=input_ids.device).clone(),
-        }
+    def _capture(self, kind: str, input_ids, labels, seq_idx, loss_scale) -> None:
+        """Captures the "write" or "add" graph (see __init__) after a few eager warm-up passes."""
+        if not self.static:
+            self.static = {
+                "input_ids": input_ids.clone(),
+                "labels": labels.clone(),
+                "seq_idx": None if seq_idx is None else seq_idx.clone(),
+                "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32, device=input_ids.device).clone(),
+            }
+        self._copy_in(input_ids, labels, seq_idx, loss_scale)
         stash = [None if p.grad is None else p.grad.clone() for p in self.params]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -113,29 +148,42 @@ class GraphedMicrobatch:
                 self._forward_backward()
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:
-            if p.grad is None:  # the graph must ADD into an existing .grad, not allocate a new one
+            if kind == "write":  # the backward assigns each gradient (in the graph's pool, at a fixed address)
+                p.grad = None
+            elif p.grad is None:  # the graph must ADD into an existing .grad, not allocate a new one
                 p.grad = torch.zeros_like(p)
-        self.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
+        pool = next(iter(self.graphs.values())).pool() if self.graphs else None
         # thread_local: CUDA calls of other threads (the loader's pinning, async checkpoint saves) may go on.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.static_loss = self._forward_backward()
-        for p, saved in zip(self.params, stash):  # drop the warm-up passes' gradients
-            if saved is None:
-                p.grad.zero_()
-            else:
-                p.grad.copy_(saved)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.static_losses[kind] = self._forward_backward()
+        self.graphs[kind] = graph
+        _POOL_HIDDEN_BYTES[id(self)] = _pool_hidden_bytes(graph.pool())
+        if kind == "add":
+            for p, saved in zip(self.params, stash):  # drop the warm-up passes' gradients
+                if saved is None:
+                    p.grad.zero_()
+                else:
+                    p.grad.copy_(saved)
+        # The weights' 16-bit copies the graphs read (models/kernels/weight_copies.py: current ones are read under
+        # capture, none is made there); _replay keeps them current.
+        self.copied = [p for p in self.params if weight_copies.has_current_copy(p)]
 
-    def __call__(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None, loss_scale: torch.Tensor
-    ) -> torch.Tensor:
-        """The microbatch's summed token loss (a new tensor); its scaled gradients are added to .grad."""
-        return self._call_outside_compile(input_ids, labels, seq_idx, loss_scale)
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
+                 loss_scale: torch.Tensor, first: bool = False) -> torch.Tensor:  # fmt: skip
+        """The microbatch's summed token loss (a new tensor); its scaled gradients are added to .grad, or written
+        there when `first` (the step's first microbatch) under overwrite_grads."""
+        return self._call_outside_compile(input_ids, labels, seq_idx, loss_scale, first)
 
-    def _replay(
-        self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None, loss_scale: torch.Tensor
-    ) -> torch.Tensor:
-        if self.graph is None:
-            self._capture(input_ids, labels, seq_idx, loss_scale)
+    def _replay(self, input_ids, labels, seq_idx, loss_scale, first: bool) -> torch.Tensor:
+        kind = "write" if first and self.overwrite_grads else "add"
+        if kind not in self.graphs:
+            self._capture(kind, input_ids, labels, seq_idx, loss_scale)
         self._copy_in(input_ids, labels, seq_idx, loss_scale)
-        self.graph.replay()
-        return self.static_loss.clone()
+        # Our AdamW updates the copies with the weights; a weight changed by anything else (a torch op) gets its
+        # copy remade in place here, at the address the graph reads.
+        dtype = weight_copies.copies_dtype()
+        for p in self.copied:
+            weight_copies.copy_of(p, dtype)
+        self.graphs[kind].replay()
+        return self.static_losses[kind].clone()

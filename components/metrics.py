@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from components.cuda_graph import graph_pool_hidden_bytes
 from components.log import format_seconds
 from configs.job_config import JobConfig, Metrics
 from models.args import ModelArgs
@@ -61,9 +62,13 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> tuple[float, float]:
 
 
 def memory_gib(device: torch.device) -> float:
-    """Peak allocated device memory (CUDA), or the process' peak RSS (CPU), in GiB."""
+    """Peak allocated device memory (CUDA), or the process' peak RSS (CPU), in GiB. With training.cuda_graph, at
+    least what is allocated now plus what the graph's memory pool uses at every replay beyond its live outputs
+    (components/cuda_graph.graph_pool_hidden_bytes: torch's peak stops counting the replays' activations once the
+    capture ends)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        replay = torch.cuda.memory_allocated(device) + graph_pool_hidden_bytes()
+        return max(torch.cuda.max_memory_allocated(device), replay) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 

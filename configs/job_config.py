@@ -140,8 +140,9 @@ class Training:
     cuda_graph: bool = doc(
         False,
         "Capture each microbatch's forward + backward once as a CUDA graph and replay it (no per-kernel "
-        "launch cost; pays when the host, not the GPU, limits the step: the 370M, not the 1.3B). One GPU, plain "
-        "data parallel, or FSDP2 / HSDP (their all-gathers and reduce-scatters captured in the graph; no "
+        "launch cost; pays when the host, not the GPU, limits the step: on an H100 the 370M at 8 x 2048 runs "
+        "129.5k against 110.2k tokens/s eager, the 1.3B at 4 x 4096 the same as eager, at the same memory). One GPU, "
+        "plain data parallel, or FSDP2 / HSDP (their all-gathers and reduce-scatters captured in the graph; no "
         "fsdp_cpu_offload); not PP or CP; Mamba / MLP layers, no compile.",
     )
     gc_freq: int = doc(
@@ -173,8 +174,8 @@ class Optimizer:
     )
     weight_copies: bool = doc(
         True,
-        "With the triton implementation under bf16 autocast (one GPU, DDP without the distributed optimizer, no CUDA "
-        "graph): the optimizer also writes each float32 "
+        "With the triton implementation under bf16 autocast (one GPU, DDP without the distributed optimizer; also "
+        "read by a training.cuda_graph): the optimizer also writes each float32 "
         "weight's bf16 copy as it updates it, and the products read the copy instead of casting the weight "
         "(models/kernels/weight_copies.py; 1.3B on an H100: 147 cast kernels, ~3.9 ms of a step, gone; +2 bytes per "
         "weight held for the run). False: cast at every use, as torch's autocast does.",

@@ -14,9 +14,10 @@ together without a torch op, so the version stays and the copy stays current; a 
 alone by it and remade (in place) by the next `compute_weight`. So a stale copy is never read.
 
 Copies are made only after `enable(dtype)` (the optimizer that keeps them current calls it: with any other optimizer
-a copy would be remade every step and only cost memory), for float32 nn.Parameters on CUDA, outside CUDA-graph
-capture (a captured graph keeps its own casts: a copy remade after capture would not be seen by the replays) and
-outside torch.compile's tracing (the compiled block keeps the cast it traced; the version check is host Python).
+a copy would be remade every step and only cost memory), for float32 nn.Parameters on CUDA, outside torch.compile's
+tracing (the compiled block keeps the cast it traced; the version check is host Python). Under CUDA-graph capture
+(training.cuda_graph) a current copy is read and none is made (the graph would own it, unseen by the optimizer): the
+graph reads the copies at their addresses, and components/cuda_graph.py remakes a stale one in place before a replay.
 The copies hold 2 bytes per weight element for the life of the run (2.5 GB at 1.3B), against casts that lived from a
 product's forward to its backward.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["enable", "compute_weight", "copy_of", "current_copies", "copies_dtype"]
+__all__ = ["enable", "compute_weight", "copy_of", "current_copies", "copies_dtype", "has_current_copy"]
 
 _DTYPE: torch.dtype | None = None  # the copies' dtype; None: no copies are made
 # Parameter -> (copy, the weight's version when it was made); keyed by identity (a tensor's == is elementwise)
@@ -55,7 +56,6 @@ def _wants_copy(w: torch.Tensor, dtype: torch.dtype) -> bool:
         and w.dtype == torch.float32
         and w.is_cuda
         and not torch.compiler.is_compiling()
-        and not torch.cuda.is_current_stream_capturing()
     )
 
 
@@ -66,6 +66,8 @@ def copy_of(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     entry = _COPIES.get(w)
     if entry is not None and entry[1] == w._version:
         return entry[0]
+    if torch.cuda.is_current_stream_capturing():  # a copy made now would be the graph's, unseen by the optimizer
+        return None
     with torch.no_grad():
         if entry is None or entry[0].shape != w.shape:
             copy = w.detach().to(dtype)
@@ -80,6 +82,12 @@ def compute_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w in `dtype` (no autograd history): its current copy where one is kept, else a cast."""
     copy = copy_of(w, dtype)
     return copy if copy is not None else w.detach().to(dtype)
+
+
+def has_current_copy(w: torch.Tensor) -> bool:
+    """Whether w has a copy made at its present version."""
+    entry = _COPIES.get(w)
+    return entry is not None and entry[1] == w._version
 
 
 def current_copies(params: list[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -128,3 +128,81 @@ def test_graph_under_hsdp_2x2_matches_one_gpu(tmp_path):
     got = _train(fp32 + rows + hsdp + ["--training.cuda_graph", "true"], tmp_path / "hsdp", nproc=4)
     bad = [(a["step"], a["loss"], b["loss"]) for a, b in zip(one, got) if abs(a["loss"] - b["loss"]) > 1e-4 * a["loss"]]
     assert len(got) == 6 and not bad, f"loss (step, 1 GPU, HSDP 2x2 + graph): {bad}"
+
+
+def test_graph_reads_the_weight_copies_kept_current_in_place():
+    """Under bf16 autocast the graphs read the weights' bf16 copies (optimizer.weight_copies; our AdamW updates a
+    weight and its copy together, leaving the weight's version as it was). A weight changed by a torch op between
+    replays (its version bumped) gets its copy remade in place before the next replay: the replayed loss is the eager
+    loss of the changed weights, not of the stale copy. The "write" graph (a step's first microbatch) assigns the
+    gradients: a second replay leaves the eager gradient, not twice it."""
+    from components.cuda_graph import GraphedMicrobatch
+    from models import Mamba2LM, ModelArgs
+    from models.init import init_weights
+    from models.kernels import weight_copies
+
+    args = ModelArgs(d_model=256, n_layers=2, d_state=64, headdim=64, chunk_size=64, vocab_size=512)
+    model = Mamba2LM(args).cuda()
+    init_weights(model, seed=1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids, labels = (torch.randint(0, 512, (2, 256), device="cuda", generator=gen) for _ in range(2))
+    scale = torch.ones((), device="cuda")
+
+    def eager():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, labels=labels)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    weight_copies.enable(torch.bfloat16)
+    try:
+        want, want_grads = eager()
+        graphed = GraphedMicrobatch(model, torch.bfloat16, 0, overwrite_grads=True)
+        got = graphed(ids, labels, None, scale, first=True)
+        assert graphed.copied, "the graph reads no weight copy"
+        got = graphed(ids, labels, None, scale, first=True)  # written again, not added
+        assert abs(got - want) <= 1e-6 * abs(want), (got.item(), want.item())
+        differ = [n for n, p in model.named_parameters()
+                  if (p.grad - want_grads[n]).norm() > 1e-3 * want_grads[n].norm()]  # fmt: skip
+        assert not differ, f"gradients of a second 'write' replay differ from the eager ones: {differ}"
+        with torch.no_grad():  # a torch op: the weight's version moves, its copy (read by the tied lm_head) is stale
+            model.lm_head.weight.mul_(1.5)
+        grads = [p.grad for p in model.parameters()]
+        got = graphed(ids, labels, None, scale, first=True)
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads)), "a replay replaced a .grad tensor"
+        changed, _ = eager()
+        assert abs(changed - want) > 1e-3 * abs(want), (
+            "the change did not reach the loss",
+            changed.item(),
+            want.item(),
+        )
+        assert abs(got - changed) <= 1e-6 * abs(changed), (got.item(), changed.item(), want.item())
+    finally:
+        weight_copies.enable(None)
+
+
+def test_the_memory_a_graph_uses_at_replay_is_counted():
+    """A graph's intermediates live in its memory pool as free blocks once the capture ends, so torch's
+    memory_allocated stops counting them though every replay uses them: _pool_hidden_bytes finds them (a 256 MiB
+    temporary here), and metrics.memory_gib adds what live GraphedMicrobatch graphs hold that way."""
+    from components import cuda_graph
+    from components.metrics import memory_gib
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            temporary = torch.ones(64 * 2**20, device="cuda")  # 256 MiB of float32
+            total = temporary.sum()
+            del temporary
+    graph.replay()
+    assert total.item() == 64 * 2**20
+    hidden = cuda_graph._pool_hidden_bytes(graph.pool())
+    assert hidden >= 256 * 2**20, hidden
+    cuda_graph._POOL_HIDDEN_BYTES[-1] = hidden  # as a live GraphedMicrobatch registers its pool
+    try:
+        want = (torch.cuda.memory_allocated() + hidden) / 2**30
+        assert memory_gib(torch.device("cuda")) >= want - 1e-6
+    finally:
+        del cuda_graph._POOL_HIDDEN_BYTES[-1]

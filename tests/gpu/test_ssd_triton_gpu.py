@@ -213,8 +213,8 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
 def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
     """config overlap_dcb (the default since session 42: dCB on a second stream beside the chained dstates, dx and
     dB, joined before bc_finish): every output and gradient bit for bit the one-stream path's, with documents and
-    initial and final states, with kept and recomputed states (the fork comes after the states' recompute). Under a
-    CUDA graph capture the backward stays on one stream (the trainer's graph tests, tests/gpu/test_cuda_graph_gpu)."""
+    initial and final states, with kept and recomputed states (the fork comes after the states' recompute); inside
+    a CUDA graph: the next test."""
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ssd_autograd
@@ -235,11 +235,9 @@ def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
 
 
 def test_dcb_on_a_second_stream_inside_a_cuda_graph(monkeypatch):
-    """overlap_dcb's fork and join captured in a CUDA graph (backward.py keeps the backward on one stream while a
-    graph is captured until the 370M's graph step is timed with the fork; here that check is patched away; passed on
-    an H200 in session 43): the replayed forward and backward give the eager one-stream path's outputs and gradients
-    bit for bit, with documents and initial and final states, kept states, and replays of new inputs copied into the
-    graph's buffers."""
+    """overlap_dcb's fork and join captured in a CUDA graph (training.cuda_graph captures it since session 50): the
+    replayed forward and backward give the eager one-stream path's outputs and gradients bit for bit, with documents
+    and initial and final states, kept states, and replays of new inputs copied into the graph's buffers."""
     import dataclasses
 
     from models.kernels.ssd_triton import autograd as ssd_autograd
@@ -254,7 +252,6 @@ def test_dcb_on_a_second_stream_inside_a_cuda_graph(monkeypatch):
     monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=False))
     eager = [run_all(fn, t, 256) for t in (first, second)]
     monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), overlap_dcb=True))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     ssd_backward.side_stream.cache_clear()
 
     static = {n: t.detach().clone() if isinstance(t, torch.Tensor) else t for n, t in first.items()}

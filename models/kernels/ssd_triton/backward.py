@@ -120,11 +120,12 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
 
     # dCB needs neither dH nor dx: with config overlap_dcb it runs on a second stream beside the chained dstates
     # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish. Every tensor it
-    # reads or writes is referenced by launch_dcb until after the join, so none is freed while it runs. Not while a
-    # CUDA graph is captured (training.cuda_graph): a captured fork gives the same results on the GPU (session 43's
-    # test_dcb_on_a_second_stream_inside_a_cuda_graph), but the 370M's graph step has not been timed with it yet.
+    # reads or writes is referenced by launch_dcb until after the join, so none is freed while it runs. Also while a
+    # CUDA graph is captured (training.cuda_graph): the fork and join are captured as the graph's edges (session 43's
+    # test_dcb_on_a_second_stream_inside_a_cuda_graph). Launching the chained dstates first and dCB after it (from the
+    # same fork point) was no faster: SSD 1.398-1.401 against 1.391-1.401 ms (H100, session 50).
     side = None
-    if cfg.overlap_dcb and dev.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+    if cfg.overlap_dcb and dev.type == "cuda":
         side = side_stream(dev)
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(dev))
