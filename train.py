@@ -251,11 +251,10 @@ def main(argv: list[str] | None = None) -> None:
         take_optimizer_steps(optimizers, params, grad_norm, cfg.training.max_norm, skip)  # clipped, or skipped
         if sharded_dp is not None:
             sharded_dp.all_gather_weights()  # every rank's updated rows -> the whole weights on every rank
-        for opt in optimizers:
-            if graphed is not None and graphed.overwrite_grads:
-                break  # the next step's first replay writes every gradient
-            # a CUDA graph and the DDP buffers all hold on to the same .grad tensors
-            opt.zero_grad(set_to_none=graphed is None and flat_grads is None and sharded_dp is None)
+        if graphed is None or not graphed.overwrite_grads:  # else the next step's first replay writes them all
+            for opt in optimizers:
+                # a CUDA graph and the DDP buffers all hold on to the same .grad tensors
+                opt.zero_grad(set_to_none=graphed is None and flat_grads is None and sharded_dp is None)
         worst_expert_load = moe.after_step(skip=skip)
         lr = lr_schedulers[0].get_last_lr()[0]
         for sched in lr_schedulers:

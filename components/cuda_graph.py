@@ -140,7 +140,8 @@ class GraphedMicrobatch:
                 "loss_scale": torch.as_tensor(loss_scale, dtype=torch.float32, device=input_ids.device).clone(),
             }
         self._copy_in(input_ids, labels, seq_idx, loss_scale)
-        stash = [None if p.grad is None else p.grad.clone() for p in self.params]
+        # The "add" graph's warm-up passes add into the gradients of the microbatches before it: kept aside here.
+        stash = [None if p.grad is None else p.grad.clone() for p in self.params] if kind == "add" else []
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -167,7 +168,8 @@ class GraphedMicrobatch:
                     p.grad.copy_(saved)
         # The weights' 16-bit copies the graphs read (models/kernels/weight_copies.py: current ones are read under
         # capture, none is made there); _replay keeps them current.
-        self.copied = [p for p in self.params if weight_copies.has_current_copy(p)]
+        current = weight_copies.current_copies(self.params)
+        self.copied = [p for p, copy in zip(self.params, current) if copy is not None]
 
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, seq_idx: torch.Tensor | None,
                  loss_scale: torch.Tensor, first: bool = False) -> torch.Tensor:  # fmt: skip

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["enable", "compute_weight", "copy_of", "current_copies", "copies_dtype", "has_current_copy"]
+__all__ = ["enable", "compute_weight", "copy_of", "current_copies", "copies_dtype"]
 
 _DTYPE: torch.dtype | None = None  # the copies' dtype; None: no copies are made
 # Parameter -> (copy, the weight's version when it was made); keyed by identity (a tensor's == is elementwise)
@@ -82,12 +82,6 @@ def compute_weight(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w in `dtype` (no autograd history): its current copy where one is kept, else a cast."""
     copy = copy_of(w, dtype)
     return copy if copy is not None else w.detach().to(dtype)
-
-
-def has_current_copy(w: torch.Tensor) -> bool:
-    """Whether w has a copy made at its present version."""
-    entry = _COPIES.get(w)
-    return entry is not None and entry[1] == w._version
 
 
 def current_copies(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
