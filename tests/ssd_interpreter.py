@@ -127,6 +127,17 @@ class _InterpreterWorker:
 _WORKERS = [_InterpreterWorker() for _ in range(max(1, min(2, os.cpu_count() or 1)))]
 
 
+def counters_left_zero():
+    """The kernels leave their counters zero (launch.zeroed_counters keeps them between launches, unzeroed): a
+    reset that went missing fails the case that left it, and would fail (or hang) the next launch."""
+    from models.kernels.ssd_triton import launch
+
+    dirty = {key[:2]: t.tolist() for key, t in launch._COUNTERS.items() if bool(t.ne(0).any())}
+    for t in launch._COUNTERS.values():
+        t.zero_()  # so that the next cases run (a stale ticket would make them wait forever)
+    assert not dirty, f"counters left non-zero after the case: {dirty}"
+
+
 def serve():
     """The worker's loop: one case (a dict's repr) per stdin line -> one JSON line {ok, out} on stdout."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -143,6 +154,7 @@ def serve():
         try:
             with contextlib.redirect_stdout(buf):
                 run_case_in_child(**ast.literal_eval(line))
+            counters_left_zero()
             ok, out = True, buf.getvalue()
         except BaseException:  # a failed assertion, or any error: reported, and the worker goes on
             ok, out = False, buf.getvalue() + traceback.format_exc()

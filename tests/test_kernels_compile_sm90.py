@@ -198,3 +198,21 @@ def test_a_compile_error_the_interpreter_cannot_see_is_caught(tmp_path, monkeypa
     fixed = compile_for_sm90([dict(launch, name="fixed_kernel")])
     assert len(broken) == 1 and "return types" in next(iter(broken.values())), broken
     assert fixed == {}, fixed
+
+
+def test_programmatic_dependent_launch_variants_compile_for_sm90(launches):
+    """Each kernel with a PDL constexpr (fast_launch.py: MAMBATITAN_PDL=1) also compiles with it on and Triton's
+    launch_pdl option, at its first recorded pattern: the grid dependency instructions are PTX the interpreter never
+    runs."""
+    from tests.triton_sm90 import compile_for_sm90, distinct
+
+    firsts = {}
+    for launch in distinct(launches):
+        module = importlib.import_module(launch["module"])
+        names = [p.name for p in getattr(getattr(module, launch["name"]), "params", [])]
+        if "PDL" in names:
+            firsts.setdefault((launch["module"], launch["name"]), launch)
+    assert len(firsts) >= 20, sorted(firsts)  # the SSD's, the norms', the conv's, the loss's and column_sums' kernels
+    variants = [dict(launch, kwargs=dict(launch["kwargs"], PDL=True, launch_pdl=True)) for launch in firsts.values()]
+    failures = compile_for_sm90(variants, workers=min(2, os.cpu_count() or 1))
+    assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())

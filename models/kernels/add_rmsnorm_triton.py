@@ -3,6 +3,9 @@
 add_rmsnorm_ref's contract (mamba_ssm's layer_norm_fn with prenorm=True, is_rms_norm=True, no bias):
 new_residual = x + residual, formed in float32 and stored in the residual's dtype (float32 with residual_in_fp32
 when there is none yet, else x's); normed = new_residual * rstd * weight in x's dtype, taken of the unrounded sum.
+One difference: under CUDA autocast a float32 x (the first block's input, the embedding's output) gets its normed
+output in autocast's dtype, the rounding the product that consumes it would do (so no cast kernel before in_proj and
+none of its input gradient back to float32: ~0.18 ms of a 1.3B step on an H100, docs/performance.md session 51).
 
 Why our own: the block's pre-norm runs once per layer each way, and mamba_ssm's kernel pair cost ~0.87 ms of host
 time per layer and step (autograd Function, autotuner, ~25 launch arguments; H100, docs/performance.md) where the
@@ -17,8 +20,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
+from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import fast_launch, next_power_of_2
 
 __all__ = ["add_rmsnorm_triton"]
@@ -27,7 +32,10 @@ __all__ = ["add_rmsnorm_triton"]
 @fast_launch
 @triton.jit
 def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D, eps,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -45,10 +53,13 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
 @triton.jit
 def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D,
                             HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                            STAGES: tl.constexpr):  # fmt: skip
+                            STAGES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Rows pid, pid + programs, ...: dx = rstd (w dy - s_hat mean(s_hat w dy)) (+ the new residual's own gradient),
     written to DX (x's dtype) and DRES (the residual's); this program's sum of dy * s_hat to DW_PART. The rows' loads
     are software-pipelined (STAGES rows in flight), as in the gated norm's backward (gated_rmsnorm_triton.py)."""
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -99,13 +110,13 @@ def _backward_programs(M: int, device: torch.device) -> int:
 
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, residual_in_fp32):
+    def forward(ctx, x, residual, weight, eps, residual_in_fp32, out_dtype):
         shape, D = x.shape, x.shape[-1]
         x2 = _rows(x)
         res2 = None if residual is None else _rows(residual)
         res_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
         M = x2.shape[0]
-        y = torch.empty(M, D, device=x.device, dtype=x.dtype)
+        y = torch.empty(M, D, device=x.device, dtype=out_dtype)
         s = torch.empty(M, D, device=x.device, dtype=res_dtype)
         rstd = torch.empty(M, device=x.device, dtype=torch.float32)
         block = next_power_of_2(D)
@@ -137,8 +148,8 @@ class _AddRMSNorm(torch.autograd.Function):
             HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block, STAGES=stages,
             num_warps=warps_for_row(block, _BWD_ELEMS_PER_THREAD),
         )  # fmt: skip
-        dw = dw_part.sum(0).to(weight.dtype)
-        return dx.view(ctx.shape), None if dres is None else dres.view(ctx.shape), dw, None, None
+        dw = column_sums(dw_part).to(weight.dtype)
+        return dx.view(ctx.shape), None if dres is None else dres.view(ctx.shape), dw, None, None, None
 
 
 def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
@@ -152,5 +163,8 @@ def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
         raise ValueError(
             f"add_rmsnorm_triton: a row of {D} elements does not fit one program (64 KB); use model.kernels=reference"
         )
+    out_dtype = x.dtype
+    if x.dtype == torch.float32 and x.is_cuda and torch.is_autocast_enabled("cuda"):
+        out_dtype = torch.get_autocast_dtype("cuda")  # (module docstring)
     with no_autocast(x.device):
-        return _AddRMSNorm.apply(x, residual, weight.contiguous(), float(eps), residual_in_fp32)
+        return _AddRMSNorm.apply(x, residual, weight.contiguous(), float(eps), residual_in_fp32, out_dtype)

@@ -33,7 +33,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.fast_math import fast_on_this_backend, sigmoid
 
@@ -138,7 +140,7 @@ def _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
-                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr):  # fmt: skip
+                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """BLOCK_L positions x BLOCK_D channels, as BLOCK_L / 4 groups of four consecutive positions: a group's four
     output rows come from seven x rows (t - 3 ... t + 3), each loaded and converted once. (Before session 38 each
     output row loaded its four taps: 4 loads and conversions per output element where this takes 1.75; sm_90 SASS
@@ -146,6 +148,9 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
     1.3B shape, docs/performance.md.)"""
     # CHANNELS_FASTEST: the programs running at once cover whole rows of x (every channel block of the same
     # positions), not one channel block of many positions (1.3B shape with documents: 0.118 against 0.127 ms, H100).
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     if CHANNELS_FASTEST:
         pid_d = tl.program_id(0)
         pid_l = tl.program_id(1)
@@ -238,12 +243,15 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
-                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr):  # fmt: skip
+                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
     step it loads x[u] and dout[u], computes g[u], adds g[u]'s weight- and bias-gradient terms and stores
     dx[u - 3]. The first three steps only fill the window; three steps past the segment finish its last dx."""
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -460,10 +468,10 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, num_warps=_BWD_WARPS,
     )  # fmt: skip
     W = weight_DW.shape[1]
-    dw = dw_part.sum(0)  # [d, 4], contiguous like the weight: no copy after the sum (one kernel fewer a layer)
+    # [d, 4], contiguous like the weight (no copy after the sum), and the bias's [d], in one launch
+    dw, db = column_sums(dw_part, db_part) if bias_D is not None else (column_sums(dw_part), None)
     if W < 4:
         dw = dw[:, 4 - W :].contiguous()  # taps 4 - W ... 3 are the weight's columns
-    db = db_part.sum(0) if bias_D is not None else None
     return dx_BDL, dw, db
 
 

@@ -17,6 +17,14 @@ torch.compile (which turns `kernel[grid]` launches into graph nodes of its own),
 unhashable argument, or a kernel that has seen more argument patterns than MAX_KEYS (a scalar that changes every
 call). `MAMBATITAN_FAST_LAUNCH=0` in the environment sends every launch through Triton's path (to compare the two,
 or to rule the shortcut out). Measured: docs/performance.md, "Session 19".
+
+Programmatic dependent launch (PDL, Hopper and newer; `MAMBATITAN_PDL=1`, off by default until measured faster):
+a kernel that declares a `PDL: tl.constexpr` parameter starts with `gdc_wait()` (wait until the kernel before it
+on the stream has finished and its writes are visible) and `gdc_launch_dependents()` (the next kernel may be
+launched once all of this one's programs have started). Launched here with `PDL=True` and Triton's `launch_pdl`
+option, the next kernel's programs are placed on the SMs this one's last programs leave idle and its launch
+latency is hidden, instead of a 1-2 us gap between two kernels (docs/performance.md, session 51). Kernels
+without the parameter, the interpreter and the fallback path launch as before.
 """
 
 from __future__ import annotations
@@ -31,6 +39,16 @@ except ImportError:  # no Triton (or an older one): nothing is launched through 
     _knobs = None
 
 MAX_KEYS = 64
+_PDL_ENV = os.environ.get("MAMBATITAN_PDL", "0") == "1"
+_PDL_DEVICES: dict[int, bool] = {}
+
+
+def _pdl_on(device: int) -> bool:
+    """MAMBATITAN_PDL=1 and a device of compute capability 9.0 or newer (asked once per device)."""
+    on = _PDL_DEVICES.get(device)
+    if on is None:
+        on = _PDL_DEVICES[device] = _PDL_ENV and torch.cuda.get_device_capability(device)[0] >= 9
+    return on
 
 
 def _hook_set(hook) -> bool:
@@ -79,6 +97,7 @@ class FastLaunch:
         # Triton's interpreter hands out InterpretedFunctions (no compiled launcher): always its own path.
         self._names = [p.name for p in params] if params is not None and hasattr(kernel, "device_caches") else None
         self.enabled = self._names is not None and os.environ.get("MAMBATITAN_FAST_LAUNCH", "1") != "0"
+        self.pdl_capable = self.enabled and "PDL" in self._names
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -92,6 +111,8 @@ class FastLaunch:
         if torch.compiler.is_compiling() or not self.enabled or callable(grid) or _launch_hooks_set():
             return self.kernel[grid](*args, **kwargs)  # (torch.compile captures `kernel[grid]` launches itself)
         device = torch._C._cuda_getDevice()
+        if self.pdl_capable and _pdl_on(device):
+            kwargs = dict(kwargs, PDL=True, launch_pdl=True)
         try:
             key = (
                 device,

@@ -22,8 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
+from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.fast_math import fast_on_this_backend, sigmoid
 
@@ -64,8 +66,11 @@ def _y_cols(cols, stride_yk, Y_COLS: tl.constexpr):
 @triton.jit
 def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z, M, N, eps,
                               NORM_BEFORE_GATE: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
-                              FAST: tl.constexpr):  # fmt: skip
+                              FAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """One (row, group): the group's N channels of y and z in, out and 1 / rms out."""
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -88,10 +93,13 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z,
 def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_yk, stride_dyk,
                               stride_z, stride_dz, M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
                               STAGES: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
-                              FAST: tl.constexpr):  # fmt: skip
+                              FAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Rows pid, pid + programs, ... of one group: with x the normalised input (y * silu(z), or y) and
     x_hat = x * rstd, dx = rstd (w g - x_hat mean(x_hat w g)) where g is out's gradient before the gate (dout, or
     dout * silu(z)); dy and dz from dx (or g) through the gate; this program's sum of g * x_hat to DW_PART."""
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     group = tl.program_id(1)
     D = N * tl.num_programs(1)
@@ -218,7 +226,7 @@ def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm
         NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, Y_COLS=y_cols, BLOCK=block,
         FAST=_fast(), num_warps=warps,
     )  # fmt: skip
-    return dy, dw_part.sum(0).to(weight_D.dtype), out
+    return dy, column_sums(dw_part).to(weight_D.dtype), out
 
 
 class _RMSNormGated(torch.autograd.Function):

@@ -275,6 +275,29 @@ def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32, impl):
     )
 
 
+def test_add_rmsnorm_triton_under_autocast_rounds_float32_input_once():
+    """Under CUDA bf16 autocast a float32 x (the first block's embedding output) gets its normed output in bf16, equal
+    to the float32 output rounded (the cast in_proj would do), and the same gradients as without autocast (the
+    incoming gradient rounded to bf16 either way); residual and the input gradient stay float32."""
+    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 100, 256, generator=gen).to(DEV).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(256, generator=gen)).to(DEV).requires_grad_(True)
+    dy = torch.randn(2, 100, 256, generator=gen).to(DEV, torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        normed, res = add_rmsnorm_triton(x, None, w, eps=1e-5, residual_in_fp32=True)
+    assert normed.dtype == torch.bfloat16 and res.dtype == torch.float32
+    (normed.float() * dy.float()).sum().backward()
+    dx, dw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    normed32, _ = add_rmsnorm_triton(x, None, w, eps=1e-5, residual_in_fp32=True)
+    assert normed32.dtype == torch.float32
+    assert torch.equal(normed, normed32.to(torch.bfloat16))
+    (normed32 * dy.float()).sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
+
+
 @pytest.mark.parametrize("ngroups", [1, 2])
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 def test_gated_rmsnorm_halves_ours_vs_mamba_ssm(norm_before_gate, ngroups):

@@ -31,11 +31,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
-from models.kernels.ssd_triton.launch import dot_precision, dummy
+from models.kernels.ssd_triton.launch import dot_precision, dummy, zeroed_counters
 from models.kernels.ssd_triton.state_passing import chunk_decay, entering_state32, kept_states_buffer
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "entering_states",
     "hand_on",
     "chain_counters",
+    "end_chain",
 ]
 
 
@@ -62,6 +64,8 @@ def take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS: tl.constexpr, BLOCK_P: tl.c
     HP = H // HEADS
     R = BATCH * HP * n_p * n_n
     ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    if ticket == NC * R - 1:  # the last ticket: every program holds its own, so the counter goes back to zero
+        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
     c = ticket // R
     if REVERSE:
         c = NC - 1 - c
@@ -75,6 +79,13 @@ def wait_chain(counter_ptr, steps):
     done = tl.atomic_add(counter_ptr, 0, sem="acquire")
     while done < steps:
         done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+
+
+@triton.jit
+def end_chain(counter_ptr):
+    """Called by the chain's last program, after its wait: every other program of the chain is past its own wait,
+    so the counter goes back to zero for the next launch (launch.zeroed_counters)."""
+    tl.atomic_xchg(counter_ptr, 0, sem="relaxed")
 
 
 @triton.jit
@@ -140,6 +151,7 @@ def hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, 
         release_chain(counter)
     else:
         store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
+        end_chain(counter)
 
 
 @fast_launch
@@ -184,7 +196,11 @@ def chained_states_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FOLD_DT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -244,6 +260,7 @@ def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, count
         release_chain(counter)
     else:
         store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
+        end_chain(counter)
 
 
 @triton.jit
@@ -305,7 +322,11 @@ def chained_dstates_bwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, True)
     g = h0 // (H // G)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -345,6 +366,7 @@ def chained_dstates_bwd_kernel(
         else:
             fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
             store_heads(fin, d0, d1, PN, mask, HEADS)
+            end_chain(counter)
 
 
 @triton.jit
@@ -392,6 +414,7 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
         release_chain(counter)
     else:
         store_heads(dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile, d0, d1, PN, mask, HEADS)
+        end_chain(counter)
 
 
 def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
@@ -413,9 +436,10 @@ def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int,
     return n_tiles, (H // heads) * n_tiles, meta
 
 
-def chain_counters(n_chains: int, device) -> torch.Tensor:
-    """The ticket counter and one chain counter per tile chain, zeroed (int32)."""
-    return torch.zeros(1 + n_chains, device=device, dtype=torch.int32)
+def chain_counters(n_chains: int, device, purpose: str) -> torch.Tensor:
+    """The ticket counter and one chain counter per tile chain, zero (int32), which the kernels leave zero:
+    take_ticket's last ticket and each chain's last program (end_chain) reset them."""
+    return zeroed_counters(1 + n_chains, device, purpose)
 
 
 def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: bool = False, keep_split: bool = False,
@@ -443,7 +467,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         dA_cs,
         seq if seq is not None else dummy(dev),
         init if init is not None else dummy(dev),
-        chain_counters(n_chains, dev),
+        chain_counters(n_chains, dev, "chained_states_fwd"),
         carry,
         S_in,
         kept[1] if store_lo else dummy(dev),
@@ -493,7 +517,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig, S_lo=No
         S_in32,
         S_lo if S_lo is not None else dummy(dev),
         dfinal if dfinal is not None else dummy(dev),
-        chain_counters(n_chains, dev),
+        chain_counters(n_chains, dev, "chained_dstates_bwd"),
         carry,
         dH,
         dinit,

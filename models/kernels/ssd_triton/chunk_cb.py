@@ -12,6 +12,7 @@ masks cost the consumers' inner loops more instructions than the products themse
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
 
@@ -46,7 +47,11 @@ def cb_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)

@@ -16,6 +16,7 @@ longer <= 0 where the weight is real, so the clamp moves to FOLD_MAX_EXP (no rea
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
@@ -69,7 +70,11 @@ def chunk_scan_fwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bch, pid_m, pid_p = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(P, BLOCK_P), INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS
     c = (pid_bch // (H // HEADS)) % NC

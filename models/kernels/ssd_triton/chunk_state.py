@@ -14,6 +14,7 @@ entering the chunk (0 for the first chunk: the initial state belongs to document
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
@@ -51,7 +52,11 @@ def chunk_state_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FOLD_DT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -188,7 +193,11 @@ def chunk_scan_bwd_dstates_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_n = tl.program_id(2)

@@ -9,6 +9,7 @@ config.py's block_config.)
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
 from models.kernels.ssd_triton.chunk_cb import LOG2E
@@ -43,8 +44,12 @@ def chunk_state_bwd_db_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
-    FOLD_DT: tl.constexpr,  # dt_ptr holds a2dt (dt.py; config fold_dt_states): the scale is one 2^(a_last - a2dt_s)
+    FOLD_DT: tl.constexpr,
+    PDL: tl.constexpr = False,  # dt_ptr holds a2dt (dt.py; config fold_dt_states): the scale is one 2^(a_last - a2dt_s)
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid0, pid_k, _ = program_ids(tl.cdiv(Q, BLOCK_K), 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb

@@ -26,9 +26,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.ssd_triton.chunk_cb import LOG2E
+from models.kernels.ssd_triton.launch import zeroed_counters
 
 
 @triton.jit
@@ -88,7 +90,11 @@ def dt_fwd_kernel(
     A_LOG: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bc = tl.program_id(0)
     c = pid_bc % NC
     b = pid_bc // NC
@@ -168,7 +174,11 @@ def dt_bwd_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bc = tl.program_id(0)
     c = pid_bc % NC
     b = pid_bc // NC
@@ -225,6 +235,7 @@ def dt_bwd_kernel(
     tl.debug_barrier()
     n_parts = tl.num_programs(0)
     if tl.atomic_add(done_ptr + tl.program_id(1), 1, sem="acq_rel") == n_parts - 1:
+        tl.atomic_xchg(done_ptr + tl.program_id(1), 0, sem="relaxed")  # zero for the next launch (every program is in)
         dA = _sum_rows(dA_part_ptr, n_parts, H, offs_h, mask_h, BLOCK_R)
         if A_LOG:
             dA = dA * A  # d/dA_log of -exp(A_log) is A itself
@@ -320,7 +331,7 @@ def dt_backward(
     parts = torch.empty(2, b * NC, H, device=dev, dtype=torch.float32)  # dA, d dt_bias per program
     sums = torch.empty(3, H, device=dev, dtype=torch.float32)  # dA, d dt_bias, dD
     block_q, block_h = _tiles(Q, H)
-    done = torch.zeros(cdiv(H, block_h), device=dev, dtype=torch.int32)  # finished programs per head block
+    done = zeroed_counters(cdiv(H, block_h), dev, "dt_bwd")  # finished programs per head block, left zero
     dt_bwd_kernel[(b * NC, cdiv(H, block_h))](
         dt_BLH,
         dt_bias if dt_bias is not None else ddt_p,

@@ -28,6 +28,7 @@ bytes (session 15, H100, 1.3B: dCB 0.435 -> 0.489 ms). With float32 x, one slab:
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
@@ -84,7 +85,11 @@ def state_passing_fwd_kernel(
     KEEP_S32: tl.constexpr,
     STORE_LO: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
     h = pid_bh % H
@@ -131,7 +136,11 @@ def state_passing_bwd_kernel(
     HAS_DFINAL: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
     h = pid_bh % H
