@@ -119,6 +119,8 @@ def compile_sm90(
     if isinstance(kernel, FastLaunch):  # compile the @triton.jit function itself
         kernel = kernel.kernel
     names = kernel.arg_names
+    # constexprs the caller leaves out take their defaults (the kernels' optional paths: GATE, PDL, X_SCALED, ...)
+    consts = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.has_default}, **consts}
     # Triton specialises an integer argument equal to 1 as the constant 1: the innermost strides, and `ones` (the
     # group count G at ngroups 1, which changed dx's registers from 116 to 132 with documents: session 26).
     unit_strides = {n for n in names if (re.fullmatch(r"s_\w+_[pn]", n) or n in ones) and n not in consts}

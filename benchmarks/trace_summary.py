@@ -223,6 +223,35 @@ def idle_gaps(events: list[dict], kernels: list[dict], window: tuple[float, floa
     return out
 
 
+def launch_kind(name: str) -> str:
+    """Who wrote a kernel: "cublas" (cuBLAS / CUTLASS products), "torch" (PyTorch's own kernels, memsets and
+    copies), else "triton" (ours and any other Triton kernel)."""
+    low = name.lower()
+    if any(k in low for k in ("nvjet", "gemm", "xmma", "cutlass", "sm90_", "sm80_", "splitkreduce")):
+        return "cublas"
+    if "at::native" in low or low.startswith(("void at::", "memset", "memcpy")):
+        return "torch"
+    return "triton"
+
+
+def gaps_by_kinds(kernels: list[dict], window: tuple[float, float]) -> list[tuple[str, str, int, float]]:
+    """The window's stretches with no kernel running, by the kinds (launch_kind) of the kernels before and after
+    each: (before, after, gaps, ms), most time first. Short gaps between kernels of one stream are the GPU's own
+    launch latency (a CUDA graph keeps them); their kinds say which could be bridged (programmatic dependent launch
+    works between kernels that opt in: our Triton kernels)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e) for e in kernels if window[0] <= e["ts"] < window[1])
+    totals: dict = collections.defaultdict(lambda: [0, 0.0])
+    end, prev = None, None
+    for start, stop, e in spans:
+        if end is not None and start > end:
+            t = totals[launch_kind(prev["name"]), launch_kind(e["name"])]
+            t[0] += 1
+            t[1] += (start - end) / 1e3
+        if end is None or stop > end:
+            end, prev = stop, e
+    return sorted(((b, a, n, ms) for (b, a), (n, ms) in totals.items()), key=lambda r: -r[3])
+
+
 def summarize(path: str, top: int = 15) -> dict:
     with open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -287,6 +316,7 @@ def summarize(path: str, top: int = 15) -> dict:
         "top": sorted(((n, c, t / 1e3) for n, (c, t) in per_kernel.items()), key=lambda r: -r[2])[:top],
         "fsdp_hooks": hook_times(events, window),
         "gaps": idle_gaps(events, inside, window, top),
+        "gap_kinds": gaps_by_kinds(inside, window),
         "launched_by": {k: c.most_common(3) for k, c in launched_by.items()},
     }
 
@@ -312,6 +342,12 @@ def main():
         default=0,
         help="also print the N longest stretches with no kernel on the GPU, and the host op that launched the "
         "kernel ending each (where an idle GPU waited for the host)",
+    )
+    ap.add_argument(
+        "--gap_kinds",
+        action="store_true",
+        help="also print the time with no kernel running by the kinds of kernel around each gap (cuBLAS, PyTorch, "
+        "Triton): which launch gaps programmatic dependent launch or fewer PyTorch kernels could take",
     )
     ap.add_argument("--json", help="append one JSON line per trace (without the kernel table) to this file")
     args = ap.parse_args()
@@ -353,9 +389,14 @@ def main():
                     f"  {g['ms']:7.2f} ms  after {before} | before {after} | "
                     f"launched in {short_name(g['launched_by'], 60)} (inside {short_name(g['inside'], 60)})"
                 )
+        if args.gap_kinds:
+            print("GPU idle between kernels, by the kinds of kernel before -> after:")
+            for before, after, n, ms in s["gap_kinds"]:
+                print(f"  {before:>6s} -> {after:<6s} {ms:7.3f} ms  {n:6d} gaps")
         if args.json:
             with open(args.json, "a") as f:
-                kept = {k: v for k, v in s.items() if k not in ("top", "host_top", "fsdp_hooks", "gaps", "launched_by")}
+                skip = ("top", "host_top", "fsdp_hooks", "gaps", "launched_by", "gap_kinds")
+                kept = {k: v for k, v in s.items() if k not in skip}
                 f.write(json.dumps(kept) + "\n")
     if args.groups:
         print(groups_table(summaries))

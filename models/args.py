@@ -52,6 +52,13 @@ class ModelArgs:
         "it: faster backward, batch * seqlen / chunk_size * nheads * headdim * d_state * 4 bytes more per Mamba layer "
         "held (128 MiB at the 1.3B's 4 x 4096); ignored by the mamba_ssm and reference kernels.",
     )
+    fuse_gate_into_scan: bool = doc(
+        False,
+        "With our SSD kernels on the fused path: the chunk scan also writes out_proj's input before the gated "
+        "norm's division by the rows' rms, and the next block's add + RMSNorm applies that row scale as it reads "
+        "the block's output (models/kernels/row_scale.py): one pass over y and z fewer per Mamba layer. Norm after "
+        "the gate with one group (ngroups 1) and out_proj without bias only; elsewhere ignored.",
+    )
     # Hybrid models (Megatron's pattern letters): M Mamba-2, * attention, - MLP, E MoE, | stage boundary.
     layer_pattern: str = doc("", "Empty = n_layers Mamba-2 blocks. E.g. 'MM*-|MME-'.")
     n_heads: int = doc(8, "Attention query heads.")

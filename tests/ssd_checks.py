@@ -386,3 +386,74 @@ def check_decay_through_initial_states(bound):
 
 
 # Row 0: a boundary exactly at a chunk start (16), a one-token document (at 30), a short one; row 1: one cut.
+
+
+def check_fused_gate(b, L, H, P, N, seed, chunk_size, kept_states=False):
+    """model.fuse_gate_into_scan (row_scale.py) on the kernel-halves path: mamba_split_conv1d_scan with fuse_gate
+    (the chunk scan writing out_proj's input before the gated norm's division by the rows' rms, that scale applied
+    by the next add + RMSNorm) followed by add_rmsnorm_triton, against the same two ops without it, in float32 with
+    A_log as the model passes it: the next norm's outputs (normed, new residual) and every gradient (the mixer's
+    inputs and parameters, the residual, the next norm's weight). Also: the output is a RowScaled whose
+    materialize() is the unfused output, and without a norm weight, with ngroups 2 or with out_proj's bias the
+    option leaves a plain tensor."""
+    from models.kernels import ops
+    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
+    from models.kernels.row_scale import RowScaled
+
+    g = torch.Generator().manual_seed(seed)
+    dim, conv_dim, d_model = H * P, H * P + 2 * N, 24
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    tensors = dict(
+        zxbcdt=r(b, L, 2 * dim + 2 * N + H),
+        conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1),
+        dt_bias=r(H, scale=0.3) - 1,
+        A_log=torch.log(torch.rand(H, generator=g) + 0.5),
+        D=r(H),
+        rmsnorm_weight=1 + r(dim, scale=0.1),
+        outproj_weight=r(d_model, dim, scale=dim**-0.5),
+        residual=r(b, L, d_model),
+        next_norm_weight=1 + r(d_model, scale=0.1),
+    )
+    seq = torch.zeros(b, L, dtype=torch.int32)
+    seq[:, L // 3 :] = 1
+    cot_normed, cot_res = r(b, L, d_model), r(b, L, d_model)
+    res = {}
+    for fuse in (False, True):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items()}
+        mixer_args = {k: v for k, v in leaves.items() if k not in ("residual", "next_norm_weight")}
+        with kernel_halves_from_references():
+            out = ops.mamba_split_conv1d_scan(
+                **mixer_args, A=None, chunk_size=chunk_size, seq_idx=seq, headdim=P, ngroups=1, rmsnorm_eps=1e-5,
+                norm_before_gate=False, backend="triton", keep_states=kept_states, fuse_gate=fuse,
+            )  # fmt: skip
+            assert isinstance(out, RowScaled) == fuse, type(out)
+            if fuse:
+                res["materialized"] = out.materialize().detach()
+            else:
+                res["plain"] = out.detach()
+            normed, new_res = add_rmsnorm_triton(out, leaves["residual"], leaves["next_norm_weight"], eps=1e-5)
+            ((normed * cot_normed).sum() + (new_res * cot_res).sum()).backward()
+        res[fuse] = {"normed": normed.detach(), "new_res": new_res.detach()}
+        res[fuse].update({"d" + k: v.grad.detach() for k, v in leaves.items()})
+    errors = {
+        k: ((res[True][k] - res[False][k]).abs().max() / res[False][k].abs().max().clamp_min(1e-30)).item()
+        for k in res[False]
+    }
+    errors["materialize"] = ((res["materialized"] - res["plain"]).abs().max() / res["plain"].abs().max()).item()
+    # Where the option does not apply: a plain tensor as before.
+    with kernel_halves_from_references():
+        for change in (dict(outproj_bias=torch.zeros(d_model)), dict(rmsnorm_weight=None)):
+            kw = dict({k: v.detach() for k, v in tensors.items() if k not in ("residual", "next_norm_weight")})
+            kw.update(change)
+            out = ops.mamba_split_conv1d_scan(
+                **kw, A=None, chunk_size=chunk_size, seq_idx=seq, headdim=P, ngroups=1, rmsnorm_eps=1e-5,
+                norm_before_gate=False, backend="triton", fuse_gate=True,
+            )  # fmt: skip
+            assert not isinstance(out, RowScaled), change
+    bad = {k: e for k, e in errors.items() if not e < 2e-5}
+    assert not bad, errors
+    return errors

@@ -27,6 +27,7 @@ from tests.ssd_checks import (
     check_final_state_only_halves,
     check_fp16_decay_gradient,
     check_fp16_gate_dD,
+    check_fused_gate,
     check_kept_matches_recomputed,
     check_split_path,
     kernel_halves_from_references,
@@ -70,6 +71,7 @@ def run_case_in_child(**case):
         "carried_decay": check_decay_through_initial_states,
         "fp16_decay": check_fp16_decay_gradient,
         "kept_vs_recomputed": check_kept_matches_recomputed,
+        "fused_gate": check_fused_gate,
     }
     for flag, check in checks.items():
         if case.pop(flag, False):

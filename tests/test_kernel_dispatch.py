@@ -288,3 +288,28 @@ def test_references_run_on_meta_tensors():
         y, fin = ssd_chunk_scan(x, dt, -torch.ones(4), B, B, 8, seq_idx=seq, return_final_states=True)
         assert y.shape == x.shape and fin.shape == (2, 4, 3, 5)
         assert causal_conv1d(torch.randn(2, 8, 24), torch.randn(8, 4), None, seq, "silu").shape == (2, 8, 24)
+
+
+def test_row_scaled_output_materialized_for_other_norm_backends():
+    """A mixer output with its rows' scale pending (models/kernels/row_scale.RowScaled, model.fuse_gate_into_scan)
+    given to ops.add_rmsnorm with a backend other than ours is scaled first: the same result as the scaled rows
+    given plainly, and the gradient reaching the unscaled values is the scaled rows' times the scale (the contract
+    the mixer's backward relies on); the scale's parts get none."""
+    from models.kernels import ops
+    from models.kernels.reference import add_rmsnorm_ref
+    from models.kernels.row_scale import RowScaled, row_rstd
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    parts = torch.rand(10, 3, generator=gen) * 4
+    residual, weight = torch.randn(2, 5, 8, generator=gen), torch.rand(8, generator=gen) + 0.5
+    cot = torch.randn(2, 5, 8, generator=gen)
+    normed, new_res = ops.add_rmsnorm(RowScaled(values, parts, 12, 1e-5), residual, weight, backend="reference")
+    rstd = row_rstd(parts, 12, 1e-5)
+    assert torch.allclose(rstd, torch.rsqrt(parts.sum(-1) / 12 + 1e-5))
+    scaled = (values.detach() * rstd.view(2, 5, 1)).requires_grad_(True)
+    want_normed, want_res = add_rmsnorm_ref(scaled, residual, weight)
+    assert torch.allclose(normed, want_normed, atol=1e-6) and torch.allclose(new_res, want_res, atol=1e-6)
+    (normed * cot).sum().backward()
+    (want_normed * cot).sum().backward()
+    assert torch.allclose(values.grad, scaled.grad * rstd.view(2, 5, 1), atol=1e-6)

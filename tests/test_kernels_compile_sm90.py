@@ -35,6 +35,7 @@ SSD_TESTS = (
     "test_chained_states_several_tiles_per_head",
     "test_headdim_and_state_size_not_powers_of_two",
     "test_staged_states_two_heads_per_program",
+    "test_fused_gate_into_the_chunk_scan",
 )
 # modules whose child() runs their interpreter cases through tests/interpreter_child.py
 CHILD_MODULES = (

@@ -446,3 +446,14 @@ def test_model_option_keeps_states_in_the_kernels_config(monkeypatch):
                     call()
                 seen.append(e.value.args[0])
     assert seen == [False] * 4 + [True] * 4
+
+
+def test_fused_gate_into_the_chunk_scan():
+    """model.fuse_gate_into_scan (models/kernels/row_scale.py): the mixer's output with its rows' 1 / rms left to the
+    next add + RMSNorm equals the unfused pair, outputs and every gradient (tests/ssd_checks.check_fused_gate), with
+    the entering states recomputed and kept, a ragged last chunk and two heads per chunk-scan program (partial sums
+    per head pair)."""
+    interpret_all(
+        dict(fused_gate=True, b=2, L=40, H=4, P=16, N=16, seed=3, chunk_size=16),
+        dict(fused_gate=True, b=1, L=50, H=2, P=16, N=16, seed=4, chunk_size=32, kept_states=True),
+    )

@@ -173,3 +173,25 @@ def test_trace_summary_fsdp_hook_times():
         ann("FSDP::pre_backward (layers.0)", 90_000, 1000),
     ]  # outside the window
     assert hook_times(events, (0, 10_000)) == [("FSDP::pre_forward", 2, 4.0), ("FSDP::backward_prefetch", 1, 0.5)]
+
+
+def test_trace_summary_gaps_by_the_kinds_of_kernel_around_them(tmp_path):
+    """Idle stretches counted by what ran before and after: Triton -> Triton 2 us, Triton -> cuBLAS 3 us, cuBLAS ->
+    PyTorch 1 us (overlapping kernels leave no gap); none after the last kernel."""
+    from benchmarks.trace_summary import launch_kind
+
+    assert [launch_kind(n) for n in ("chunk_scan_fwd_kernel", "nvjet_sm90_tst_256x128", "Memset (Device)")] == [
+        "triton",
+        "cublas",
+        "torch",
+    ]
+    kernels = [
+        ("conv_fwd_kernel", 0, 10),
+        ("dt_fwd_kernel", 12, 5),
+        ("cb_fwd_kernel", 14, 2),  # overlaps dt: no gap
+        ("nvjet_sm90_tst_192x192", 20, 30),
+        ("void at::native::reduce_kernel<128, 4>", 51, 4),
+    ]
+    s = _summarize_step(tmp_path, kernels)
+    got = {(b, a): (n, round(ms * 1e3, 6)) for b, a, n, ms in s["gap_kinds"]}
+    assert got == {("triton", "cublas"): (1, 3.0), ("triton", "triton"): (1, 2.0), ("cublas", "torch"): (1, 1.0)}, got

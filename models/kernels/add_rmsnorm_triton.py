@@ -25,14 +25,26 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
 from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import fast_launch, next_power_of_2
+from models.kernels.row_scale import RowScaled
 
 __all__ = ["add_rmsnorm_triton"]
 
 
+@triton.jit
+def row_rstd_of_parts(SS, row, J, n, eps, BLOCK_J: tl.constexpr):
+    """rsqrt(sum of row `row`'s J parts of SS [rows, J] / n + eps), float32 (row_scale.row_rstd in Triton)."""
+    parts = tl.arange(0, BLOCK_J)
+    total = tl.sum(tl.load(SS + row * J + parts, mask=parts < J, other=0.0), axis=0)
+    return 1.0 / tl.sqrt(total / n + eps)
+
+
 @fast_launch
 @triton.jit
-def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D, eps,
-                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D, eps, X_SS, X_RSTD, J, x_n, x_eps,
+                            HAS_RES: tl.constexpr, BLOCK: tl.constexpr, X_SCALED: tl.constexpr = False,
+                            BLOCK_J: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
+    """Row `row`: s = x (times the row's scale with X_SCALED: row_scale.py's RowScaled, its rstd also stored to
+    X_RSTD for the backward) + residual; the new residual s and rmsnorm(s) w."""
     if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
         gdc_wait()
         gdc_launch_dependents()
@@ -40,6 +52,10 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if X_SCALED:
+        x_rstd = row_rstd_of_parts(X_SS, row, J, x_n, x_eps, BLOCK_J)
+        tl.store(X_RSTD + row, x_rstd)
+        s = s * x_rstd
     if HAS_RES:
         s += tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(RES_OUT + row * D + cols, s.to(RES_OUT.dtype.element_ty), mask=mask)
@@ -51,12 +67,14 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
 
 @fast_launch
 @triton.jit
-def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D,
+def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D, X_RSTD,
                             HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                            STAGES: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                            STAGES: tl.constexpr, X_SCALED: tl.constexpr = False,
+                            PDL: tl.constexpr = False):  # fmt: skip
     """Rows pid, pid + programs, ...: dx = rstd (w dy - s_hat mean(s_hat w dy)) (+ the new residual's own gradient),
-    written to DX (x's dtype) and DRES (the residual's); this program's sum of dy * s_hat to DW_PART. The rows' loads
-    are software-pipelined (STAGES rows in flight), as in the gated norm's backward (gated_rmsnorm_triton.py)."""
+    written to DX (x's dtype; times x's row scale with X_SCALED) and DRES (the residual's); this program's sum of
+    dy * s_hat to DW_PART. The rows' loads are software-pipelined (STAGES rows in flight), as in the gated norm's
+    backward (gated_rmsnorm_triton.py)."""
     if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
         gdc_wait()
         gdc_launch_dependents()
@@ -76,7 +94,10 @@ def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_
         dx = (wdy - s_hat * (tl.sum(s_hat * wdy, axis=0) / D)) * rstd
         if HAS_DRES_OUT:
             dx += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if X_SCALED:
+            tl.store(DX + row * D + cols, (dx * tl.load(X_RSTD + row)).to(DX.dtype.element_ty), mask=mask)
+        else:
+            tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_RES:
             tl.store(DRES + row * D + cols, dx.to(DRES.dtype.element_ty), mask=mask)
         dw += dy * s_hat
@@ -110,7 +131,7 @@ def _backward_programs(M: int, device: torch.device) -> int:
 
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, residual_in_fp32, out_dtype):
+    def forward(ctx, x, residual, weight, eps, residual_in_fp32, out_dtype, x_ss, x_n, x_eps):
         shape, D = x.shape, x.shape[-1]
         x2 = _rows(x)
         res2 = None if residual is None else _rows(residual)
@@ -119,19 +140,24 @@ class _AddRMSNorm(torch.autograd.Function):
         y = torch.empty(M, D, device=x.device, dtype=out_dtype)
         s = torch.empty(M, D, device=x.device, dtype=res_dtype)
         rstd = torch.empty(M, device=x.device, dtype=torch.float32)
+        x_rstd = None if x_ss is None else torch.empty(M, device=x.device, dtype=torch.float32)
         block = next_power_of_2(D)
         _add_rmsnorm_fwd_kernel[(M,)](
             x2, res2 if res2 is not None else x2, weight, y, s, rstd,
             x2.stride(0), res2.stride(0) if res2 is not None else 0, D, eps,
-            HAS_RES=res2 is not None, BLOCK=block, num_warps=warps_for_row(block, _FWD_ELEMS_PER_THREAD),
+            x_ss if x_ss is not None else rstd, x_rstd if x_rstd is not None else rstd,
+            x_ss.shape[1] if x_ss is not None else 1, x_n, x_eps,
+            HAS_RES=res2 is not None, BLOCK=block, X_SCALED=x_ss is not None,
+            BLOCK_J=next_power_of_2(x_ss.shape[1]) if x_ss is not None else 1,
+            num_warps=warps_for_row(block, _FWD_ELEMS_PER_THREAD),
         )  # fmt: skip
-        ctx.save_for_backward(s, weight, rstd)
+        ctx.save_for_backward(s, weight, rstd, x_rstd)
         ctx.has_res, ctx.x_dtype, ctx.shape = residual is not None, x.dtype, shape
         return y.view(shape), s.view(shape)
 
     @staticmethod
     def backward(ctx, dy, dres_out):
-        s, weight, rstd = ctx.saved_tensors
+        s, weight, rstd, x_rstd = ctx.saved_tensors
         M, D = s.shape
         dy2 = _rows(dy) if dy is not None else torch.zeros(M, D, device=s.device, dtype=ctx.x_dtype)
         dres2 = None if dres_out is None else _rows(dres_out)
@@ -144,16 +170,26 @@ class _AddRMSNorm(torch.autograd.Function):
         stages = rows_in_flight(row_bytes, _BWD_STAGES)
         _add_rmsnorm_bwd_kernel[(programs,)](
             dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
-            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D,
+            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, x_rstd if x_rstd is not None else rstd,
             HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block, STAGES=stages,
+            X_SCALED=x_rstd is not None,
             num_warps=warps_for_row(block, _BWD_ELEMS_PER_THREAD),
         )  # fmt: skip
         dw = column_sums(dw_part).to(weight.dtype)
-        return dx.view(ctx.shape), None if dres is None else dres.view(ctx.shape), dw, None, None, None
+        dres = None if dres is None else dres.view(ctx.shape)
+        return dx.view(ctx.shape), dres, dw, None, None, None, None, None, None
 
 
 def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
-    """(normed, new_residual): see the module docstring and models.kernels.norm_reference.add_rmsnorm_ref."""
+    """(normed, new_residual): see the module docstring and models.kernels.norm_reference.add_rmsnorm_ref. x may be
+    a row_scale.RowScaled (its rows scaled as they are read; the gradient returned for its values is the scaled
+    rows' times the scale: row_scale.py's contract)."""
+    x_ss = x_n = x_eps = None
+    if isinstance(x, RowScaled):
+        x, x_ss, x_n, x_eps = x.values, x.sumsq_parts, int(x.n), float(x.eps)
+        if x_ss.dim() != 2 or x_ss.shape[0] != x.numel() // x.shape[-1] or x_ss.dtype != torch.float32:
+            raise ValueError(f"RowScaled.sumsq_parts must be float32 [rows, J], got {x_ss.dtype} {tuple(x_ss.shape)}")
+        x_ss = x_ss.contiguous()
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"weight must be [{D}] (x's last dim), got {tuple(weight.shape)}")
@@ -167,4 +203,6 @@ def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
     if x.dtype == torch.float32 and x.is_cuda and torch.is_autocast_enabled("cuda"):
         out_dtype = torch.get_autocast_dtype("cuda")  # (module docstring)
     with no_autocast(x.device):
-        return _AddRMSNorm.apply(x, residual, weight.contiguous(), float(eps), residual_in_fp32, out_dtype)
+        return _AddRMSNorm.apply(
+            x, residual, weight.contiguous(), float(eps), residual_in_fp32, out_dtype, x_ss, x_n or 1, x_eps or 0.0
+        )

@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
+from models.kernels.add_rmsnorm_triton import row_rstd_of_parts
 from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.fast_math import fast_on_this_backend, sigmoid
@@ -91,12 +92,17 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z,
 @fast_launch
 @triton.jit
 def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_dout, stride_y, stride_yk, stride_dyk,
-                              stride_z, stride_dz, M, N, NORM_BEFORE_GATE: tl.constexpr, RECOMPUTE: tl.constexpr,
-                              STAGES: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
-                              FAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                              stride_z, stride_dz, M, N, SS, J, eps, NORM_BEFORE_GATE: tl.constexpr,
+                              RECOMPUTE: tl.constexpr, STAGES: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
+                              FAST: tl.constexpr, SCALED: tl.constexpr = False, BLOCK_J: tl.constexpr = 1,
+                              PDL: tl.constexpr = False):  # fmt: skip
     """Rows pid, pid + programs, ... of one group: with x the normalised input (y * silu(z), or y) and
     x_hat = x * rstd, dx = rstd (w g - x_hat mean(x_hat w g)) where g is out's gradient before the gate (dout, or
-    dout * silu(z)); dy and dz from dx (or g) through the gate; this program's sum of g * x_hat to DW_PART."""
+    dout * silu(z)); dy and dz from dx (or g) through the gate; this program's sum of g * x_hat to DW_PART.
+    SCALED (the forward left its division by the rms to the next norm: row_scale.py; norm after the gate, one
+    group): DOUT holds u = dout * rstd, rstd comes from the rows' sums of squares SS, dx = w u - x_hat mean(x_hat w
+    u) (the same dx), the weight gradient's terms are u * x (x = y silu(z), the same sum) and the recomputed output
+    is x * w (out / rstd: out_proj's input in that forward)."""
     if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
         gdc_wait()
         gdc_launch_dependents()
@@ -119,7 +125,10 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
         g = tl.load(DOUT + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(Y + row * stride_y + y_cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + group * M + row)
+        if SCALED:
+            rstd = row_rstd_of_parts(SS, row, J, N, eps, BLOCK_J)
+        else:
+            rstd = tl.load(RSTD + group * M + row)
         sig = sigmoid(z, FAST)
         gate = z * sig
         # What stays live across the row's sum is kept small (x_hat, w g and, gate first, the two factors that turn
@@ -133,13 +142,19 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
             tl.store(DZ + row * stride_dz + cols, dz.to(DZ.dtype.element_ty), mask=mask)
             g *= gate
         else:
-            x_hat = y * gate * rstd
+            xg = y * gate
+            x_hat = xg * rstd
             if RECOMPUTE:
-                tl.store(OUT + row * D + cols, (x_hat * w).to(OUT.dtype.element_ty), mask=mask)
+                tl.store(OUT + row * D + cols, ((xg if SCALED else x_hat) * w).to(OUT.dtype.element_ty), mask=mask)
             y_dgate = y * sig * (1.0 + z * (1.0 - sig))
-        dw += g * x_hat
+        if SCALED:
+            dw += g * xg
+        else:
+            dw += g * x_hat
         wg = w * g
-        dx = (wg - x_hat * (tl.sum(x_hat * wg, axis=0) / N)) * rstd
+        dx = wg - x_hat * (tl.sum(x_hat * wg, axis=0) / N)
+        if not SCALED:
+            dx = dx * rstd
         if NORM_BEFORE_GATE:
             tl.store(DY + row * dy_row + dy_cols, dx.to(DY.dtype.element_ty), mask=mask)
         else:
@@ -203,16 +218,24 @@ def gated_rmsnorm_fwd(y_MD, weight_D, z_MD, eps: float, group_size: int, norm_be
     return out, rstd
 
 
-def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute):
+def gated_rmsnorm_bwd(
+    dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm_before_gate, dz_MD, recompute, sumsq_parts=None
+):
     """Gradients of gated_rmsnorm_fwd: (dy in y's dtype and layout (dense [M, D], or dense [K, M, D / K] blocks for
     blocked y), dweight [D] in weight's dtype, the normed output recomputed [M, D] or None). dz goes into dz_MD (rows
-    any stride, last dim contiguous). eps is not read: rstd is the forward's."""
+    any stride, last dim contiguous). eps is not read: rstd is the forward's. With sumsq_parts ([M, J] float32, the
+    rows' sums of (y silu(z))^2 in parts: chunk_scan.gate_store) the forward was the row-scaled one (row_scale.py;
+    rstd None, eps read, norm after the gate, one group): dout_MD then holds the gradient of out_proj's input times
+    rstd, and the recomputed output is y silu(z) w (the kernel's SCALED)."""
+    scaled = sumsq_parts is not None
+    if scaled and (norm_before_gate or group_size != y_MD.shape[-1] or rstd is not None):
+        raise ValueError("gated_rmsnorm_bwd with sumsq_parts: norm after the gate, one group, and no rstd")
     M, D, stride_y, stride_yk, y_cols = _y_layout(y_MD)
     for name, t in (("dout", dout_MD), ("z", z_MD), ("dz", dz_MD)):
         _check_rows(name, t, M, D)
     _check_weight(weight_D, D)
     groups, block, warps, programs = _launch_shape(M, D, group_size, y_MD.element_size(), y_MD.device)
-    if rstd.numel() != groups * M:
+    if not scaled and rstd.numel() != groups * M:
         raise ValueError(f"rstd must hold groups * M = {groups * M} values, got {rstd.numel()}")
     dy_shape = (D // y_cols, M, y_cols) if y_cols else (M, D)
     dy = torch.empty(dy_shape, device=y_MD.device, dtype=y_MD.dtype)
@@ -221,10 +244,11 @@ def gated_rmsnorm_bwd(dout_MD, y_MD, weight_D, z_MD, rstd, eps, group_size, norm
     in_bytes = block * (dout_MD.element_size() + y_MD.element_size() + z_MD.element_size())
     stages = rows_in_flight(in_bytes, _BWD_STAGES)
     _gated_rmsnorm_bwd_kernel[(programs, groups)](
-        dout_MD, y_MD, z_MD, weight_D, rstd, dy, dz_MD, out if recompute else dy, dw_part,
+        dout_MD, y_MD, z_MD, weight_D, sumsq_parts if scaled else rstd, dy, dz_MD, out if recompute else dy, dw_part,
         dout_MD.stride(0), stride_y, stride_yk, M * y_cols, z_MD.stride(0), dz_MD.stride(0), M, group_size,
+        sumsq_parts if scaled else dw_part, sumsq_parts.shape[1] if scaled else 1, float(eps),
         NORM_BEFORE_GATE=norm_before_gate, RECOMPUTE=recompute, STAGES=stages, Y_COLS=y_cols, BLOCK=block,
-        FAST=_fast(), num_warps=warps,
+        FAST=_fast(), SCALED=scaled, BLOCK_J=next_power_of_2(sumsq_parts.shape[1]) if scaled else 1, num_warps=warps,
     )  # fmt: skip
     return dy, column_sums(dw_part).to(weight_D.dtype), out
 

@@ -31,6 +31,7 @@ from models.kernels.reference import (
     rmsnorm_gated_ref,
     ssd_chunk_scan_ref,
 )
+from models.kernels.row_scale import RowScaled, materialize
 from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 from models.loss import IGNORE_INDEX, chunked_cross_entropy_sum, cross_entropy_sum
 
@@ -208,11 +209,14 @@ def add_rmsnorm(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm (layer_norm_fn prenorm=True): returns (normed, new_residual). Our Triton kernels
-    where the SSD's are ours (add_rmsnorm_triton.py), mamba_ssm's under "mamba_ssm", else the reference."""
-    if use_triton_ssd(backend, x):
+    where the SSD's are ours (add_rmsnorm_triton.py), mamba_ssm's under "mamba_ssm", else the reference. x may be a
+    row_scale.RowScaled (a mixer's output with its rows' scale pending): our kernels apply the scale as they read
+    it, the others get it applied first."""
+    if use_triton_ssd(backend, x.values if isinstance(x, RowScaled) else x):
         from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton  # lazy: imports triton
 
         return add_rmsnorm_triton(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
+    x = materialize(x)
     fn = _cuda.add_rmsnorm_cuda if use_cuda_kernels(backend, x) else add_rmsnorm_ref
     return fn(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
 
@@ -241,6 +245,7 @@ def mamba_split_conv1d_scan(
     backend: str = "auto",
     keep_states: bool = False,
     A_log: torch.Tensor | None = None,
+    fuse_gate: bool = False,
 ):
     """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
 
@@ -248,6 +253,8 @@ def mamba_split_conv1d_scan(
     Function that recomputes the conv and the norm in its backward, as mamba_ssm's fused mixer does
     (split_conv1d_scan.py). keep_states: as in ssd_chunk_scan. A_log: the model's parameter in place of A (pass
     A=None): A = -exp(A_log), taken inside our dt kernels (no PyTorch ops for it) or here for the other backends.
+    fuse_gate: on our path, where it applies, a row_scale.RowScaled output (model.fuse_gate_into_scan); the other
+    backends ignore it.
     """
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
@@ -268,7 +275,9 @@ def mamba_split_conv1d_scan(
     )
     args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias)
     if use_triton_ssd(backend, zxbcdt):
-        return mamba_split_conv1d_scan_triton(*args, A, D, chunk_size, keep_states=keep_states, A_log=A_log, **options)
+        return mamba_split_conv1d_scan_triton(
+            *args, A, D, chunk_size, keep_states=keep_states, A_log=A_log, fuse_gate=fuse_gate, **options
+        )
     if A is None:  # at least float32 (a bfloat16 parameter under FSDP's mixed precision), float64 kept
         A = -torch.exp(A_log.to(torch.promote_types(A_log.dtype, torch.float32)))
     fn = _cuda.mamba_split_conv1d_scan_cuda if use_cuda_kernels(backend, zxbcdt) else mamba_split_conv1d_scan_ref

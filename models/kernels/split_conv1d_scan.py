@@ -22,6 +22,7 @@ from models.kernels import cuda as _cuda
 from models.kernels._utils import no_autocast
 from models.kernels.autocast_linear import weight_grad
 from models.kernels.reference import split_zxbcdt_sizes
+from models.kernels.row_scale import RowScaled
 from models.kernels.weight_copies import compute_weight
 
 __all__ = ["mamba_split_conv1d_scan_triton"]
@@ -46,6 +47,10 @@ class _Sizes:
     # A given as A_log (A = -exp(A_log), the model's parameter): the dt kernels take the exponential and return
     # A_log's gradient, so no PyTorch ops for it run in the forward or the backward (four tiny kernels per layer)
     a_is_log: bool = False
+    # The gated norm's division by the rows' rms left to the next block's add + RMSNorm (row_scale.py; model option
+    # fuse_gate_into_scan): the chunk scan writes out_proj's input before it, and the Function returns the rows'
+    # sums of squares beside out_proj's output. Taken only where _fuses_gate says it applies.
+    fuse_gate: bool = False
 
     @property
     def headdim(self) -> int:
@@ -141,6 +146,29 @@ def _conv_backward_halves(xBC_in_BLC, conv_w, conv_b, dxBC_BLC, seq, s: _Sizes, 
     )
 
 
+def _fuses_gate(halves: bool, norm_w, out_w, out_b, s: _Sizes) -> bool:
+    """Whether this call takes the fused gate (s.fuse_gate, row_scale.py): on the kernel-halves path with our gated
+    norm, whose one group spans all channels (ngroups 1) after the gate, and out_proj without a bias (a bias is not
+    scaled with the rows)."""
+    return (
+        s.fuse_gate
+        and halves
+        and norm_w is not None
+        and out_w is not None
+        and out_b is None
+        and s.ngroups == 1
+        and not s.norm_before_gate
+        and _cuda.NORM_HALVES != "mamba_ssm"
+    )
+
+
+def _fast_gate() -> bool:
+    """The gated norm's sigmoid flavour (gated_rmsnorm_triton._fast), which the chunk scan's gate must share."""
+    from models.kernels.gated_rmsnorm_triton import _fast  # lazy: imports triton
+
+    return _fast()
+
+
 def _kernel_halves_on(zxbcdt, s: _Sizes) -> bool:
     """CUDA tensors, a GPU backend and the kernels installed (the CPU tests stand references in for the halves)."""
     return zxbcdt.is_cuda and s.other_backend != "reference" and _cuda.kernel_halves() is not None
@@ -175,17 +203,22 @@ class _MixerFunction(torch.autograd.Function):
             x, dt, A, B, C, s.chunk_size, D, None, dt_bias, seq, initial_states, s.keep_states
         )
         y_dtype = x.dtype if norm_w is not None else torch.float32  # the gate without a norm wants float32 y
+        fused_gate = _fuses_gate(halves, norm_w, out_w, out_b, s)
+        gate = (z, norm_w, _fast_gate()) if fused_gate else None
         y, final, saved = ssd_forward_pass(
-            x, dt, A32, dt_bias, B, C, D32, init, seq, s.chunk_size, cfg, y_dtype, True, s.dt_limit, s.a_is_log
+            x, dt, A32, dt_bias, B, C, D32, init, seq, s.chunk_size, cfg, y_dtype, True, s.dt_limit, s.a_is_log, gate
         )
+        sumsq = None
+        if fused_gate:  # y, out_proj's input before the rows' 1 / rms, the rows' sums of squares in parts
+            y, h, sumsq = y
         y_BLD = y.reshape(*zxbcdt.shape[:2], s.dim)
         rstd = None
-        if halves:  # the norm's 1 / rms per row and group, kept for its backward
+        if halves and not fused_gate:  # the norm's 1 / rms per row and group, kept for its backward
             h, rstd = _cuda.gated_rmsnorm_forward(
                 _rows(y_BLD), norm_w, _rows(z), s.rmsnorm_eps, s.dim // s.ngroups, s.norm_before_gate
             )
             h = h.view(y_BLD.shape)
-        else:
+        elif not halves:
             h = _gate_norm(y_BLD, z, zx0, norm_w, s)
         out = (
             h
@@ -195,15 +228,17 @@ class _MixerFunction(torch.autograd.Function):
         dt_p, dA_cs, a2dt, S_kept = saved[4:7] + saved[-1:]  # a2dt, S_kept: None unless config fold_dt, keep_states
         ctx.save_for_backward(
             zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
-            rstd, S_kept,
+            sumsq if fused_gate else rstd, S_kept,
         )  # fmt: skip
-        ctx.s, ctx.cfg, ctx.halves = s, cfg, halves
+        ctx.s, ctx.cfg, ctx.halves, ctx.fused_gate = s, cfg, halves, fused_gate
         ctx.set_materialize_grads(False)  # an unused final state then reaches backward as None, not a zero tensor
         ctx.dtypes = (A.dtype, None if D is None else D.dtype, None if initial_states is None else initial_states.dtype)
-        return out, final
+        if sumsq is not None:
+            ctx.mark_non_differentiable(sumsq)
+        return out, final, sumsq
 
     @staticmethod
-    def backward(ctx, dout, dfinal):
+    def backward(ctx, dout, dfinal, _dsumsq=None):
         from models.kernels.ssd_triton.autograd import ssd_backward_pass
 
         if ctx.halves:
@@ -287,10 +322,18 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
         if out_b is not None and needs[8]:
             dout_b = dout_2d.sum(0).to(out_b.dtype)
     recompute = dout is not None and out_w is not None and needs[7]
-    dy, dnorm_w, h = _cuda.gated_rmsnorm_backward(
-        _rows(dh), _rows(y_BLD), norm_w, _rows(z), rstd, s.rmsnorm_eps, s.dim // s.ngroups, s.norm_before_gate,
-        _rows(dz), recompute,
-    )  # fmt: skip
+    if ctx.fused_gate:  # dout is d(out) * rstd per row (row_scale.py): the norm's scaled backward; rstd is sumsq
+        from models.kernels.gated_rmsnorm_triton import gated_rmsnorm_bwd  # lazy: imports triton
+
+        dy, dnorm_w, h = gated_rmsnorm_bwd(
+            _rows(dh), _rows(y_BLD), norm_w, _rows(z), None, s.rmsnorm_eps, s.dim, False, _rows(dz), recompute,
+            sumsq_parts=rstd,
+        )  # fmt: skip
+    else:
+        dy, dnorm_w, h = _cuda.gated_rmsnorm_backward(
+            _rows(dh), _rows(y_BLD), norm_w, _rows(z), rstd, s.rmsnorm_eps, s.dim // s.ngroups, s.norm_before_gate,
+            _rows(dz), recompute,
+        )  # fmt: skip
     if recompute:
         dout_w = weight_grad(dout_2d, h, out_w.dtype)  # float32 from cuBLAS for a float32 weight
     del dh, h
@@ -345,7 +388,11 @@ def mamba_split_conv1d_scan_triton(
     other_backend: str = "auto",
     keep_states: bool = False,
     A_log=None,
+    fuse_gate: bool = False,
 ):
+    """mamba_split_conv1d_scan_combined's contract (models.kernels.reference documents it); with fuse_gate, where
+    _fuses_gate allows, the output is a row_scale.RowScaled (the gated norm's 1 / rms left to the next add +
+    RMSNorm), else a tensor as without it."""
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
     if zxbcdt.dim() != 3:
@@ -379,9 +426,10 @@ def mamba_split_conv1d_scan_triton(
         other_backend=other_backend,
         keep_states=keep_states,
         a_is_log=A is None,
+        fuse_gate=fuse_gate,
     )
     with no_autocast(zxbcdt.device):
-        out, final = _MixerFunction.apply(
+        out, final, sumsq = _MixerFunction.apply(
             zxbcdt,
             conv1d_weight,
             conv1d_bias,
@@ -395,4 +443,6 @@ def mamba_split_conv1d_scan_triton(
             seq_idx,
             s,
         )
+    if sumsq is not None:
+        out = RowScaled(out, sumsq, dim, rmsnorm_eps)
     return (out, final) if return_final_states else out

@@ -1,7 +1,9 @@
 """A residual block: fused add + RMSNorm, then a mixer; returns (hidden, residual) separately.
 
 Keeping hidden and residual apart (as mamba_ssm does) lets the next block fuse the residual add with its
-norm. Every layer letter of a hybrid pattern is such a block around a different mixer:
+norm. With model.fuse_gate_into_scan a Mamba-2 mixer's hidden output may be a models.kernels.row_scale.RowScaled
+(its rows' gated-norm scale still to apply), which the next block's norm (or norm_f, or a pipeline stage's packing)
+applies as it reads it. Every layer letter of a hybrid pattern is such a block around a different mixer:
 M Mamba-2, * attention, - SwiGLU MLP, E MoE.
 """
 

@@ -21,6 +21,7 @@ from models.args import ModelArgs
 from models.inference import InferenceCache, MambaLayerCache, last_conv_inputs
 from models.kernels import ops, step_ops
 from models.kernels.autocast_linear import autocast_linear
+from models.kernels.row_scale import RowScaled
 from models.norms import GatedRMSNorm
 
 
@@ -56,19 +57,24 @@ class Mamba2Mixer(nn.Module):
         self.cp = None  # set by parallelisms.context_parallel.apply_context_parallel
 
     # ---- forward -------------------------------------------------------------------------------------
-    def forward(self, u_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, u_BSD: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor | RowScaled:
+        """[b, s, d_model] -> [b, s, d_model]; with model.fuse_gate_into_scan on the fused path a RowScaled (its rows'
+        scale applied by the next block's norm: models/kernels/row_scale.py)."""
         if self.cp is not None:
             # z [b, s/cp, d_inner] (this rank's tokens), xBCdt [b, s, (conv_dim + H) of this rank's heads]: the hook
             # runs in_proj in two halves, the all-to-all of the second one hidden behind the first
             z_BSE, xBCdt = self.cp.in_proj_pre_conv_ssm(u_BSD, self.in_proj)
             return self._conv_ssm_out(z_BSE, xBCdt, seq_idx)[0]
         # autocast_linear: nn.Linear's product, with the float32 weight's gradient written in float32 by cuBLAS on CUDA
-        return self._forward(autocast_linear(u_BSD, self.in_proj.weight, self.in_proj.bias), seq_idx)[0]
+        zxbcdt = autocast_linear(u_BSD, self.in_proj.weight, self.in_proj.bias)
+        return self._forward(zxbcdt, seq_idx, fuse_gate=self.args.fuse_gate_into_scan)[0]
 
-    def _forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool = False):
+    def _forward(
+        self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool = False, fuse_gate=False
+    ):
         """in_proj output -> (out [b, s, d_model], the SSM state after the last token [b, H, P, N] or None)."""
         if self.cp is None and self.args.use_fused_path and zxbcdt.is_cuda and self.backend != "reference":
-            return self._fused_forward(zxbcdt, seq_idx, return_final_states)
+            return self._fused_forward(zxbcdt, seq_idx, return_final_states, fuse_gate)
         if self.cp is not None and return_final_states:
             raise ValueError(
                 "Mamba2Mixer: final SSM states (inference prefill) are not available under context "
@@ -128,7 +134,9 @@ class Mamba2Mixer(nn.Module):
             return self.out_proj(self.cp.post_conv_ssm_norm(y_BSI, z_BSE, self.norm)), final_BHPN
         return self.out_proj(self.norm(y_BSI, z_BSE)), final_BHPN
 
-    def _fused_forward(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool):
+    def _fused_forward(
+        self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None, return_final_states: bool, fuse_gate: bool = False
+    ):
         """conv + SSD + gated norm + out_proj in mamba_ssm's fused kernel (CUDA, no CP): (out, final or None)."""
         D = self.D.view(-1, self.headdim) if self.args.D_has_hdim else self.D
         out = ops.mamba_split_conv1d_scan(
@@ -153,6 +161,7 @@ class Mamba2Mixer(nn.Module):
             backend=self.backend,
             keep_states=self.args.ssd_keep_states,
             A_log=self.A_log,
+            fuse_gate=fuse_gate,
         )
         return out if return_final_states else (out, None)
 

@@ -20,6 +20,7 @@ from torch import nn
 from models.args import ModelArgs
 from models.inference import InferenceCache, left_padding_seq_idx
 from models.kernels import ops
+from models.kernels.row_scale import materialize
 from models.mamba2.block import Block
 from models.mamba2.mixer import Mamba2Mixer
 from models.norms import GatedRMSNorm, RMSNorm
@@ -103,7 +104,7 @@ class Mamba2LM(nn.Module):
         for layer in self.layers.values():
             hidden, residual = layer(hidden, residual, seq_idx)
         if self.norm_f is None:
-            return pack_hidden_residual(hidden, residual, self.pack_format)
+            return pack_hidden_residual(materialize(hidden), residual, self.pack_format)  # (a RowScaled's rows scaled)
         h_BSD, _ = self.norm_f.add_and_norm(hidden, residual, self.args.residual_in_fp32)
         if self.lm_head is None:
             return h_BSD

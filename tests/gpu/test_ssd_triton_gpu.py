@@ -400,3 +400,40 @@ def test_model_mixer_fused_path_matches_its_reference_path(keep_states):
     errs = {k: rel_err(results["auto"][k], v) for k, v in results["reference"].items()}
     # tf32 products in the kernels (the TOL of this file's float32 cases)
     assert all(e < TOL[torch.float32][1] for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_fuse_gate_into_scan_matches_the_unfused_model(dtype):
+    """model.fuse_gate_into_scan (models/kernels/row_scale.py): a three-layer model whose Mamba mixers return their
+    output with the gated norm's 1 / rms still pending, applied by the next block's add + RMSNorm (and by norm_f),
+    against the same weights without the option: the loss and every parameter's gradient, float32 and under bf16
+    autocast, with documents. The blocks' outputs must be RowScaled with the option and tensors without."""
+    from models import build_model_args, build_model_on_meta
+    from models.init import init_weights
+    from models.kernels.row_scale import RowScaled
+
+    results, kinds = {}, {}
+    for fuse in (False, True):
+        args = build_model_args(
+            "debug",
+            {"n_layers": 3, "d_model": 256, "headdim": 64, "d_state": 64, "chunk_size": 64, "ngroups": 1,
+             "fuse_gate_into_scan": fuse, "ssd_keep_states": True},
+        )  # fmt: skip
+        model = build_model_on_meta(args)
+        model.to_empty(device=DEV)
+        init_weights(model, seed=5)
+        seen = []
+        for layer in model.layers.values():
+            layer.register_forward_hook(lambda _m, _a, out: seen.append(type(out[0])))
+        gen = torch.Generator().manual_seed(6)
+        tokens = torch.randint(0, args.vocab_size, (2, 300), generator=gen).to(DEV)
+        seq = seq_idx_for(2, 300)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = model(tokens, seq_idx=seq, labels=tokens)
+        loss.float().backward()
+        results[fuse] = {"loss": loss.detach().float(), **{n: p.grad.clone() for n, p in model.named_parameters()}}
+        kinds[fuse] = seen
+    assert all(k is RowScaled for k in kinds[True]) and not any(k is RowScaled for k in kinds[False]), kinds
+    errs = {k: rel_err(results[True][k], v) for k, v in results[False].items()}
+    bound = TOL[dtype][1] if dtype == torch.float32 else 2e-2
+    assert all(e < bound for e in errs.values()), errs

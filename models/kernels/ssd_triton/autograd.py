@@ -40,7 +40,9 @@ from models.kernels.ssd_triton.forward import ssd_forward
 __all__ = ["ssd_chunk_scan_triton", "ssd_forward_pass", "ssd_backward_pass", "prepare_inputs", "check_seq_idx_shape"]
 
 
-def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit, a_is_log=False):
+def ssd_forward_pass(
+    x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit, a_is_log=False, gate=None
+):
     """The forward outside autograd: (y, final_states, saved), where ``saved`` is what ssd_backward_pass needs
     (inputs plus the float32 dt_p, within-chunk decay a and, with config fold_dt, a2dt (else None), [B, H, NC, Q]
     each; and last the entering states [K, B, NC, H, P, N] with config keep_states, else None: then nothing of that
@@ -48,7 +50,7 @@ def ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, sof
     gradient and must be told so too)."""
     NC = math.ceil(x.shape[1] / Q)
     dt_p, dA_cs, a2dt = dt_forward(dt, dt_bias, A, Q, NC, softplus, dt_limit, cfg.fold_dt, a_is_log=a_is_log)
-    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt)
+    y, final, S_kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg, y_dtype, a2dt, gate)
     return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept)
 
 

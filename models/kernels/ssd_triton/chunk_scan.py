@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.fast_math import sigmoid
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
@@ -58,6 +59,13 @@ def chunk_scan_fwd_kernel(
     s_y_l,
     s_y_h,
     s_y_p,
+    z_ptr,
+    w_ptr,
+    g_ptr,
+    ss_ptr,
+    s_z_b,
+    s_z_l,
+    J,
     HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
@@ -70,6 +78,8 @@ def chunk_scan_fwd_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INNER_FIRST: tl.constexpr,
+    GATE: tl.constexpr = False,
+    FAST: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
@@ -137,11 +147,19 @@ def chunk_scan_fwd_kernel(
                               t0, L, Q, mask_p, EVEN, PREC, FOLD_DT)  # fmt: skip
 
     # fmt: off
-    scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
-                s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+    acc0 = scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                      s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+    if GATE:
+        ss = gate_store(acc0, z_ptr, w_ptr, g_ptr, b, h0, t_m, offs_p, mask_p, valid_m, L, H, P, s_z_b, s_z_l, FAST)
     if HEADS == 2:
-        scan_store(acc1, x_ptr, D_ptr, y_ptr, b, h0 + 1, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
-                    s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+        acc1 = scan_store(acc1, x_ptr, D_ptr, y_ptr, b, h0 + 1, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b,
+                          s_x_h, s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+        if GATE:
+            ss += gate_store(acc1, z_ptr, w_ptr, g_ptr, b, h0 + 1, t_m, offs_p, mask_p, valid_m, L, H, P, s_z_b, s_z_l,
+                             FAST)
+    if GATE:  # this program's part of each row's sum of squares: part (head block, block of P) of J
+        part = (h0 // HEADS) * tl.cdiv(P, BLOCK_P) + pid_p
+        tl.store(ss_ptr + (b.to(tl.int64) * L + t_m) * J + part, ss, mask=valid_m)
     # fmt: on
 
 
@@ -170,7 +188,7 @@ def scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p,
 @triton.jit
 def scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
                 s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr):  # fmt: skip
-    """One head's output: + D x, stored in y's dtype."""
+    """One head's output: + D x, stored in y's dtype; returns it as stored (rounded), in float32."""
     if HAS_D:
         x_m = tl.load(
             x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
@@ -182,8 +200,27 @@ def scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid
             acc += x_m.to(tl.float32) * d[None, :]
         else:
             acc += x_m.to(tl.float32) * tl.load(D_ptr + h)
+    y = acc.to(y_ptr.dtype.element_ty)
     tl.store(
         y_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-        acc.to(y_ptr.dtype.element_ty),
+        y,
         mask=valid_m[:, None] & mask_p[None, :],
     )
+    return y.to(tl.float32)
+
+
+@triton.jit
+def gate_store(y, z_ptr, w_ptr, g_ptr, b, h, t_m, offs_p, mask_p, valid_m, L, H, P, s_z_b, s_z_l,
+               FAST: tl.constexpr):  # fmt: skip
+    """The gated norm's first half on one head's tile of y (as stored): the gated value v = y silu(z) times the
+    norm's weight to g (out_proj's input before its per-row 1 / rms, the norm's rows being all H * P channels), and
+    the rows' sums of v^2 over the tile, returned [BLOCK_M] (gated_rmsnorm_triton.py's forward, split at its sum)."""
+    cols = h * P + offs_p
+    mask = valid_m[:, None] & mask_p[None, :]
+    z = tl.load(z_ptr + b.to(tl.int64) * s_z_b + t_m[:, None] * s_z_l + cols[None, :], mask=mask, other=0.0)
+    z = z.to(tl.float32)
+    v = y * (z * sigmoid(z, FAST))
+    w = tl.load(w_ptr + cols, mask=mask_p, other=0.0).to(tl.float32)
+    rows = b.to(tl.int64) * L + t_m  # g is [B, L, H * P], dense
+    tl.store(g_ptr + rows[:, None] * (H * P) + cols[None, :], (v * w).to(g_ptr.dtype.element_ty), mask=mask)
+    return tl.sum(v * v, axis=1)

@@ -139,13 +139,24 @@ def _staged_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     return S_in, final, S_in32 if keep_s32 else kept
 
 
-def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None, a2dt=None) -> torch.Tensor:
-    """y from the chunk scan kernel; with a2dt (dt.py, config fold_dt) its weights take dt in their exponent."""
+def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=None, a2dt=None, gate=None):
+    """y from the chunk scan kernel; with a2dt (dt.py, config fold_dt) its weights take dt in their exponent. With
+    gate = (z [b, L, H * P] (last dim contiguous), the gated norm's weight [H * P], fast sigmoid): (y, g, ss), g =
+    y silu(z) w [b, L, H * P] in y's dtype and ss [b * L, J] float32, the rows' sums of (y silu(z))^2 in J parts
+    (chunk_scan.gate_store): the gated RMSNorm without its division by the rows' rms."""
     b, L, H, P = x.shape
     G, N = C.shape[2:]
     NC, Q = dt_p.shape[2:]
     y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
     heads = heads_per_program(H // G, min(cfg.scan_heads, 2))
+    if gate is not None:
+        z, w_norm, fast = gate
+        J = H // heads * cdiv(P, cfg.scan_p)
+        g = torch.empty(b, L, H * P, device=x.device, dtype=y.dtype)
+        ss = torch.empty(b * L, J, device=x.device, dtype=torch.float32)
+        gate_args = (z, w_norm, g, ss, z.stride(0), z.stride(1), J)
+    else:
+        gate_args = (dummy(x.device),) * 4 + (0, 0, 1)
     chunk_scan_fwd_kernel[grid(b * NC * H // heads, cdiv(Q, cfg.scan_m), cdiv(P, cfg.scan_p), cfg.inner_first)](
         CB,
         x,
@@ -166,6 +177,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         *x.stride(),
         *C.stride(),
         *y.stride(),
+        *gate_args,
         HAS_SEQ=seq is not None,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
@@ -181,8 +193,10 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         num_warps=cfg.scan_warps,
         num_stages=cfg.scan_stages,
         maxnreg=cfg.scan_maxnreg,
+        GATE=gate is not None,
+        FAST=gate is not None and gate[2],
     )
-    return y
+    return y if gate is None else (y, g, ss)
 
 
 def states_a2dt(a2dt, cfg: BlockConfig):
@@ -196,7 +210,7 @@ def keeps_states(cfg: BlockConfig) -> bool:
     return cfg.keep_states
 
 
-def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None):
+def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=None, a2dt=None, gate=None):
     """y [b, L, H, P] (y_dtype, default x's), final states [b, H, P, N] (float32) and, when keeps_states(cfg), the
     entering states for the backward ([K, b, NC, H, P, N], state_passing.kept_states_buffer; else None). a2dt (dt.py,
     config fold_dt): the chunk scan kernel's weights with dt in their exponent, and with config fold_dt_states the
@@ -206,7 +220,7 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
                                a2dt=states_a2dt(a2dt, cfg))  # fmt: skip
-    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt), final, kept
+    return _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg, y_dtype, a2dt, gate), final, kept
 
 
 def cb_and_entering_states(x, dt_p, dA_cs, B, C, seq, init, cfg: BlockConfig, a2dt=None):
