@@ -15,10 +15,11 @@ from tests.interpreter_child import child_results, run_checks
 pytest.importorskip("triton")
 
 
-def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
+def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False, residual_unused=False):
     """add_rmsnorm_triton against add_rmsnorm_ref in float64: normed output, new residual (and its dtype), and the
     gradients of x, residual and weight with both outputs used downstream (the new residual's own gradient flows
-    back through the add). residual: None, "float32" or "x" (x's dtype)."""
+    back through the add), or with residual_unused only the normed output (norm_f's case: the new residual's
+    gradient then reaches the backward as None). residual: None, "float32" or "x" (x's dtype)."""
     from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
     from models.kernels.norm_reference import add_rmsnorm_ref
 
@@ -39,7 +40,7 @@ def check_add_rmsnorm(b, L, D, seed, x_dtype, residual, residual_in_fp32=False):
     for name, fn, up in (("ours", add_rmsnorm_triton, False), ("ref", add_rmsnorm_ref, True)):
         leaves = [None if t is None else (t.double() if up else t.clone()).requires_grad_() for t in (x, res, w)]
         y, s = fn(leaves[0], leaves[1], leaves[2], eps=1e-5, residual_in_fp32=residual_in_fp32)
-        ((y.double() * c_y).sum() + (s.double() * c_s).sum()).backward()
+        ((y.double() * c_y).sum() + (0 if residual_unused else (s.double() * c_s).sum())).backward()
         out[name] = dict(
             y=y, s=s, dx=leaves[0].grad, dw=leaves[2].grad, **({} if res is None else {"dres": leaves[1].grad})
         )
@@ -63,6 +64,8 @@ CASES = {
                                          residual_in_fp32=True),
     "float16_x_float32_residual": dict(b=2, L=37, D=48, seed=2, x_dtype="float16", residual="float32"),
     "residual_in_x_dtype": dict(b=1, L=20, D=64, seed=3, x_dtype="float32", residual="x"),
+    "new_residual_unused": dict(b=1, L=20, D=64, seed=4, x_dtype="float32", residual="float32",
+                                residual_unused=True),
 }  # fmt: skip
 
 
