@@ -457,3 +457,12 @@ def test_fused_gate_into_the_chunk_scan():
         dict(fused_gate=True, b=2, L=40, H=4, P=16, N=16, seed=3, chunk_size=16),
         dict(fused_gate=True, b=1, L=50, H=2, P=16, N=16, seed=4, chunk_size=32, kept_states=True),
     )
+
+
+def test_one_output_unused():
+    """Only y or only the final states feed the loss: the other output's gradient reaches the backward as None (no
+    zero tensor filled: context parallel's unused final states), and every gradient still matches the reference."""
+    case = dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=5, seq_cuts=CUTS, with_init=True)
+    interpret_all(
+        dict(case, call=dict(chunk_size=16, use=("y",))), dict(case, call=dict(chunk_size=16, use=("final",)))
+    )

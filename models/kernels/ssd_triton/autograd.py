@@ -82,10 +82,17 @@ class _SSDChunked(torch.autograd.Function):
         y, final, saved = ssd_forward_pass(x, dt, A, dt_bias, B, C, D, init, seq, Q, cfg, y_dtype, softplus, dt_limit)
         ctx.save_for_backward(*saved)
         ctx.Q, ctx.cfg, ctx.softplus, ctx.dt_limit = Q, cfg, softplus, dt_limit
+        ctx.y_meta = (y.shape, y.dtype)
+        # An unused output (the final states, under context parallel or in training) reaches backward as None, not
+        # as a zero tensor autograd fills and the chained dstates then read
+        ctx.set_materialize_grads(False)
         return y, final
 
     @staticmethod
     def backward(ctx, dy, dfinal):
+        if dy is None:  # only the final states were used
+            shape, dtype = ctx.y_meta
+            dy = torch.zeros(shape, device=ctx.saved_tensors[0].device, dtype=dtype)
         grads = ssd_backward_pass(ctx.saved_tensors, dy, dfinal, ctx.Q, ctx.cfg, ctx.softplus, ctx.dt_limit)
         return (*grads, None, None, None, None, None, None)
 
