@@ -115,3 +115,51 @@ def test_torch_compile_captures_the_launch_without_a_graph_break():
         return out * 2
 
     torch.testing.assert_close(axpy_then_double(x, y), (2.0 * x + y) * 2, rtol=0, atol=0)
+
+
+def test_programmatic_dependent_launch_computes_the_same(monkeypatch):
+    """MAMBATITAN_PDL=1 (fast_launch.py): the SSD's forward and backward with documents and kept states, the chain of
+    our kernels launched with programmatic dependent launch, give bitwise the outputs and gradients of the plain
+    launches, eagerly and replayed from a CUDA graph (Hopper or newer; elsewhere the option is off and so is this)."""
+    from models.kernels import fast_launch as fl
+    from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    gen = torch.Generator().manual_seed(0)
+    b, L, H, P, N = 2, 1000, 8, 64, 64
+    x = torch.randn(b, L, H, P, generator=gen).cuda().bfloat16().requires_grad_()
+    dt = (torch.randn(b, L, H, generator=gen) * 0.5).cuda().bfloat16().requires_grad_()
+    A = -(torch.rand(H, generator=gen) + 0.5).cuda().requires_grad_()
+    B = torch.randn(b, L, 1, N, generator=gen).cuda().bfloat16().requires_grad_()
+    C = torch.randn(b, L, 1, N, generator=gen).cuda().bfloat16().requires_grad_()
+    seq = torch.zeros(b, L, dtype=torch.int32)
+    seq[:, 300:] = 1
+    seq[1, 777:] = 2
+    seq = seq.cuda()
+    cot = torch.randn(b, L, H, P, generator=gen).cuda().bfloat16()
+    leaves = (x, dt, A, B, C)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        y = ssd_chunk_scan_triton(x, dt, A, B, C, chunk_size=256, seq_idx=seq, dt_softplus=True, keep_states=True)
+        (y.float() * cot.float()).sum().backward()
+        return [y.detach().clone()] + [t.grad.clone() for t in leaves]
+
+    plain = step()
+    monkeypatch.setattr(fl, "_PDL_ENV", True)
+    monkeypatch.setattr(fl, "_PDL_DEVICES", {})
+    with_pdl = step()
+    assert all(torch.equal(a, b) for a, b in zip(plain, with_pdl))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(plain, captured))
