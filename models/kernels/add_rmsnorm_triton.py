@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
 from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import fast_launch, next_power_of_2
+from models.kernels.pdl import pdl_prologue
 from models.kernels.row_scale import RowScaled
 
 __all__ = ["add_rmsnorm_triton"]
@@ -45,9 +45,7 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
                             BLOCK_J: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
     """Row `row`: s = x (times the row's scale with X_SCALED: row_scale.py's RowScaled, its rstd also stored to
     X_RSTD for the backward) + residual; the new residual s and rmsnorm(s) w."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -75,9 +73,7 @@ def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_
     written to DX (x's dtype; times x's row scale with X_SCALED) and DRES (the residual's); this program's sum of
     dy * s_hat to DW_PART. The rows' loads are software-pipelined (STAGES rows in flight), as in the gated norm's
     backward (gated_rmsnorm_triton.py)."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+from models.kernels.pdl import pdl_prologue
 
 __all__ = ["column_sums"]
 
@@ -44,9 +44,7 @@ def _sum_block(X, OUT, R, C, stride_r, pid, BLOCK_R: tl.constexpr, BLOCK_C: tl.c
 def _column_sums_kernel(X1, OUT1, C1, stride1, X2, OUT2, C2, stride2, R, TWO: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_C: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Programs 0 .. cdiv(C1, BLOCK_C) - 1 sum X1's columns, the rest X2's (TWO)."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid = tl.program_id(0)
     n1 = tl.cdiv(C1, BLOCK_C)
     if TWO and pid >= n1:

@@ -33,11 +33,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.fast_math import fast_on_this_backend, sigmoid
+from models.kernels.pdl import pdl_prologue
 
 __all__ = ["causal_conv1d_triton", "conv_forward_triton", "conv_backward_triton", "MAX_WIDTH"]
 
@@ -148,9 +148,7 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
     1.3B shape, docs/performance.md.)"""
     # CHANNELS_FASTEST: the programs running at once cover whole rows of x (every channel block of the same
     # positions), not one channel block of many positions (1.3B shape with documents: 0.118 against 0.127 ms, H100).
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     if CHANNELS_FASTEST:
         pid_d = tl.program_id(0)
         pid_l = tl.program_id(1)
@@ -249,9 +247,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
     step it loads x[u] and dout[u], computes g[u], adds g[u]'s weight- and bias-gradient terms and stores
     dx[u - 3]. The first three steps only fill the window; three steps past the segment finish its last dx."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)

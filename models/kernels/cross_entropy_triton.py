@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels._utils import no_autocast
 from models.kernels.autocast_linear import mm_float32
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 from models.kernels.weight_copies import compute_weight
 
 __all__ = ["linear_cross_entropy_triton"]
@@ -42,9 +42,7 @@ def _cross_entropy_rows_kernel(LOGITS, LABELS, LOSS, stride_row, V, ignore_index
                                WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Row r of LOGITS [n, V]: LOSS[r] = logsumexp(row) - row[label] (0 if the label is ignore_index) in float32;
     with WRITE_GRAD the row becomes softmax(row) - onehot(label) (0 if ignored), in LOGITS' dtype."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
     cols = tl.arange(0, BLOCK_V)
@@ -75,9 +73,7 @@ def _cross_entropy_rows_kernel(LOGITS, LABELS, LOSS, stride_row, V, ignore_index
 @triton.jit
 def _scaled_kernel(X, SCALE, OUT, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """OUT = X * SCALE[0] in OUT's dtype (the scale read on the device: no host sync)."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(X + offs, mask=mask, other=0.0)

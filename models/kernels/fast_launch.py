@@ -19,9 +19,9 @@ call). `MAMBATITAN_FAST_LAUNCH=0` in the environment sends every launch through 
 or to rule the shortcut out). Measured: docs/performance.md, "Session 19".
 
 Programmatic dependent launch (PDL, Hopper and newer; `MAMBATITAN_PDL=1`, off by default until measured faster):
-a kernel that declares a `PDL: tl.constexpr` parameter starts with `gdc_wait()` (wait until the kernel before it
-on the stream has finished and its writes are visible) and `gdc_launch_dependents()` (the next kernel may be
-launched once all of this one's programs have started). Launched here with `PDL=True` and Triton's `launch_pdl`
+a kernel that declares a `PDL: tl.constexpr` parameter starts with `pdl.pdl_prologue(PDL)` (wait until the kernel
+before it on the stream has finished and its writes are visible, then let the next kernel launch once all of this
+one's programs have started). Launched here with `PDL=True` and Triton's `launch_pdl`
 option, the next kernel's programs are placed on the SMs this one's last programs leave idle and its launch
 latency is hidden, instead of a 1-2 us gap between two kernels (docs/performance.md, session 51). Kernels
 without the parameter, the interpreter and the fallback path launch as before.

@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels._utils import no_autocast, rows_in_flight, sm_count, warps_for_row
 from models.kernels.add_rmsnorm_triton import row_rstd_of_parts
 from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.fast_math import fast_on_this_backend, sigmoid
+from models.kernels.pdl import pdl_prologue
 
 __all__ = ["gated_rmsnorm_fwd", "gated_rmsnorm_bwd", "rmsnorm_gated_triton", "rmsnorm_gated_blocks_triton"]
 
@@ -69,9 +69,7 @@ def _gated_rmsnorm_fwd_kernel(Y, Z, W, OUT, RSTD, stride_y, stride_yk, stride_z,
                               NORM_BEFORE_GATE: tl.constexpr, Y_COLS: tl.constexpr, BLOCK: tl.constexpr,
                               FAST: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """One (row, group): the group's N channels of y and z in, out and 1 / rms out."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -103,9 +101,7 @@ def _gated_rmsnorm_bwd_kernel(DOUT, Y, Z, W, RSTD, DY, DZ, OUT, DW_PART, stride_
     group): DOUT holds u = dout * rstd, rstd comes from the rows' sums of squares SS, dx = w u - x_hat mean(x_hat w
     u) (the same dx), the weight gradient's terms are u * x (x = y silu(z), the same sum) and the recomputed output
     is x * w (out / rstd: out_proj's input in that forward)."""
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid = tl.program_id(0)
     group = tl.program_id(1)
     D = N * tl.num_programs(1)

@@ -28,18 +28,6 @@ class RowScaled(NamedTuple):
     n: int  # the norm's width: rstd = rsqrt(sum / n + eps)
     eps: float
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
     def materialize(self) -> torch.Tensor:
         """values * rstd per row, in values' dtype (the gradient flows to values only)."""
         rstd = row_rstd(self.sumsq_parts, self.n, self.eps)

@@ -13,9 +13,9 @@ float32 inputs (dot_precision).
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 
 
 @fast_launch
@@ -60,9 +60,7 @@ def bc_finish_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
     # Axis 2: dC's programs, then dB's, each over blocks of N: at the 1.3B and 370M shapes one program per chunk and

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy, zeroed_counters
@@ -198,9 +198,7 @@ def chained_states_fwd_kernel(
     FOLD_DT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -324,9 +322,7 @@ def chained_dstates_bwd_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, True)
     g = h0 // (H // G)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)

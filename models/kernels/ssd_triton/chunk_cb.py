@@ -12,9 +12,9 @@ masks cost the consumers' inner loops more instructions than the products themse
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # the inner loops take exp(u) as exp2(u * LOG2E)
 
@@ -49,9 +49,7 @@ def cb_fwd_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bcg = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)

@@ -16,10 +16,10 @@ longer <= 0 where the weight is real, so the clamp moves to FOLD_MAX_EXP (no rea
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
 from models.kernels.fast_math import sigmoid
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
@@ -82,9 +82,7 @@ def chunk_scan_fwd_kernel(
     FAST: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bch, pid_m, pid_p = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(P, BLOCK_P), INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS
     c = (pid_bch // (H // HEADS)) % NC

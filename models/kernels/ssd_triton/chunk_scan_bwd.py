@@ -24,9 +24,9 @@ tiles held across the heads) took 255 registers with spills, one program per SM,
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
@@ -85,9 +85,7 @@ def chunk_scan_bwd_dx_kernel(
     SUMS_2D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     n_k = tl.cdiv(Q, BLOCK_K)
     pid_bch, pid_k, _ = program_ids(n_k, 1, INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS

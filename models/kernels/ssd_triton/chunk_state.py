@@ -14,9 +14,9 @@ entering the chunk (0 for the first chunk: the initial state belongs to document
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 
 
@@ -54,9 +54,7 @@ def chunk_state_fwd_kernel(
     FOLD_DT: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_n = tl.program_id(2)
@@ -195,9 +193,7 @@ def chunk_scan_bwd_dstates_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bch = tl.program_id(0)
     pid_p = tl.program_id(1)
     pid_n = tl.program_id(2)

@@ -9,9 +9,9 @@ config.py's block_config.)
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import program_ids
 
@@ -47,9 +47,7 @@ def chunk_state_bwd_db_kernel(
     FOLD_DT: tl.constexpr,
     PDL: tl.constexpr = False,  # dt_ptr holds a2dt (dt.py; config fold_dt_states): the scale is one 2^(a_last - a2dt_s)
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid0, pid_k, _ = program_ids(tl.cdiv(Q, BLOCK_K), 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb

@@ -30,9 +30,9 @@ session 36); the per-head element-wise work (~21 instructions per element of the
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import fast_launch
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.chunk_scan import FOLD_MAX_EXP
 from models.kernels.ssd_triton.launch import program_ids
@@ -91,9 +91,7 @@ def chunk_scan_bwd_dcb_kernel(
     # the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs pid_k = n_m do
     # the state term of dC and O. Every program loops over its heads once, and the state term, which is as long as a
     # tile, does not run after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, session 11).
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb

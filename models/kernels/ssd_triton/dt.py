@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
 from models.kernels.ssd_triton.launch import zeroed_counters
 
@@ -92,9 +92,7 @@ def dt_fwd_kernel(
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bc = tl.program_id(0)
     c = pid_bc % NC
     b = pid_bc // NC
@@ -176,9 +174,7 @@ def dt_bwd_kernel(
     BLOCK_R: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bc = tl.program_id(0)
     c = pid_bc % NC
     b = pid_bc // NC

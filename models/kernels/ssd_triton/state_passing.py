@@ -28,9 +28,9 @@ bytes (session 15, H100, 1.3B: dCB 0.435 -> 0.489 ms). With float32 x, one slab:
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from models.kernels.fast_launch import cdiv, fast_launch
+from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_state import chunk_scan_bwd_dstates_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy
@@ -87,9 +87,7 @@ def state_passing_fwd_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
     h = pid_bh % H
@@ -138,9 +136,7 @@ def state_passing_bwd_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch (fast_launch.py): wait for the kernel before, then let the next start
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid_bh = tl.program_id(0)
     pid_k = tl.program_id(1)
     h = pid_bh % H
