@@ -142,11 +142,14 @@ def test_rejects_mismatched_shapes():
 
 
 class _TiedLM(torch.nn.Module):
-    """An embedding tied to its head, a layer between them, and the loss through ops.linear_cross_entropy_sum."""
+    """An embedding tied to its head, a layer between them, and the loss through ops.linear_cross_entropy_sum; with
+    backend "triton" the model's TokenEmbedding takes the loss's weight gradient (models/kernels/tied_embedding.py)."""
 
     def __init__(self, V: int, D: int, backend: str):
         super().__init__()
-        self.tok_embeddings = torch.nn.Embedding(V, D)
+        from models.mamba2.model import TokenEmbedding
+
+        self.tok_embeddings = TokenEmbedding(V, D)
         self.proj = torch.nn.Linear(D, D, bias=False)
         self.lm_head = torch.nn.Linear(D, V, bias=False)
         self.lm_head.weight = self.tok_embeddings.weight
@@ -154,9 +157,12 @@ class _TiedLM(torch.nn.Module):
 
     def forward(self, ids, labels):
         from models.kernels import ops
+        from models.kernels.tied_embedding import GradHandoff
 
-        h = torch.tanh(self.proj(self.tok_embeddings(ids)))
-        return ops.linear_cross_entropy_sum(h, self.lm_head.weight, labels, 5, backend=self.backend)
+        handoff = GradHandoff() if self.backend == "triton" else None
+        h = torch.tanh(self.proj(self.tok_embeddings(ids, grad_handoff=handoff)))
+        return ops.linear_cross_entropy_sum(h, self.lm_head.weight, labels, 5, backend=self.backend,
+                                            grad_handoff=handoff)  # fmt: skip
 
 
 def _fsdp_grads(rank: int, world: int, backend: str) -> dict:
@@ -181,7 +187,8 @@ def _fsdp_grads(rank: int, world: int, backend: str) -> dict:
 
 def test_fused_loss_under_fsdp2_with_tied_weights(monkeypatch):
     """The fused Function under FSDP2 on 2 gloo ranks (the interpreter's kernel), the head's weight tied to the
-    embedding and gathered by the root unit: losses and every reduced gradient equal the unfused path's."""
+    embedding and gathered by the root unit, the embedding's gradient added into the loss's (the handoff): losses and
+    every reduced gradient equal the unfused path's."""
     from tests.dist_utils import run_distributed
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned ranks import triton fresh, in interpreter mode

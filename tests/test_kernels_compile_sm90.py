@@ -45,6 +45,7 @@ CHILD_MODULES = (
     "tests.test_cross_entropy_triton",
     "tests.test_adamw_triton",
     "tests.test_sumsq_triton",
+    "tests.test_tied_embedding",
 )
 # kernels launched with kernel[grid] rather than through fast_launch (the optimizer's, once per step)
 PLAIN_KERNELS = (

@@ -109,7 +109,7 @@ def cross_entropy_rows(logits_NV: torch.Tensor, labels_N: torch.Tensor, ignore_i
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, labels_N, chunk_rows, compute_dtype, ignore_index, want_dh, want_dw):
+    def forward(ctx, h_ND, weight_VD, labels_N, chunk_rows, compute_dtype, ignore_index, want_dh, want_dw, handoff):
         N, V = h_ND.shape[0], weight_VD.shape[0]
         h, w = h_ND.to(compute_dtype), compute_weight(weight_VD, compute_dtype)  # a current copy, else a cast
         want_grad = want_dh or want_dw
@@ -132,6 +132,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh32 = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts)
         ctx.save_for_backward(dh32, dw32)
         ctx.dtypes = (h_ND.dtype, weight_VD.dtype)
+        ctx.handoff = handoff
         loss_N = losses[0] if len(losses) == 1 else torch.cat(losses)
         return loss_N.sum()
 
@@ -141,14 +142,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         dh = None if dh32 is None else scaled(dh32, dloss, h_dtype)
         dw = None if dw32 is None else scaled(dw32, dloss, w_dtype)
-        return dh, dw, None, None, None, None, None, None
+        if dw is not None and ctx.handoff is not None:
+            ctx.handoff.give(dw)  # the tied embedding's backward adds its rows into it (tied_embedding.py)
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_triton(
-    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, chunk_rows: int, ignore_index: int
+    h_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_N: torch.Tensor,
+    chunk_rows: int,
+    ignore_index: int,
+    grad_handoff=None,
 ) -> torch.Tensor:
     """sum over labelled rows of CE(h @ weight^T, label), a float32 scalar; h [N, D], weight [V, D], labels [N]
-    (int). chunk_rows > 0 bounds the logits buffer to [chunk_rows, V]; 0 = all rows at once."""
+    (int). chunk_rows > 0 bounds the logits buffer to [chunk_rows, V]; 0 = all rows at once. grad_handoff: a
+    tied_embedding.GradHandoff that the backward gives the weight's gradient to (the tied embedding's rows are then
+    added into it in place)."""
     if h_ND.dim() != 2 or weight_VD.dim() != 2 or h_ND.shape[1] != weight_VD.shape[1]:
         raise ValueError(f"h [N, D] and weight [V, D] expected, got {tuple(h_ND.shape)} and {tuple(weight_VD.shape)}")
     if labels_N.shape != h_ND.shape[:1]:
@@ -160,5 +170,6 @@ def linear_cross_entropy_triton(
     want_dh, want_dw = grad_on and h_ND.requires_grad, grad_on and weight_VD.requires_grad
     with no_autocast(dev):
         return _LinearCrossEntropy.apply(
-            h_ND, weight_VD, labels_N.contiguous(), int(chunk_rows), compute_dtype, int(ignore_index), want_dh, want_dw
-        )
+            h_ND, weight_VD, labels_N.contiguous(), int(chunk_rows), compute_dtype, int(ignore_index), want_dh, want_dw,
+            grad_handoff,
+        )  # fmt: skip

@@ -291,17 +291,19 @@ def linear_cross_entropy_sum(
     chunk_tokens: int = 0,
     *,
     backend: str = "auto",
+    grad_handoff=None,
 ) -> torch.Tensor:
     """lm_head (no bias) + the summed token cross-entropy, [B, S, D] -> a float32 scalar (labels IGNORE_INDEX don't
     count). Where the SSD's kernels are ours, one Function that makes the gradients in its forward and never the
-    float32 logits (cross_entropy_triton.py; chunk_tokens > 0 bounds its logits buffer); otherwise, with
+    float32 logits (cross_entropy_triton.py; chunk_tokens > 0 bounds its logits buffer; its backward gives the
+    weight's gradient to `grad_handoff`, a tied_embedding.GradHandoff, if one is passed); otherwise, with
     chunk_tokens > 0, chunks recomputed in the backward (models.loss.chunked_cross_entropy_sum), else lm_head's
-    logits and models.loss.cross_entropy_sum."""
+    logits and models.loss.cross_entropy_sum (a handoff then gets nothing: the embedding makes its own gradient)."""
     if use_triton_ssd(backend, h_BSD):
         from models.kernels.cross_entropy_triton import linear_cross_entropy_triton  # lazy: imports triton
 
         h_ND, labels_N = h_BSD.flatten(0, 1), labels_BS.flatten(0, 1)
-        return linear_cross_entropy_triton(h_ND, weight_VD, labels_N, chunk_tokens, IGNORE_INDEX)
+        return linear_cross_entropy_triton(h_ND, weight_VD, labels_N, chunk_tokens, IGNORE_INDEX, grad_handoff)
     if chunk_tokens > 0:
         return chunked_cross_entropy_sum(h_BSD, weight_VD, labels_BS, chunk_tokens)
     return cross_entropy_sum(F.linear(h_BSD, weight_VD), labels_BS)

@@ -21,6 +21,7 @@ from models.args import ModelArgs
 from models.inference import InferenceCache, left_padding_seq_idx
 from models.kernels import ops
 from models.kernels.row_scale import materialize
+from models.kernels.tied_embedding import GradHandoff, embedding_with_handoff
 from models.mamba2.block import Block
 from models.mamba2.mixer import Mamba2Mixer
 from models.norms import GatedRMSNorm, RMSNorm
@@ -57,6 +58,16 @@ def _fill_tied_head(module, state_dict, prefix, *_):
         state_dict.setdefault(prefix + "lm_head.weight", state_dict[prefix + "tok_embeddings.weight"])
 
 
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding whose forward may take a GradHandoff: its weight gradient is then added into the tied head's
+    (models/kernels/tied_embedding.py), not made apart and added by autograd."""
+
+    def forward(self, ids: torch.Tensor, grad_handoff: GradHandoff | None = None) -> torch.Tensor:
+        if grad_handoff is None:
+            return super().forward(ids)
+        return embedding_with_handoff(ids, self.weight, grad_handoff)
+
+
 class Mamba2LM(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -67,7 +78,7 @@ class Mamba2LM(nn.Module):
         # Shape of the summed loss forward returns: () a scalar; a pipeline's last stage sets (1,), since the schedule
         # concatenates that stage's outputs over microbatches (parallelisms/pipeline.py).
         self.loss_shape: tuple[int, ...] = ()
-        self.tok_embeddings = nn.Embedding(args.padded_vocab_size, args.d_model)
+        self.tok_embeddings = TokenEmbedding(args.padded_vocab_size, args.d_model)
         self.layers = nn.ModuleDict({str(i): Block(args, i, letter) for i, letter in enumerate(args.layer_types)})
         self.norm_f = RMSNorm(args.d_model, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.d_model, args.padded_vocab_size, bias=False)
@@ -97,8 +108,9 @@ class Mamba2LM(nn.Module):
         `loss_chunk_tokens` rows when > 0; elsewhere chunks of that many tokens recomputed in the backward, so the
         full logits never exist, or with 0 one pass).
         """
+        handoff = self._tied_grad_handoff(inputs, labels)
         if self.tok_embeddings is not None and self.embeds_tokens:
-            hidden, residual = self.tok_embeddings(inputs), None
+            hidden, residual = self.tok_embeddings(inputs, grad_handoff=handoff), None
         else:
             hidden, residual = unpack_hidden_residual(inputs, self.pack_format)
         for layer in self.layers.values():
@@ -110,10 +122,21 @@ class Mamba2LM(nn.Module):
             return h_BSD
         if labels is not None:
             loss = ops.linear_cross_entropy_sum(
-                h_BSD, self.lm_head.weight, labels, loss_chunk_tokens, backend=self.loss_backend
+                h_BSD, self.lm_head.weight, labels, loss_chunk_tokens, backend=self.loss_backend, grad_handoff=handoff
             )
             return loss.reshape(self.loss_shape)
         return self.lm_head(h_BSD)
+
+    def _tied_grad_handoff(self, inputs: torch.Tensor, labels: torch.Tensor | None) -> GradHandoff | None:
+        """A GradHandoff when this forward embeds tokens and takes the fused loss (our kernels) with the head's weight
+        tied and needing a gradient: the loss's backward then gives its weight gradient to the embedding's, which adds
+        its rows in place (models/kernels/tied_embedding.py). None otherwise."""
+        if labels is None or not self.embeds_tokens or self.tok_embeddings is None or self.lm_head is None:
+            return None
+        weight = self.tok_embeddings.weight
+        if self.lm_head.weight is not weight or not (torch.is_grad_enabled() and weight.requires_grad):
+            return None
+        return GradHandoff() if ops.use_triton_ssd(self.loss_backend, inputs) else None
 
     # ---- recurrent decoding (models.inference: the cache layout and the left-padding rule) ---------------
     def allocate_inference_cache(
