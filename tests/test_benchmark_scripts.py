@@ -305,3 +305,14 @@ def test_step_energy_per_step_extra_and_cpu_smoke_run(tmp_path):
                                "--dump_folder", str(tmp_path / "run"), "--out", str(out)])  # fmt: skip
     assert result["timed_steps"] == 2 and result["ms_per_step"] > 0 and result["joules_per_step"] is None
     assert result["tokens_per_sec"] > 0 and json.loads(out.read_text())["side"] == "ours"
+
+
+def test_bench_embedding_checks_its_arguments_and_refuses_the_cpu():
+    """bench_embedding.py rejects a bad --hot before anything runs, and without CUDA stops naming what it needs."""
+    from benchmarks import bench_embedding
+
+    with pytest.raises(SystemExit, match="--hot"):
+        bench_embedding.main(["--hot", "1.5"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bench_embedding.main([])

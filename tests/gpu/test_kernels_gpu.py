@@ -276,9 +276,11 @@ def test_add_rmsnorm(dtype, residual_kind, residual_in_fp32, impl):
 
 
 def test_add_rmsnorm_triton_under_autocast_rounds_float32_input_once():
-    """Under CUDA bf16 autocast a float32 x (the first block's embedding output) gets its normed output in bf16, equal
-    to the float32 output rounded (the cast in_proj would do), and the same gradients as without autocast (the
-    incoming gradient rounded to bf16 either way); residual and the input gradient stay float32."""
+    """Under CUDA bf16 autocast a float32 x (the first block's embedding output) gets its normed output in bf16: the
+    float32 output rounded (the cast in_proj would do), and the gradients of the float32 path (the incoming gradient
+    rounded to bf16 either way); residual and the input gradient stay float32. Within one bf16 ulp / float32
+    rounding, not bitwise: the kernels are compiled for other dtypes (a bf16 store, a bf16 dy), and Triton's layouts,
+    hence the row sums' order, follow the dtypes (session 52: the bitwise version of this test failed on an H100)."""
     from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
 
     gen = torch.Generator().manual_seed(3)
@@ -291,11 +293,16 @@ def test_add_rmsnorm_triton_under_autocast_rounds_float32_input_once():
     (normed.float() * dy.float()).sum().backward()
     dx, dw = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    normed32, _ = add_rmsnorm_triton(x, None, w, eps=1e-5, residual_in_fp32=True)
-    assert normed32.dtype == torch.float32
-    assert torch.equal(normed, normed32.to(torch.bfloat16))
+    normed32, res32 = add_rmsnorm_triton(x, None, w, eps=1e-5, residual_in_fp32=True)
+    assert normed32.dtype == torch.float32 and torch.equal(res, res32)
+    rounded = normed32.detach().to(torch.bfloat16).float()
+    off = (normed.float() - rounded).abs()
+    assert (off <= rounded.abs() * 2.0**-8).all(), "more than one bf16 ulp from the float32 output rounded"
+    assert (off > 0).float().mean() < 0.01, "the bf16 output is not the float32 output rounded"
     (normed32 * dy.float()).sum().backward()
-    assert x.grad.dtype == torch.float32 and torch.equal(dx, x.grad) and torch.equal(dw, w.grad)
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(dx, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, w.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("ngroups", [1, 2])
