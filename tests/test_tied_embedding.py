@@ -34,6 +34,10 @@ def _ids_with_runs(N: int, V: int, gen: torch.Generator) -> torch.Tensor:
     return ids
 
 
+def _shuffled(ids: list[int], gen: torch.Generator) -> torch.Tensor:
+    return torch.tensor(ids)[torch.randperm(len(ids), generator=gen)]
+
+
 def check_grad_add() -> dict:
     from models.kernels import embedding_triton as et
 
@@ -43,10 +47,10 @@ def check_grad_add() -> dict:
     cases = {
         "short_runs": (torch.randint(0, 40, (90,), generator=gen), 40, 50),
         "long_runs": (_ids_with_runs(300, 9, gen), 9, 130),
-        # sorted: token 1 at positions 0..31 (a whole chunk, then continues), token 2 at 32..95 (begins at a chunk's
-        # first row, fills two chunks, ends at a chunk's last row), token 3 once, token 4 across the 96 boundary.
-        "boundaries": (torch.tensor([1] * 40 + [2] * 56 + [4] * 3 + [3] * 1 + [4] * 2)[torch.randperm(102, generator=gen)],
-                       6, 20),  # fmt: skip
+        # sorted: token 1 at 0..31 (exactly one chunk), token 2 at 32..95 (begins at a chunk's first row, fills two
+        # chunks, ends at a chunk's last row), token 3 at 96 alone, token 4 at 97..136 (across the 128 boundary),
+        # token 5 at 137..206 (begins mid-chunk, fills the next, ends in a third: the last, partial chunk).
+        "boundaries": (_shuffled([1] * 32 + [2] * 64 + [3] + [4] * 40 + [5] * 70, gen), 6, 20),
         "one_token": (torch.full((70,), 3), 5, 16),
     }
     for name, (ids, V, D) in cases.items():

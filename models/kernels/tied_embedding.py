@@ -57,7 +57,8 @@ class _EmbeddingIntoTiedGrad(torch.autograd.Function):
             embedding_grad_add_(target, ids, grad_out.contiguous())
             return None, None, None
         shape, dtype, device = ctx.weight_meta
-        return None, embedding_grad_add_(torch.zeros(shape, dtype=dtype, device=device), ids, grad_out.contiguous()), None
+        own = embedding_grad_add_(torch.zeros(shape, dtype=dtype, device=device), ids, grad_out.contiguous())
+        return None, own, None
 
 
 def embedding_with_handoff(ids: torch.Tensor, weight_VD: torch.Tensor, handoff: GradHandoff) -> torch.Tensor:
