@@ -9,6 +9,8 @@ embedding_triton.py) on the CPU, through Triton's interpreter.
   on this stage, and the fused loss.
 - A tied embedding + layer + fused loss with the handoff against the reference path: the loss, the tied weight's
   gradient (one backward, and two microbatches accumulating into .grad), and the head's weight needing no gradient.
+- Mamba2LM itself with the fused loss and its layers on the references against the all-reference model: the handoff
+  taken, the loss and every parameter's gradient over two microbatches.
 (tests/test_cross_entropy_triton.py runs the handoff under FSDP2 on two gloo ranks.)
 """
 
@@ -130,8 +132,51 @@ def check_handoff_model() -> dict:
     return errors
 
 
+def check_mamba2lm_wiring() -> dict:
+    """Mamba2LM itself with the fused loss (interpreter) and its layers on the references: the embedding takes the
+    handoff (counted) and the loss and every gradient equal the all-reference model's, over two microbatches."""
+    import models.mamba2.model as model_module
+    from models.args import ModelArgs
+    from models.mamba2.model import Mamba2LM
+
+    calls = []
+    original = model_module.embedding_with_handoff
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    model_module.embedding_with_handoff = counted
+    try:
+        args = ModelArgs(d_model=16, n_layers=2, vocab_size=40, d_state=8, headdim=8, chunk_size=8)
+        torch.manual_seed(0)
+        fused = Mamba2LM(args)
+        plain = Mamba2LM(args)
+        plain.load_state_dict(fused.state_dict())
+        fused.set_kernel_backend("reference")
+        plain.set_kernel_backend("reference")
+        fused.loss_backend = "triton"  # the loss (and so the handoff) through the interpreter's kernels
+        gen = torch.Generator().manual_seed(2)
+        errors = {}
+        for step in range(2):
+            ids = _ids_with_runs(2 * 24, 48, gen).view(2, 24)
+            labels = torch.randint(0, 48, (2, 24), generator=gen)
+            losses = [m(ids, labels=labels) for m in (fused, plain)]
+            for loss in losses:
+                (loss * 0.1).backward()
+            errors[f"loss {step}"] = _rel(losses[0].detach(), losses[1].detach())
+            grads = dict(plain.named_parameters())
+            for name, p in fused.named_parameters():
+                errors[f"{name} {step}"] = _rel(p.grad, grads[name].grad)
+        assert len(calls) == 2, calls
+        assert all(e <= 1e-5 for e in errors.values()), {k: e for k, e in errors.items() if e > 1e-5}
+        return max(errors.values())
+    finally:
+        model_module.embedding_with_handoff = original
+
+
 def child() -> None:
-    run_checks({"grad_add": check_grad_add, "handoff_model": check_handoff_model})
+    run_checks({"grad_add": check_grad_add, "handoff_model": check_handoff_model, "mamba2lm": check_mamba2lm_wiring})
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +191,11 @@ def test_embedding_grad_add_against_float64(results):
 
 def test_tied_weight_handoff_equals_the_reference_path(results):
     r = results["handoff_model"]
+    assert r["ok"], r["out"]
+
+
+def test_mamba2lm_takes_the_handoff_and_equals_the_reference_model(results):
+    r = results["mamba2lm"]
     assert r["ok"], r["out"]
 
 
