@@ -25,7 +25,7 @@ import triton.language as tl
 
 from models.kernels._utils import no_autocast
 from models.kernels.autocast_linear import mm_float32
-from models.kernels.fast_launch import fast_launch
+from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.pdl import pdl_prologue
 from models.kernels.weight_copies import compute_weight
 
@@ -88,7 +88,7 @@ def scaled(x32: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
         return (x32 * scale).to(dtype)
     out = torch.empty(x32.shape, device=x32.device, dtype=dtype)
     block = 4096
-    _scaled_kernel[(-(-x32.numel() // block),)](
+    _scaled_kernel[(cdiv(x32.numel(), block),)](
         x32, scale.to(torch.float32).reshape(1), out, x32.numel(), BLOCK=block, num_warps=8
     )
     return out
