@@ -465,3 +465,51 @@ def check_fused_gate(b, L, H, P, N, seed, chunk_size, kept_states=False):
     bad = {k: e for k, e in errors.items() if not e < 2e-5}
     assert not bad, errors
     return errors
+
+
+def check_chain_scan(b, L, H, G, N, chunk_size, seed, with_seq, with_init, gate):
+    """config chain_scan (chain_scan.py): the chained states and the chunk scan as one launch of interleaved
+    programs give bit for bit the two kernels' outputs (y, the gate's outputs, the final and the kept states), float16
+    x with kept states, under the case's config (lag, heads per program, tiles: autograd.block_config). Then the inputs
+    through ssd_forward_pass under autograd's config get the same y (the option reaches the kernels)."""
+    import dataclasses
+
+    from models.kernels.ssd_triton import autograd
+    from models.kernels.ssd_triton.forward import ssd_forward, uses_chain_scan
+
+    P = 16
+    inp, seq_idx, _ = fp16_model_inputs(b, L, H, P, N, seq=with_seq, seed=seed, init=with_init)
+    gen = torch.Generator().manual_seed(seed + 1)
+    inp["B"] = torch.randn(b, L, G, N, generator=gen).half()
+    inp["C"] = torch.randn(b, L, G, N, generator=gen).half()
+    x = inp["x"]
+    A, B, C, D, init, seq, cfg = autograd.prepare_inputs(x, inp["dt"], inp["A"].float(), inp["B"], inp["C"], chunk_size,
+                                                         inp["D"], None, inp["dt_bias"].float(), seq_idx,
+                                                         inp.get("initial_states"), keep_states=True)  # fmt: skip
+    NC = math.ceil(L / chunk_size)
+    dt_p, dA_cs, a2dt = autograd.dt_forward(inp["dt"], inp["dt_bias"].float(), A, chunk_size, NC, True,
+                                            (0.0, float("inf")), cfg.fold_dt)  # fmt: skip
+    g = None
+    if gate:
+        g = (torch.randn(b, L, H * P, generator=gen).half(), torch.rand(H * P, generator=gen) + 0.5, False)
+    # A launch of another shape with as many chains first: each shape counts on its own counters (a shared ticket
+    # counter would give the launches below the wrong epoch, and their waits wrong targets: a hang).
+    half = math.ceil(NC / 2) * chunk_size
+    ssd_forward(x[:, :half].contiguous(), dt_p[:, :, : half // chunk_size].contiguous(),
+                dA_cs[:, :, : half // chunk_size].contiguous(), B[:, :half].contiguous(), C[:, :half].contiguous(), D,
+                None if seq is None else seq[:, :half].contiguous(), init, dataclasses.replace(cfg, chain_scan=True),
+                None, None if a2dt is None else a2dt[:, :, : half // chunk_size].contiguous())  # fmt: skip
+    outs = {}
+    for one_launch in (False, True):
+        c = dataclasses.replace(cfg, chain_scan=one_launch)
+        assert uses_chain_scan(c, x) is one_launch
+        y, final, kept = ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, c, None, a2dt, g)
+        outs[one_launch] = [*(y if gate else (y,)), final, kept]
+    names = ["y", "g", "sumsq"][: 3 if gate else 1] + ["final", "kept"]
+    differ = [n for n, a, o in zip(names, outs[False], outs[True], strict=True) if not torch.equal(a, o)]
+    assert not differ, f"one launch differs from the two kernels in {differ}"
+    y_pass = autograd.ssd_forward_pass(x, inp["dt"], A, inp["dt_bias"].float(), B, C, D, init, seq, chunk_size,
+                                       dataclasses.replace(cfg, chain_scan=True), None, True,
+                                       (0.0, float("inf")), gate=g)[0]  # fmt: skip
+    assert torch.equal(y_pass[0] if gate else y_pass, outs[True][0])
+    return {"equal": names}
