@@ -43,7 +43,6 @@ from triton.compiler import ASTSource
 from models.kernels.fast_launch import FastLaunch
 from models.kernels.ssd_triton import (
     bc_finish,
-    chain_scan,
     chained_states,
     chunk_scan,
     chunk_scan_bwd,
@@ -246,34 +245,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.scan_stages,
     )
     yield (
-        "chain_scan_fwd",  # config chain_scan: the chained states' and the chunk scan's programs in one launch
-        chain_scan.chain_scan_fwd_kernel,
-        dict(ptrs, sync_ptr="*i64", S_lo_ptr=BF16, z_ptr=BF16, g_ptr=BF16),
-        dict(
-            **seq,
-            HAS_INIT=False,
-            HAS_D=True,
-            D_HAS_HDIM=False,
-            CHAIN_EVEN=True,
-            CHAIN_HEADS=cfg.chained_heads,
-            CHAIN_P=cfg.state_p,
-            CHAIN_N=min(cfg.chained_fwd_n, N),
-            CHAIN_K=cfg.state_k,
-            CHAIN_FOLD_DT=fold_states,
-            SCAN_EVEN=True,
-            SCAN_HEADS=cfg.scan_heads,
-            SCAN_FOLD_DT=cfg.fold_dt,
-            SCAN_M=cfg.scan_m,
-            SCAN_K=cfg.scan_k,
-            SCAN_P=cfg.scan_p,
-            SCAN_N=cfg.scan_n,
-            GATE=True,
-            FAST=True,
-        ),
-        cfg.scan_warps,
-        cfg.scan_stages,
-    )
-    yield (
         "chunk_scan_bwd_dx",
         chunk_scan_bwd.chunk_scan_bwd_dx_kernel,
         ptrs,
@@ -453,7 +424,6 @@ MAXNREG = {
     "chained_dstates_bwd": "chained_bwd_maxnreg",
     "chained_states_fwd": "chained_fwd_maxnreg",
     "chunk_scan_fwd": "scan_maxnreg",
-    "chain_scan_fwd": "scan_maxnreg",
 }
 
 

@@ -36,7 +36,6 @@ SSD_TESTS = (
     "test_headdim_and_state_size_not_powers_of_two",
     "test_staged_states_two_heads_per_program",
     "test_fused_gate_into_the_chunk_scan",
-    "test_chain_scan_one_launch_equals_the_two_kernels",
 )
 # modules whose child() runs their interpreter cases through tests/interpreter_child.py
 CHILD_MODULES = (

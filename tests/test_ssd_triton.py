@@ -340,24 +340,6 @@ def test_kept_states_carry_the_decay_gradient_in_two_parts():
     interpret_all(*cases, dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2)))
 
 
-def test_chain_scan_one_launch_equals_the_two_kernels():
-    """config chain_scan (chain_scan.py): the chained states' and the chunk scan's programs interleaved in one launch
-    give bit for bit the two kernels' y, gate outputs, final and kept states (ssd_checks.check_chain_scan): documents
-    and initial states, a ragged last chunk, the scan's items one, two and more rounds behind the chain's (lag 0, 1,
-    5 > chunks), two groups, one or two heads per chain and scan program, several [P, N] tiles per head; and every
-    gradient through the kept path against the recompute (the backward is the kept path's). A scan item that does not
-    wait for its entering state reads the previous launch's (poisoned here by a first launch on other inputs is not
-    needed: the interpreter's ticket order never waits), so the GPU test checks it on a real schedule."""
-    base = dict(chain_scan=True, b=2, L=100, H=4, G=1, N=32, chunk_size=32, seed=0)
-    interpret_all(
-        dict(base, with_seq=True, with_init=True, gate=True, config=dict(SMALL_TILES)),
-        dict(base, with_seq=False, with_init=False, gate=False, config=dict(chain_scan_lag=0)),
-        dict(base, with_seq=True, with_init=False, gate=True, config=dict(chain_scan_lag=5, chained_fwd_n=16)),
-        dict(base, G=2, with_seq=True, with_init=True, gate=False, config=dict(chained_heads=2, scan_heads=1)),
-        dict(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, chain_scan=True)),
-    )
-
-
 def test_bad_input_raises_before_compute():
     # Checked before any kernel runs, so no interpreter is needed.
     from models.kernels.ssd_triton import ssd_chunk_scan_triton

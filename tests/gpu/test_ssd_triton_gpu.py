@@ -286,53 +286,6 @@ def test_dcb_on_a_second_stream_inside_a_cuda_graph(monkeypatch):
         assert not differ, f"replayed results differ from the eager one-stream path's: {differ}"
 
 
-@pytest.mark.parametrize("shape", ("small", "1.3b"))
-def test_chain_scan_one_launch_equals_the_two_kernels(shape, monkeypatch):
-    """config chain_scan (chain_scan.py: the chained states' and the chunk scan's programs in one launch, scan items
-    waiting on the chain's counters): every output and gradient bit for bit the two kernels' on a real schedule,
-    launch after launch (the counters count up across launches), lag 0, 1 and 2, eager and replayed in a CUDA
-    graph, with documents and initial and final states (and at the 1.3B's 4 x 4096 x 64 heads with documents)."""
-    import dataclasses
-
-    from models.kernels.ssd_triton import autograd as ssd_autograd
-
-    gen = torch.Generator().manual_seed(13)
-    b, L, H, P, N, variant = (
-        (2, 768, 8, 64, 128, "seq_init_final") if shape == "small" else (4, 4096, 64, 64, 128, "seq")
-    )
-    tensors = make(torch.bfloat16, b, L, H, P, N, 1, variant, gen)
-    fn = functools.partial(ssd_chunk_scan_triton, keep_states=True)
-    plain = ssd_autograd.block_config
-
-    def use(**options):
-        monkeypatch.setattr(ssd_autograd, "block_config", lambda *a: dataclasses.replace(plain(*a), **options))
-
-    use(chain_scan=False)
-    expected = run_all(fn, tensors, 256)
-    for lag in (0, 1, 2):
-        use(chain_scan=True, chain_scan_lag=lag)
-        for _ in range(3):
-            got = run_all(fn, tensors, 256)
-            differ = sorted(k for k in expected if not torch.equal(got[k], expected[k]))
-            assert not differ, f"lag {lag}: one launch differs from the two kernels in {differ}"
-    # In a CUDA graph: the counters are the graph's own (zeroed in it), each replay a new launch
-    use(chain_scan=True, chain_scan_lag=1)
-    static = {n: t.detach().clone() if isinstance(t, torch.Tensor) else t for n, t in tensors.items()}
-    with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(**static, chunk_size=256, dt_softplus=True, return_final_states=True)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y, fin = fn(**static, chunk_size=256, dt_softplus=True, return_final_states=True)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(y, expected["y"]) and torch.equal(fin, expected["final_states"])
-
-
 def split_path_inputs(seed, b, L, P, G, dtype, with_init=False, H=8, N=64, d_model=256):
     """The fused mixer's tensors (zxbcdt, conv, dt, A, D, norm, out_proj; initial states last when asked), on the GPU,
     and the draw function r(*shape, dt=dtype, scale=1.0) for more from the same generator."""

@@ -51,8 +51,6 @@ __all__ = [
     "hand_on",
     "chain_counters",
     "end_chain",
-    "kept_chain_step",
-    "chain_layout",
 ]
 
 
@@ -215,7 +213,7 @@ def chained_states_fwd_kernel(
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     counter = sync_ptr + 1 + r
     if CARRY_IS_KEPT:
-        kept_chain_step(init_ptr, S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c,
+        _kept_chain_step(init_ptr, S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c,
                          tile, mask, L, Q, NC, H, PN, HAS_INIT, HAS_SEQ, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
     else:
         # The state entering chunk c, in float32.
@@ -234,26 +232,20 @@ def chained_states_fwd_kernel(
 
 
 @triton.jit
-def kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c, tile, mask,
+def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c, tile, mask,
                      L, Q, NC, H, PN, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr,
-                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, base=0,
-                     COUNT_UP: tl.constexpr = False):  # fmt: skip
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """The forward's chain step when it keeps the entering states for the backward (CARRY_IS_KEPT, 16-bit x): the
     hand-off is the kept high + low parts of S_in[c + 1] themselves (state_passing.py), written once, instead of
     a float32 ring and the kept parts besides. The state entering chunk c is then what the backward's dtot will
     read (hi + lo, ~16 bits; the chunk states' own rounding to the operand dtype, ~8 bits, dominates the final
-    states' error). The final states are the float32 sum.
-    COUNT_UP (chain_scan.py, whose scan programs wait on the same counters): S_in[0] is released too, so the counter
-    counts the S_in written (its program waits for base + c, base = the launch's start + 1), and it is never reset
-    (each launch adds NC)."""
+    states' error). The final states are the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     if c == 0:
         s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
         s0, s1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, s0, s1, PN, mask, HEADS)
-        if COUNT_UP:
-            release_chain(counter)
     else:
-        wait_chain(counter, base + c)
+        wait_chain(counter, c)
         s0 = _load_kept(hi_ptr + at_c, lo_ptr + at_c, mask)
         s1 = s0
         if HEADS == 2:
@@ -266,8 +258,7 @@ def kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, counte
         release_chain(counter)
     else:
         store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
-        if not COUNT_UP:
-            end_chain(counter)
+        end_chain(counter)
 
 
 @triton.jit
@@ -422,7 +413,7 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
         end_chain(counter)
 
 
-def chain_layout(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
+def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
     """The chain layout of one launch: (heads per program, [P, N] tiles per head, tile chains per batch row, the
     kernel's tile constexprs and launch options)."""
     heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
@@ -456,14 +447,14 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
-    _, per_row, meta = chain_layout(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n)
+    _, per_row, meta = _chains(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n)
     n_chains = b * per_row
     kept = kept_states_buffer(x, NC, H, P, N) if keep_split else None
     S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if kept is None else kept[0]
     store_lo = kept is not None and kept.shape[0] == 2  # 16-bit x: the chain carries the kept parts
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     n_slots = NC if keep_s32 else 2
-    # With the kept high / low parts the chain hands states on through them (kept_chain_step): no float32 carry.
+    # With the kept high / low parts the chain hands states on through them (_kept_chain_step): no float32 carry.
     carry = dummy(dev) if store_lo else torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
     chained_states_fwd_kernel[(NC * n_chains,)](
         x,
@@ -506,7 +497,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig, S_lo=No
     G, N = C.shape[2:]
     NC, Q = dA_cs.shape[2:]
     dev = dy.device
-    n_tiles, per_row, meta = chain_layout(cfg, dy, L, Q, H, G, P, N, cfg.chained_bwd_n)
+    n_tiles, per_row, meta = _chains(cfg, dy, L, Q, H, G, P, N, cfg.chained_bwd_n)
     n_chains = b * per_row
     dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)

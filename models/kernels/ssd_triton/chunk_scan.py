@@ -87,21 +87,6 @@ def chunk_scan_fwd_kernel(
     h0 = (pid_bch % (H // HEADS)) * HEADS
     c = (pid_bch // (H // HEADS)) % NC
     b = pid_bch // ((H // HEADS) * NC)
-    scan_program(b, c, h0, pid_m, pid_p, CB_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, S_in_ptr, D_ptr, seq_ptr, y_ptr, L, Q,
-                 NC, H, G, P, N, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n, s_y_b, s_y_l, s_y_h, s_y_p,
-                 z_ptr, w_ptr, g_ptr, ss_ptr, s_z_b, s_z_l, J, HAS_SEQ, HAS_D, D_HAS_HDIM, EVEN, PREC, HEADS, FOLD_DT,
-                 BLOCK_M, BLOCK_K, BLOCK_P, BLOCK_N, GATE, FAST)  # fmt: skip
-
-
-@triton.jit
-def scan_program(b, c, h0, pid_m, pid_p, CB_ptr, x_ptr, dt_ptr, dA_ptr, C_ptr, S_in_ptr, D_ptr, seq_ptr, y_ptr, L, Q,
-                 NC, H, G, P, N, s_x_b, s_x_l, s_x_h, s_x_p, s_c_b, s_c_l, s_c_g, s_c_n, s_y_b, s_y_l, s_y_h, s_y_p,
-                 z_ptr, w_ptr, g_ptr, ss_ptr, s_z_b, s_z_l, J, HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr,
-                 D_HAS_HDIM: tl.constexpr, EVEN: tl.constexpr, PREC: tl.constexpr, HEADS: tl.constexpr,
-                 FOLD_DT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-                 BLOCK_N: tl.constexpr, GATE: tl.constexpr = False, FAST: tl.constexpr = False):  # fmt: skip
-    """One chunk scan program's work: batch b, chunk c, heads h0 (and h0 + 1 with HEADS 2), block pid_m of positions
-    and pid_p of P (chunk_scan_fwd_kernel's, and chain_scan.py's scan items')."""
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     t0 = c * Q
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -134,12 +134,6 @@ class BlockConfig:
     # 0.190, 370M 0.109 -> 0.103; tiles of 64 uncapped (168 registers, 3 per SM) 0.209 / 0.112.
     chained_bwd_n: int = 64
     chained_stages: int = 3
-    # The chained states' and the chunk scan's programs interleaved in one launch (chain_scan.py): the scan's tiles
-    # run while the chain's programs wait for their predecessors. Forward with kept states and 16-bit x only
-    # (forward.uses_chain_scan). chain_scan_lag: the scan's items of chunk c come after the chain's of chunk c + lag
-    # (their entering state is then usually written by the time they start).
-    chain_scan: bool = False
-    chain_scan_lag: int = 1
     # Grid order of the chunk scan, dx, dCB and dB (launch.program_ids): the programs of one chunk side by side
     # (True), so that what they share (the chunk's x, dy, CB, states) is read from L2, or the chunk index on the
     # grid's first axis (False). Session 12 (H100, 1.3B, ncu): L2 hit rate chunk scan 41% -> 74%, dx 39% -> 69%, dCB

@@ -2,8 +2,7 @@
 
 Two paths compute the same function (config ``chained``):
   - chained (default): cb_fwd -> chained_states_fwd (the chunk states and the recurrence between chunks in one
-    kernel, chained_states.py) -> chunk_scan_fwd; with config chain_scan (and kept states) the last two as one
-    launch whose programs interleave (chain_scan.py);
+    kernel, chained_states.py) -> chunk_scan_fwd;
   - staged: cb_fwd -> chunk_state_fwd -> state_passing_fwd -> chunk_scan_fwd, one kernel per stage with the
     [B, NC, H, P, N] chunk states and entering states in memory between them (mamba_ssm's structure).
 The backward recomputes CB and the entering states S_in with ``cb_and_entering_states`` (nothing
@@ -16,13 +15,12 @@ from __future__ import annotations
 import torch
 
 from models.kernels.fast_launch import cdiv
-from models.kernels.ssd_triton.chain_scan import chain_scan_fwd_kernel
-from models.kernels.ssd_triton.chained_states import chain_layout, chained_states
+from models.kernels.ssd_triton.chained_states import chained_states
 from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
-from models.kernels.ssd_triton.launch import dot_precision, dummy, grid, zeroed_counters
+from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_passing_fwd_kernel
 
 
@@ -149,8 +147,16 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
     b, L, H, P = x.shape
     G, N = C.shape[2:]
     NC, Q = dt_p.shape[2:]
+    y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
     heads = heads_per_program(H // G, min(cfg.scan_heads, 2))
-    y, outputs, gate_args = _scan_outputs(x, y_dtype, gate, heads, cfg)
+    if gate is not None:
+        z, w_norm, fast = gate
+        J = H // heads * cdiv(P, cfg.scan_p)
+        g = torch.empty(b, L, H * P, device=x.device, dtype=y.dtype)
+        ss = torch.empty(b * L, J, device=x.device, dtype=torch.float32)
+        gate_args = (z, w_norm, g, ss, z.stride(0), z.stride(1), J)
+    else:
+        gate_args = (dummy(x.device),) * 4 + (0, 0, 1)
     chunk_scan_fwd_kernel[grid(b * NC * H // heads, cdiv(Q, cfg.scan_m), cdiv(P, cfg.scan_p), cfg.inner_first)](
         CB,
         x,
@@ -190,113 +196,7 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         GATE=gate is not None,
         FAST=gate is not None and gate[2],
     )
-    return outputs
-
-
-def _scan_outputs(x, y_dtype, gate, heads: int, cfg: BlockConfig):
-    """The chunk scan's output buffers: (y, what the launcher returns, the gate's kernel arguments (z, w, g, ss,
-    z's two strides, J), dummies without a gate). The return is y, or (y, g, ss) with a gate (_staged_scan)."""
-    b, L, H, P = x.shape
-    y = torch.empty_like(x, dtype=y_dtype, memory_format=torch.contiguous_format)
-    if gate is None:
-        return y, y, (dummy(x.device),) * 4 + (0, 0, 1)
-    z, w_norm, _ = gate
-    J = H // heads * cdiv(P, cfg.scan_p)
-    g = torch.empty(b, L, H * P, device=x.device, dtype=y.dtype)
-    ss = torch.empty(b * L, J, device=x.device, dtype=torch.float32)
-    return y, (y, g, ss), (z, w_norm, g, ss, z.stride(0), z.stride(1), J)
-
-
-def uses_chain_scan(cfg: BlockConfig, x) -> bool:
-    """Whether the forward runs the chained states and the chunk scan as one launch (chain_scan.py): config chained,
-    chain_scan and keep_states, 16-bit x (the kept parts carry the chain), one warp count for both kinds of program."""
-    return (
-        cfg.chained
-        and cfg.chain_scan
-        and keeps_states(cfg)
-        and x.dtype != torch.float32
-        and cfg.state_warps == cfg.scan_warps
-    )
-
-
-def _chain_and_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg: BlockConfig, y_dtype=None, a2dt=None, gate=None):
-    """(chunk scan's outputs, final states, kept states) from chain_scan.py's one launch: the contract of
-    chained_states(keep_split=True) followed by _staged_scan."""
-    b, L, H, P = x.shape
-    G, N = B.shape[2:]
-    NC, Q = dt_p.shape[2:]
-    dev = x.device
-    _, per_row, chain_meta = chain_layout(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n)
-    n_chains = b * per_row
-    scan_heads = heads_per_program(H // G, min(cfg.scan_heads, 2))
-    y, outputs, gate_args = _scan_outputs(x, y_dtype, gate, scan_heads, cfg)
-    z, w_norm, g, ss, s_z_b, s_z_l, J = gate_args
-    kept = kept_states_buffer(x, NC, H, P, N)  # [2, ...]: 16-bit x (uses_chain_scan)
-    final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
-    n_scan = b * (H // scan_heads) * cdiv(Q, cfg.scan_m) * cdiv(P, cfg.scan_p)
-    states_dt = states_a2dt(a2dt, cfg)
-    chain_scan_fwd_kernel[(NC * (n_chains + n_scan),)](
-        x,
-        B,
-        dt_p if states_dt is None else states_dt,
-        dA_cs,
-        seq if seq is not None else dummy(dev),
-        init if init is not None else dummy(dev),
-        # per (chunks, programs) as well: a launch's epoch is its first ticket over its own programs per launch
-        zeroed_counters(1 + n_chains, dev, f"chain_scan_fwd {NC} {n_scan}", torch.int64),
-        kept[0],
-        kept[1],
-        final,
-        CB,
-        dt_p if a2dt is None else a2dt,
-        C,
-        D if D is not None else dummy(dev),
-        y,
-        z,
-        w_norm,
-        g,
-        ss,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        b,
-        min(max(cfg.chain_scan_lag, 0), NC),
-        J,
-        *x.stride(),
-        *B.stride(),
-        *C.stride(),
-        *y.stride(),
-        s_z_b,
-        s_z_l,
-        HAS_SEQ=seq is not None,
-        HAS_INIT=init is not None,
-        HAS_D=D is not None,
-        D_HAS_HDIM=D is not None and D.dim() == 2,
-        PREC=dot_precision(x),
-        CHAIN_EVEN=chain_meta["EVEN"],
-        CHAIN_HEADS=chain_meta["HEADS"],
-        CHAIN_P=chain_meta["BLOCK_P"],
-        CHAIN_N=chain_meta["BLOCK_N"],
-        CHAIN_K=chain_meta["BLOCK_K"],
-        CHAIN_FOLD_DT=states_dt is not None,
-        SCAN_EVEN=whole_tiles(L, Q, P, cfg.scan_p, cfg.scan_m, cfg.scan_k),
-        SCAN_HEADS=scan_heads,
-        SCAN_FOLD_DT=a2dt is not None,
-        SCAN_M=cfg.scan_m,
-        SCAN_K=cfg.scan_k,
-        SCAN_P=cfg.scan_p,
-        SCAN_N=cfg.scan_n,
-        GATE=gate is not None,
-        FAST=gate is not None and gate[2],
-        num_warps=cfg.scan_warps,
-        num_stages=cfg.scan_stages,
-        maxnreg=cfg.scan_maxnreg,
-    )
-    return outputs, final, kept
+    return y if gate is None else (y, g, ss)
 
 
 def states_a2dt(a2dt, cfg: BlockConfig):
@@ -317,8 +217,6 @@ def ssd_forward(x, dt_p, dA_cs, B, C, D, seq, init, cfg: BlockConfig, y_dtype=No
     chunk states' scale too."""
     NC, Q = dt_p.shape[2:]
     CB = chunk_cb(x, B, C, seq, Q, NC, cfg)
-    if uses_chain_scan(cfg, x):
-        return _chain_and_scan(x, dt_p, dA_cs, B, C, D, seq, init, CB, cfg, y_dtype, a2dt, gate)
     states = chained_states if cfg.chained else _staged_states
     S_in, final, kept = states(x, dt_p, dA_cs, B, seq, init, cfg, keep_split=keeps_states(cfg),
                                a2dt=states_a2dt(a2dt, cfg))  # fmt: skip

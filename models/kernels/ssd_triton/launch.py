@@ -27,21 +27,19 @@ def dummy(device) -> torch.Tensor:
 _COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def zeroed_counters(n: int, device, purpose: str, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def zeroed_counters(n: int, device, purpose: str) -> torch.Tensor:
     """n int32 counters, zero, for a kernel that leaves them zero when it ends (every counter it counts up is reset
-    by the program that reads it last: chained_states.py's tickets and chains, dt_bwd_kernel's finished programs); or
-    int64 counters that a kernel counts up across launches and never resets (chain_scan.py: each launch reads where
-    it starts from its first ticket).
+    by the program that reads it last: chained_states.py's tickets and chains, dt_bwd_kernel's finished programs).
     Kept per (purpose, size, device, stream), so that a launch needs no fill kernel before it (three per layer and
     step: ~0.4 ms of a 1.3B step on an H100, docs/performance.md session 51); the stream in the key keeps launches
     that could overlap (other streams) on their own counters. A buffer first asked for inside a CUDA graph capture is
     zeroed in the graph and not kept (it lives in the graph's memory pool)."""
     dev = torch.device(device)
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
-    key = (purpose, n, dev, stream, dtype)
+    key = (purpose, n, dev, stream)
     t = _COUNTERS.get(key)
     if t is None:
-        t = torch.zeros(n, device=dev, dtype=dtype)
+        t = torch.zeros(n, device=dev, dtype=torch.int32)
         if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
             _COUNTERS[key] = t
     return t
