@@ -130,7 +130,7 @@ def test_programmatic_dependent_launch_computes_the_same(monkeypatch):
     b, L, H, P, N = 2, 1000, 8, 64, 64
     x = torch.randn(b, L, H, P, generator=gen).cuda().bfloat16().requires_grad_()
     dt = (torch.randn(b, L, H, generator=gen) * 0.5).cuda().bfloat16().requires_grad_()
-    A = -(torch.rand(H, generator=gen) + 0.5).cuda().requires_grad_()
+    A = (-(torch.rand(H, generator=gen) + 0.5)).cuda().requires_grad_()  # a leaf: the minus before requires_grad_
     B = torch.randn(b, L, 1, N, generator=gen).cuda().bfloat16().requires_grad_()
     C = torch.randn(b, L, 1, N, generator=gen).cuda().bfloat16().requires_grad_()
     seq = torch.zeros(b, L, dtype=torch.int32)
