@@ -24,6 +24,10 @@ diagonal only 0.427 -> 0.412, dA up to 1.10x); and dx reading CB transposed inst
 the chunk states' whole per-position scale for the chained and staged states (the chained forward's loop 273 -> 218
 sm_90 instructions); on an H100, 2026-12-05, -0.58% of the SSD's joules against a 1.22% spread of its baselines, and
 compiled, its float32 sums re-associate: the final states' error against float64 1.6e-6 against 4.7e-7.
+Tried in session 53 and reverted (code at commit d08b15b): ``chain_scan``, the chained states' and the chunk scan's
+programs interleaved in one ticketed launch (scan items waiting on the chain's counters), bit for bit the two
+kernels' outputs, yet 522-526 us against 468 for the pair (H100, 1.3B with documents and the gate): the chain's
+programs do not leave that much idle, and held behind the scan's in the dispatch order its per-chunk latency grows.
 """
 
 from __future__ import annotations
