@@ -211,7 +211,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             CARRY_IS_KEPT=cfg.keep_states,
             BLOCK_N=min(cfg.chained_fwd_n, N),
             FOLD_DT=fold_states,
-            CHUNKS=cfg.chained_fwd_chunks,
         ),
         cfg.state_warps,
         cfg.chained_stages,

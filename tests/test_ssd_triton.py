@@ -340,21 +340,6 @@ def test_kept_states_carry_the_decay_gradient_in_two_parts():
     interpret_all(*cases, dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2)))
 
 
-def test_chained_forward_two_chunks_per_program():
-    """config chained_fwd_chunks 2: each program of the chained forward takes two consecutive chunks of its tile
-    chain (both own states before the wait, the second link from the state it holds). Every output and gradient
-    against float64 with documents, initial and final states, an odd number of chunks (the last program has one),
-    the float32 ring (recomputed states) and kept states (float32: one slab; float16: high and low parts, against
-    the recompute)."""
-    two = dict(chained_fwd_chunks=2)
-    case = dict(b=2, L=72, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16))  # 5 chunks
-    interpret_all(
-        dict(case, config=two),
-        dict(case, config=dict(two, keep_states=True, chained_heads=2)),
-        dict(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, **two)),
-    )
-
-
 def test_bad_input_raises_before_compute():
     # Checked before any kernel runs, so no interpreter is needed.
     from models.kernels.ssd_triton import ssd_chunk_scan_triton

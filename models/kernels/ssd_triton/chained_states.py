@@ -196,15 +196,10 @@ def chained_states_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FOLD_DT: tl.constexpr,
-    CHUNKS: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
-    # CHUNKS (config chained_fwd_chunks) consecutive chunks per program: their own states are computed before the
-    # wait for the chain, and the second chunk's link needs no wait (the program holds its entering state)
-    group, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, tl.cdiv(NC, CHUNKS), H, P, N, HEADS, BLOCK_P,
-                                                BLOCK_N, False)  # fmt: skip
-    c = group * CHUNKS
+    c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, False)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,63 +207,39 @@ def chained_states_fwd_kernel(
         x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_x_b, s_x_l, s_x_h,
         s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K, FOLD_DT,
     )  # fmt: skip
-    if CHUNKS == 2:  # (past the last chunk, with NC odd: chunk c again, unused)
-        own0b, own1b = chunk_local_states(
-            x_ptr, B_ptr, dt_ptr, dA_ptr, seq_ptr, b, tl.minimum(c + 1, NC - 1), h0, g, offs_p, offs_n, L, Q, NC, H, P,
-            N, s_x_b, s_x_l, s_x_h, s_x_p, s_b_b, s_b_l, s_b_g, s_b_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N,
-            BLOCK_K, FOLD_DT,
-        )  # fmt: skip
 
     PN = P * N
     tile = offs_p[:, None] * N + offs_n[None, :]
     mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     counter = sync_ptr + 1 + r
     if CARRY_IS_KEPT:
-        s0, s1 = _kept_entering(init_ptr, S_in_ptr, S_lo_ptr, counter, b, h0, c, tile, mask, NC, H, PN, HAS_INIT,
-                                HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
-        s0, s1 = _kept_link(S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, s0, s1, own0, own1, b, h0, c, tile,
-                            mask, L, Q, NC, H, PN, HAS_SEQ, HEADS)  # fmt: skip
-        if CHUNKS == 2:
-            if c + 1 < NC:
-                _kept_link(S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, s0, s1, own0b, own1b, b, h0, c + 1,
-                           tile, mask, L, Q, NC, H, PN, HAS_SEQ, HEADS)  # fmt: skip
+        _kept_chain_step(init_ptr, S_in_ptr, S_lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c,
+                         tile, mask, L, Q, NC, H, PN, HAS_INIT, HAS_SEQ, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
     else:
         # The state entering chunk c, in float32.
         s0, s1 = entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N_SLOTS, HAS_INIT, HEADS,
                                  BLOCK_P, BLOCK_N)  # fmt: skip
         if CARRY_IS_S32 and c == 0:  # S_in32[0]: no program hands it on
             store_heads(carry_ptr + (b.to(tl.int64) * N_SLOTS * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
-        s0, s1 = _ring_link(carry_ptr, S_in_ptr, final_ptr, dA_ptr, seq_ptr, counter, s0, s1, own0, own1, b, h0, c,
-                            tile, mask, L, Q, NC, H, PN, N_SLOTS, HAS_SEQ, HEADS)  # fmt: skip
-        if CHUNKS == 2:
-            if c + 1 < NC:
-                _ring_link(carry_ptr, S_in_ptr, final_ptr, dA_ptr, seq_ptr, counter, s0, s1, own0b, own1b, b, h0,
-                           c + 1, tile, mask, L, Q, NC, H, PN, N_SLOTS, HAS_SEQ, HEADS)  # fmt: skip
+        at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
+        store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
+
+        # The state leaving chunk c: handed on, or the final state.
+        s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+        if HEADS == 2:
+            s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
+        hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
 
 
 @triton.jit
-def _ring_link(carry_ptr, S_in_ptr, final_ptr, dA_ptr, seq_ptr, counter, s0, s1, own0, own1, b, h0, c, tile, mask, L,
-               Q, NC, H, PN, N_SLOTS, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr):  # fmt: skip
-    """Chunk c's link of the chain with a float32 hand-off (ring or S_in32): S_in[c] = s stored, the state leaving
-    the chunk handed on (or the final state); returns it (what the next chunk's program would load)."""
-    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
-    s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
-    if HEADS == 2:
-        s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
-    hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
-    return s0, s1
-
-
-@triton.jit
-def _kept_entering(init_ptr, hi_ptr, lo_ptr, counter, b, h0, c, tile, mask, NC, H, PN, HAS_INIT: tl.constexpr,
-                   HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """The forward's chain when it keeps the entering states for the backward (CARRY_IS_KEPT, 16-bit x): the
+def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, own0, own1, b, h0, c, tile, mask,
+                     L, Q, NC, H, PN, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr,
+                     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The forward's chain step when it keeps the entering states for the backward (CARRY_IS_KEPT, 16-bit x): the
     hand-off is the kept high + low parts of S_in[c + 1] themselves (state_passing.py), written once, instead of
     a float32 ring and the kept parts besides. The state entering chunk c is then what the backward's dtot will
     read (hi + lo, ~16 bits; the chunk states' own rounding to the operand dtype, ~8 bits, dominates the final
-    states' error). The final states are the float32 sum. Here: the state entering chunk c (float32, as stored), the
-    initial states (stored as S_in[0]) or, once the chain's counter says so, the previous chunk's hand-off."""
+    states' error). The final states are the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     if c == 0:
         s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
@@ -279,25 +250,15 @@ def _kept_entering(init_ptr, hi_ptr, lo_ptr, counter, b, h0, c, tile, mask, NC, 
         s1 = s0
         if HEADS == 2:
             s1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
-    return s0, s1
-
-
-@triton.jit
-def _kept_link(hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, counter, s0, s1, own0, own1, b, h0, c, tile, mask, L, Q,
-               NC, H, PN, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr):  # fmt: skip
-    """Chunk c's link with kept states (_kept_entering): the state leaving the chunk stored as S_in[c + 1]'s parts
-    and released, or the final state; returns it as stored (hi + lo: what the next chunk's program would load)."""
-    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
     if HEADS == 2:
         s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
     if c + 1 < NC:
-        s0, s1 = _store_kept(hi_ptr + at_c + H * PN, lo_ptr + at_c + H * PN, s0, s1, PN, mask, HEADS)
+        _store_kept(hi_ptr + at_c + H * PN, lo_ptr + at_c + H * PN, s0, s1, PN, mask, HEADS)
         release_chain(counter)
     else:
         store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
         end_chain(counter)
-    return s0, s1
 
 
 @triton.jit
@@ -493,11 +454,9 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     store_lo = kept is not None and kept.shape[0] == 2  # 16-bit x: the chain carries the kept parts
     final = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
     n_slots = NC if keep_s32 else 2
-    # With the kept high / low parts the chain hands states on through them (_kept_entering, _kept_link): no float32
-    # carry.
+    # With the kept high / low parts the chain hands states on through them (_kept_chain_step): no float32 carry.
     carry = dummy(dev) if store_lo else torch.empty(b, n_slots, H, P, N, device=dev, dtype=torch.float32)
-    chunks = max(1, min(cfg.chained_fwd_chunks, 2))
-    chained_states_fwd_kernel[(cdiv(NC, chunks) * n_chains,)](
+    chained_states_fwd_kernel[(NC * n_chains,)](
         x,
         B,
         dt_p if a2dt is None else a2dt,
@@ -525,7 +484,6 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         CARRY_IS_S32=keep_s32,
         CARRY_IS_KEPT=store_lo,
         FOLD_DT=a2dt is not None,
-        CHUNKS=chunks,
         maxnreg=cfg.chained_fwd_maxnreg,
         **meta,
     )

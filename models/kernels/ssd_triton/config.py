@@ -138,9 +138,6 @@ class BlockConfig:
     # 0.190, 370M 0.109 -> 0.103; tiles of 64 uncapped (168 registers, 3 per SM) 0.209 / 0.112.
     chained_bwd_n: int = 64
     chained_stages: int = 3
-    # Consecutive chunks per program of the chained forward (1 or 2): with 2, a program computes both chunks' own
-    # states before it waits for the chain, and its second link follows the first without a wait or a load.
-    chained_fwd_chunks: int = 1
     # Grid order of the chunk scan, dx, dCB and dB (launch.program_ids): the programs of one chunk side by side
     # (True), so that what they share (the chunk's x, dy, CB, states) is read from L2, or the chunk index on the
     # grid's first axis (False). Session 12 (H100, 1.3B, ncu): L2 hit rate chunk scan 41% -> 74%, dx 39% -> 69%, dCB
