@@ -28,6 +28,9 @@ Tried in session 53 and reverted (code at commit d08b15b): ``chain_scan``, the c
 programs interleaved in one ticketed launch (scan items waiting on the chain's counters), bit for bit the two
 kernels' outputs, yet 522-526 us against 468 for the pair (H100, 1.3B with documents and the gate): the chain's
 programs do not leave that much idle, and held behind the scan's in the dispatch order its per-chunk latency grows.
+Also tried then and reverted (commit 41ea252): ``chained_fwd_chunks`` 2, two consecutive chunks of a tile chain per
+program of the chained forward (both own states before the wait): 168.2 us at a 168-register cap, 206.8 uncapped,
+against 158.0 with one chunk per program (and not bit for bit the one-chunk kernel's outputs on the GPU).
 """
 
 from __future__ import annotations
