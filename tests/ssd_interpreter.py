@@ -49,6 +49,12 @@ def run_case_in_child(**case):
         default = autograd.block_config
         autograd.block_config = lambda q, p, n: dataclasses.replace(default(q, p, n), **overrides)
     call = case.pop("call", {})
+    # Module constants set for this case ("package.module.NAME": value; e.g. the dt kernels' program size)
+    for name, value in case.pop("constants", {}).items():
+        import importlib
+
+        module, attr = name.rsplit(".", 1)
+        setattr(importlib.import_module(module), attr, value)
     if case.pop("poison_empty", False):
         # Every float buffer from torch.empty / empty_like starts as NaN: a kernel that reads what no kernel wrote
         # (CB's unstored tiles, chunk_cb.py) then fails the comparison.

@@ -77,6 +77,17 @@ def test_entering_states_kept_for_the_backward():
     )  # fmt: skip
 
 
+def test_dt_kernels_several_head_blocks():
+    """The dt kernels (dt.py) with programs of 32 elements, so a chunk of 16 positions takes 2 heads per program and
+    4 heads run as 2 head blocks: dA and d dt_bias summed over each block's programs by its last one (one counter per
+    block), dD over the dx kernel's parts; documents, initial states, a remainder. (At the model's shapes the blocks
+    are 8 heads of 256 positions: 8 blocks at the 1.3B, 4 at the 370M.)"""
+    interpret(
+        b=2, L=40, H=4, P=16, G=1, N=16, seed=9, seq_cuts=CUTS, call=dict(chunk_size=16),
+        constants={"models.kernels.ssd_triton.dt._ELEMENTS_PER_PROGRAM": 32},
+    )  # fmt: skip
+
+
 def test_chained_states_several_tiles_per_head():
     """The chained kernels with four [P, N] tiles per head (P 32, N 32 in 16 x 16 tiles): one chain per tile, and
     dtot summed from one partial per tile; documents that cross chunk ends (so the hand-offs carry state), initial

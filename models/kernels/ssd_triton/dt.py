@@ -251,9 +251,16 @@ def _sum_rows(ptr, n_rows, H, offs_h, mask_h, BLOCK_R: tl.constexpr):
     return tl.sum(acc, axis=0)
 
 
+# Elements ([chunk positions, heads]) per program of the dt kernels. The backward reads ~20 float32 slots per element
+# in a loop of dependent loads, so more, smaller programs keep more loads in flight: H200, 1.3B with documents
+# (bench_ssd.py's inputs, profiler, session 54): dt_bwd_kernel 38.0-38.3 us at 4096 elements (256 programs), 29.4 at
+# 2048, 29.9 at 1024.
+_ELEMENTS_PER_PROGRAM = 2048
+
+
 def _tiles(Q: int, H: int) -> tuple[int, int]:
     block_q = next_power_of_2(Q)
-    return block_q, min(next_power_of_2(H), max(1, 4096 // block_q))  # ~4k elements per program
+    return block_q, min(next_power_of_2(H), max(1, _ELEMENTS_PER_PROGRAM // block_q))
 
 
 def dt_forward(
