@@ -408,6 +408,8 @@ _BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bw
 # target's device, at 128 x 4) it is faster and cheaper: 0.229 against 0.234 ms, 124.9-127.7 against 131.9-132.8 mJ
 # (bench_energy.py, two processes each, alternating). On since session 49.
 _BWD_ONE_DOC_BRANCH = True
+# ptxas's register cap for the backward (None: its choice, 128 at the defaults: four 4-warp programs per SM).
+_BWD_MAXNREG = None
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
 # (tl.sigmoid's PTX wraps each in range checks: ~18 of a rolled step's ~237 instructions); the interpreter (the CPU
 # tests) runs the same formula with tl.exp2 and a division. Outputs against causal_conv1d's unchanged at bf16
@@ -461,7 +463,7 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, UNROLL=_BWD_UNROLL, FAST=_fast(),
-        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, num_warps=_BWD_WARPS,
+        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, num_warps=_BWD_WARPS, maxnreg=_BWD_MAXNREG,
     )  # fmt: skip
     W = weight_DW.shape[1]
     # [d, 4], contiguous like the weight (no copy after the sum), and the bias's [d], in one launch

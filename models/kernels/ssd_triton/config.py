@@ -31,6 +31,10 @@ programs do not leave that much idle, and held behind the scan's in the dispatch
 Also tried then and reverted (commit 41ea252): ``chained_fwd_chunks`` 2, two consecutive chunks of a tile chain per
 program of the chained forward (both own states before the wait): 168.2 us at a 168-register cap, 206.8 uncapped,
 against 158.0 with one chunk per program (and not bit for bit the one-chunk kernel's outputs on the GPU).
+Tried in session 54, not committed: ``chained_walk``, one program per tile chain walking all its chunks with the state
+in registers (no tickets, waits or hand-off reads; bit for bit the ticketed kernels' outputs in the interpreter):
+H200, 1.3B with documents and kept states, forward 169.3-169.8 us against 155.7-157.0, backward 311.4-312.2 against
+174.3-174.9, end to end -1.4%. A link's time is its loads (x per N tile, B per head: 32 MB a chunk), not the hand-off.
 """
 
 from __future__ import annotations
