@@ -40,7 +40,10 @@ from models.kernels import fast_math, weight_copies
 
 __all__ = ["TableAdamW"]
 
-BLOCK = 2048  # elements per program (H100, session 21: 2048 x 4 warps 17.3 ms, 4096 x 8 17.8, 8192 x 8 44.5)
+# Elements per program. H100, session 21: 2048 x 4 warps 17.3 ms, 4096 x 8 17.8, 8192 x 8 44.5 (an earlier kernel).
+# H200, 1.3B's parameters (bench_optimizer.py --adamw_tiles): session 34 2048 x 4 11.33 ms, 1024 x 4 10.88; session 54
+# 11.19 against 10.88 (1024 x 2 10.86; the copy bound 9.50).
+BLOCK = 1024
 WARPS = 4
 
 
