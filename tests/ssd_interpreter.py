@@ -34,6 +34,8 @@ from tests.ssd_checks import (
     make_inputs,
 )
 
+_SET_CONSTANTS: list = []  # (module, name, value before) of the module constants the running case set
+
 
 def run_case_in_child(**case):
     """Entry point of the child process: kernels under the interpreter, checked against the reference."""
@@ -49,12 +51,15 @@ def run_case_in_child(**case):
         default = autograd.block_config
         autograd.block_config = lambda q, p, n: dataclasses.replace(default(q, p, n), **overrides)
     call = case.pop("call", {})
-    # Module constants set for this case ("package.module.NAME": value; e.g. the dt kernels' program size)
+    # Module constants set for this case ("package.module.NAME": value; e.g. the dt kernels' program size), restored
+    # by serve() after it
     for name, value in case.pop("constants", {}).items():
         import importlib
 
-        module, attr = name.rsplit(".", 1)
-        setattr(importlib.import_module(module), attr, value)
+        module_name, attr = name.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        _SET_CONSTANTS.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, value)
     if case.pop("poison_empty", False):
         # Every float buffer from torch.empty / empty_like starts as NaN: a kernel that reads what no kernel wrote
         # (CB's unstored tiles, chunk_cb.py) then fails the comparison.
@@ -168,6 +173,9 @@ def serve():
             ok, out = False, buf.getvalue() + traceback.format_exc()
         finally:
             autograd.block_config = default_config  # cases may override the tile shapes
+            while _SET_CONSTANTS:  # and module constants
+                module, attr, value = _SET_CONSTANTS.pop()
+                setattr(module, attr, value)
             for name, allocator in allocators.items():
                 setattr(torch, name, allocator)
         sys.stdout.write(json.dumps({"ok": ok, "out": out}) + "\n")
