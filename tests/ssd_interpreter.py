@@ -11,6 +11,7 @@ arguments of a check in tests/ssd_checks.py (run_case_in_child says which), its 
 import ast
 import atexit
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -54,8 +55,6 @@ def run_case_in_child(**case):
     # Module constants set for this case ("package.module.NAME": value; e.g. the dt kernels' program size), restored
     # by serve() after it
     for name, value in case.pop("constants", {}).items():
-        import importlib
-
         module_name, attr = name.rsplit(".", 1)
         module = importlib.import_module(module_name)
         _SET_CONSTANTS.append((module, attr, getattr(module, attr)))
