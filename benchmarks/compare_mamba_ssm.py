@@ -7,8 +7,9 @@
 
 For every size, two subprocesses run one after the other (each starts with an empty GPU, so peaks are its own):
   theirs  mamba_ssm's MambaLMHeadModel with Mamba2 layers (vocabulary 50277 padded to 8 = 50280, tied embeddings,
-          fused add-norm), fp32 weights, bf16 autocast, fused AdamW, gradient clipping at 1.0, random tokens; this
-          script re-run with --_worker theirs.
+          fused add-norm), fp32 weights, bf16 autocast, fused AdamW, gradient clipping at 1.0, random tokens, one
+          document per row (with --their_documents the seq_idx of our run's rows, so that both sides do the same
+          document resets); this script re-run with --_worker theirs.
   ours    train.py with the size's config on the embedded corpus (packed documents, so the kernels also handle
           seq_idx), vocabulary from the flavor (50277 padded to 16 = 50288), checkpoints, validation and
           TensorBoard off, metrics every step, model.kernels from the config (auto: our Triton SSD on CUDA; add
@@ -111,6 +112,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=1,
         help="run their loop this many times per size (fresh processes) and compare with the fastest: mamba_ssm "
         "autotunes its kernels in every process, and its tokens/s moved by 12%% between calls at 1.3B (session 17)",
+    )
+    ap.add_argument(
+        "--their_documents",
+        action="store_true",
+        help="their loop gets our run's document ids (seq_idx of the same packed rows), so both sides reset the conv "
+        "and SSM state at the same document starts; by default theirs trains on one document per row",
     )
     ap.add_argument("--skip_theirs", action="store_true")
     ap.add_argument("--skip_ours", action="store_true")
@@ -269,6 +276,8 @@ def table_row(rec: dict) -> list[str]:
     o, t = rec.get("ours") or {}, rec.get("theirs") or {}
     ratio = o["tokens_per_sec"] / t["tokens_per_sec"] if o.get("tokens_per_sec") and t.get("tokens_per_sec") else None
     config = " ".join([f"{rec['batch']}x{rec['seq_len']}", *rec.get("overrides", [])])
+    if t.get("documents"):
+        config += " (theirs with our documents)"
     return [
         rec["size"],
         config,
@@ -378,6 +387,8 @@ def run_theirs(size: Size, a: argparse.Namespace, profile: bool = True) -> dict:
         "--steps",
         str(a.steps),
     ]
+    if a.their_documents:
+        cmd.append("--their_documents")
     trace = None
     if a.profile_step and profile:
         trace = os.path.join(os.path.abspath(a.work_dir), f"{size.name}-theirs", "rank0_trace.json")
@@ -393,12 +404,34 @@ def run_theirs(size: Size, a: argparse.Namespace, profile: bool = True) -> dict:
     return rec
 
 
+def our_document_ids(size: Size, n_steps: int) -> list[torch.Tensor]:
+    """seq_idx [batch, seq_len] (int32, CPU) of the first n_steps batches that our run of `size` trains on: its
+    config and train.py's arguments (ours_command), our loader, the same packing of the same documents."""
+    from configs.checks import resolve_job
+    from configs.parser import load_config
+    from data.loader import build_loader
+
+    argv = ours_command(size, 0, n_steps, os.path.join(REPO, "outputs", "unused"), [])[2:]  # train.py's arguments
+    cfg = load_config(argv + ["--training.prefetch_batches", "0"])
+    job = resolve_job(cfg, 1)
+    loader = build_loader(cfg, job.tokenizer, job.batch, 0)
+    return [loader.next_batch()["seq_idx"].to(torch.int32) for _ in range(n_steps)]
+
+
 def theirs_worker(
-    size: Size, warmup: int, steps: int, device_type: str = "cuda", profile_step: int = 0, trace: str | None = None
+    size: Size,
+    warmup: int,
+    steps: int,
+    device_type: str = "cuda",
+    profile_step: int = 0,
+    trace: str | None = None,
+    documents: bool = False,
 ) -> dict:
     """mamba-ssm's MambaLMHeadModel in a plain loop (runs in its own process; device_type cpu only for tests,
     with a stand-in mamba_ssm). With profile_step, step profile_step (1-based) is traced into `trace` (a chrome
-    trace with a ProfilerStep#<k> annotation, as ours), the tracer started one step earlier."""
+    trace with a ProfilerStep#<k> annotation, as ours), the tracer started one step earlier. documents: each step
+    passes seq_idx of our run's batch of that step (our_document_ids) to their model, which hands it to every
+    Mamba2 mixer (mamba_ssm's mixer_kwargs): the conv and SSM state reset at the same positions as ours."""
     if device_type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the mamba_ssm side needs CUDA (use --skip_theirs elsewhere)")
     import mamba_ssm  # lazy: optional, needs its CUDA build (tests put a stand-in in sys.modules)
@@ -418,6 +451,7 @@ def theirs_worker(
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     gen = torch.Generator(device=device).manual_seed(0)
+    seq_ids = our_document_ids(size, warmup + steps) if documents else None
     seconds, losses = [], []
     tracer = None
     for step in range(1, warmup + steps + 1):
@@ -433,10 +467,11 @@ def theirs_worker(
             )
             tracer.start()
         tokens = torch.randint(0, THEIR_VOCAB, (size.batch, size.seq_len + 1), device=device, generator=gen)
+        kwargs = {} if seq_ids is None else {"seq_idx": seq_ids[step - 1].to(device)}
         sync()
         t0 = time.perf_counter()
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=on_gpu):
-            logits = model(tokens[:, :-1]).logits
+            logits = model(tokens[:, :-1], **kwargs).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         del logits
         loss.backward()
@@ -458,6 +493,7 @@ def theirs_worker(
         losses=losses,
         n_params=n_params,
         vocab_rows=model.lm_head.weight.shape[0],
+        documents=documents,
         gpu=torch.cuda.get_device_name(device) if on_gpu else "cpu",
         torch=torch.__version__,
         mamba_ssm=getattr(mamba_ssm, "__version__", "?"),
@@ -498,7 +534,9 @@ def write_json(path: str, records: list[dict], a: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     if a._worker == "theirs":
-        result = theirs_worker(SIZES[a._size], a.warmup, a.steps, profile_step=a.profile_step, trace=a._trace)
+        result = theirs_worker(
+            SIZES[a._size], a.warmup, a.steps, profile_step=a.profile_step, trace=a._trace, documents=a.their_documents
+        )
         print("RESULT " + json.dumps(result), flush=True)
         return []
     records = []

@@ -191,8 +191,9 @@ def _stand_in_mamba_ssm(monkeypatch, seen: dict):
             init_weights(self.inner, seed=0, init_std=0.02)
             self.lm_head = self.inner.lm_head
 
-        def forward(self, input_ids):
-            return Out(self.inner(input_ids))
+        def forward(self, input_ids, seq_idx=None):  # seq_idx: mamba_ssm's mixer_kwargs, handed to every mixer
+            seen.setdefault("seq_idx", []).append(seq_idx)
+            return Out(self.inner(input_ids, seq_idx=seq_idx))
 
     pkg = types.ModuleType("mamba_ssm")
     pkg.__version__ = "stand-in"
@@ -260,6 +261,26 @@ def test_theirs_worker_loop_on_cpu(monkeypatch):
     # random tokens over 50277 ids: the loss starts at about ln(50277) and the optimizer moves it
     assert abs(out["losses"][0] - math.log(50277)) < 0.3 and out["losses"][0] != out["losses"][1]
     json.dumps(out)  # the RESULT line must serialise
+
+
+def test_their_documents_are_our_runs_document_ids(monkeypatch):
+    """--their_documents: step k of their loop passes seq_idx of our run's k-th batch (our config, loader and
+    packing) to their model; without it, none. The 1.3B's first rows hold document starts (so the ids carry them)."""
+    seen: dict = {}
+    _stand_in_mamba_ssm(monkeypatch, seen)
+    size = cmp.SIZES["debug"]
+    ours = cmp.our_document_ids(size, 3)
+    cmp.theirs_worker(size, warmup=1, steps=2, device_type="cpu", documents=True)
+    assert len(seen["seq_idx"]) == 3
+    for passed, expected in zip(seen["seq_idx"], ours):
+        assert passed.dtype == torch.int32 and passed.shape == (size.batch, size.seq_len)
+        assert torch.equal(passed, expected)
+    seen.clear()
+    cmp.theirs_worker(size, warmup=1, steps=1, device_type="cpu")
+    assert seen["seq_idx"] == [None, None]
+    big = cmp.our_document_ids(cmp.SIZES["1.3b"], 1)[0]
+    assert big.shape == (4, 4096) and int(big.max()) > 0
+    assert cmp.parse_args(["--their_documents"]).their_documents
 
 
 def test_profile_step_traces_that_step_on_both_sides(monkeypatch, tmp_path, capsys):
