@@ -61,8 +61,9 @@ def _tool(name: str) -> str:
 
 
 # Instruction kinds --loops counts in each loop (the opcode before its first dot), by what they cost: block barriers,
-# register moves, warp shuffles, the special-function unit, tensor-core issues, global and shared memory.
-LOOP_KINDS = ("BAR", "MOV", "SHFL", "MUFU", "HGMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "LDL", "STL")
+# register moves, warp shuffles, the special-function unit, tensor-core issues, global and shared memory, and cache
+# control (CCTL: the conv backward's L2 prefetch hints).
+LOOP_KINDS = ("BAR", "MOV", "SHFL", "MUFU", "HGMMA", "LDG", "STG", "LDGSTS", "LDS", "STS", "LDL", "STL", "CCTL")
 
 
 def _kinds(body: list[str]) -> dict:
@@ -337,6 +338,7 @@ def conv_kernels(has_seq: bool):
         PREFETCH=ct._BWD_PREFETCH,
         UNROLL=ct._BWD_UNROLL,
         ONE_DOC_BRANCH=ct._BWD_ONE_DOC_BRANCH,
+        L2_AHEAD=ct._BWD_L2_AHEAD,
     )
     yield "conv_fwd", ct.conv_fwd_kernel, ptrs, fwd, ct._FWD_WARPS, 1
     yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, 1

@@ -102,6 +102,10 @@ def test_kernel_resources_loops_from_disassembly():
     stream = [x for x in loops[:-1] if x.get("MUFU")]
     assert len(loops) == 3 and len(stream) == 2, loops
     assert all(x["LDG"] >= 2 and x["STG"] >= 1 for x in stream), loops
+    # the L2 prefetch hints (conv_triton._BWD_L2_AHEAD): one per stream line of x and dout and step
+    from models.kernels import conv_triton as ct
+
+    assert ct._BWD_L2_AHEAD > 0 and all(x.get("CCTL") == 2 * ct._BWD_UNROLL for x in stream), loops
     assert loops[-1]["kernel"]["instructions"] > sum(x["instructions"] for x in stream), loops
 
 

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from models.kernels.column_sums import column_sums
 from models.kernels.fast_launch import cdiv, fast_launch
-from models.kernels.fast_math import fast_on_this_backend, sigmoid
+from models.kernels.fast_math import fast_on_this_backend, prefetch_l2, sigmoid
 from models.kernels.pdl import pdl_prologue
 
 __all__ = ["causal_conv1d_triton", "conv_forward_triton", "conv_backward_triton", "MAX_WIDTH"]
@@ -241,7 +241,8 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
                     s_x_b, s_x_l, s_y_b, s_y_l, s_dx_b, s_dx_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
-                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
+                    PDL: tl.constexpr = False):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
@@ -267,21 +268,25 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
         first = tl.load(seq_b + tl.maximum(start - 3, 0))
         last = tl.load(seq_b + tl.minimum(start + ROWS * SEG + 3, L) - 1)
         if first == last:
-            _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
-                     s_dx_l, bias, w0, w1, w2, w3, False, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST)
+            _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, pid_d * BLOCK_D, offs_d, mask_d, L, D, SEG,
+                     s_x_l, s_y_l, s_dx_l, bias, w0, w1, w2, w3, False, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST,
+                     L2_AHEAD)
         else:
-            _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
-                     s_dx_l, bias, w0, w1, w2, w3, True, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST)
+            _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, pid_d * BLOCK_D, offs_d, mask_d, L, D, SEG,
+                     s_x_l, s_y_l, s_dx_l, bias, w0, w1, w2, w3, True, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST,
+                     L2_AHEAD)
     else:
-        _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
-                 s_dx_l, bias, w0, w1, w2, w3, HAS_SEQ, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST)
+        _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, pid_d * BLOCK_D, offs_d, mask_d, L, D, SEG,
+                 s_x_l, s_y_l, s_dx_l, bias, w0, w1, w2, w3, HAS_SEQ, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST,
+                 L2_AHEAD)
     # fmt: on
 
 
 @triton.jit
-def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l, s_dx_l,
-             bias, w0, w1, w2, w3, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
-             BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
+             s_dx_l, bias, w0, w1, w2, w3, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
+             BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, FAST: tl.constexpr,
+             L2_AHEAD: tl.constexpr):  # fmt: skip
     """conv_bwd_kernel's streams from the start of the program's first one: dx stored, the program's weight- and
     bias-gradient sums stored at dw_part ([4, D]) and db_part ([D])."""
     start_R = start + tl.arange(0, ROWS) * SEG
@@ -310,6 +315,10 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, offs_d, mask_d, 
         for jj in tl.static_range(UNROLL):
             j = j0 + jj
             u_R = start_R + j
+            if L2_AHEAD > 0:  # each stream's x and dout lines L2_AHEAD positions on, asked into L2 (a hint)
+                ahead = tl.minimum(u_R + L2_AHEAD, L - 1).to(tl.int64)
+                prefetch_l2(x_b + ahead * s_x_l + d_start, FAST)
+                prefetch_l2(dout_b + ahead * s_y_l + d_start, FAST)
             x0, dy, s0 = xa, dya, sa
             if PREFETCH == 2:
                 xa, dya, sa = xb, dyb, sb
@@ -408,6 +417,14 @@ _BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bw
 # target's device, at 128 x 4) it is faster and cheaper: 0.229 against 0.234 ms, 124.9-127.7 against 131.9-132.8 mJ
 # (bench_energy.py, two processes each, alternating). On since session 49.
 _BWD_ONE_DOC_BRANCH = True
+# Positions ahead at which each stream asks for its x and dout lines into L2 (prefetch.global.L2, one CCTL.E.PF2
+# per line and step: 304 -> 335 instructions per two steps, 128 registers still; 0: none). The loop holds only
+# PREFETCH positions of loads in flight (in registers); the hint starts the following lines' DRAM reads earlier
+# without holding any. Session 55 (H100, 1.3B with documents, CUDA graphs of 20 calls, three rounds): none
+# 211.7-212.6 us, 2 ahead 200.7-201.4, **3 198.8-199.0**, 4 198.8-199.6, 5 201.0-201.4, 6 203.5-203.8, 8 217.7-218.3,
+# 16 261, 32 284 (lines asked for too early are evicted before their loads come); 370M 124.2-124.5 none, 124.5-124.8
+# at 3. Outputs bit for bit the same.
+_BWD_L2_AHEAD = 3
 # ptxas's register cap for the backward (None: its choice, 128 at the defaults: four 4-warp programs per SM).
 _BWD_MAXNREG = None
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
@@ -463,7 +480,7 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, UNROLL=_BWD_UNROLL, FAST=_fast(),
-        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, num_warps=_BWD_WARPS, maxnreg=_BWD_MAXNREG,
+        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, L2_AHEAD=_BWD_L2_AHEAD, num_warps=_BWD_WARPS, maxnreg=_BWD_MAXNREG,
     )  # fmt: skip
     W = weight_DW.shape[1]
     # [d, 4], contiguous like the weight (no copy after the sum), and the bias's [d], in one launch

@@ -17,7 +17,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["exp2", "rcp", "sigmoid", "fast_on_this_backend"]
+__all__ = ["exp2", "rcp", "sigmoid", "prefetch_l2", "fast_on_this_backend"]
 
 
 def fast_on_this_backend() -> bool:
@@ -49,3 +49,13 @@ def rcp(x, FAST: tl.constexpr):
 def sigmoid(x, FAST: tl.constexpr):
     """1 / (1 + 2^(-x log2 e)) in float32; the same formula either way (FAST: the approximate MUFU instructions)."""
     return rcp(1.0 + exp2(x * -1.4426950408889634, FAST), FAST)
+
+
+@triton.jit
+def prefetch_l2(ptrs, FAST: tl.constexpr):
+    """A hint to bring the lines at ptrs into L2 (prefetch.global.L2, one instruction per element, no register
+    waiting on it); nothing without FAST. ptrs must point into the allocation: the hint is not masked."""
+    if FAST:
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )
