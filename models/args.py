@@ -52,6 +52,13 @@ class ModelArgs:
         "it: faster backward, batch * seqlen / chunk_size * nheads * headdim * d_state * 4 bytes more per Mamba layer "
         "held (128 MiB at the 1.3B's 4 x 4096); ignored by the mamba_ssm and reference kernels.",
     )
+    ssd_keep_conv_layers: int = doc(
+        0,
+        "The Mamba layers among the last this many layers (-1: every layer) keep their conv output (x, B, C) from the "
+        "forward for the backward instead of recomputing it, on our fused CUDA path: one conv pass fewer per such "
+        "layer and step, batch * seqlen * (d_inner + 2 * ngroups * d_state) * 2 bytes more held per layer (136 MiB "
+        "at the 1.3B's 4 x 4096); ignored elsewhere.",
+    )
     fuse_gate_into_scan: bool = doc(
         False,
         "With our SSD kernels on the fused path: the chunk scan also writes out_proj's input before the gated "
@@ -112,6 +119,10 @@ class ModelArgs:
             errs.append(f"model.layer_pattern has unknown letters {sorted(bad)}; use M, *, -, E and |")
         if self.n_layers < 1:
             errs.append("model.n_layers must be >= 1")
+        if self.ssd_keep_conv_layers < -1:
+            errs.append(
+                f"model.ssd_keep_conv_layers={self.ssd_keep_conv_layers}: give a number of layers >= 0, or -1 for all"
+            )
         if "*" in self.layer_types:
             kv = self.n_kv_heads or self.n_heads
             if self.n_heads % kv:

@@ -465,3 +465,60 @@ def check_fused_gate(b, L, H, P, N, seed, chunk_size, kept_states=False):
     bad = {k: e for k, e in errors.items() if not e < 2e-5}
     assert not bad, errors
     return errors
+
+
+def check_keep_conv(b, L, H, P, N, seed, chunk_size, fuse_gate=False):
+    """model.ssd_keep_conv_layers on the kernel-halves path: the fused mixer keeping its conv output for the backward
+    gives the outputs and every gradient of the mixer recomputing it, bit for bit (the same conv, once instead of
+    twice), with documents and A_log as the model passes them. The conv's forward runs twice per forward + backward
+    without the option and once with it."""
+    from models.kernels import ops
+    from models.kernels import split_conv1d_scan as scs
+    from models.kernels.row_scale import materialize
+
+    g = torch.Generator().manual_seed(seed)
+    dim, conv_dim, d_model = H * P, H * P + 2 * N, 24
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g) * scale
+
+    tensors = dict(
+        zxbcdt=r(b, L, 2 * dim + 2 * N + H),
+        conv1d_weight=r(conv_dim, 4, scale=0.3),
+        conv1d_bias=r(conv_dim, scale=0.1),
+        dt_bias=r(H, scale=0.3) - 1,
+        A_log=torch.log(torch.rand(H, generator=g) + 0.5),
+        D=r(H),
+        rmsnorm_weight=1 + r(dim, scale=0.1),
+        outproj_weight=r(d_model, dim, scale=dim**-0.5),
+    )
+    seq = torch.zeros(b, L, dtype=torch.int32)
+    seq[:, L // 3 :] = 1
+    cot = r(b, L, d_model)
+    conv_calls, results = [], {}
+    real_conv = scs._conv_forward_halves
+
+    def counted(*args, **kwargs):
+        conv_calls.append(1)
+        return real_conv(*args, **kwargs)
+
+    scs._conv_forward_halves = counted
+    try:
+        for keep in (False, True):
+            leaves = {k: v.detach().clone().requires_grad_() for k, v in tensors.items()}
+            conv_calls.clear()
+            with kernel_halves_from_references():
+                out = ops.mamba_split_conv1d_scan(
+                    **leaves, A=None, chunk_size=chunk_size, seq_idx=seq, headdim=P, ngroups=1, rmsnorm_eps=1e-5,
+                    norm_before_gate=False, backend="triton", fuse_gate=fuse_gate, keep_conv=keep,
+                )  # fmt: skip
+                out = materialize(out)
+                (out * cot).sum().backward()
+            results[keep] = {"out": out.detach(), **{"d" + k: v.grad for k, v in leaves.items()}}
+            results[keep, "convs"] = len(conv_calls)
+    finally:
+        scs._conv_forward_halves = real_conv
+    assert results[False, "convs"] == 2 and results[True, "convs"] == 1, results
+    differ = [k for k in results[False] if not torch.equal(results[False][k], results[True][k])]
+    assert not differ, differ
+    return {"compared": sorted(results[False])}

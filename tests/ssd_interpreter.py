@@ -29,6 +29,7 @@ from tests.ssd_checks import (
     check_fp16_decay_gradient,
     check_fp16_gate_dD,
     check_fused_gate,
+    check_keep_conv,
     check_kept_matches_recomputed,
     check_split_path,
     kernel_halves_from_references,
@@ -82,6 +83,7 @@ def run_case_in_child(**case):
         "fp16_decay": check_fp16_decay_gradient,
         "kept_vs_recomputed": check_kept_matches_recomputed,
         "fused_gate": check_fused_gate,
+        "keep_conv": check_keep_conv,
     }
     for flag, check in checks.items():
         if case.pop(flag, False):

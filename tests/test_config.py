@@ -35,6 +35,7 @@ def test_toml_then_overrides_in_both_forms():
         (["--checkpoint.enable", "maybe"], "checkpoint.enable"),
         (["--model.headdim", "7"], "model.headdim=7 must divide"),
         (["--model.flavor", "9B"], "model.flavor='9B' is unknown"),
+        (["--model.ssd_keep_conv_layers", "-2"], "model.ssd_keep_conv_layers=-2: give a number of layers >= 0"),
         (["--lr_scheduler.decay_type", "step"], "lr_scheduler.decay_type='step' is not allowed"),
         (["--training.seq_len", "0"], "training.seq_len=0 must be >= 1"),
         (["--training.max_norm", "nan"], "training.max_norm=nan must be a finite number >= 0 (0 disables clipping)"),

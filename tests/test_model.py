@@ -151,3 +151,12 @@ def test_init_ignores_wrapper_names(wrap):
     assert any(n != canonical_name(n) for n in names)
     for name, p in names.items():
         assert torch.equal(p, ref[canonical_name(name)]), name
+
+
+@pytest.mark.parametrize("keep, expected", [(0, [False] * 4), (2, [False, False, True, True]), (-1, [True] * 4)])
+def test_keep_conv_layers_are_the_last_ones(keep, expected):
+    """model.ssd_keep_conv_layers K: the Mamba mixers of the last K layers keep their conv output (-1: all)."""
+    from models.args import build_model_args
+
+    model = Mamba2LM(build_model_args("debug", {"ssd_keep_conv_layers": keep}))
+    assert [block.mixer.keep_conv for block in model.layers.values()] == expected

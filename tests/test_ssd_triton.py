@@ -470,6 +470,16 @@ def test_fused_gate_into_the_chunk_scan():
     )
 
 
+def test_kept_conv_output_equals_the_recomputed_one():
+    """model.ssd_keep_conv_layers: the fused mixer keeping its conv output gives every output and gradient of the
+    one recomputing it, bit for bit, with one conv forward fewer (tests/ssd_checks.check_keep_conv); also with the
+    fused gate."""
+    interpret_all(
+        dict(keep_conv=True, b=2, L=40, H=4, P=16, N=16, seed=11, chunk_size=16),
+        dict(keep_conv=True, b=1, L=50, H=2, P=16, N=16, seed=12, chunk_size=32, fuse_gate=True),
+    )
+
+
 def test_one_output_unused():
     """Only y or only the final states feed the loss: the other output's gradient reaches the backward as None (no
     zero tensor filled: context parallel's unused final states), and every gradient still matches the reference."""

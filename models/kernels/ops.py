@@ -246,6 +246,7 @@ def mamba_split_conv1d_scan(
     keep_states: bool = False,
     A_log: torch.Tensor | None = None,
     fuse_gate: bool = False,
+    keep_conv: bool = False,
 ):
     """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
 
@@ -254,7 +255,8 @@ def mamba_split_conv1d_scan(
     (split_conv1d_scan.py). keep_states: as in ssd_chunk_scan. A_log: the model's parameter in place of A (pass
     A=None): A = -exp(A_log), taken inside our dt kernels (no PyTorch ops for it) or here for the other backends.
     fuse_gate: on our path, where it applies, a row_scale.RowScaled output (model.fuse_gate_into_scan); the other
-    backends ignore it.
+    backends ignore it. keep_conv: on our path, the conv's output kept for the backward instead of recomputed
+    (model.ssd_keep_conv_layers); the other backends ignore it.
     """
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
@@ -276,7 +278,15 @@ def mamba_split_conv1d_scan(
     args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias)
     if use_triton_ssd(backend, zxbcdt):
         return mamba_split_conv1d_scan_triton(
-            *args, A, D, chunk_size, keep_states=keep_states, A_log=A_log, fuse_gate=fuse_gate, **options
+            *args,
+            A,
+            D,
+            chunk_size,
+            keep_states=keep_states,
+            A_log=A_log,
+            fuse_gate=fuse_gate,
+            keep_conv=keep_conv,
+            **options,
         )
     if A is None:  # at least float32 (a bfloat16 parameter under FSDP's mixed precision), float64 kept
         A = -torch.exp(A_log.to(torch.promote_types(A_log.dtype, torch.float32)))

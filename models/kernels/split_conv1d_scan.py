@@ -4,7 +4,8 @@ Used on CUDA by the "auto" and "triton" backends. One autograd Function runs con
 (-> out_proj) and keeps for its backward only what mamba_ssm's fused mixer keeps: zxbcdt (the input) and the SSD's
 output y (plus the float32 dt and within-chunk decay, [B, H, L] each). The conv output (x, B, C) and the normed,
 gated y that enters out_proj are recomputed in the backward: kept, they cost 265 MiB per layer at the 1.3B shape
-(16384 tokens x (4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/performance.md, session 8). The
+(16384 tokens x (4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/performance.md, session 8); with
+keep_conv (model.ssd_keep_conv_layers) the conv's output is kept too (136 MiB per layer there), not recomputed. The
 conv and the norm run as ops.causal_conv1d / ops.rmsnorm_gated with backend "auto" (the installed GPU kernels, else
 the references, as on the CPU under TRITON_INTERPRET=1) and their backward is autograd's, through a graph rebuilt
 in the backward.
@@ -51,6 +52,9 @@ class _Sizes:
     # fuse_gate_into_scan): the chunk scan writes out_proj's input before it, and the Function returns the rows'
     # sums of squares beside out_proj's output. Taken only where _fuses_gate says it applies.
     fuse_gate: bool = False
+    # The conv's output (x, B, C) kept from the forward for the backward instead of recomputed there (model option
+    # ssd_keep_conv_layers): on the kernel-halves path only (the autograd path rebuilds the conv's graph anyway).
+    keep_conv: bool = False
 
     @property
     def headdim(self) -> int:
@@ -226,9 +230,10 @@ class _MixerFunction(torch.autograd.Function):
             else F.linear(h, compute_weight(out_w, h.dtype), None if out_b is None else out_b.to(h.dtype))
         )
         dt_p, dA_cs, a2dt, S_kept = saved[4:7] + saved[-1:]  # a2dt, S_kept: None unless config fold_dt, keep_states
+        kept_conv = xBC if halves and s.keep_conv else None
         ctx.save_for_backward(
             zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
-            sumsq if fused_gate else rstd, S_kept,
+            sumsq if fused_gate else rstd, S_kept, kept_conv,
         )  # fmt: skip
         ctx.s, ctx.cfg, ctx.halves, ctx.fused_gate = s, cfg, halves, fused_gate
         ctx.set_materialize_grads(False)  # an unused final state then reaches backward as None, not a zero tensor
@@ -245,7 +250,7 @@ class _MixerFunction(torch.autograd.Function):
             return _backward_with_kernel_halves(ctx, dout, dfinal)
         s, cfg = ctx.s, ctx.cfg
         (zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
-         _, S_kept) = ctx.saved_tensors  # fmt: skip
+         _, S_kept, _) = ctx.saved_tensors  # fmt: skip
         A_dtype, D_dtype, init_dtype = ctx.dtypes
         needs = ctx.needs_input_grad
         if dout is None:  # only the final state was used
@@ -306,7 +311,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
 
     s, cfg, needs = ctx.s, ctx.cfg, ctx.needs_input_grad
     (zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
-     rstd, S_kept) = ctx.saved_tensors  # fmt: skip
+     rstd, S_kept, kept_conv) = ctx.saved_tensors  # fmt: skip
     A_dtype, D_dtype, init_dtype = ctx.dtypes
     dzxbcdt = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
     _, z, xBC_in, dt = s.split(zxbcdt)
@@ -337,7 +342,8 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     if recompute:
         dout_w = weight_grad(dout_2d, h, out_w.dtype)  # float32 from cuBLAS for a float32 weight
     del dh, h
-    xBC = _conv_forward_halves(xBC_in, conv_w, conv_b, seq, s)  # recomputed
+    # the forward's (s.keep_conv), else recomputed
+    xBC = kept_conv if kept_conv is not None else _conv_forward_halves(xBC_in, conv_w, conv_b, seq, s)
     x, B, C = s.ssd_operands(xBC)
     dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)  # the SSD's gradients = the conv's output's
     saved = (x, dt, A32, dt_bias, dt_p, dA_cs, a2dt, B, C, D32, init, seq, S_kept)
@@ -346,7 +352,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
         saved, dy.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC),
         ddt_out=ddt_out, a_is_log=s.a_is_log,
     )  # fmt: skip
-    del xBC, x, B, C
+    del xBC, x, B, C, kept_conv
     dconv_w, dconv_b = _conv_backward_halves(xBC_in, conv_w, conv_b, dxBC, seq, s, dxBC_in)
     return (
         dzxbcdt,
@@ -389,10 +395,12 @@ def mamba_split_conv1d_scan_triton(
     keep_states: bool = False,
     A_log=None,
     fuse_gate: bool = False,
+    keep_conv: bool = False,
 ):
     """mamba_split_conv1d_scan_combined's contract (models.kernels.reference documents it); with fuse_gate, where
     _fuses_gate allows, the output is a row_scale.RowScaled (the gated norm's 1 / rms left to the next add +
-    RMSNorm), else a tensor as without it."""
+    RMSNorm), else a tensor as without it. keep_conv: the conv's output kept for the backward (on the kernel-halves
+    path; _Sizes.keep_conv)."""
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
     if zxbcdt.dim() != 3:
@@ -427,6 +435,7 @@ def mamba_split_conv1d_scan_triton(
         keep_states=keep_states,
         a_is_log=A is None,
         fuse_gate=fuse_gate,
+        keep_conv=keep_conv,
     )
     with no_autocast(zxbcdt.device):
         out, final, sumsq = _MixerFunction.apply(

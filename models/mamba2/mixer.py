@@ -53,6 +53,8 @@ class Mamba2Mixer(nn.Module):
         )
         self.out_proj = nn.Linear(self.d_inner, args.d_model, bias=args.bias)
         self.dt_limit = (args.dt_limit_min, args.dt_limit_max)
+        keep_conv = args.ssd_keep_conv_layers
+        self.keep_conv = keep_conv < 0 or layer_id >= n_layers - keep_conv  # model.ssd_keep_conv_layers
         self.backend = "auto"  # "reference" forces the PyTorch references (model.kernels)
         self.cp = None  # set by parallelisms.context_parallel.apply_context_parallel
 
@@ -162,6 +164,7 @@ class Mamba2Mixer(nn.Module):
             keep_states=self.args.ssd_keep_states,
             A_log=self.A_log,
             fuse_gate=fuse_gate,
+            keep_conv=self.keep_conv,
         )
         return out if return_final_states else (out, None)
 
