@@ -59,6 +59,14 @@ class ModelArgs:
         "layer and step, batch * seqlen * (d_inner + 2 * ngroups * d_state) * 2 bytes more held per layer (136 MiB "
         "at the 1.3B's 4 x 4096); ignored elsewhere.",
     )
+    recompute_in_proj_input: bool = doc(
+        False,
+        "Mamba blocks: the block norm's output, in_proj's input, is not kept for in_proj's weight gradient; the "
+        "norm's backward, which reads the residual anyway, writes it again (models/kernels/norm_linear.py): "
+        "batch * seqlen * d_model * 2 bytes less held per layer (64 MiB at the 1.3B's 4 x 4096) for one such write "
+        "per layer and step. On CUDA with our kernels, bf16 autocast with float32 weights (one GPU, DDP) and a float32 "
+        "residual stream, without context parallel; elsewhere ignored.",
+    )
     fuse_gate_into_scan: bool = doc(
         False,
         "With our SSD kernels on the fused path: the chunk scan also writes out_proj's input before the gated "

@@ -3,9 +3,9 @@ tests launch, on a CPU-only machine (tests/triton_sm90.py says why and how).
 
 A child process under TRITON_INTERPRET=1 runs a selection of the interpreter cases (the SSD with documents, initial
 and final states, two groups and a ragged last chunk; the model's fused path with the kernel halves; P and N that
-are not powers of two; the conv with and without documents; the residual add + RMSNorm; the gated norm on dense rows and
-on CP's column blocks; the fused loss; the optimizer's AdamW and sum of squares) and records each launch's
-dtypes, scalars and constexprs; this process compiles each distinct pattern for sm_90. The selection must launch
+are not powers of two; the conv with and without documents; the residual add + RMSNorm, also rewriting its normed rows
+(norm_linear.py); the gated norm on dense rows and on CP's column blocks; the fused loss; the optimizer's AdamW and sum
+of squares) and records each launch's dtypes, scalars and constexprs; this process compiles each distinct pattern for sm_90. The selection must launch
 every kernel of ours at least once, so a new kernel without a case here fails too.
 """
 
@@ -41,6 +41,7 @@ SSD_TESTS = (
 CHILD_MODULES = (
     "tests.test_conv_triton",
     "tests.test_add_rmsnorm_triton",
+    "tests.test_norm_linear",
     "tests.test_gated_rmsnorm_triton",
     "tests.test_cross_entropy_triton",
     "tests.test_adamw_triton",

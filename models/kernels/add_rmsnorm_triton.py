@@ -66,13 +66,14 @@ def _add_rmsnorm_fwd_kernel(X, RES, W, Y, RES_OUT, RSTD, stride_x, stride_res, D
 @fast_launch
 @triton.jit
 def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_dy, stride_dres_out, M, D, X_RSTD,
-                            HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                            STAGES: tl.constexpr, X_SCALED: tl.constexpr = False,
+                            Y, HAS_DRES_OUT: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                            STAGES: tl.constexpr, X_SCALED: tl.constexpr = False, WRITE_Y: tl.constexpr = False,
                             PDL: tl.constexpr = False):  # fmt: skip
     """Rows pid, pid + programs, ...: dx = rstd (w dy - s_hat mean(s_hat w dy)) (+ the new residual's own gradient),
     written to DX (x's dtype; times x's row scale with X_SCALED) and DRES (the residual's); this program's sum of
-    dy * s_hat to DW_PART. The rows' loads are software-pipelined (STAGES rows in flight), as in the gated norm's
-    backward (gated_rmsnorm_triton.py)."""
+    dy * s_hat to DW_PART. With WRITE_Y also the forward's normed output s_hat w to Y (bit for bit the forward's
+    where S holds the float32 sum it normed: norm_linear.py). The rows' loads are software-pipelined (STAGES rows in
+    flight), as in the gated norm's backward (gated_rmsnorm_triton.py)."""
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -86,6 +87,8 @@ def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_
         dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + row)
         s_hat = tl.load(S + row * D + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+        if WRITE_Y:
+            tl.store(Y + row * D + cols, (s_hat * w).to(Y.dtype.element_ty), mask=mask)
         wdy = w * dy
         dx = (wdy - s_hat * (tl.sum(s_hat * wdy, axis=0) / D)) * rstd
         if HAS_DRES_OUT:
@@ -125,28 +128,64 @@ def _backward_programs(M: int, device: torch.device) -> int:
     return max(1, min(M, _BWD_PROGRAMS_PER_SM * sm_count(device)))
 
 
+def norm_forward(x2, res2, weight, eps, res_dtype, out_dtype, x_ss=None, x_n=1, x_eps=0.0):
+    """The forward kernel on rows: x2 [M, D] (and res2 [M, D] or None) -> (normed [M, D] in out_dtype, new residual
+    s [M, D] in res_dtype, rstd [M] float32, x's row scale [M] float32 or None). x_ss: x's rows' sums of squares in
+    parts (a RowScaled's), else None."""
+    M, D = x2.shape
+    y = torch.empty(M, D, device=x2.device, dtype=out_dtype)
+    s = torch.empty(M, D, device=x2.device, dtype=res_dtype)
+    rstd = torch.empty(M, device=x2.device, dtype=torch.float32)
+    x_rstd = None if x_ss is None else torch.empty(M, device=x2.device, dtype=torch.float32)
+    block = next_power_of_2(D)
+    _add_rmsnorm_fwd_kernel[(M,)](
+        x2, res2 if res2 is not None else x2, weight, y, s, rstd,
+        x2.stride(0), res2.stride(0) if res2 is not None else 0, D, eps,
+        x_ss if x_ss is not None else rstd, x_rstd if x_rstd is not None else rstd,
+        x_ss.shape[1] if x_ss is not None else 1, x_n, x_eps,
+        HAS_RES=res2 is not None, BLOCK=block, X_SCALED=x_ss is not None,
+        BLOCK_J=next_power_of_2(x_ss.shape[1]) if x_ss is not None else 1,
+        num_warps=warps_for_row(block, _FWD_ELEMS_PER_THREAD),
+    )  # fmt: skip
+    return y, s, rstd, x_rstd
+
+
+def norm_backward(dy2, dres2, s, weight, rstd, x_rstd, x_dtype, has_res, y_out=None):
+    """The backward kernel on rows: (dx [M, D] in x_dtype, the residual's gradient [M, D] in s's dtype or None,
+    the weight's gradient in its dtype); dres2: the new residual's own gradient or None. y_out ([M, D]): where to
+    write the forward's normed output again (norm_linear.py), else None."""
+    M, D = s.shape
+    dx = torch.empty(M, D, device=s.device, dtype=x_dtype)
+    dres = torch.empty(M, D, device=s.device, dtype=s.dtype) if has_res else None
+    programs = _backward_programs(M, s.device)
+    dw_part = torch.empty(programs, D, device=s.device, dtype=torch.float32)
+    block = next_power_of_2(D)
+    row_bytes = D * (dy2.element_size() + s.element_size() + (dres2.element_size() if dres2 is not None else 0))
+    stages = rows_in_flight(row_bytes, _BWD_STAGES)
+    _add_rmsnorm_bwd_kernel[(programs,)](
+        dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
+        dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, x_rstd if x_rstd is not None else rstd,
+        y_out if y_out is not None else dx,
+        HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block, STAGES=stages,
+        X_SCALED=x_rstd is not None, WRITE_Y=y_out is not None,
+        num_warps=warps_for_row(block, _BWD_ELEMS_PER_THREAD),
+    )  # fmt: skip
+    return dx, dres, column_sums(dw_part).to(weight.dtype)
+
+
+def residual_dtype(x, residual, residual_in_fp32: bool) -> torch.dtype:
+    """The new residual's dtype: the residual's, else float32 with residual_in_fp32, else x's."""
+    return residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
+
+
 class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, residual_in_fp32, out_dtype, x_ss, x_n, x_eps):
-        shape, D = x.shape, x.shape[-1]
-        x2 = _rows(x)
+        shape = x.shape
         res2 = None if residual is None else _rows(residual)
-        res_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
-        M = x2.shape[0]
-        y = torch.empty(M, D, device=x.device, dtype=out_dtype)
-        s = torch.empty(M, D, device=x.device, dtype=res_dtype)
-        rstd = torch.empty(M, device=x.device, dtype=torch.float32)
-        x_rstd = None if x_ss is None else torch.empty(M, device=x.device, dtype=torch.float32)
-        block = next_power_of_2(D)
-        _add_rmsnorm_fwd_kernel[(M,)](
-            x2, res2 if res2 is not None else x2, weight, y, s, rstd,
-            x2.stride(0), res2.stride(0) if res2 is not None else 0, D, eps,
-            x_ss if x_ss is not None else rstd, x_rstd if x_rstd is not None else rstd,
-            x_ss.shape[1] if x_ss is not None else 1, x_n, x_eps,
-            HAS_RES=res2 is not None, BLOCK=block, X_SCALED=x_ss is not None,
-            BLOCK_J=next_power_of_2(x_ss.shape[1]) if x_ss is not None else 1,
-            num_warps=warps_for_row(block, _FWD_ELEMS_PER_THREAD),
-        )  # fmt: skip
+        y, s, rstd, x_rstd = norm_forward(
+            _rows(x), res2, weight, eps, residual_dtype(x, residual, residual_in_fp32), out_dtype, x_ss, x_n, x_eps
+        )
         ctx.save_for_backward(s, weight, rstd, x_rstd)
         ctx.has_res, ctx.x_dtype, ctx.shape = residual is not None, x.dtype, shape
         # An unused output (norm_f's new residual) then reaches backward as None, not as a zero tensor autograd fills
@@ -160,35 +199,23 @@ class _AddRMSNorm(torch.autograd.Function):
         M, D = s.shape
         dy2 = _rows(dy) if dy is not None else torch.zeros(M, D, device=s.device, dtype=ctx.x_dtype)
         dres2 = None if dres_out is None else _rows(dres_out)
-        dx = torch.empty(M, D, device=s.device, dtype=ctx.x_dtype)
-        dres = torch.empty(M, D, device=s.device, dtype=s.dtype) if ctx.has_res else None
-        programs = _backward_programs(M, s.device)
-        dw_part = torch.empty(programs, D, device=s.device, dtype=torch.float32)
-        block = next_power_of_2(D)
-        row_bytes = D * (dy2.element_size() + s.element_size() + (dres2.element_size() if dres2 is not None else 0))
-        stages = rows_in_flight(row_bytes, _BWD_STAGES)
-        _add_rmsnorm_bwd_kernel[(programs,)](
-            dy2, s, weight, rstd, dres2 if dres2 is not None else dy2, dx, dres if dres is not None else dx, dw_part,
-            dy2.stride(0), dres2.stride(0) if dres2 is not None else 0, M, D, x_rstd if x_rstd is not None else rstd,
-            HAS_DRES_OUT=dres2 is not None, HAS_RES=dres is not None, BLOCK=block, STAGES=stages,
-            X_SCALED=x_rstd is not None,
-            num_warps=warps_for_row(block, _BWD_ELEMS_PER_THREAD),
-        )  # fmt: skip
-        dw = column_sums(dw_part).to(weight.dtype)
+        dx, dres, dw = norm_backward(dy2, dres2, s, weight, rstd, x_rstd, ctx.x_dtype, ctx.has_res)
         dres = None if dres is None else dres.view(ctx.shape)
         return dx.view(ctx.shape), dres, dw, None, None, None, None, None, None
 
 
-def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
-    """(normed, new_residual): see the module docstring and models.kernels.norm_reference.add_rmsnorm_ref. x may be
-    a row_scale.RowScaled (its rows scaled as they are read; the gradient returned for its values is the scaled
-    rows' times the scale: row_scale.py's contract)."""
-    x_ss = x_n = x_eps = None
-    if isinstance(x, RowScaled):
-        x, x_ss, x_n, x_eps = x.values, x.sumsq_parts, int(x.n), float(x.eps)
-        if x_ss.dim() != 2 or x_ss.shape[0] != x.numel() // x.shape[-1] or x_ss.dtype != torch.float32:
-            raise ValueError(f"RowScaled.sumsq_parts must be float32 [rows, J], got {x_ss.dtype} {tuple(x_ss.shape)}")
-        x_ss = x_ss.contiguous()
+def unpack_row_scaled(x):
+    """(values, sumsq parts or None, n, eps) of a RowScaled x (its parts checked), else (x, None, 1, 0.0)."""
+    if not isinstance(x, RowScaled):
+        return x, None, 1, 0.0
+    x_ss = x.sumsq_parts
+    if x_ss.dim() != 2 or x_ss.shape[0] != x.values.numel() // x.values.shape[-1] or x_ss.dtype != torch.float32:
+        raise ValueError(f"RowScaled.sumsq_parts must be float32 [rows, J], got {x_ss.dtype} {tuple(x_ss.shape)}")
+    return x.values, x_ss.contiguous(), int(x.n), float(x.eps)
+
+
+def check_shapes(x, residual, weight) -> None:
+    """weight [D], residual x's shape, a row that fits one program: before any kernel runs."""
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"weight must be [{D}] (x's last dim), got {tuple(weight.shape)}")
@@ -198,10 +225,18 @@ def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
         raise ValueError(
             f"add_rmsnorm_triton: a row of {D} elements does not fit one program (64 KB); use model.kernels=reference"
         )
+
+
+def add_rmsnorm_triton(x, residual, weight, eps=1e-5, residual_in_fp32=False):
+    """(normed, new_residual): see the module docstring and models.kernels.norm_reference.add_rmsnorm_ref. x may be
+    a row_scale.RowScaled (its rows scaled as they are read; the gradient returned for its values is the scaled
+    rows' times the scale: row_scale.py's contract)."""
+    x, x_ss, x_n, x_eps = unpack_row_scaled(x)
+    check_shapes(x, residual, weight)
     out_dtype = x.dtype
     if x.dtype == torch.float32 and x.is_cuda and torch.is_autocast_enabled("cuda"):
         out_dtype = torch.get_autocast_dtype("cuda")  # (module docstring)
     with no_autocast(x.device):
         return _AddRMSNorm.apply(
-            x, residual, weight.contiguous(), float(eps), residual_in_fp32, out_dtype, x_ss, x_n or 1, x_eps or 0.0
+            x, residual, weight.contiguous(), float(eps), residual_in_fp32, out_dtype, x_ss, x_n, x_eps
         )

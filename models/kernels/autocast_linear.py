@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from models.kernels.weight_copies import compute_weight
 
-__all__ = ["autocast_linear", "weight_grad", "mm_float32"]
+__all__ = ["autocast_linear", "weight_grad", "mm_float32", "float32_weight_grad_applies"]
 
 
 def mm_float32(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> 
     return (dy_MO.t() @ x_MI).to(dtype)
 
 
-def _float32_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+def float32_weight_grad_applies(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     """CUDA autocast to a 16-bit dtype, a plain float32 weight (not a DTensor: FSDP2 / TP shards keep nn.Linear), no
     bias (Mamba-2's in_proj has none)."""
     return (
@@ -70,6 +70,6 @@ class _AutocastLinear(torch.autograd.Function):
 def autocast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) as autocast runs it; the float32 weight's gradient from cuBLAS in float32 where
     that applies (see the module docstring), F.linear itself everywhere else (the CPU, FSDP2's bf16 parameters, TP)."""
-    if _float32_weight_grad_applies(x, weight, bias):
+    if float32_weight_grad_applies(x, weight, bias):
         return _AutocastLinear.apply(x, weight, torch.get_autocast_dtype("cuda"))
     return F.linear(x, weight, bias)

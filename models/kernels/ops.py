@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from models.kernels import cuda as _cuda
 from models.kernels import ssd_triton as _ssd_triton
+from models.kernels.autocast_linear import float32_weight_grad_applies
 from models.kernels.reference import (
     add_rmsnorm_ref,
     causal_conv1d_ref,
@@ -219,6 +220,42 @@ def add_rmsnorm(
     x = materialize(x)
     fn = _cuda.add_rmsnorm_cuda if use_cuda_kernels(backend, x) else add_rmsnorm_ref
     return fn(x, residual, weight, eps=eps, residual_in_fp32=residual_in_fp32)
+
+
+def add_rmsnorm_linear_applies(
+    x: torch.Tensor, residual: torch.Tensor | None, lin_weight: torch.Tensor, residual_in_fp32: bool, *, backend="auto"
+) -> bool:
+    """Whether add_rmsnorm_linear runs its one Function (norm_linear.py): our kernels on CUDA tensors, autocast's
+    float32-gradient path for lin_weight (bf16 / fp16 autocast, a plain float32 weight without bias:
+    autocast_linear.py) and a float32 residual stream (the recomputed normed rows then equal the forward's)."""
+    values = x.values if isinstance(x, RowScaled) else x
+    if residual is not None:
+        res_fp32 = residual.dtype == torch.float32
+    else:
+        res_fp32 = residual_in_fp32 or values.dtype == torch.float32
+    return (
+        res_fp32
+        and values.is_cuda
+        and use_triton_ssd(backend, values)
+        and float32_weight_grad_applies(values, lin_weight, None)
+    )
+
+
+def add_rmsnorm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    residual_in_fp32: bool,
+    lin_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rmsnorm(x + residual)) under autocast, new residual) as one autograd Function that keeps no copy of
+    the normed rows (model.recompute_in_proj_input; models/kernels/norm_linear.py). Call it where
+    add_rmsnorm_linear_applies; it computes in autocast's dtype."""
+    from models.kernels.norm_linear import add_rmsnorm_linear_triton  # lazy: imports triton
+
+    compute_dtype = torch.get_autocast_dtype("cuda")
+    return add_rmsnorm_linear_triton(x, residual, norm_weight, eps, residual_in_fp32, lin_weight, compute_dtype)
 
 
 def mamba_split_conv1d_scan(

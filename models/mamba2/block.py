@@ -16,6 +16,7 @@ from models.args import ModelArgs
 from models.hybrid.attention import Attention
 from models.hybrid.mlp import MLP
 from models.hybrid.moe import MoE
+from models.kernels import ops
 from models.mamba2.mixer import Mamba2Mixer
 from models.norms import RMSNorm
 
@@ -37,12 +38,30 @@ class Block(nn.Module):
         super().__init__()
         self.letter = letter
         self.residual_in_fp32 = args.residual_in_fp32
+        self.recompute_in_proj_input = args.recompute_in_proj_input and letter == "M"
         self.norm = RMSNorm(args.d_model, eps=args.norm_eps)
         self.mixer = build_mixer(letter, args, layer_id)
+
+    def _norm_and_in_proj(self, hidden_BSD, residual_BSD) -> bool:
+        """Whether this forward runs the norm and the Mamba mixer's in_proj as one Function that keeps no copy of the
+        normed rows (model.recompute_in_proj_input, where ops.add_rmsnorm_linear_applies)."""
+        return (
+            self.recompute_in_proj_input
+            and self.mixer.cp is None
+            and ops.add_rmsnorm_linear_applies(
+                hidden_BSD, residual_BSD, self.mixer.in_proj.weight, self.residual_in_fp32, backend=self.norm.backend
+            )
+        )
 
     def forward(
         self, hidden_BSD: torch.Tensor, residual_BSD: torch.Tensor | None, seq_idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._norm_and_in_proj(hidden_BSD, residual_BSD):
+            zxbcdt, residual_BSD = ops.add_rmsnorm_linear(
+                hidden_BSD, residual_BSD, self.norm.weight, self.norm.eps, self.residual_in_fp32,
+                self.mixer.in_proj.weight,
+            )  # fmt: skip
+            return self.mixer.forward_from_in_proj(zxbcdt, seq_idx=seq_idx), residual_BSD
         normed_BSD, residual_BSD = self.norm.add_and_norm(hidden_BSD, residual_BSD, self.residual_in_fp32)
         if residual_BSD is hidden_BSD:
             # The first block (no residual yet, fp32) would return its own input as the residual. Under FSDP2

@@ -69,6 +69,11 @@ class Mamba2Mixer(nn.Module):
             return self._conv_ssm_out(z_BSE, xBCdt, seq_idx)[0]
         # autocast_linear: nn.Linear's product, with the float32 weight's gradient written in float32 by cuBLAS on CUDA
         zxbcdt = autocast_linear(u_BSD, self.in_proj.weight, self.in_proj.bias)
+        return self.forward_from_in_proj(zxbcdt, seq_idx)
+
+    def forward_from_in_proj(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None = None):
+        """forward after in_proj (its output zxbcdt [b, s, in_proj's out] given: the block's norm_linear.py path,
+        model.recompute_in_proj_input); not under context parallel, whose hook runs in_proj itself."""
         return self._forward(zxbcdt, seq_idx, fuse_gate=self.args.fuse_gate_into_scan)[0]
 
     def _forward(
