@@ -5,8 +5,8 @@ A child process under TRITON_INTERPRET=1 runs a selection of the interpreter cas
 and final states, two groups and a ragged last chunk; the model's fused path with the kernel halves; P and N that
 are not powers of two; the conv with and without documents; the residual add + RMSNorm, also rewriting its normed rows
 (norm_linear.py); the gated norm on dense rows and on CP's column blocks; the fused loss; the optimizer's AdamW and sum
-of squares) and records each launch's dtypes, scalars and constexprs; this process compiles each distinct pattern for sm_90. The selection must launch
-every kernel of ours at least once, so a new kernel without a case here fails too.
+of squares) and records each launch's dtypes, scalars and constexprs; this process compiles each distinct pattern for
+sm_90. The selection must launch every kernel of ours at least once, so a new kernel without a case here fails too.
 """
 
 from __future__ import annotations
