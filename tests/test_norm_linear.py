@@ -129,7 +129,10 @@ def test_blocks_take_the_fused_path_where_it_applies(monkeypatch):
         (False, True, "M", 0),
         (True, True, "-", 0),
     ):
-        monkeypatch.setattr(ops, "add_rmsnorm_linear_applies", lambda *a, applies=applies, **k: applies)
+        asked = []
+        monkeypatch.setattr(
+            ops, "add_rmsnorm_linear_applies", lambda *a, applies=applies, **k: asked.append(a) or applies
+        )
         calls.clear()
         block = Block(build_model_args("debug", {"recompute_in_proj_input": on}), 0, letter)
         seen = []
@@ -137,5 +140,26 @@ def test_blocks_take_the_fused_path_where_it_applies(monkeypatch):
             monkeypatch.setattr(block.mixer, "forward_from_in_proj", lambda z, seq_idx=None: seen.append(z.shape) or z)
         block(hidden, None)
         assert len(calls) == expected, (on, applies, letter)
+        if asked:  # the mixer's in_proj weight and bias (a bias rules the path out), the residual's dtype setting
+            assert asked[0][2] is block.mixer.in_proj.weight and asked[0][3] is block.mixer.in_proj.bias
+            assert asked[0][4] is True
         if expected:
             assert calls == [block.mixer.in_proj.weight.shape] and seen == [(1, 8, block.mixer.in_proj.out_features)]
+
+
+def test_where_the_fused_path_applies(monkeypatch):
+    """add_rmsnorm_linear_applies, given our kernels and autocast's float32-gradient path (both stood in for, as on a
+    GPU under autocast): no for a linear bias (norm_linear.py has none) or a residual stream that is not float32 (the
+    rewritten rows would differ from the forward's), yes otherwise; on the CPU as it is, never."""
+    from models.kernels import ops
+
+    x16, w = torch.randn(2, 4, 8).bfloat16(), torch.nn.Parameter(torch.randn(6, 8))
+    res32, res16 = torch.randn(2, 4, 8), torch.randn(2, 4, 8).bfloat16()
+    assert not ops.add_rmsnorm_linear_applies(x16, res32, w, None, True)  # the CPU: never
+    monkeypatch.setattr(ops, "use_triton_ssd", lambda backend, t: True)
+    monkeypatch.setattr(ops, "float32_weight_grad_applies", lambda x, weight, bias: True)
+    assert ops.add_rmsnorm_linear_applies(x16, res32, w, None, False)
+    assert ops.add_rmsnorm_linear_applies(x16, None, w, None, True)  # the first block: a float32 new residual
+    assert not ops.add_rmsnorm_linear_applies(x16, res32, w, torch.zeros(6), True)
+    assert not ops.add_rmsnorm_linear_applies(x16, res16, w, None, True)
+    assert not ops.add_rmsnorm_linear_applies(x16, None, w, None, False)  # a bf16 new residual

@@ -223,10 +223,16 @@ def add_rmsnorm(
 
 
 def add_rmsnorm_linear_applies(
-    x: torch.Tensor, residual: torch.Tensor | None, lin_weight: torch.Tensor, residual_in_fp32: bool, *, backend="auto"
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    lin_weight: torch.Tensor,
+    lin_bias: torch.Tensor | None,
+    residual_in_fp32: bool,
+    *,
+    backend="auto",
 ) -> bool:
     """Whether add_rmsnorm_linear runs its one Function (norm_linear.py): our kernels on CUDA tensors, autocast's
-    float32-gradient path for lin_weight (bf16 / fp16 autocast, a plain float32 weight without bias:
+    float32-gradient path for the linear layer (bf16 / fp16 autocast, a plain float32 weight, no bias:
     autocast_linear.py) and a float32 residual stream (the recomputed normed rows then equal the forward's)."""
     values = x.values if isinstance(x, RowScaled) else x
     if residual is not None:
@@ -234,10 +240,10 @@ def add_rmsnorm_linear_applies(
     else:
         res_fp32 = residual_in_fp32 or values.dtype == torch.float32
     return (
-        res_fp32
-        and values.is_cuda
+        lin_bias is None
+        and res_fp32
         and use_triton_ssd(backend, values)
-        and float32_weight_grad_applies(values, lin_weight, None)
+        and float32_weight_grad_applies(values, lin_weight, None)  # CUDA tensors under autocast
     )
 
 

@@ -49,7 +49,12 @@ class Block(nn.Module):
             self.recompute_in_proj_input
             and self.mixer.cp is None
             and ops.add_rmsnorm_linear_applies(
-                hidden_BSD, residual_BSD, self.mixer.in_proj.weight, self.residual_in_fp32, backend=self.norm.backend
+                hidden_BSD,
+                residual_BSD,
+                self.mixer.in_proj.weight,
+                self.mixer.in_proj.bias,
+                self.residual_in_fp32,
+                backend=self.norm.backend,
             )
         )
 
