@@ -99,10 +99,11 @@ TUNE = [
     dict(_BWD_ROWS=2, _BWD_WARPS=2),
     dict(_FWD_ONE_DOC_BRANCH=False, _BWD_ONE_DOC_BRANCH=False),  # before sessions 43 / 49: document tests everywhere
     dict(_BWD_BLOCK_D=128, _BWD_ROWS=4),  # the backward's tiles before session 49
+    dict(_BWD_L2_AHEAD=0),  # no L2 hints (before session 55)
 ]
 TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
          "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID", "_FWD_ONE_DOC_BRANCH",
-         "_BWD_ONE_DOC_BRANCH")  # fmt: skip
+         "_BWD_ONE_DOC_BRANCH", "_BWD_L2_AHEAD")  # fmt: skip
 
 
 def tune(shape_name: str) -> None:
