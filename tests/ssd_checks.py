@@ -396,20 +396,11 @@ def check_decay_through_initial_states(bound):
 # Row 0: a boundary exactly at a chunk start (16), a one-token document (at 30), a short one; row 1: one cut.
 
 
-def check_fused_gate(b, L, H, P, N, seed, chunk_size, kept_states=False):
-    """model.fuse_gate_into_scan (row_scale.py) on the kernel-halves path: mamba_split_conv1d_scan with fuse_gate
-    (the chunk scan writing out_proj's input before the gated norm's division by the rows' rms, that scale applied
-    by the next add + RMSNorm) followed by add_rmsnorm_triton, against the same two ops without it, in float32 with
-    A_log as the model passes it: the next norm's outputs (normed, new residual) and every gradient (the mixer's
-    inputs and parameters, the residual, the next norm's weight). Also: the output is a RowScaled whose
-    materialize() is the unfused output, and without a norm weight, with ngroups 2 or with out_proj's bias the
-    option leaves a plain tensor."""
-    from models.kernels import ops
-    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
-    from models.kernels.row_scale import RowScaled
-
+def _gated_mixer_inputs(b, L, H, P, N, seed, d_model):
+    """The fused mixer's inputs as the model passes them (ngroups 1, A_log, a norm weight, out_proj to d_model), and
+    the generator's draw function r(*shape, scale) for the caller's further tensors (drawn after these)."""
     g = torch.Generator().manual_seed(seed)
-    dim, conv_dim, d_model = H * P, H * P + 2 * N, 24
+    dim, conv_dim = H * P, H * P + 2 * N
 
     def r(*s, scale=1.0):
         return torch.randn(*s, generator=g) * scale
@@ -423,9 +414,25 @@ def check_fused_gate(b, L, H, P, N, seed, chunk_size, kept_states=False):
         D=r(H),
         rmsnorm_weight=1 + r(dim, scale=0.1),
         outproj_weight=r(d_model, dim, scale=dim**-0.5),
-        residual=r(b, L, d_model),
-        next_norm_weight=1 + r(d_model, scale=0.1),
     )
+    return tensors, r
+
+
+def check_fused_gate(b, L, H, P, N, seed, chunk_size, kept_states=False):
+    """model.fuse_gate_into_scan (row_scale.py) on the kernel-halves path: mamba_split_conv1d_scan with fuse_gate
+    (the chunk scan writing out_proj's input before the gated norm's division by the rows' rms, that scale applied
+    by the next add + RMSNorm) followed by add_rmsnorm_triton, against the same two ops without it, in float32 with
+    A_log as the model passes it: the next norm's outputs (normed, new residual) and every gradient (the mixer's
+    inputs and parameters, the residual, the next norm's weight). Also: the output is a RowScaled whose
+    materialize() is the unfused output, and without a norm weight, with ngroups 2 or with out_proj's bias the
+    option leaves a plain tensor."""
+    from models.kernels import ops
+    from models.kernels.add_rmsnorm_triton import add_rmsnorm_triton
+    from models.kernels.row_scale import RowScaled
+
+    d_model = 24
+    tensors, r = _gated_mixer_inputs(b, L, H, P, N, seed, d_model)
+    tensors.update(residual=r(b, L, d_model), next_norm_weight=1 + r(d_model, scale=0.1))
     seq = torch.zeros(b, L, dtype=torch.int32)
     seq[:, L // 3 :] = 1
     cot_normed, cot_res = r(b, L, d_model), r(b, L, d_model)
@@ -476,22 +483,8 @@ def check_keep_conv(b, L, H, P, N, seed, chunk_size, fuse_gate=False):
     from models.kernels import split_conv1d_scan as scs
     from models.kernels.row_scale import materialize
 
-    g = torch.Generator().manual_seed(seed)
-    dim, conv_dim, d_model = H * P, H * P + 2 * N, 24
-
-    def r(*s, scale=1.0):
-        return torch.randn(*s, generator=g) * scale
-
-    tensors = dict(
-        zxbcdt=r(b, L, 2 * dim + 2 * N + H),
-        conv1d_weight=r(conv_dim, 4, scale=0.3),
-        conv1d_bias=r(conv_dim, scale=0.1),
-        dt_bias=r(H, scale=0.3) - 1,
-        A_log=torch.log(torch.rand(H, generator=g) + 0.5),
-        D=r(H),
-        rmsnorm_weight=1 + r(dim, scale=0.1),
-        outproj_weight=r(d_model, dim, scale=dim**-0.5),
-    )
+    d_model = 24
+    tensors, r = _gated_mixer_inputs(b, L, H, P, N, seed, d_model)
     seq = torch.zeros(b, L, dtype=torch.int32)
     seq[:, L // 3 :] = 1
     cot = r(b, L, d_model)
