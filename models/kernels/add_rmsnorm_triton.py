@@ -103,7 +103,7 @@ def _add_rmsnorm_bwd_kernel(DY, S, W, RSTD, DRES_OUT, DX, DRES, DW_PART, stride_
     tl.store(DW_PART + pid * D + cols, dw, mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [M, D] with a contiguous last dim (a view where possible)."""
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -182,9 +182,9 @@ class _AddRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, residual_in_fp32, out_dtype, x_ss, x_n, x_eps):
         shape = x.shape
-        res2 = None if residual is None else _rows(residual)
+        res2 = None if residual is None else as_rows(residual)
         y, s, rstd, x_rstd = norm_forward(
-            _rows(x), res2, weight, eps, residual_dtype(x, residual, residual_in_fp32), out_dtype, x_ss, x_n, x_eps
+            as_rows(x), res2, weight, eps, residual_dtype(x, residual, residual_in_fp32), out_dtype, x_ss, x_n, x_eps
         )
         ctx.save_for_backward(s, weight, rstd, x_rstd)
         ctx.has_res, ctx.x_dtype, ctx.shape = residual is not None, x.dtype, shape
@@ -197,8 +197,8 @@ class _AddRMSNorm(torch.autograd.Function):
     def backward(ctx, dy, dres_out):
         s, weight, rstd, x_rstd = ctx.saved_tensors
         M, D = s.shape
-        dy2 = _rows(dy) if dy is not None else torch.zeros(M, D, device=s.device, dtype=ctx.x_dtype)
-        dres2 = None if dres_out is None else _rows(dres_out)
+        dy2 = as_rows(dy) if dy is not None else torch.zeros(M, D, device=s.device, dtype=ctx.x_dtype)
+        dres2 = None if dres_out is None else as_rows(dres_out)
         dx, dres, dw = norm_backward(dy2, dres2, s, weight, rstd, x_rstd, ctx.x_dtype, ctx.has_res)
         dres = None if dres is None else dres.view(ctx.shape)
         return dx.view(ctx.shape), dres, dw, None, None, None, None, None, None

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from models.kernels._utils import no_autocast
 from models.kernels.add_rmsnorm_triton import (
-    _rows,
+    as_rows,
     check_shapes,
     norm_backward,
     norm_forward,
@@ -40,9 +40,11 @@ class _AddRMSNormLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, norm_w, eps, residual_in_fp32, lin_w, compute_dtype, x_ss, x_n, x_eps):
         shape = x.shape
-        res2 = None if residual is None else _rows(residual)
+        res2 = None if residual is None else as_rows(residual)
         res_dtype = residual_dtype(x, residual, residual_in_fp32)
-        normed, s, rstd, x_rstd = norm_forward(_rows(x), res2, norm_w, eps, res_dtype, compute_dtype, x_ss, x_n, x_eps)
+        normed, s, rstd, x_rstd = norm_forward(
+            as_rows(x), res2, norm_w, eps, res_dtype, compute_dtype, x_ss, x_n, x_eps
+        )
         w16 = compute_weight(lin_w, compute_dtype)  # the optimizer's current copy, else a cast
         out = F.linear(normed, w16)
         del normed  # not kept: the norm's backward writes it again
@@ -56,7 +58,7 @@ class _AddRMSNormLinear(torch.autograd.Function):
         s, norm_w, rstd, x_rstd, w16 = ctx.saved_tensors
         M, D = s.shape
         needs = ctx.needs_input_grad
-        dres2 = None if dres_out is None else _rows(dres_out)
+        dres2 = None if dres_out is None else as_rows(dres_out)
         if dout is None:  # the linear layer's output unused: only the residual's gradient flows
             dout2 = None
             dnormed = torch.zeros(M, D, device=s.device, dtype=w16.dtype)
