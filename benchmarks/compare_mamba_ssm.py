@@ -18,6 +18,10 @@ For every size, two subprocesses run one after the other (each starts with an em
 Both run N warm-up + M timed steps at the same batch: 370m 8 x 2048, 1.3b 4 x 4096 (seq_len overridden).
 --their_runs R runs their loop R times (fresh processes) and compares with its fastest run (all of them in the JSON
 as "runs_tokens_per_sec"): their kernels autotune in every process, so one run of theirs is a noisy baseline.
+--rounds R repeats the whole comparison R times, the sides taking turns (theirs, then each run of ours, per round),
+and compares each side's median run (the lower middle one for even R; every round's figures and ratio in the JSON as
+"rounds" and printed below the table): the GPU's clock moves with the power cap and the temperature through a call,
+so runs taken one after another pair up, and one slow run of either side no longer decides the ratio.
 Throughput is over the timed steps (total tokens / total time); memory is torch.cuda.max_memory_allocated.
 MFU is reported on two FLOP counts, for both sides alike: "6N" (6 x the matmul parameters a token uses, lm_head
 included) and "SSD" (that plus the conv and chunked-SSD terms, components.metrics.model_flops_per_token), against
@@ -114,6 +118,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "autotunes its kernels in every process, and its tokens/s moved by 12%% between calls at 1.3B (session 17)",
     )
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the comparison this many times, the sides taking turns, and compare each side's median run "
+        "(session 56: their loop's tokens/s spread 33.3k-38.7k over four runs on one H100)",
+    )
+    ap.add_argument(
         "--their_documents",
         action="store_true",
         help="their loop gets our run's document ids (seq_idx of the same packed rows), so both sides reset the conv "
@@ -134,6 +145,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"unknown size(s) {unknown}; choose from {list(SIZES)}")
     if a.their_runs < 1:
         ap.error("--their_runs must be >= 1")
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    if a.rounds > 1 and a.profile_step:
+        ap.error("--profile_step traces one run of each side: drop --rounds (or --profile_step)")
     if a.warmup < 1 or a.steps < 1:
         ap.error("--warmup and --steps must be >= 1 (the first step compiles / autotunes kernels)")
     if a.profile_step and not 2 <= a.profile_step <= a.warmup:
@@ -272,6 +287,13 @@ COLUMNS = (
 )
 
 
+def _runs_note(side: dict) -> str:
+    """' (median of R)', ' (best of N)' or both, where the figure is one of several runs."""
+    notes = [f"{kind} {len(side[key])}" for kind, key in (("median of", "rounds_tokens_per_sec"),
+             ("best of", "runs_tokens_per_sec")) if len(side.get(key) or []) > 1]  # fmt: skip
+    return f" ({', '.join(notes)})" if notes else ""
+
+
 def table_row(rec: dict) -> list[str]:
     o, t = rec.get("ours") or {}, rec.get("theirs") or {}
     ratio = o["tokens_per_sec"] / t["tokens_per_sec"] if o.get("tokens_per_sec") and t.get("tokens_per_sec") else None
@@ -281,9 +303,8 @@ def table_row(rec: dict) -> list[str]:
     return [
         rec["size"],
         config,
-        _fmt(o.get("tokens_per_sec"), ",.0f"),
-        _fmt(t.get("tokens_per_sec"), ",.0f")
-        + (f" (best of {len(t['runs_tokens_per_sec'])})" if len(t.get("runs_tokens_per_sec") or []) > 1 else ""),
+        _fmt(o.get("tokens_per_sec"), ",.0f") + _runs_note(o),
+        _fmt(t.get("tokens_per_sec"), ",.0f") + _runs_note(t),
         _fmt(ratio, ".3f"),
         _fmt(o.get("memory_gib"), ".1f"),
         _fmt(t.get("memory_gib"), ".1f"),
@@ -372,6 +393,27 @@ def fastest_of(runs: list[dict]) -> dict:
     if len(runs) > 1:
         best["runs_tokens_per_sec"] = [r.get("tokens_per_sec") for r in runs]
     return best
+
+
+def median_of(runs: list[dict]) -> dict:
+    """The median run by tokens/s (the lower middle one of an even count) among the successful ones, with every
+    run's tokens/s in "rounds_tokens_per_sec" (None for a failed run) when there are several; the first run as it is
+    when none succeeded."""
+    ok = sorted((r for r in runs if r.get("tokens_per_sec")), key=lambda r: r["tokens_per_sec"])
+    mid = dict(ok[(len(ok) - 1) // 2] if ok else runs[0])
+    if len(runs) > 1:
+        mid["rounds_tokens_per_sec"] = [r.get("tokens_per_sec") for r in runs]
+    return mid
+
+
+def rounds_of(ours: list[dict], theirs: list[dict]) -> list[dict]:
+    """Round by round: both sides' tokens/s and their ratio (None where a side did not run or failed)."""
+    out = []
+    for i in range(max(len(ours), len(theirs))):
+        o = (ours[i] if i < len(ours) else {}).get("tokens_per_sec")
+        t = (theirs[i] if i < len(theirs) else {}).get("tokens_per_sec")
+        out.append({"ours": o, "theirs": t, "ratio": o / t if o and t else None})
+    return out
 
 
 def run_theirs(size: Size, a: argparse.Namespace, profile: bool = True) -> dict:
@@ -524,6 +566,36 @@ def profile_table(records: list[dict]) -> str:
     return groups_table(summaries, labels) + "\n" + legend
 
 
+def size_records(
+    size: Size, name: str, a: argparse.Namespace, theirs_runs: list[dict], ours_runs: list[list[dict]]
+) -> list[dict]:
+    """One record per variant of ours from the runs so far: each side's median run (the run itself for one round),
+    with "rounds" (round by round figures) when --rounds > 1."""
+    recs = []
+    for i, overrides in enumerate(a.variant_overrides):
+        rec = {
+            **{k: v for k, v in asdict(size).items() if k != "name"},
+            "size": name,
+            "overrides": overrides,
+            "ours": median_of(ours_runs[i]) if ours_runs[i] else None,
+            "theirs": median_of(theirs_runs) if theirs_runs else None,
+        }
+        if a.rounds > 1:
+            rec["rounds"] = rounds_of(ours_runs[i], theirs_runs)
+        recs.append(add_mfu(rec, size, a.peak_tflops))
+    return recs
+
+
+def rounds_lines(records: list[dict]) -> str:
+    """Each record's ratio round by round, under the table."""
+    lines = []
+    for rec in records:
+        ratios = ", ".join(_fmt(r["ratio"], ".3f") for r in rec.get("rounds", []))
+        config = " ".join([rec["size"], f"{rec['batch']}x{rec['seq_len']}", *rec.get("overrides", [])])
+        lines.append(f"{config}: ours/theirs round by round {ratios}")
+    return "\n".join(lines)
+
+
 def write_json(path: str, records: list[dict], a: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     meta = {"warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops, "overrides": a.overrides}
@@ -542,23 +614,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records = []
     for name in a.size_list:
         size = SIZES[name]
-        theirs = None
-        if not a.skip_theirs:  # once per size (the fastest of --their_runs), shared by every variant of ours
-            theirs = fastest_of([run_theirs(size, a, profile=i == 0) for i in range(a.their_runs)])
-        for i, overrides in enumerate(a.variant_overrides):
-            rec = {
-                **{k: v for k, v in asdict(size).items() if k != "name"},
-                "size": name,
-                "overrides": overrides,
-                "ours": None,
-                "theirs": dict(theirs) if theirs else None,
-            }
-            records.append(rec)
-            if not a.skip_ours:
-                rec["ours"] = run_ours(size, a, overrides, i)
-            add_mfu(rec, size, a.peak_tflops)
-            write_json(a.out, records, a)  # after every run: a later timeout keeps what finished
+        theirs_runs: list[dict] = []  # per round: the fastest of --their_runs, shared by every variant of ours
+        ours_runs: list[list[dict]] = [[] for _ in a.variant_overrides]  # per variant, per round
+        done = len(records)
+        for r in range(a.rounds):
+            if not a.skip_theirs:
+                theirs_runs.append(
+                    fastest_of([run_theirs(size, a, profile=r == 0 and i == 0) for i in range(a.their_runs)])
+                )
+            for i, overrides in enumerate(a.variant_overrides):
+                if not a.skip_ours:
+                    ours_runs[i].append(run_ours(size, a, overrides, i))
+                records[done:] = size_records(size, name, a, theirs_runs, ours_runs)
+                write_json(a.out, records, a)  # after every run: a later timeout keeps what finished
     print(format_table(records), flush=True)
+    if a.rounds > 1:
+        print(rounds_lines(records), flush=True)
     if a.profile_step:
         print(profile_table(records), flush=True)
     print(f"results: {a.out}", flush=True)

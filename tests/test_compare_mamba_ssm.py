@@ -371,3 +371,42 @@ def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
         cmp.read_jsonl(str(tmp_path / "w" / d / "metrics.jsonl"))[0]["loss"] for d in ("debug-ours", "debug-ours-1")
     ]
     assert first[0] != first[1]
+
+
+def test_rounds_take_turns_and_compare_each_sides_median_run(monkeypatch, tmp_path, capsys):
+    """--rounds R: theirs then every variant of ours, R times in turn; each record compares the median runs (the
+    lower middle one of an even count; a failed run left out) and lists every round's figures and ratio."""
+    order = []
+    theirs_tps = iter([30.0, 40.0, 20.0])
+    ours_tps = {0: iter([33.0, 60.0, 45.0]), 1: iter([10.0, None, 50.0])}
+
+    def fake_run_theirs(size, a, profile=True):
+        order.append(("theirs", profile))
+        return {"tokens_per_sec": next(theirs_tps)}
+
+    def fake_run_ours(size, a, overrides=None, index=0):
+        order.append(("ours", index))
+        tps = next(ours_tps[index])
+        return {"tokens_per_sec": tps, "memory_gib": 1.0} if tps else {"error": "boom"}
+
+    monkeypatch.setattr(cmp, "run_theirs", fake_run_theirs)
+    monkeypatch.setattr(cmp, "run_ours", fake_run_ours)
+    argv = ["--sizes", "debug", "--rounds", "3", "--variant=--training.seed 4", "--out", str(tmp_path / "r.json")]
+    recs = cmp.main(argv)
+    assert order == [("theirs", True), ("ours", 0), ("ours", 1)] + [("theirs", False), ("ours", 0), ("ours", 1)] * 2
+    base, variant = recs
+    assert base["theirs"]["tokens_per_sec"] == 30.0 and base["theirs"]["rounds_tokens_per_sec"] == [30.0, 40.0, 20.0]
+    assert base["ours"]["tokens_per_sec"] == 45.0
+    assert variant["ours"]["tokens_per_sec"] == 10.0  # of 10 and 50 (the failed round left out): the lower
+    assert variant["ours"]["rounds_tokens_per_sec"] == [10.0, None, 50.0]
+    assert [r["ratio"] for r in base["rounds"]] == [pytest.approx(1.1), pytest.approx(1.5), pytest.approx(2.25)]
+    assert variant["rounds"][1] == {"ours": None, "theirs": 40.0, "ratio": None}
+    saved = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [r["ours"]["tokens_per_sec"] for r in saved] == [45.0, 10.0]
+    out = capsys.readouterr().out
+    assert "45 (median of 3)" in out and "30 (median of 3)" in out and "| 1.500 " in out
+    assert "round by round 1.100, 1.500, 2.250" in out and "round by round 0.333, n/a, 2.500" in out
+    with pytest.raises(SystemExit):
+        cmp.parse_args(["--rounds", "0"])
+    with pytest.raises(SystemExit):
+        cmp.parse_args(["--rounds", "2", "--profile_step", "2", "--warmup", "3"])
