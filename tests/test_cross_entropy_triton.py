@@ -4,11 +4,11 @@ Loss, dh and dweight against F.linear + F.cross_entropy in float64 with autograd
 as the trainer's 1 / tokens): a vocabulary that is not a multiple of the row kernel's block (BLOCK_V is lowered to 64
 in the child, so rows take several blocks and a masked tail), ignored labels (and a chunk of only ignored rows),
 logits large enough that exp would overflow without the running max, chunks of rows (several, uneven, and one larger
-than the input), gradients wanted for h only, the weight only, or neither (no_grad: the loss alone), and through
-ops.linear_cross_entropy_sum with backend "triton" against backend "reference", and under FSDP2 on two gloo ranks with
-the head's weight tied to the embedding (the unfused path's gradients). float32: the interpreter computes
-in float32 numpy, tolerance 1e-5. The GPU test (tests/gpu/test_cross_entropy_gpu.py) holds the compiled kernel in
-bfloat16 to the unfused path's errors.
+than the input), no rows at all (a zero loss and zero gradients), gradients wanted for h only, the weight only, or
+neither (no_grad: the loss alone), and through ops.linear_cross_entropy_sum with backend "triton" against backend
+"reference", and under FSDP2 on two gloo ranks with the head's weight tied to the embedding (the unfused path's
+gradients). float32: the interpreter computes in float32 numpy, tolerance 1e-5. The GPU test
+(tests/gpu/test_cross_entropy_gpu.py) holds the compiled kernel in bfloat16 to the unfused path's errors.
 
 As in test_ssd_triton.py, Triton reads TRITON_INTERPRET when first imported, so the cases run in one child process
 with the variable set; each test reads its case's result.
@@ -37,6 +37,7 @@ CASES = {
     "h_grad_only": (16, 16, 150, 5, 1.0, (0,), "h"),
     "weight_grad_only": (16, 16, 150, 5, 1.0, (0,), "w"),
     "no_grad": (16, 16, 150, 0, 1.0, (0,), "none"),
+    "no_rows": (0, 8, 70, 4, 1.0, (), "both"),
 }
 
 
@@ -73,7 +74,7 @@ def check_case(N, D, V, chunk, scale, ignored, wanted) -> dict:
         loss = ce.linear_cross_entropy_triton(h_in, w_in, labels, chunk, IGNORE)
         (loss * upstream).backward()
     assert loss.dtype == torch.float32 and loss.dim() == 0
-    errors = {"loss": abs(loss.item() - ref.item()) / abs(ref.item())}
+    errors = {"loss": abs(loss.item() - ref.item()) / max(abs(ref.item()), 1e-30)}  # no rows: both 0
     if wanted in ("both", "h"):
         assert h_in.grad.dtype == h.dtype
         errors["dh"] = _rel(h_in.grad, h64.grad)

@@ -10,12 +10,14 @@ autocast dtype, the input and the cast weight kept for the backward, the input g
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from models.kernels.weight_copies import compute_weight
 
-__all__ = ["autocast_linear", "weight_grad", "mm_float32", "float32_weight_grad_applies"]
+__all__ = ["autocast_linear", "weight_grad", "mm_float32", "mm_float32_into", "float32_weight_grad_applies"]
 
 
 def mm_float32(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
@@ -24,6 +26,34 @@ def mm_float32(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     if a_MK.is_cuda and a_MK.dtype in (torch.bfloat16, torch.float16):
         return torch.mm(a_MK, b_KN, out_dtype=torch.float32)
     return (a_MK @ b_KN).float()
+
+
+def mm_float32_into(out_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, accumulate: bool = False):
+    """out (float32 [M, N], rows contiguous) = a @ b, or += a @ b with `accumulate`, in float32 like mm_float32 but
+    without a float32 temporary where cuBLAS writes (mm's out_dtype with out=) or adds (addmm's, beta 1) straight into
+    `out`: the fused loss's chunks write dh row block by row block and sum lm_head's weight gradient this way.
+    Elsewhere mm_float32's product copied or added in."""
+    if a_MK.is_cuda and a_MK.dtype in (torch.bfloat16, torch.float16):
+        if not accumulate:
+            return torch.mm(a_MK, b_KN, out_dtype=torch.float32, out=out_MN)
+        if _adds_into_float32(out_MN.device):
+            return torch.addmm(out_MN, a_MK, b_KN, out_dtype=torch.float32, out=out_MN)
+    product = mm_float32(a_MK, b_KN)
+    return out_MN.add_(product) if accumulate else out_MN.copy_(product)
+
+
+@functools.cache
+def _adds_into_float32(device: torch.device) -> bool:
+    """Whether this torch's CUDA addmm adds 16-bit factors' product into a float32 input (out_dtype float32): newer
+    versions do, older ones want the input in the factors' dtype. Asked once per device, on a 2 x 2 product (one
+    host sync, outside any CUDA-graph capture: the trainer's graph warms its step up eagerly first)."""
+    try:
+        acc = torch.ones(2, 2, device=device)
+        two = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        torch.addmm(acc, two, two, out_dtype=torch.float32, out=acc)
+        return bool((acc == 3).all())
+    except RuntimeError:
+        return False
 
 
 def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

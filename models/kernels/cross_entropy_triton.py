@@ -9,7 +9,9 @@ range reads a clamped column: the data pipeline's vocabulary check is what guard
 How, per chunk of `chunk_rows` rows (all rows when 0): cuBLAS writes the logits [n, V] in the compute dtype; one
 program per row reads its row twice: first the log-sum-exp (running max and sum in float32) and the row's loss,
 then softmax - onehot (the loss's gradient with respect to the row's logits; 0 on ignored rows) written over the
-logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype), and the backward
+logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype), written into
+float32 buffers in place: dh chunk by chunk, dweight summed over the chunks by cuBLAS itself where torch's addmm
+takes a float32 input (autocast_linear.mm_float32_into), so chunking keeps no per-chunk copy. The backward
 only multiplies them by the incoming gradient (a scalar: the trainer's 1 / tokens). Against lm_head followed by
 F.cross_entropy on float32 logits, this never makes the float32 logits, their log-softmax and its gradient (at the
 1.3B's 16384 tokens x 50288 vocabulary three 3 GiB tensors, the step's memory peak, and ~30 GB of memory traffic),
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from models.kernels._utils import no_autocast
-from models.kernels.autocast_linear import mm_float32
+from models.kernels.autocast_linear import mm_float32_into
 from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.pdl import pdl_prologue
 from models.kernels.weight_copies import compute_weight
@@ -115,24 +117,28 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_grad = want_dh or want_dw
         rows_per_chunk = min(chunk_rows, N) if chunk_rows > 0 else N
         logits_buf = torch.empty(rows_per_chunk, V, device=h.device, dtype=compute_dtype)
-        losses, dh_parts, dw32 = [], [], None
+        # The gradients' float32 buffers, written chunk by chunk in place (mm_float32_into: no per-chunk temporaries,
+        # so a chunked loss holds one [chunk, V] logits buffer beside them and nothing more)
+        dh32 = torch.empty(N, h.shape[1], device=h.device, dtype=torch.float32) if want_dh else None
+        dw32 = torch.empty(V, h.shape[1], device=h.device, dtype=torch.float32) if want_dw else None
+        losses, logits = [], None
         for start in range(0, N, max(rows_per_chunk, 1)):
             rows = slice(start, min(N, start + rows_per_chunk))
             logits = logits_buf[: rows.stop - rows.start]
             torch.mm(h[rows], w.t(), out=logits)
             losses.append(cross_entropy_rows(logits, labels_N[rows], ignore_index, want_grad))
             if want_dh:
-                dh_parts.append(mm_float32(logits, w))  # G w: [n, V] @ [V, D]
+                mm_float32_into(dh32[rows], logits, w)  # G w: [n, V] @ [V, D]
             if want_dw:
-                part = mm_float32(logits.t(), h[rows])  # G^T h: [V, n] @ [n, D]
-                dw32 = part if dw32 is None else dw32.add_(part)
-        del logits_buf
-        dh32 = None
-        if want_dh:
-            dh32 = dh_parts[0] if len(dh_parts) == 1 else torch.cat(dh_parts)
+                mm_float32_into(dw32, logits.t(), h[rows], accumulate=start > 0)  # G^T h: [V, n] @ [n, D]
+        del logits_buf, logits  # the buffer freed before the backward
+        if want_dw and N == 0:
+            dw32.zero_()  # no chunk ran
         ctx.save_for_backward(dh32, dw32)
         ctx.dtypes = (h_ND.dtype, weight_VD.dtype)
         ctx.handoff = handoff
+        if not losses:  # no rows: a zero loss, and zero gradients above
+            return torch.zeros((), device=h.device, dtype=torch.float32)
         loss_N = losses[0] if len(losses) == 1 else torch.cat(losses)
         return loss_N.sum()
 

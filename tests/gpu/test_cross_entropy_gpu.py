@@ -54,6 +54,30 @@ def test_fused_loss_as_accurate_as_the_unfused_path(chunk):
     assert ours[1].dtype == torch.bfloat16 and ours[2].dtype == torch.float32
 
 
+def test_chunked_loss_holds_one_chunk_of_logits_and_the_gradients_only():
+    """With chunks, the forward's peak above its inputs is one [chunk, V] bf16 logits buffer plus the float32 dh
+    [N, D] and dweight [V, D] it writes in place (cuBLAS adds each chunk's dweight into the buffer where torch's addmm
+    takes a float32 input; else one [V, D] float32 product at a time more): no per-chunk copies of dh, no cat."""
+    from models.kernels.autocast_linear import _adds_into_float32
+
+    h, w, labels = _inputs(2)
+    h_in, w_in = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    chunk = 512
+    ops.linear_cross_entropy_sum(h_in, w_in, labels, chunk)  # first call: Triton's compile, the addmm probe
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = ops.linear_cross_entropy_sum(h_in, w_in, labels, chunk)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    bound = chunk * V * 2 + N * D * 4 + V * D * 4 + V * D * 2  # logits, dh, dweight, the weight's bf16 cast
+    if not _adds_into_float32(h.device):
+        bound += V * D * 4
+    assert peak <= bound + 2**20, (peak, bound)
+    loss.backward()
+
+
 def test_fused_loss_in_a_cuda_graph():
     h, w, labels = _inputs(1)
     w = w.requires_grad_()
