@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 from models.kernels.weight_copies import compute_weight
 
-__all__ = ["autocast_linear", "weight_grad", "mm_float32", "mm_float32_into", "float32_weight_grad_applies"]
+__all__ = [
+    "autocast_linear",
+    "weight_grad",
+    "mm_float32",
+    "add_mm_float32_",
+    "adds_into_float32",
+    "float32_weight_grad_applies",
+]
 
 
 def mm_float32(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
@@ -28,31 +35,27 @@ def mm_float32(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     return (a_MK @ b_KN).float()
 
 
-def mm_float32_into(out_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, accumulate: bool = False):
-    """out (float32 [M, N], rows contiguous) = a @ b, or += a @ b with `accumulate`, in float32 like mm_float32 but
-    without a float32 temporary where cuBLAS writes (mm's out_dtype with out=) or adds (addmm's, beta 1) straight into
-    `out`: the fused loss's chunks write dh row block by row block and sum lm_head's weight gradient this way.
-    Elsewhere mm_float32's product copied or added in."""
-    if a_MK.is_cuda and a_MK.dtype in (torch.bfloat16, torch.float16):
-        if not accumulate:
-            return torch.mm(a_MK, b_KN, out_dtype=torch.float32, out=out_MN)
-        if _adds_into_float32(out_MN.device):
-            return torch.addmm(out_MN, a_MK, b_KN, out_dtype=torch.float32, out=out_MN)
-    product = mm_float32(a_MK, b_KN)
-    return out_MN.add_(product) if accumulate else out_MN.copy_(product)
+def add_mm_float32_(out_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
+    """out (float32 [M, N]) += a @ b, the product in float32 as mm_float32's, without a float32 [M, N] temporary where
+    cuBLAS adds into `out` itself (addmm with beta 1 and out_dtype float32, where this torch takes a float32 input
+    with 16-bit factors); elsewhere mm_float32's product added in. The fused loss's chunks sum lm_head's weight
+    gradient this way."""
+    if a_MK.is_cuda and a_MK.dtype in (torch.bfloat16, torch.float16) and adds_into_float32(out_MN.device):
+        return torch.addmm(out_MN, a_MK, b_KN, out_dtype=torch.float32, out=out_MN)
+    return out_MN.add_(mm_float32(a_MK, b_KN))
 
 
 @functools.cache
-def _adds_into_float32(device: torch.device) -> bool:
+def adds_into_float32(device: torch.device) -> bool:
     """Whether this torch's CUDA addmm adds 16-bit factors' product into a float32 input (out_dtype float32): newer
     versions do, older ones want the input in the factors' dtype. Asked once per device, on a 2 x 2 product (one
     host sync, outside any CUDA-graph capture: the trainer's graph warms its step up eagerly first)."""
     try:
         acc = torch.ones(2, 2, device=device)
-        two = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
-        torch.addmm(acc, two, two, out_dtype=torch.float32, out=acc)
+        ones16 = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
+        torch.addmm(acc, ones16, ones16, out_dtype=torch.float32, out=acc)  # 1 + 2 everywhere
         return bool((acc == 3).all())
-    except RuntimeError:
+    except (RuntimeError, TypeError, NotImplementedError):  # an older torch: no such overload, or not this dtype
         return False
 
 

@@ -9,13 +9,14 @@ range reads a clamped column: the data pipeline's vocabulary check is what guard
 How, per chunk of `chunk_rows` rows (all rows when 0): cuBLAS writes the logits [n, V] in the compute dtype; one
 program per row reads its row twice: first the log-sum-exp (running max and sum in float32) and the row's loss,
 then softmax - onehot (the loss's gradient with respect to the row's logits; 0 on ignored rows) written over the
-logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype), written into
-float32 buffers in place: dh chunk by chunk, dweight summed over the chunks by cuBLAS itself where torch's addmm
-takes a float32 input (autocast_linear.mm_float32_into), so chunking keeps no per-chunk copy. The backward
-only multiplies them by the incoming gradient (a scalar: the trainer's 1 / tokens). Against lm_head followed by
-F.cross_entropy on float32 logits, this never makes the float32 logits, their log-softmax and its gradient (at the
-1.3B's 16384 tokens x 50288 vocabulary three 3 GiB tensors, the step's memory peak, and ~30 GB of memory traffic),
-nor a 16-bit weight gradient cast to float32. Measured: docs/performance.md, session 21.
+logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype); with chunks, dh's
+rows go chunk by chunk into one buffer and dweight is summed over the chunks by cuBLAS itself where torch's addmm
+takes a float32 input (autocast_linear.add_mm_float32_), so no [V, D] product is kept beside the sum and dh is never
+copied whole. The backward only multiplies them by the incoming gradient (a scalar: the trainer's 1 / tokens).
+Against lm_head followed by F.cross_entropy on float32 logits, this never makes the float32 logits, their
+log-softmax and its gradient (at the 1.3B's 16384 tokens x 50288 vocabulary three 3 GiB tensors, the step's memory
+peak, and ~30 GB of memory traffic), nor a 16-bit weight gradient cast to float32. Measured: docs/performance.md,
+session 21.
 Imports triton at import time: import this module lazily (ops.linear_cross_entropy_sum does).
 """
 
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from models.kernels._utils import no_autocast
-from models.kernels.autocast_linear import mm_float32_into
+from models.kernels.autocast_linear import add_mm_float32_, mm_float32
 from models.kernels.fast_launch import cdiv, fast_launch
 from models.kernels.pdl import pdl_prologue
 from models.kernels.weight_copies import compute_weight
@@ -117,27 +118,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_grad = want_dh or want_dw
         rows_per_chunk = min(chunk_rows, N) if chunk_rows > 0 else N
         logits_buf = torch.empty(rows_per_chunk, V, device=h.device, dtype=compute_dtype)
-        # The gradients' float32 buffers, written chunk by chunk in place (mm_float32_into: no per-chunk temporaries,
-        # so a chunked loss holds one [chunk, V] logits buffer beside them and nothing more)
-        dh32 = torch.empty(N, h.shape[1], device=h.device, dtype=torch.float32) if want_dh else None
-        dw32 = torch.empty(V, h.shape[1], device=h.device, dtype=torch.float32) if want_dw else None
+        # dh's float32 rows written chunk by chunk into one buffer, lm_head's weight gradient summed over the chunks
+        # in its own (add_mm_float32_: cuBLAS adds into it where it can), so chunks keep no [V, D] product beside the
+        # sum and no copies of dh's parts; one chunk (the default) makes both as single products
+        chunked = rows_per_chunk < N
+        dh32 = torch.empty(N, h.shape[1], device=h.device, dtype=torch.float32) if want_dh and chunked else None
+        dw32 = None
         losses, logits = [], None
         for start in range(0, N, max(rows_per_chunk, 1)):
             rows = slice(start, min(N, start + rows_per_chunk))
             logits = logits_buf[: rows.stop - rows.start]
             torch.mm(h[rows], w.t(), out=logits)
             losses.append(cross_entropy_rows(logits, labels_N[rows], ignore_index, want_grad))
-            if want_dh:
-                mm_float32_into(dh32[rows], logits, w)  # G w: [n, V] @ [V, D]
-            if want_dw:
-                mm_float32_into(dw32, logits.t(), h[rows], accumulate=start > 0)  # G^T h: [V, n] @ [n, D]
+            if want_dh:  # G w: [n, V] @ [V, D]
+                if chunked:
+                    dh32[rows] = mm_float32(logits, w)
+                else:
+                    dh32 = mm_float32(logits, w)
+            if want_dw:  # G^T h: [V, n] @ [n, D]
+                dw32 = mm_float32(logits.t(), h[rows]) if dw32 is None else add_mm_float32_(dw32, logits.t(), h[rows])
         del logits_buf, logits  # the buffer freed before the backward
-        if want_dw and N == 0:
-            dw32.zero_()  # no chunk ran
+        if not losses:  # no rows: a zero loss and zero gradients
+            dh32 = torch.zeros(0, h.shape[1], device=h.device, dtype=torch.float32) if want_dh else None
+            dw32 = torch.zeros(V, h.shape[1], device=h.device, dtype=torch.float32) if want_dw else None
         ctx.save_for_backward(dh32, dw32)
         ctx.dtypes = (h_ND.dtype, weight_VD.dtype)
         ctx.handoff = handoff
-        if not losses:  # no rows: a zero loss, and zero gradients above
+        if not losses:
             return torch.zeros((), device=h.device, dtype=torch.float32)
         loss_N = losses[0] if len(losses) == 1 else torch.cat(losses)
         return loss_N.sum()

@@ -55,10 +55,10 @@ def test_fused_loss_as_accurate_as_the_unfused_path(chunk):
 
 
 def test_chunked_loss_holds_one_chunk_of_logits_and_the_gradients_only():
-    """With chunks, the forward's peak above its inputs is one [chunk, V] bf16 logits buffer plus the float32 dh
-    [N, D] and dweight [V, D] it writes in place (cuBLAS adds each chunk's dweight into the buffer where torch's addmm
-    takes a float32 input; else one [V, D] float32 product at a time more): no per-chunk copies of dh, no cat."""
-    from models.kernels.autocast_linear import _adds_into_float32
+    """With chunks, the forward's peak above its inputs is one [chunk, V] bf16 logits buffer, the float32 dh [N, D]
+    and dweight [V, D], and one chunk's dh rows on their way in (cuBLAS adds each chunk's dweight into its buffer where
+    torch's addmm takes a float32 input; else one [V, D] float32 product at a time more): no copy of dh whole."""
+    from models.kernels.autocast_linear import adds_into_float32
 
     h, w, labels = _inputs(2)
     h_in, w_in = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
@@ -71,8 +71,8 @@ def test_chunked_loss_holds_one_chunk_of_logits_and_the_gradients_only():
         loss = ops.linear_cross_entropy_sum(h_in, w_in, labels, chunk)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    bound = chunk * V * 2 + N * D * 4 + V * D * 4 + V * D * 2  # logits, dh, dweight, the weight's bf16 cast
-    if not _adds_into_float32(h.device):
+    bound = chunk * V * 2 + N * D * 4 + V * D * 4 + V * D * 2 + chunk * D * 4  # logits, dh, dw, bf16 weight, rows
+    if not adds_into_float32(h.device):
         bound += V * D * 4
     assert peak <= bound + 2**20, (peak, bound)
     loss.backward()
