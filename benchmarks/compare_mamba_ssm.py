@@ -289,8 +289,10 @@ COLUMNS = (
 
 def _runs_note(side: dict) -> str:
     """' (median of R)', ' (best of N)' or both, where the figure is one of several runs."""
-    notes = [f"{kind} {len(side[key])}" for kind, key in (("median of", "rounds_tokens_per_sec"),
-             ("best of", "runs_tokens_per_sec")) if len(side.get(key) or []) > 1]  # fmt: skip
+    notes = []
+    for kind, key in (("median of", "rounds_tokens_per_sec"), ("best of", "runs_tokens_per_sec")):
+        if len(side.get(key) or []) > 1:
+            notes.append(f"{kind} {len(side[key])}")
     return f" ({', '.join(notes)})" if notes else ""
 
 

@@ -139,13 +139,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dw32 = mm_float32(logits.t(), h[rows]) if dw32 is None else add_mm_float32_(dw32, logits.t(), h[rows])
         del logits_buf, logits  # the buffer freed before the backward
         if not losses:  # no rows: a zero loss and zero gradients
+            losses = [torch.zeros(0, device=h.device, dtype=torch.float32)]
             dh32 = torch.zeros(0, h.shape[1], device=h.device, dtype=torch.float32) if want_dh else None
             dw32 = torch.zeros(V, h.shape[1], device=h.device, dtype=torch.float32) if want_dw else None
         ctx.save_for_backward(dh32, dw32)
         ctx.dtypes = (h_ND.dtype, weight_VD.dtype)
         ctx.handoff = handoff
-        if not losses:
-            return torch.zeros((), device=h.device, dtype=torch.float32)
         loss_N = losses[0] if len(losses) == 1 else torch.cat(losses)
         return loss_N.sum()
 
