@@ -34,6 +34,7 @@ CASES = {
     "chunk_all_ignored": (12, 8, 70, 4, 1.0, (4, 5, 6, 7), "both"),
     "large_logits": (10, 16, 200, 0, 60.0, (2,), "both"),
     "vocab_one_block": (10, 16, 64, 0, 1.0, (), "both"),
+    "vocab_under_one_block": (10, 16, 40, 0, 30.0, (), "both"),  # lanes 40-63 see only the masked tail
     "h_grad_only": (16, 16, 150, 5, 1.0, (0,), "h"),
     "weight_grad_only": (16, 16, 150, 5, 1.0, (0,), "w"),
     "no_grad": (16, 16, 150, 0, 1.0, (0,), "none"),

@@ -7,12 +7,13 @@ counted, the sum in float32. Labels must lie in [0, V) (F.cross_entropy asserts 
 range reads a clamped column: the data pipeline's vocabulary check is what guards it).
 
 How, per chunk of `chunk_rows` rows (all rows when 0): cuBLAS writes the logits [n, V] in the compute dtype; one
-program per row reads its row twice: first the log-sum-exp (running max and sum in float32) and the row's loss,
-then softmax - onehot (the loss's gradient with respect to the row's logits; 0 on ignored rows) written over the
-logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype); with chunks, dh's
-rows go chunk by chunk into one buffer and dweight is summed over the chunks by cuBLAS itself where torch's addmm
-takes a float32 input (autocast_linear.add_mm_float32_), so no [V, D] product is kept beside the sum and dh is never
-copied whole. The backward only multiplies them by the incoming gradient (a scalar: the trainer's 1 / tokens).
+program per row reads its row twice: first the log-sum-exp (running maxima and sums per lane, in float32) and the
+row's loss, then softmax - onehot (the loss's gradient with respect to the row's logits; 0 on ignored rows) written
+over the logits in place. cuBLAS then forms dh = G weight and dweight = G^T h in float32 (mm out_dtype); with
+chunks, dh's rows go chunk by chunk into one buffer and dweight is summed over the chunks by cuBLAS itself where
+torch's addmm takes a float32 input (autocast_linear.add_mm_float32_), so no [V, D] product is kept beside the sum
+and dh is never copied whole. The backward only multiplies them by the incoming gradient (a scalar: the trainer's
+1 / tokens).
 Against lm_head followed by F.cross_entropy on float32 logits, this never makes the float32 logits, their
 log-softmax and its gradient (at the 1.3B's 16384 tokens x 50288 vocabulary three 3 GiB tensors, the step's memory
 peak, and ~30 GB of memory traffic), nor a 16-bit weight gradient cast to float32. Measured: docs/performance.md,
@@ -34,9 +35,11 @@ from models.kernels.weight_copies import compute_weight
 
 __all__ = ["linear_cross_entropy_triton"]
 
-# Columns per step of a row's loops and warps per program (H100, session 21: bench_loss.py --tune).
+# Columns per step of a row's loops and warps per program (H100: bench_loss.py --tune in session 21; 16 warps since
+# session 57's per-lane sums, .scratch timings in docs/performance.md).
 BLOCK_V = 4096
-WARPS = 8
+WARPS = 16
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(u) as exp2(u * LOG2E): one MUFU.EX2, no range fix-ups
 
 
 @fast_launch
@@ -49,16 +52,20 @@ def _cross_entropy_rows_kernel(LOGITS, LABELS, LOSS, stride_row, V, ignore_index
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_row
     cols = tl.arange(0, BLOCK_V)
-    # Running max m and sum s of exp(x - m), one scalar each: a block's max first, so no lane ever subtracts
-    # -inf from -inf (the masked tail of the last block is -inf, exp(-inf) = 0).
-    m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
+    # Each lane keeps its own running max m and sum s of exp(x - m) over the row's blocks, combined across the
+    # program once at the end: the loop is loads and element-wise work only, with no reduction across warps (two
+    # per block before), so more of the row's loads are in flight (H100, 1.3B's 16384 x 50280 rows: 2.36 -> 1.79 ms
+    # with 16 warps; docs/performance.md, session 57). m starts finite, so a lane that sees only the masked tail
+    # (-inf) never subtracts -inf from -inf; its s stays 0 and adds nothing.
+    m = tl.full((BLOCK_V,), -1.0e30, tl.float32)
+    s = tl.zeros((BLOCK_V,), tl.float32)
     for start in range(0, V, BLOCK_V):
         x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m_new = tl.maximum(m, x)
+        s = s * tl.exp2((m - m_new) * LOG2E) + tl.exp2((x - m_new) * LOG2E)
         m = m_new
-    lse = m + tl.log(s)
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(s * tl.exp2((m - m_row) * LOG2E), axis=0))
     label = tl.load(LABELS + row).to(tl.int64)
     valid = label != ignore_index
     column = tl.minimum(tl.maximum(label, 0), V - 1)  # in bounds whatever the label (see the module docstring)
