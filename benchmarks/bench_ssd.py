@@ -166,6 +166,11 @@ TUNE_VARIANTS = {
     "scan_s2": dict(scan_stages=2),  # the chunk scan's forward in 2 stages (48 KB of shared memory) ...
     "scan_s2_cap": dict(scan_stages=2, scan_maxnreg=128),  # ... and at <= 128 registers: four programs per SM
     "scan_cap": dict(scan_maxnreg=128),
+    # Session 57: two heads per dx program capped at 168 registers compile without spills (Triton 3.6; uncapped 206,
+    # two programs per SM): three programs per SM, the chunk scan forward's shape (kernel_resources.py).
+    "dx_h2_cap168": dict(dx_heads=2, dx_maxnreg=168, keep_states=True),
+    "dx_h2_cap168_s2": dict(dx_heads=2, dx_maxnreg=168, dx_stages=2, keep_states=True),
+    "keep_states_again": dict(keep_states=True),  # the baseline once more, after the variants (order effects)
 }
 # Kernel groups -> the config fields that only they use.
 TUNE_GROUPS = {

@@ -418,15 +418,22 @@ def norm_kernels(d_model: int = 2048, d_inner: int = 4096):
     )
 
 
-# Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets.
+# Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets (dx's: register_cap).
 MAXNREG = {
-    "chunk_scan_bwd_dx": "dx_maxnreg",
     "chunk_scan_bwd_dcb": "dc_maxnreg",
     "chunk_state_bwd_db": "db_maxnreg",
     "chained_dstates_bwd": "chained_bwd_maxnreg",
     "chained_states_fwd": "chained_fwd_maxnreg",
     "chunk_scan_fwd": "scan_maxnreg",
 }
+
+
+def register_cap(cfg, name: str) -> int | None:
+    """The register cap the launchers give kernel `name` under cfg (None: ptxas's choice); dx's depends on its heads
+    per program (BlockConfig.dx_register_cap)."""
+    if name == "chunk_scan_bwd_dx":
+        return cfg.dx_register_cap(cfg.dx_heads)
+    return getattr(cfg, MAXNREG.get(name, ""), None)
 
 
 def _parse_value(v: str):
@@ -487,7 +494,7 @@ def main():
     for name, kernel, ptrs, consts, warps, stages in every:
         if not re.search(args.kernels, name):
             continue
-        cap = getattr(cfg, MAXNREG.get(name, ""), None)
+        cap = register_cap(cfg, name)
         ones = frozenset({"G"} if args.ngroups == 1 else ())
         info = compile_sm90(kernel, ptrs, consts, warps, stages, cap, args.loops, args.converts, ones)
         print(f"{name:28s} warps {warps} stages {stages}: {info}", flush=True)

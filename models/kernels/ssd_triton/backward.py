@@ -185,7 +185,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         SUMS_2D=cfg.dx_row_sums_2d,
         PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
-        maxnreg=cfg.dx_maxnreg,
+        maxnreg=cfg.dx_register_cap(dx_heads),
         num_stages=cfg.dx_stages,
     )
     # dD: from dy_exact here, or from the dx kernel's partial sums: D of [H, P] summed here, of [H] by dt_bwd_kernel

@@ -9,10 +9,11 @@ For position s of chunk c, head h (dy: the gradient of y; dH: the gradient of th
 and q_s = dt_s (chunk-state part of acc_s) · x_s, whose exclusive prefix sum over s is the chunk-state
 term of the decay gradient (autograd.py).
 One program per (batch, chunk, block of s) and HEADS consecutive heads of one group (1 or 2), holding all of P so
-ddt_s is complete. With 2 heads the group's tiles (CBᵀ, B) are loaded once for both: CBᵀ in float32 is the largest
-stream this kernel reads (every head re-reads it), so pairs halve it; yet one head per program (config dx_heads,
-the default), with the state term first and 32-wide inner blocks, fits in 128 registers, four programs per SM, and
-is faster (docs/performance.md, session 22). The intra-chunk loop reads
+ddt_s is complete. With 2 heads (config dx_heads, the default) the group's tiles (CBᵀ, B) are loaded once for both:
+CBᵀ in float32 is the largest stream this kernel reads (every head re-reads it), so pairs halve it. With the state
+term first, 32-wide inner blocks and 2-D row sums a pair fits in 168 registers without spills (three programs per
+SM, config dx_maxnreg) and beats one head at 128 (four per SM), which had been the faster until session 57
+(docs/performance.md, sessions 22 and 57). The intra-chunk loop reads
 CBᵀ (cb_fwd writes it for the backward, zero above the diagonal and across documents) and carries no per-element
 mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's instructions than the product
 (711 SASS instructions per iteration with them, 290 without; docs/performance.md).

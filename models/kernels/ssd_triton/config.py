@@ -89,7 +89,14 @@ class BlockConfig:
     # its state term first and inner blocks of 32 (dx_m) take 128 registers at 4 warps (four programs per SM)
     # against two heads' 255 with spills (two per SM): session 22 (H100), dx 1.3B 0.413 -> 0.366 ms, 370M 0.211 ->
     # 0.189; one head with 64-wide inner blocks 0.454 / 0.233, two heads state first 0.433 / 0.225, 8 warps slower.
-    dx_heads: int = 1
+    # Two heads again since session 57: after the row sums in the accumulator's layout (dx_row_sums_2d) they compile
+    # to 206 registers uncapped and to 168 without spills under dx_maxnreg 168 (Triton 3.6, kernel_resources.py):
+    # three programs of 4 warps per SM, the chunk scan forward's shape, against one head's four at 115. H100, with
+    # documents and kept states (bench_ssd.py --tune, variant dx_h2_cap168): dx 1.3B 0.330 / 0.326 -> 0.314 ms, 370M
+    # 0.169 / 0.171 -> 0.166, bit for bit the one-head outputs; end to end, 1.3B, three alternating rounds on one
+    # machine: 49,997 / 49,568 / 49,685 -> 50,349 / 49,844 / 50,014 tokens/s (+0.66% at the medians), memory equal.
+    # Two stages (48 KB of shared memory) 0.339.
+    dx_heads: int = 2
     # The same for the chunk scan forward (chunk_scan.py): the group's CB and C tiles read once per pair of heads.
     scan_heads: int = 2
     # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Two heads take
@@ -199,12 +206,20 @@ class BlockConfig:
     # shape dx takes 0.327 ms against 0.368 uncapped, the chained states 0.363 against 0.407 (fwd + bwd launches;
     # H100, bench_ssd.py variant `uncapped`); without documents nothing changes. The chunk scan's forward (158-160
     # registers, 72 KB of shared memory: 3 per SM) was slower capped with 2 stages (scan_maxnreg, None).
-    dx_maxnreg: int | None = 128
+    # dx at 168 since session 57, with two heads per program (dx_heads above: no spills); a program of one head
+    # (dx_heads 1, or an odd number of heads per group) keeps 128 (dx_one_head_maxnreg): at 168 it would take 139
+    # registers, three programs per SM instead of four.
+    dx_maxnreg: int | None = 168
+    dx_one_head_maxnreg: int | None = 128
     dc_maxnreg: int | None = None
     db_maxnreg: int | None = 168
     chained_bwd_maxnreg: int | None = 128  # with chained_bwd_n 64 (above): no spills (Triton 3.6)
     chained_fwd_maxnreg: int | None = 128
     scan_maxnreg: int | None = None
+
+    def dx_register_cap(self, heads: int) -> int | None:
+        """dx's register cap for programs of `heads` heads (1 or 2): dx_maxnreg for pairs, dx_one_head_maxnreg else."""
+        return self.dx_maxnreg if heads == 2 else self.dx_one_head_maxnreg
 
     def __post_init__(self):
         parts = self.dcb_col_parts
