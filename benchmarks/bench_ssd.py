@@ -96,7 +96,7 @@ TUNE_VARIANTS = {
     # staged in two (chained_states.py), and the chained kernels' tiles.
     "staged": dict(chained=False),
     "chained": dict(chained=True),
-    "chained_h2": dict(chained_heads=2),
+    "chained_h2": dict(chained_heads=2, chained_bwd_heads=2),
     "chained_n128": dict(chained_fwd_n=128),
     "chained_bwd_n128": dict(chained_bwd_n=128, chained_bwd_maxnreg=None),  # before session 26: 2 programs per SM
     "chained_bwd_n64": dict(chained_bwd_n=64, chained_bwd_maxnreg=None),
@@ -170,6 +170,9 @@ TUNE_VARIANTS = {
     # two programs per SM): three programs per SM, the chunk scan forward's shape (kernel_resources.py).
     "dx_h2_cap168": dict(dx_heads=2, dx_maxnreg=168, keep_states=True),
     "dx_h2_cap168_s2": dict(dx_heads=2, dx_maxnreg=168, dx_stages=2, keep_states=True),
+    # ... and the chained forward alone with two heads a program (kept states: 192 registers, 48 bytes of spills at 168)
+    "chained_fwd_h2": dict(chained_heads=2, chained_fwd_maxnreg=None, keep_states=True),
+    "chained_fwd_h2_cap168": dict(chained_heads=2, chained_fwd_maxnreg=168, keep_states=True),
     "keep_states_again": dict(keep_states=True),  # the baseline once more, after the variants (order effects)
 }
 # Kernel groups -> the config fields that only they use.

@@ -200,13 +200,14 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.state_warps,
         cfg.state_stages,
     )
-    chain = dict(**seq, EVEN=True, HEADS=cfg.chained_heads, BLOCK_P=cfg.state_p, BLOCK_K=cfg.state_k)
+    chain = dict(**seq, EVEN=True, BLOCK_P=cfg.state_p, BLOCK_K=cfg.state_k)
     yield (
         "chained_states_fwd",
         chained_states.chained_states_fwd_kernel,
         dict(ptrs, sync_ptr="*i32", S_lo_ptr=BF16),  # (keep_states: S_in's high and low parts in x's dtype)
         dict(
             **chain,
+            HEADS=cfg.chained_heads,
             HAS_INIT=False,
             CARRY_IS_S32=False,
             CARRY_IS_KEPT=cfg.keep_states,
@@ -221,7 +222,14 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         chained_states.chained_dstates_bwd_kernel,
         # bf16 dy: the chain's hand-off is dH's low part (carry); keep_states: S_in as high and low parts
         dict(ptrs, sync_ptr="*i32", carry_ptr=BF16, S_lo_ptr=BF16, **(dict(S32_ptr=BF16) if cfg.keep_states else {})),
-        dict(**chain, HAS_DFINAL=False, SPLIT=cfg.keep_states, CARRY_IS_DH=True, BLOCK_N=min(cfg.chained_bwd_n, N)),
+        dict(
+            **chain,
+            HEADS=cfg.chained_bwd_heads,
+            HAS_DFINAL=False,
+            SPLIT=cfg.keep_states,
+            CARRY_IS_DH=True,
+            BLOCK_N=min(cfg.chained_bwd_n, N),
+        ),
         cfg.state_warps,
         cfg.chained_stages,
     )

@@ -39,7 +39,7 @@ def test_odd_heads_per_group_one_head_per_dx_program():
         seed=6,
         seq_cuts=[[9, 30]],
         call=dict(chunk_size=16),
-        config=dict(state_heads=2, chained_heads=2, dx_heads=2),
+        config=dict(state_heads=2, chained_heads=2, chained_bwd_heads=2, dx_heads=2),
     )
 
 
@@ -51,7 +51,7 @@ def test_chunk_states_one_and_two_heads_per_program():
     cases = []
     for chained in (True, False):
         for heads in (1, 2):
-            cfg = dict(state_heads=heads, chained_heads=heads, chained=chained)
+            cfg = dict(state_heads=heads, chained_heads=heads, chained_bwd_heads=heads, chained=chained)
             cases += [
                 dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=7, seq_cuts=CUTS, call=dict(chunk_size=16),
                      config=dict(cfg, state_k=8)),
@@ -94,7 +94,7 @@ def test_chained_states_several_tiles_per_head():
     and final states, five chunks. bc_finish runs in two blocks of N here (bcf_n 16)."""
     interpret(
         b=2, L=80, H=2, P=32, G=1, N=32, seed=11, seq_cuts=[[20, 50], [70]], call=dict(chunk_size=16),
-        config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2, bcf_n=16),
+        config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2, chained_bwd_heads=2, bcf_n=16),
     )  # fmt: skip
 
 
@@ -347,8 +347,13 @@ def test_kept_states_carry_the_decay_gradient_in_two_parts():
             dict(L=256, chunk_size=64, bound=8.5e-4, fp16_decay=True, config=dict(keep_states=True, chained=chained)),
             dict(L=200, chunk_size=32, kept_vs_recomputed=True, config=dict(SMALL_TILES, chained=chained)),
         ]
-    # Two heads per chained program: both heads' high / low parts, forward and backward.
-    interpret_all(*cases, dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2)))
+    # Two heads per chained program: both heads' high / low parts, forward and backward; and the forward alone
+    # with two (config chained_heads apart from chained_bwd_heads).
+    interpret_all(
+        *cases,
+        dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2, chained_bwd_heads=2)),
+        dict(bound=1e-5, carried_decay=True, config=dict(keep_states=True, chained_heads=2)),
+    )
 
 
 def test_bad_input_raises_before_compute():

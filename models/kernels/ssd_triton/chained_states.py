@@ -3,8 +3,8 @@
 The staged path (chunk_state.py, then state_passing.py) writes every chunk's own state [B, NC, H, P, N] in float32
 and reads it back in a second kernel, twice per layer and step (forward, and the backward's recompute), and the
 backward does the same with dS_in. Here one program per (chunk, batch, head or pair of heads: config chained_heads,
-[P, N] tile) computes its chunk's part (the loops of chunk_state.py), then takes the state entering its chunk from
-the program of the chunk before, adds its own and hands the result on:
+chained_bwd_heads; [P, N] tile) computes its chunk's part (the loops of chunk_state.py), then takes the state
+entering its chunk from the program of the chunk before, adds its own and hands the result on:
 
     forward   S_in[c] = H_{c-1} (H_{-1}: the initial state)      H_c = decay_c S_in[c] + states[c]
     backward  dH_c (dH_{NC-1}: dfinal)                          dH_{c-1} = dS_in[c] + decay_c dH_c
@@ -413,10 +413,10 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
         end_chain(counter)
 
 
-def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int):
-    """The chain layout of one launch: (heads per program, [P, N] tiles per head, tile chains per batch row, the
-    kernel's tile constexprs and launch options)."""
-    heads = heads_per_program(H // G, min(cfg.chained_heads, 2))
+def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int, want_heads: int):
+    """The chain layout of one launch: ([P, N] tiles per head, tile chains per batch row, the kernel's tile
+    constexprs and launch options, its heads per program among them)."""
+    heads = heads_per_program(H // G, min(want_heads, 2))
     block_n = min(want_n, max(16, next_power_of_2(N)))
     n_tiles = cdiv(P, cfg.state_p) * cdiv(N, block_n)
     meta = dict(
@@ -447,7 +447,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
-    _, per_row, meta = _chains(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n)
+    _, per_row, meta = _chains(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n, cfg.chained_heads)
     n_chains = b * per_row
     kept = kept_states_buffer(x, NC, H, P, N) if keep_split else None
     S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if kept is None else kept[0]
@@ -497,7 +497,7 @@ def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig, S_lo=No
     G, N = C.shape[2:]
     NC, Q = dA_cs.shape[2:]
     dev = dy.device
-    n_tiles, per_row, meta = _chains(cfg, dy, L, Q, H, G, P, N, cfg.chained_bwd_n)
+    n_tiles, per_row, meta = _chains(cfg, dy, L, Q, H, G, P, N, cfg.chained_bwd_n, cfg.chained_bwd_heads)
     n_chains = b * per_row
     dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)
     dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)

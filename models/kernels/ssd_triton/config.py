@@ -145,7 +145,12 @@ class BlockConfig:
     # 0.452 ms, dS_in + state passing backward 0.234 ms; chained with 2 heads per program 0.439 / 0.398, 1 head 0.407
     # / 0.221, + 3 stages 0.368 / 0.202, + N tiles of 64 in the forward 0.347 / 0.221 (docs/performance.md).
     chained: bool = True
-    chained_heads: int = 1  # 1 or 2 (as state_heads): 1 gives twice the chains, so a predecessor is more often done
+    # Heads per program of the chained forward (chained_heads) and backward (chained_bwd_heads), 1 or 2 (as
+    # state_heads): 1 gives twice the chains, so a predecessor is more often done. Apart since session 57: with kept
+    # states a pair compiles to 192 registers in the forward (48 bytes of spills under a cap of 168, Triton 3.6) but
+    # spills 128-384 bytes in the backward, so each direction can be timed on its own.
+    chained_heads: int = 1
+    chained_bwd_heads: int = 1
     chained_fwd_n: int = 64
     # The chained dstates in N tiles of 64 at <= 128 registers (chained_bwd_maxnreg): twice the chains, four programs
     # per SM instead of two (255 registers with tiles of 128). Session 26 (H100, with documents, ms): 1.3B 0.208 ->
