@@ -173,6 +173,9 @@ TUNE_VARIANTS = {
     # ... and the chained forward alone with two heads a program (kept states: 192 registers, 48 bytes of spills at 168)
     "chained_fwd_h2": dict(chained_heads=2, chained_fwd_maxnreg=None, keep_states=True),
     "chained_fwd_h2_cap168": dict(chained_heads=2, chained_fwd_maxnreg=168, keep_states=True),
+    # ... and dCB's state term in a launch of its own, the tiles capped at 168 (three programs per SM)
+    "dcb_apart": dict(dcb_state_apart=True, keep_states=True),
+    "dcb_apart_cap168": dict(dcb_state_apart=True, dc_maxnreg=168, keep_states=True),
     "keep_states_again": dict(keep_states=True),  # the baseline once more, after the variants (order effects)
 }
 # Kernel groups -> the config fields that only they use.

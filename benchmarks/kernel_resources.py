@@ -274,25 +274,29 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.dx_warps,
         cfg.dx_stages,
     )
-    yield (
-        "chunk_scan_bwd_dcb",
-        dcb_bwd.chunk_scan_bwd_dcb_kernel,
-        ptrs,
-        dict(
-            **seq,
-            EVEN=True,
-            BLOCK_M=cfg.dc_m,
-            BLOCK_P=bp,
-            BLOCK_N=bn,
-            INNER_FIRST=cfg.inner_first,
-            HEADS_STAGES=cfg.dcb_heads_stages,
-            COL_PARTS=cfg.dcb_col_parts,
-            DIAG_PARTS=cfg.dcb_diag_col_parts,
-            FOLD_DT=cfg.fold_dt,
-        ),
-        cfg.dc_warps,
-        cfg.dc_stages,
+    dcb_consts = dict(
+        **seq,
+        EVEN=True,
+        BLOCK_M=cfg.dc_m,
+        BLOCK_P=bp,
+        BLOCK_N=bn,
+        INNER_FIRST=cfg.inner_first,
+        HEADS_STAGES=cfg.dcb_heads_stages,
+        COL_PARTS=cfg.dcb_col_parts,
+        DIAG_PARTS=cfg.dcb_diag_col_parts,
+        FOLD_DT=cfg.fold_dt,
     )
+    # config dcb_state_apart: the state term's launch and the tiles' (dcb_bwd.py's PART), else one launch
+    dcb_parts = (("_state", 2), ("_tiles", 1)) if cfg.dcb_state_apart else (("", 0),)
+    for suffix, part in dcb_parts:
+        yield (
+            "chunk_scan_bwd_dcb" + suffix,
+            dcb_bwd.chunk_scan_bwd_dcb_kernel,
+            ptrs,
+            dict(dcb_consts, PART=part),
+            cfg.dc_warps,
+            cfg.dc_stages,
+        )
     yield (
         "chunk_state_bwd_db",
         db_bwd.chunk_state_bwd_db_kernel,
@@ -429,6 +433,8 @@ def norm_kernels(d_model: int = 2048, d_inner: int = 4096):
 # Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets (dx's: register_cap).
 MAXNREG = {
     "chunk_scan_bwd_dcb": "dc_maxnreg",
+    "chunk_scan_bwd_dcb_tiles": "dc_maxnreg",
+    "chunk_scan_bwd_dcb_state": "dc_state_maxnreg",
     "chunk_state_bwd_db": "db_maxnreg",
     "chained_dstates_bwd": "chained_bwd_maxnreg",
     "chained_states_fwd": "chained_fwd_maxnreg",

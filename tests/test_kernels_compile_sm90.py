@@ -36,6 +36,7 @@ SSD_TESTS = (
     "test_headdim_and_state_size_not_powers_of_two",
     "test_staged_states_two_heads_per_program",
     "test_fused_gate_into_the_chunk_scan",
+    "test_dcb_tiles_and_column_sums_in_parts",  # dCB's launches apart (config dcb_state_apart)
 )
 # modules whose child() runs their interpreter cases through tests/interpreter_child.py
 CHILD_MODULES = (

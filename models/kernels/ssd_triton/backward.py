@@ -76,7 +76,17 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
 
     def launch_dcb():
-        dcb_grid = grid(b * NC * G * n_hb, n_m, n_m + 1, cfg.inner_first)  # tiles, and the state term's programs
+        # One launch for the tiles and the state term's programs, or (config dcb_state_apart) the state term first
+        # and the tiles after it, each with its own register cap (dcb_bwd.py's PART).
+        parts = (
+            ((2, 1, cfg.dc_state_maxnreg), (1, n_m, cfg.dc_maxnreg))
+            if cfg.dcb_state_apart
+            else ((0, n_m + 1, cfg.dc_maxnreg),)
+        )
+        for part, n_k, maxnreg in parts:
+            _launch_dcb_part(part, grid(b * NC * G * n_hb, n_m, n_k, cfg.inner_first), maxnreg)
+
+    def _launch_dcb_part(part, dcb_grid, maxnreg):
         chunk_scan_bwd_dcb_kernel[dcb_grid](
             dy,
             x,
@@ -113,8 +123,9 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
             COL_PARTS=col_parts,
             DIAG_PARTS=cfg.dcb_diag_col_parts,
             FOLD_DT=a2dt is not None,
+            PART=part,
             num_warps=cfg.dc_warps,
-            maxnreg=cfg.dc_maxnreg,
+            maxnreg=maxnreg,
             num_stages=cfg.dc_stages,
         )
 

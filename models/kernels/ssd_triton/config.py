@@ -216,6 +216,14 @@ class BlockConfig:
     # registers, three programs per SM instead of four.
     dx_maxnreg: int | None = 168
     dx_one_head_maxnreg: int | None = 128
+    # dCB's state-term programs in a launch of their own, before its tiles' (dcb_bwd.py's PART), so each takes its own
+    # cap: dc_maxnreg the tiles', dc_state_maxnreg the state term's. Compiled apart (Triton 3.6, 1.3B tiles, kept
+    # states), the tiles at 168 take 48 bytes of spills outside their heads loops (one spill load per head inside
+    # them) and 51 KB of shared memory, three programs per SM against two for the one launch (255 registers, 16 bytes
+    # of spills; at 168 it spills 336, 77 loads per head in the state term's loop). Prepared in session 57, untimed:
+    # off.
+    dcb_state_apart: bool = False
+    dc_state_maxnreg: int | None = None
     dc_maxnreg: int | None = None
     db_maxnreg: int | None = 168
     chained_bwd_maxnreg: int | None = 128  # with chained_bwd_n 64 (above): no spills (Triton 3.6)

@@ -85,14 +85,25 @@ def chunk_scan_bwd_dcb_kernel(
     COL_PARTS: tl.constexpr = 1,
     DIAG_PARTS: tl.constexpr = False,
     FOLD_DT: tl.constexpr = False,
+    PART: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
+    # PART (config dcb_state_apart): 0, the tiles and the state term in one launch (the grid's last axis n_m + 1);
+    # 1, the tiles only (n_m); 2, the state term only (1). Apart, each launch compiles only its own branches, so
+    # the tiles can take a register cap of their own: every branch alone takes ~255 registers uncapped, and capped at
+    # 168 the tiles' heads loops stay (almost) free of spills while the state term's do not (kernel_resources.py).
     # One program per tile (rows pid_m, columns pid_k < n_m): above the diagonal it does nothing (bc_finish reads
     # the tiles on and below it only, so they are not even zeroed), on or below it one tile; programs pid_k = n_m do
     # the state term of dC and O. Every program loops over its heads once, and the state term, which is as long as a
     # tile, does not run after the diagonal tile in series (H100, 1.3B: 0.582 -> 0.441 ms, session 11).
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
-    pid0, pid_m, pid_k = program_ids(tl.cdiv(Q, BLOCK_M), tl.cdiv(Q, BLOCK_M) + 1, INNER_FIRST)
+    n_m = tl.cdiv(Q, BLOCK_M)
+    if PART == 0:
+        pid0, pid_m, pid_k = program_ids(n_m, n_m + 1, INNER_FIRST)
+    elif PART == 1:
+        pid0, pid_m, pid_k = program_ids(n_m, n_m, INNER_FIRST)
+    else:
+        pid0, pid_m, pid_k = program_ids(n_m, 1, INNER_FIRST)
     n_hb = (H // G) // HEADS_PER_PROG
     hb = pid0 % n_hb
     g = (pid0 // n_hb) % G
@@ -109,8 +120,8 @@ def chunk_scan_bwd_dcb_kernel(
         keep_m = keep_m & (seq_m == tl.where(c > 0, prev, 0))
     h0 = g * (H // G) + hb * HEADS_PER_PROG
     m0 = pid_m * BLOCK_M
-    n_m = tl.cdiv(Q, BLOCK_M)
-    if pid_k >= n_m:  # the heads' state term
+    # (PART's comparisons are compile-time: Triton short-circuits them, so a launch compiles only its branches.)
+    if PART == 2 or (PART == 0 and pid_k >= n_m):  # the heads' state term
         _dcb_state(
             dy_ptr, dA_ptr, C_ptr, S_in_ptr, dCstate_ptr, O_ptr, L, Q, NC, H, G, P, N, BATCH, s_c_b, s_c_l, s_c_g,
             s_c_n, s_y_b, s_y_l, s_y_h, s_y_p, b, c, g, h0, HEADS_PER_PROG, hb, offs_m, valid_m, t_m, keep_m,
