@@ -75,59 +75,57 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     n_slots = n_m + (n_m - 1) * (col_parts - 1) + n_diag
     R_part = torch.empty(n_slots, *dt_p.shape, device=dev, dtype=torch.float32)
 
-    def launch_dcb():
-        # One launch for the tiles and the state term's programs, or (config dcb_state_apart) the state term first
-        # and the tiles after it, each with its own register cap (dcb_bwd.py's PART).
-        parts = (
-            ((2, 1, cfg.dc_state_maxnreg), (1, n_m, cfg.dc_maxnreg))
-            if cfg.dcb_state_apart
-            else ((0, n_m + 1, cfg.dc_maxnreg),)
-        )
-        for part, n_k, maxnreg in parts:
-            _launch_dcb_part(part, grid(b * NC * G * n_hb, n_m, n_k, cfg.inner_first), maxnreg)
+    # One launch for the tiles and the state term's programs, or (config dcb_state_apart) the state term first and
+    # the tiles after it, each with its own register cap (dcb_bwd.py's PART): (PART, grid's last axis, cap).
+    if cfg.dcb_state_apart:
+        dcb_parts = ((2, 1, cfg.dc_state_maxnreg), (1, n_m, cfg.dc_maxnreg))
+    else:
+        dcb_parts = ((0, n_m + 1, cfg.dc_maxnreg),)
 
-    def _launch_dcb_part(part, dcb_grid, maxnreg):
-        chunk_scan_bwd_dcb_kernel[dcb_grid](
-            dy,
-            x,
-            dt_p if a2dt is None else a2dt,
-            dA_cs,
-            C,
-            CB,
-            S_in,
-            seq_arg,
-            dC_part,
-            dCB_part,
-            O,
-            R_part,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            N,
-            hpp,
-            b,
-            *x.stride(),
-            *C.stride(),
-            *dy.stride(),
-            HAS_SEQ=has_seq,
-            EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
-            PREC=dot_precision(x),
-            BLOCK_M=cfg.dc_m,
-            BLOCK_P=BP,
-            BLOCK_N=BN,
-            INNER_FIRST=cfg.inner_first,
-            HEADS_STAGES=cfg.dcb_heads_stages,
-            COL_PARTS=col_parts,
-            DIAG_PARTS=cfg.dcb_diag_col_parts,
-            FOLD_DT=a2dt is not None,
-            PART=part,
-            num_warps=cfg.dc_warps,
-            maxnreg=maxnreg,
-            num_stages=cfg.dc_stages,
-        )
+    def launch_dcb():
+        for part, n_k, maxnreg in dcb_parts:
+            dcb_grid = grid(b * NC * G * n_hb, n_m, n_k, cfg.inner_first)
+            chunk_scan_bwd_dcb_kernel[dcb_grid](
+                dy,
+                x,
+                dt_p if a2dt is None else a2dt,
+                dA_cs,
+                C,
+                CB,
+                S_in,
+                seq_arg,
+                dC_part,
+                dCB_part,
+                O,
+                R_part,
+                L,
+                Q,
+                NC,
+                H,
+                G,
+                P,
+                N,
+                hpp,
+                b,
+                *x.stride(),
+                *C.stride(),
+                *dy.stride(),
+                HAS_SEQ=has_seq,
+                EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
+                PREC=dot_precision(x),
+                BLOCK_M=cfg.dc_m,
+                BLOCK_P=BP,
+                BLOCK_N=BN,
+                INNER_FIRST=cfg.inner_first,
+                HEADS_STAGES=cfg.dcb_heads_stages,
+                COL_PARTS=col_parts,
+                DIAG_PARTS=cfg.dcb_diag_col_parts,
+                FOLD_DT=a2dt is not None,
+                PART=part,
+                num_warps=cfg.dc_warps,
+                maxnreg=maxnreg,
+                num_stages=cfg.dc_stages,
+            )
 
     # dCB needs neither dH nor dx: with config overlap_dcb it runs on a second stream beside the chained dstates
     # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish. Every tensor it
