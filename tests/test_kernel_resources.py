@@ -135,7 +135,7 @@ def test_kernel_resources_folded_dt_drops_a_multiply_per_element():
 
     found = {}
     for fold in (False, True):
-        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=fold)
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=fold, dcb_state_apart=False)  # one dCB launch
         for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
             if name in ("chunk_scan_fwd", "chunk_scan_bwd_dcb"):
                 cap = getattr(cfg, kr.MAXNREG[name])

@@ -212,8 +212,9 @@ def test_dcb_tiles_and_column_sums_in_parts():
     default is 4: a part written to another block's extra slot, or dt_bwd adding an extra slot at the positions of
     its own block or later, fails: checked by mutation); on the diagonal too (dcb_diag_col_parts: r alone, the parts
     in slots of their own), also at one block per chunk (chunk 16: no tiles below the diagonal, only the diagonal's
-    slots). And the state term in a launch of its own before the tiles' (config dcb_state_apart; dcb_bwd.py's PART),
-    with one head block and with two (a tiles launch one block short fails: checked by mutation)."""
+    slots). The state term runs in a launch of its own before the tiles' (config dcb_state_apart, the default since
+    session 58; dcb_bwd.py's PART: a tiles launch one block short fails, checked by mutation), and, with one head
+    block and with two, in the tiles' launch (dcb_state_apart False, PART 0)."""
     base = dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=9, seq_cuts=[[40, 100]])
     cases = [
         dict(**base, call=dict(chunk_size=chunk),
@@ -222,12 +223,12 @@ def test_dcb_tiles_and_column_sums_in_parts():
     ]  # fmt: skip
     # The heads loop pipelined as Triton decides (dcb_heads_stages None; the default is 3): the same code to the
     # interpreter, which ignores num_stages; on the GPU the compiled loop differs (kernel_resources.py --loops).
-    apart = [
-        dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_state_apart=True, heads_per_prog=heads))
+    one_launch = [
+        dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_state_apart=False, heads_per_prog=heads))
         for heads in (64, 1)
     ]
     interpret_all(
-        *cases, *apart, dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_heads_stages=None))
+        *cases, *one_launch, dict(**base, call=dict(chunk_size=64), config=dict(SMALL_TILES, dcb_heads_stages=None))
     )
 
 

@@ -220,9 +220,11 @@ class BlockConfig:
     # cap: dc_maxnreg the tiles', dc_state_maxnreg the state term's. Compiled apart (Triton 3.6, 1.3B tiles, kept
     # states), the tiles at 168 take 48 bytes of spills outside their heads loops (one spill load per head inside
     # them) and 51 KB of shared memory, three programs per SM against two for the one launch (255 registers, 16 bytes
-    # of spills; at 168 it spills 336, 77 loads per head in the state term's loop). Prepared in session 57, untimed:
-    # off.
-    dcb_state_apart: bool = False
+    # of spills; at 168 it spills 336, 77 loads per head in the state term's loop). On since session 58 (H100,
+    # bench_ssd.py --tune, documents, kept states): dCB 0.368 -> 0.345 ms at the 1.3B (SSD 1.454 -> 1.425 ms; the
+    # chained dstates beside it 0.220 -> 0.214), 0.188 -> 0.189 at the 370M (SSD 0.793 -> 0.787); with the tiles at
+    # 168 (dc_maxnreg) slower: 0.391 at the 1.3B.
+    dcb_state_apart: bool = True
     dc_state_maxnreg: int | None = None
     dc_maxnreg: int | None = None
     db_maxnreg: int | None = 168
