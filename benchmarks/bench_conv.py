@@ -99,11 +99,14 @@ TUNE = [
     dict(_BWD_ROWS=2, _BWD_WARPS=2),
     dict(_FWD_ONE_DOC_BRANCH=False, _BWD_ONE_DOC_BRANCH=False),  # before sessions 43 / 49: document tests everywhere
     dict(_BWD_BLOCK_D=128, _BWD_ROWS=4),  # the backward's tiles before session 49
-    dict(_BWD_L2_AHEAD=0),  # no L2 hints (before session 55)
+    dict(_BWD_PREFETCH=2, _BWD_STAGES=1, _BWD_UNROLL=2, _BWD_L2_AHEAD=3),  # two positions ahead in registers (s. 55)
+    dict(_BWD_PREFETCH=2, _BWD_STAGES=1, _BWD_UNROLL=2, _BWD_L2_AHEAD=0),  # ... without L2 hints (before session 55)
+    dict(_BWD_STAGES=2),  # the pipelined loop (session 58) one iteration ahead: 128 registers
+    dict(_BWD_STAGES=4),  # ... three ahead (faster at the 1.3B, slower at the 370M in session 58)
 ]
 TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
          "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID", "_FWD_ONE_DOC_BRANCH",
-         "_BWD_ONE_DOC_BRANCH", "_BWD_L2_AHEAD")  # fmt: skip
+         "_BWD_ONE_DOC_BRANCH", "_BWD_L2_AHEAD", "_BWD_STAGES")  # fmt: skip
 
 
 def tune(shape_name: str) -> None:

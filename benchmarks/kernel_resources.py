@@ -351,9 +351,10 @@ def conv_kernels(has_seq: bool):
         UNROLL=ct._BWD_UNROLL,
         ONE_DOC_BRANCH=ct._BWD_ONE_DOC_BRANCH,
         L2_AHEAD=ct._BWD_L2_AHEAD,
+        STAGES=ct._BWD_STAGES,
     )
     yield "conv_fwd", ct.conv_fwd_kernel, ptrs, fwd, ct._FWD_WARPS, 1
-    yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, 1
+    yield "conv_bwd", ct.conv_bwd_kernel, ptrs, bwd, ct._BWD_WARPS, ct._BWD_STAGES
 
 
 def optimizer_kernels():

@@ -26,22 +26,25 @@ _STREAM_DEFAULTS = {}  # and its backward's streams (rows, positions per row)
 
 def check_conv(
     b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
-    unroll=2, one_doc_branch=None,
+    unroll=None, one_doc_branch=None, prefetch=None,
 ):  # fmt: skip
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
     row), streams = (rows, positions per row) of a backward program (several streams and programs: the windows
     carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order;
-    one_doc_branch: both kernels' branch that skips the document tests in a program within one document (None:
-    the module's defaults)."""
+    one_doc_branch: both kernels' branch that skips the document tests in a program within one document; unroll:
+    steps per iteration of a backward stream's loop; prefetch: positions its loop loads ahead into registers (0: at
+    their step, pipelined on the GPU). None: the module's defaults."""
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
 
     if not _STREAM_DEFAULTS:
-        _STREAM_DEFAULTS.update(streams=(conv_triton._BWD_ROWS, conv_triton._BWD_SEG))
+        _STREAM_DEFAULTS.update(streams=(conv_triton._BWD_ROWS, conv_triton._BWD_SEG), unroll=conv_triton._BWD_UNROLL,
+                                prefetch=conv_triton._BWD_PREFETCH)  # fmt: skip
     conv_triton._BWD_ROWS, conv_triton._BWD_SEG = streams if streams is not None else _STREAM_DEFAULTS["streams"]
     conv_triton._FWD_CHANNELS_FASTEST = fwd_channels_fastest
-    conv_triton._BWD_UNROLL = unroll  # steps per iteration of a backward stream's loop (the default: 2)
+    conv_triton._BWD_UNROLL = _STREAM_DEFAULTS["unroll"] if unroll is None else unroll
+    conv_triton._BWD_PREFETCH = _STREAM_DEFAULTS["prefetch"] if prefetch is None else prefetch
     if not _ONE_DOC_DEFAULTS:
         _ONE_DOC_DEFAULTS.update(fwd=conv_triton._FWD_ONE_DOC_BRANCH, bwd=conv_triton._BWD_ONE_DOC_BRANCH)
     conv_triton._FWD_ONE_DOC_BRANCH = _ONE_DOC_DEFAULTS["fwd"] if one_doc_branch is None else one_doc_branch
@@ -93,6 +96,14 @@ CASES = {
     "stream_rolled": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8), unroll=1),
     "stream_three_steps": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8),
                                 unroll=3),
+    # the default (4 steps an iteration, loaded at their step) leaves one step past the end at segments of 8, as
+    # above; before session 58 the loop loaded two positions ahead into registers at 2 steps, or one ahead
+    "stream_four_steps": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8),
+                               unroll=4, prefetch=0),
+    "stream_two_ahead": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8),
+                              unroll=2, prefetch=2),
+    "stream_one_ahead": _case(b=1, L=50, D=24, seed=7, seq_cuts=[[5, 17]], token_stride=32, streams=(2, 8),
+                              unroll=3, prefetch=1),
     # the one-document branch (test_one_document_branch's docstring says which cut tests which window edge)
     "one_doc_branch_on": _case(b=5, L=100, D=40, seed=11, seq_cuts=[[29, 96], [63], [32, 83], [30], [82]],
                                token_stride=48, streams=(2, 8), one_doc_branch=True),
@@ -133,6 +144,12 @@ def _passed(results, *names):
 def test_documents_strided_channel_last(results):
     """Documents, a strided channel-last x, several backward programs, the stream loop rolled and at three steps."""
     _passed(results, "documents_strided", "stream_rolled", "stream_three_steps")
+
+
+def test_stream_loop_loads_at_their_step_or_ahead(results):
+    """The backward's stream loop at four steps an iteration with each position loaded at its step (the default:
+    pipelined by Triton on the GPU), and with one or two positions loaded ahead into registers (session 55's loop)."""
+    _passed(results, "stream_four_steps", "stream_two_ahead", "stream_one_ahead")
 
 
 def test_one_document_branch(results):

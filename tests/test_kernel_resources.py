@@ -87,7 +87,11 @@ def test_kernel_resources_layout_conversions_of_dx_sums():
 def test_kernel_resources_loops_from_disassembly():
     """kernel_resources.py --loops: a loop is a branch back to a label at or before it (a forward branch or a lone
     branch to itself is none); its instructions counted by kind, predicates and modifiers stripped. And on a real
-    compile for sm_90, the conv backward's stream loop is found and carries its loads and stores."""
+    compile for sm_90, the conv backward's stream loops are found with their loads and stores: at the defaults
+    (positions loaded at their step, four steps an iteration, conv_triton._BWD_STAGES) software-pipelined by Triton,
+    the loads as cp.async (LDGSTS) into shared memory; at two steps an iteration the loop carries a loaded value
+    through two iterations and Triton leaves it unpipelined (plain LDG), whatever STAGES says (Triton 3.6 and 3.9);
+    with L2 hints (conv_triton._BWD_L2_AHEAD, off by default) one CCTL per stream line of x and dout and step."""
     from benchmarks import kernel_resources as kr
 
     sass = """
@@ -109,18 +113,35 @@ def test_kernel_resources_loops_from_disassembly():
         dict(instructions=8, BAR=1, MOV=1, SHFL=1, MUFU=1, LDG=1, STG=1),
         {"kernel": dict(instructions=10, BAR=1, MOV=2, SHFL=1, MUFU=1, LDG=1, STG=1)},
     ]
-    for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(True):
-        if name == "conv_bwd":
-            loops = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)["loops"]
-    # The stream loops (the one-document branch's and the other, both with the sigmoid's MUFU), then the kernel.
-    stream = [x for x in loops[:-1] if x.get("MUFU")]
-    assert len(loops) == 3 and len(stream) == 2, loops
-    assert all(x["LDG"] >= 2 and x["STG"] >= 1 for x in stream), loops
-    # the L2 prefetch hints (conv_triton._BWD_L2_AHEAD): one per stream line of x and dout and step
     from models.kernels import conv_triton as ct
 
-    assert ct._BWD_L2_AHEAD > 0 and all(x.get("CCTL") == 2 * ct._BWD_UNROLL for x in stream), loops
-    assert loops[-1]["kernel"]["instructions"] > sum(x["instructions"] for x in stream), loops
+    assert ct._BWD_PREFETCH == 0 and ct._BWD_STAGES > 1 and ct._BWD_UNROLL == 4 and ct._BWD_L2_AHEAD == 0
+
+    def stream_loops(**settings) -> list[dict]:
+        """The conv backward's stream loops (the one-document branch's and the other, both with the sigmoid's MUFU)
+        compiled with conv_triton's settings changed as given; checks the kernel's own count comes last."""
+        saved = {k: getattr(ct, k) for k in settings}
+        try:
+            for k, v in settings.items():
+                setattr(ct, k, v)
+            for name, kernel, ptrs, consts, warps, stages in kr.conv_kernels(True):
+                if name == "conv_bwd":
+                    loops = kr.compile_sm90(kernel, ptrs, consts, warps, stages, loops=True)["loops"]
+        finally:
+            for k, v in saved.items():
+                setattr(ct, k, v)
+        stream = [x for x in loops[:-1] if x.get("MUFU")]
+        assert len(loops) == 3 and len(stream) == 2, loops
+        assert loops[-1]["kernel"]["instructions"] > sum(x["instructions"] for x in stream), loops
+        return stream
+
+    pipelined = stream_loops()
+    assert all(x.get("LDGSTS", 0) >= 2 and x.get("LDS", 0) >= 2 and "LDG" not in x for x in pipelined), pipelined
+    assert all(x["STG"] >= 1 for x in pipelined), pipelined
+    two_steps = stream_loops(_BWD_UNROLL=2)
+    assert all(x.get("LDG", 0) >= 2 and "LDGSTS" not in x for x in two_steps), two_steps
+    hinted = stream_loops(_BWD_L2_AHEAD=3)
+    assert all(x.get("CCTL") == 2 * ct._BWD_UNROLL for x in hinted), hinted
 
 
 def test_kernel_resources_folded_dt_drops_a_multiply_per_element():

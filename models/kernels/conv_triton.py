@@ -242,7 +242,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
                     FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
-                    PDL: tl.constexpr = False):  # fmt: skip
+                    STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
@@ -270,15 +270,15 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
         if first == last:
             _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, pid_d * BLOCK_D, offs_d, mask_d, L, D, SEG,
                      s_x_l, s_y_l, s_dx_l, bias, w0, w1, w2, w3, False, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST,
-                     L2_AHEAD)
+                     L2_AHEAD, STAGES)
         else:
             _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, pid_d * BLOCK_D, offs_d, mask_d, L, D, SEG,
                      s_x_l, s_y_l, s_dx_l, bias, w0, w1, w2, w3, True, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST,
-                     L2_AHEAD)
+                     L2_AHEAD, STAGES)
     else:
         _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, pid_d * BLOCK_D, offs_d, mask_d, L, D, SEG,
                  s_x_l, s_y_l, s_dx_l, bias, w0, w1, w2, w3, HAS_SEQ, SILU, ROWS, BLOCK_D, PREFETCH, UNROLL, FAST,
-                 L2_AHEAD)
+                 L2_AHEAD, STAGES)
     # fmt: on
 
 
@@ -286,7 +286,7 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
 def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d, mask_d, L, D, SEG, s_x_l, s_y_l,
              s_dx_l, bias, w0, w1, w2, w3, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
              BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr, FAST: tl.constexpr,
-             L2_AHEAD: tl.constexpr):  # fmt: skip
+             L2_AHEAD: tl.constexpr, STAGES: tl.constexpr):  # fmt: skip
     """conv_bwd_kernel's streams from the start of the program's first one: dx stored, the program's weight- and
     bias-gradient sums stored at dw_part ([4, D]) and db_part ([D])."""
     start_R = start + tl.arange(0, ROWS) * SEG
@@ -303,15 +303,21 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d,
     gm3 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     gm2 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     gm1 = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
-    # The rows of the next PREFETCH positions are loaded ahead, so their loads are in flight while this step
-    # computes (Triton does not pipeline this loop: its loads feed no dot).
-    xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+    # Loads in flight while a step computes: PREFETCH 0 loads each position's rows at its step and lets Triton's
+    # software pipeliner issue them STAGES - 1 iterations ahead (cp.async into shared memory, no registers held);
+    # PREFETCH 1 or 2 loads that many positions ahead into registers (the loop then runs unpipelined, STAGES 1).
+    # Triton pipelines the loop only when no loaded value is carried through two iterations: with UNROLL 2 the
+    # window's x[u - 3] is (one iteration's x0 -> xm1 -> the next's xm2 -> xm3), and the loop compiles without
+    # cp.async; with UNROLL >= 3 the window comes from the previous iteration only (kernel_resources.py --loops,
+    # tests/test_kernel_resources.py).
+    if PREFETCH > 0:
+        xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, start_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
     if PREFETCH == 2:
         xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, start_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
     # UNROLL steps per iteration of the loop, unrolled (tl.static_range): the window's rotation is then a renaming at
     # compile time; in a rolled loop it costs a register move per carried value and step (~35 of the step's ~250
     # instructions at the defaults; ptxas, sm_90). Steps past SEG + 3 (when UNROLL does not divide it) do nothing.
-    for j0 in range(0, SEG + 3, UNROLL):
+    for j0 in tl.range(0, SEG + 3, UNROLL, num_stages=STAGES):
         for jj in tl.static_range(UNROLL):
             j = j0 + jj
             u_R = start_R + j
@@ -319,11 +325,14 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d,
                 ahead = tl.minimum(u_R + L2_AHEAD, L - 1).to(tl.int64)
                 prefetch_l2(x_b + ahead * s_x_l + d_start, FAST)
                 prefetch_l2(dout_b + ahead * s_y_l + d_start, FAST)
-            x0, dy, s0 = xa, dya, sa
+            if PREFETCH == 0:  # loaded at their step; with STAGES > 1 Triton's pipeliner issues them ahead (cp.async)
+                x0, dy, s0 = _stream_rows(x_b, dout_b, seq_b, u_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
+            else:
+                x0, dy, s0 = xa, dya, sa
             if PREFETCH == 2:
                 xa, dya, sa = xb, dyb, sb
                 xb, dyb, sb = _stream_rows(x_b, dout_b, seq_b, u_R + 2, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
-            else:
+            elif PREFETCH == 1:
                 xa, dya, sa = _stream_rows(x_b, dout_b, seq_b, u_R + 1, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ)
             x0 = x0.to(tl.float32)
             g0 = _stream_grad(bias, w0, w1, w2, w3, xm3, xm2, xm1, x0, sm3, sm2, sm1, s0, dy, HAS_SEQ, SILU, FAST)
@@ -408,8 +417,18 @@ _BWD_BLOCK_D = 64
 _BWD_ROWS = 8
 _BWD_SEG = 64
 _BWD_WARPS = 4
-_BWD_PREFETCH = 2  # positions loaded ahead (1 or 2)
-_BWD_UNROLL = 2  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
+# The stream loop software-pipelined by Triton (since session 58): PREFETCH 0 (each position loaded at its step),
+# STAGES 3 (cp.async two iterations ahead: 8 positions in flight per stream, 16.6 KB of shared memory), UNROLL 4
+# (at 2 Triton does not pipeline the loop: conv_bwd_kernel's comment). Compiled (Triton 3.6, sm_90, documents):
+# 149 registers (three programs per SM, against four at 128 for session 55's two positions in registers + L2 hints),
+# 590 / 765 instructions per four steps (one-document path / the other) against 335 / 411 per two. H100, session 58
+# (bench_conv.py's run, do_bench, documents, two calls), us: 1.3B 207.1-207.2 -> 198.6-199.0, 370M 130.9-134.7 ->
+# 115.8-116.4; STAGES 2 (128 registers) 215.1 / 130.7; STAGES 4 195.0 / 119.8; STAGES 5 195.1 / 121.8; UNROLL 3 at
+# STAGES 2 254.4 / 144.4; L2 hints on top (6 or 12 ahead) slower (217-222 / 128). Outputs unchanged (against
+# causal_conv1d: dx 1.7e-5, dw 2.5e-7).
+_BWD_PREFETCH = 0  # positions loaded ahead into registers (1 or 2, with STAGES 1); 0: at their step (pipelined)
+_BWD_STAGES = 3  # the stream loop's software-pipelining stages (Triton's cp.async), with PREFETCH 0
+_BWD_UNROLL = 4  # steps per iteration of the stream loop, unrolled (see conv_bwd_kernel)
 # The same for the backward's programs (window start - 3 ... start + ROWS * SEG + 2, 75-83% of them in one document
 # at ~1000-token documents): the stream loop 301 instructions per two steps on that path, 373 on the other, against
 # 377 (Triton 3.6, 128 registers both ways). Session 43 (H200, bench_energy.py, 3 s windows) measured it equal
@@ -423,8 +442,9 @@ _BWD_ONE_DOC_BRANCH = True
 # without holding any. Session 55 (H100, 1.3B with documents, CUDA graphs of 20 calls, three rounds): none
 # 211.7-212.6 us, 2 ahead 200.7-201.4, **3 198.8-199.0**, 4 198.8-199.6, 5 201.0-201.4, 6 203.5-203.8, 8 217.7-218.3,
 # 16 261, 32 284 (lines asked for too early are evicted before their loads come); 370M 124.2-124.5 none, 124.5-124.8
-# at 3. Outputs bit for bit the same.
-_BWD_L2_AHEAD = 3
+# at 3. Outputs bit for bit the same. Off since session 58: the pipelined loop has its loads in flight already, and
+# hints on top of it ran slower (above).
+_BWD_L2_AHEAD = 0
 # ptxas's register cap for the backward (None: its choice, 128 at the defaults: four 4-warp programs per SM).
 _BWD_MAXNREG = None
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
@@ -480,7 +500,8 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, UNROLL=_BWD_UNROLL, FAST=_fast(),
-        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, L2_AHEAD=_BWD_L2_AHEAD, num_warps=_BWD_WARPS, maxnreg=_BWD_MAXNREG,
+        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, L2_AHEAD=_BWD_L2_AHEAD, STAGES=_BWD_STAGES, num_warps=_BWD_WARPS,
+        maxnreg=_BWD_MAXNREG,
     )  # fmt: skip
     W = weight_DW.shape[1]
     # [d, 4], contiguous like the weight (no copy after the sum), and the bias's [d], in one launch
