@@ -103,6 +103,10 @@ TUNE = [
     dict(_BWD_PREFETCH=2, _BWD_STAGES=1, _BWD_UNROLL=2, _BWD_L2_AHEAD=0),  # ... without L2 hints (before session 55)
     dict(_BWD_STAGES=2),  # the pipelined loop (session 58) one iteration ahead: 128 registers
     dict(_BWD_STAGES=4),  # ... three ahead (faster at the 1.3B, slower at the 370M in session 58)
+    # ... in other programs (compiled for sm_90, Triton 3.6): 4 streams at 2 warps, 146 registers, 7 programs (14
+    # warps) per SM against the default's 3 (12 warps); 8 streams at 8 warps, 113 registers, 2 (16 warps)
+    dict(_BWD_ROWS=4, _BWD_WARPS=2),
+    dict(_BWD_WARPS=8),
 ]
 TUNED = ("_FWD_BLOCK_D", "_FWD_BLOCK_L", "_FWD_WARPS", "_FWD_CHANNELS_FASTEST", "_BWD_BLOCK_D", "_BWD_ROWS", "_BWD_SEG",
          "_BWD_WARPS", "_BWD_PREFETCH", "_BWD_UNROLL", "_FAST_SIGMOID", "_FWD_ONE_DOC_BRANCH",

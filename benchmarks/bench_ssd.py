@@ -178,6 +178,8 @@ TUNE_VARIANTS = {
     "dcb_apart_cap168": dict(dcb_state_apart=True, dc_maxnreg=168, keep_states=True),
     # Session 58: apart is the default (dCB 0.368 -> 0.345 ms at the 1.3B, H100); one launch for comparison
     "dcb_one_launch": dict(dcb_state_apart=False, keep_states=True),
+    # ... and the chained forward's pair at 168 is the default: one head a program at 128 for comparison
+    "chained_fwd_one_head": dict(chained_heads=1, keep_states=True),
     "keep_states_again": dict(keep_states=True),  # the baseline once more, after the variants (order effects)
 }
 # Kernel groups -> the config fields that only they use.

@@ -444,10 +444,12 @@ MAXNREG = {
 
 
 def register_cap(cfg, name: str) -> int | None:
-    """The register cap the launchers give kernel `name` under cfg (None: ptxas's choice); dx's depends on its heads
-    per program (BlockConfig.dx_register_cap)."""
+    """The register cap the launchers give kernel `name` under cfg (None: ptxas's choice); dx's and the chained
+    forward's depend on their heads per program (BlockConfig.dx_register_cap, chained_fwd_register_cap)."""
     if name == "chunk_scan_bwd_dx":
         return cfg.dx_register_cap(cfg.dx_heads)
+    if name == "chained_states_fwd":
+        return cfg.chained_fwd_register_cap(cfg.chained_heads)
     return getattr(cfg, MAXNREG.get(name, ""), None)
 
 

@@ -29,9 +29,10 @@ def test_kernel_resources_register_caps_set_programs_per_sm():
     them at 128, four per SM (session 26, H100 with documents at the 1.3B shape: the chained states 0.407 -> 0.363 ms
     for their two launches, the chained dstates 0.208 -> 0.190). dx the same with one head per program (128:
     0.368 -> 0.327 ms then); with two (the default since session 57) it takes more than 168 uncapped and 168 capped
-    with no spills, three per SM (0.330 -> 0.314 ms against one head at 128). The chained states' forward needs its
-    cap only without fold_dt_states (the default since session 43: 114 registers uncapped, Triton 3.9), so its
-    uncapped count is taken on that path, and its capped one on both."""
+    with no spills, three per SM (0.330 -> 0.314 ms against one head at 128). The chained states' forward the same
+    since session 58: a pair of heads a program at 168 (chained_fwd_pair_maxnreg; one head keeps 128). It needs its
+    cap only without fold_dt_states (the default since session 43: one head took 114 registers uncapped, Triton 3.9),
+    so its uncapped count is taken on that path, and its capped one on both."""
     import dataclasses
 
     import triton
@@ -41,6 +42,8 @@ def test_kernel_resources_register_caps_set_programs_per_sm():
 
     base = block_config(256, 64, 128)
     assert base.dx_heads == 2 and base.dx_register_cap(2) == 168 and base.dx_register_cap(1) == 128
+    assert base.chained_heads == 2 and base.chained_fwd_register_cap(2) == 168
+    assert base.chained_fwd_register_cap(1) == 128
     regs = {}
     for fold_states, dx_heads in ((True, 2), (True, 1), (False, 2)):
         cfg = dataclasses.replace(base, fold_dt_states=fold_states, dx_heads=dx_heads)
@@ -56,7 +59,7 @@ def test_kernel_resources_register_caps_set_programs_per_sm():
     assert len(regs) == 6, regs
     gpu_triton = triton.__version__.startswith("3.6.")  # the GPU machines' Triton; others may spill a few bytes
     for (name, fold, heads), (capped, spills, free) in regs.items():
-        limit = 168 if name == "chunk_scan_bwd_dx" and heads == 2 else 128
+        limit = 168 if name in ("chunk_scan_bwd_dx", "chained_states_fwd") and heads == 2 else 128
         assert capped <= limit and (spills == 0 or not gpu_triton), (name, fold, heads, regs)
         if name != "chained_states_fwd" or not fold:
             assert free > limit, (name, fold, heads, regs)
@@ -182,10 +185,11 @@ def test_kernel_resources_folded_dt_in_the_chunk_states():
 
     found = {}
     for fold in (False, True):
-        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=True, fold_dt_states=fold)
+        # one head a chained program (the counts above; the pair is the default since session 58)
+        cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=True, fold_dt_states=fold, chained_heads=1)
         for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
             if name in ("chained_states_fwd", "chunk_state_bwd_db"):
-                cap = getattr(cfg, kr.MAXNREG[name])
+                cap = kr.register_cap(cfg, name)
                 info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
                 product_loop = next(loop for loop in info["loops"][:-1] if loop.get("HGMMA"))
                 found[name, fold] = (product_loop["instructions"], info["registers"], info["spill_stack_bytes"])

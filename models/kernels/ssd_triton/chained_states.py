@@ -484,7 +484,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         CARRY_IS_S32=keep_s32,
         CARRY_IS_KEPT=store_lo,
         FOLD_DT=a2dt is not None,
-        maxnreg=cfg.chained_fwd_maxnreg,
+        maxnreg=cfg.chained_fwd_register_cap(meta["HEADS"]),
         **meta,
     )
     return S_in, final, carry if keep_s32 else kept

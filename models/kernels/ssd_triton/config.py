@@ -148,8 +148,10 @@ class BlockConfig:
     # Heads per program of the chained forward (chained_heads) and backward (chained_bwd_heads), 1 or 2 (as
     # state_heads): 1 gives twice the chains, so a predecessor is more often done. Apart since session 57: with kept
     # states a pair compiles to 192 registers in the forward (48 bytes of spills under a cap of 168, Triton 3.6) but
-    # spills 128-384 bytes in the backward, so each direction can be timed on its own.
-    chained_heads: int = 1
+    # spills 128-384 bytes in the backward, so each direction can be timed on its own. The forward's pair since
+    # session 58, at its own cap (chained_fwd_pair_maxnreg below): H100, bench_ssd.py --tune, documents, kept states,
+    # the chained forward 0.163 -> 0.155 ms at the 1.3B, 0.085 -> 0.084 at the 370M (uncapped pairs: 0.175 / 0.092).
+    chained_heads: int = 2
     chained_bwd_heads: int = 1
     chained_fwd_n: int = 64
     # The chained dstates in N tiles of 64 at <= 128 registers (chained_bwd_maxnreg): twice the chains, four programs
@@ -230,11 +232,19 @@ class BlockConfig:
     db_maxnreg: int | None = 168
     chained_bwd_maxnreg: int | None = 128  # with chained_bwd_n 64 (above): no spills (Triton 3.6)
     chained_fwd_maxnreg: int | None = 128
+    # The chained forward's pair of heads (chained_heads 2): 192 registers uncapped with kept states, 168 with 48
+    # bytes of spills at this cap (none without kept states; Triton 3.6), three programs per SM.
+    chained_fwd_pair_maxnreg: int | None = 168
     scan_maxnreg: int | None = None
 
     def dx_register_cap(self, heads: int) -> int | None:
         """dx's register cap for programs of `heads` heads (1 or 2): dx_maxnreg for pairs, dx_one_head_maxnreg else."""
         return self.dx_maxnreg if heads == 2 else self.dx_one_head_maxnreg
+
+    def chained_fwd_register_cap(self, heads: int) -> int | None:
+        """The chained forward's register cap for programs of `heads` heads (1 or 2): chained_fwd_pair_maxnreg for
+        pairs, chained_fwd_maxnreg else (an odd number of heads per group runs one head a program)."""
+        return self.chained_fwd_pair_maxnreg if heads == 2 else self.chained_fwd_maxnreg
 
     def __post_init__(self):
         parts = self.dcb_col_parts
