@@ -445,7 +445,8 @@ _BWD_ONE_DOC_BRANCH = True
 # at 3. Outputs bit for bit the same. Off since session 58: the pipelined loop has its loads in flight already, and
 # hints on top of it ran slower (above).
 _BWD_L2_AHEAD = 0
-# ptxas's register cap for the backward (None: its choice, 128 at the defaults: four 4-warp programs per SM).
+# ptxas's register cap for the backward (None: its choice, 149 at the defaults: three 4-warp programs per SM; a cap
+# of 128 spills 40 bytes there, Triton 3.6).
 _BWD_MAXNREG = None
 # The sigmoid of the silu from the approximate MUFU instructions (ex2 / rcp .approx.ftz), in both kernels, on the GPU
 # (tl.sigmoid's PTX wraps each in range checks: ~18 of a rolled step's ~237 instructions); the interpreter (the CPU
