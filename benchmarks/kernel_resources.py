@@ -431,14 +431,14 @@ def norm_kernels(d_model: int = 2048, d_inner: int = 4096):
     )
 
 
-# Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets (dx's: register_cap).
+# Kernels whose register cap (ptxas .maxnreg) a BlockConfig field sets (dx's and the chained forward's, which
+# depend on their heads per program: register_cap).
 MAXNREG = {
     "chunk_scan_bwd_dcb": "dc_maxnreg",
     "chunk_scan_bwd_dcb_tiles": "dc_maxnreg",
     "chunk_scan_bwd_dcb_state": "dc_state_maxnreg",
     "chunk_state_bwd_db": "db_maxnreg",
     "chained_dstates_bwd": "chained_bwd_maxnreg",
-    "chained_states_fwd": "chained_fwd_maxnreg",
     "chunk_scan_fwd": "scan_maxnreg",
 }
 

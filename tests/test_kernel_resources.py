@@ -162,7 +162,7 @@ def test_kernel_resources_folded_dt_drops_a_multiply_per_element():
         cfg = dataclasses.replace(block_config(256, 64, 128), fold_dt=fold, dcb_state_apart=False)  # one dCB launch
         for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
             if name in ("chunk_scan_fwd", "chunk_scan_bwd_dcb"):
-                cap = getattr(cfg, kr.MAXNREG[name])
+                cap = kr.register_cap(cfg, name)
                 info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, cap, loops=True, ones=frozenset({"G"}))
                 per_head = sorted(loop["instructions"] for loop in info["loops"][:-1] if loop.get("MUFU") == 32)
                 found[name, fold] = (per_head, info["registers"], info["spill_stack_bytes"])
