@@ -132,7 +132,10 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     # reads or writes is referenced by launch_dcb until after the join, so none is freed while it runs. Also while a
     # CUDA graph is captured (training.cuda_graph): the fork and join are captured as the graph's edges (session 43's
     # test_dcb_on_a_second_stream_inside_a_cuda_graph). Launching the chained dstates first and dCB after it (from the
-    # same fork point) was no faster: SSD 1.398-1.401 against 1.391-1.401 ms (H100, session 50).
+    # same fork point) was no faster: SSD 1.398-1.401 against 1.391-1.401 ms (H100, session 50). Session 60 (H100,
+    # 1.3B end to end, three alternating rounds, medians): this fork 49,013 tokens/s; one stream 48,778 (-0.48%);
+    # dCB forked after dx and launched after dB, so that dx runs alone and dB beside dCB, 48,911 (-0.21%); the
+    # dstates, dx and dB on a priority -1 stream with dCB forked here 48,760 (-0.52%). Results bit for bit equal.
     side = None
     if cfg.overlap_dcb and dev.type == "cuda":
         side = side_stream(dev)

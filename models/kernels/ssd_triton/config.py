@@ -181,8 +181,9 @@ class BlockConfig:
     # not depend on (backward.py): the chained dstates wait on their chain and draw less than the power limit
     # (~570 W at the 1.3B shape, H200, session 38), so dCB's tiles fill their idle issue slots. Session 42 (H200,
     # bench_energy.py, 1.3B with documents): our SSD forward + backward 987.9 -> 963.1 mJ (-2.5%), 1.424 -> 1.390 ms;
-    # results bit for bit the one-stream path's (the 1.3B's losses too). Not under a CUDA graph capture (backward.py
-    # says why).
+    # results bit for bit the one-stream path's (the 1.3B's losses too), also inside a captured CUDA graph
+    # (backward.py). Session 60 (H100, 1.3B end to end): off -0.48%; other fork points and stream priorities measured
+    # slower too (backward.py).
     overlap_dcb: bool = True
     # dt folded into the decay's exponent in the chunk scan's and dCB's per-element weights: the dt kernel also writes
     # a2dt = a_s log2(e) - log2(dt_s) ([B, H, NC, Q] float32, kept for the backward: 4 MiB per layer at the 1.3B
