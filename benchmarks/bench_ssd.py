@@ -180,6 +180,10 @@ TUNE_VARIANTS = {
     "dcb_one_launch": dict(dcb_state_apart=False, keep_states=True),
     # ... and the chained forward's pair at 168 is the default: one head a program at 128 for comparison
     "chained_fwd_one_head": dict(chained_heads=1, keep_states=True),
+    # Session 60: the staged states (chunk states, then the recurrence; dS_in, then the reverse recurrence) against
+    # the chained kernels with kept states, the 1.3B's config (H100, documents: forward 0.220 against 0.153-0.155 ms,
+    # backward 0.311 against 0.230-0.261; the chained kernels stay)
+    "staged_keep": dict(chained=False, keep_states=True),
     "keep_states_again": dict(keep_states=True),  # the baseline once more, after the variants (order effects)
 }
 # Kernel groups -> the config fields that only they use.
