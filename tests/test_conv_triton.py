@@ -26,7 +26,7 @@ _STREAM_DEFAULTS = {}  # and its backward's streams (rows, positions per row)
 
 def check_conv(
     b, L, D, W, seed, seq_cuts, silu, bias, token_stride, streams=None, x_dtype="float32", fwd_channels_fastest=True,
-    unroll=None, one_doc_branch=None, prefetch=None,
+    unroll=None, one_doc_branch=None, prefetch=None, wide=False,
 ):  # fmt: skip
     """conv_triton's forward and backward against causal_conv1d_ref in float64 (autograd for the gradients): x a
     channel-last view with token_stride >= D (the mixer's slice of zxbcdt), documents cut at seq_cuts (a list per
@@ -34,9 +34,12 @@ def check_conv(
     carried across stream edges, the weight-gradient partial sums); fwd_channels_fastest: the forward's grid order;
     one_doc_branch: both kernels' branch that skips the document tests in a program within one document; unroll:
     steps per iteration of a backward stream's loop; prefetch: positions its loop loads ahead into registers (0: at
-    their step, pipelined on the GPU). None: the module's defaults."""
+    their step, pipelined on the GPU). None: the module's defaults. wide: both kernels with int64 row offsets (WIDE,
+    what a batch row whose offsets reach 2^31 takes) instead of int32."""
     from models.kernels import conv_triton
     from models.kernels.conv_reference import causal_conv1d_ref
+
+    conv_triton._OFFSET_LIMIT = 1 if wide else 2**31
 
     if not _STREAM_DEFAULTS:
         _STREAM_DEFAULTS.update(streams=(conv_triton._BWD_ROWS, conv_triton._BWD_SEG), unroll=conv_triton._BWD_UNROLL,
@@ -109,6 +112,9 @@ CASES = {
                                token_stride=48, streams=(2, 8), one_doc_branch=True),
     "one_doc_branch_off": _case(b=5, L=100, D=40, seed=11, seq_cuts=[[29, 96], [63], [32, 83], [30], [82]],
                                 token_stride=48, streams=(2, 8), one_doc_branch=False),
+    # the documents case with int64 row offsets (WIDE), as rows whose offsets reach 2^31 take them
+    "documents_wide_offsets": _case(b=2, L=100, D=40, seed=1, seq_cuts=[[1, 2, 30, 64, 65], [33]], token_stride=48,
+                                    streams=(2, 8), wide=True),
     # widths 2 and 3, no bias, no activation, the forward's other grid order; float16 x at width 4
     "width2_plain": _case(b=1, L=70, D=16, W=2, seed=2, silu=False, bias=False, token_stride=17),
     "width3_plain": _case(b=1, L=70, D=16, W=3, seed=2, silu=False, bias=False, token_stride=17, streams=(2, 16)),
@@ -167,6 +173,20 @@ def test_widths_without_documents(results):
     width 4; sequences of 2 and 3 tokens."""
     _passed(results, "width2_plain", "width3_plain", "width3_other_grid_order", "float16_x", "two_tokens",
             "three_tokens")  # fmt: skip
+
+
+def test_wide_offsets(results):
+    """Row offsets in int64 (WIDE) give what int32 ones do; the host asks for them exactly where positions -3 ...
+    L + 3 of a row, times its largest row stride, plus the channels, can reach 2^31 (before session 60 the forward
+    took int32 offsets at any length: at the 1.3B's row stride of 8512 they wrapped from L ~252k on)."""
+    from models.kernels.conv_triton import _wide_offsets
+
+    _passed(results, "documents_wide_offsets")
+    assert not _wide_offsets(4096, 4352, 8512)
+    assert _wide_offsets(262144, 4352, 8512)
+    limit = (2**31 - 4352) // 8512 - 4  # the longest L whose offsets stay below 2^31 at that stride
+    assert not _wide_offsets(limit, 4352, 8512) and _wide_offsets(limit + 1, 4352, 8512)
+    assert _wide_offsets(limit, 4352, 8512, 8513), "the largest of the row strides counts"
 
 
 def test_forward_refuses_a_tile_that_is_not_groups_of_four(monkeypatch):

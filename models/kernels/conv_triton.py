@@ -140,7 +140,8 @@ def _group_rows(xm3, xm2, xm1, x0, x1, x2, x3, seq_b, out_b, t_G, offs_d, mask_d
 def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l, s_o_b, s_o_l, s_w_d, s_w_k,
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, CHANNELS_FASTEST: tl.constexpr,
-                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+                    FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, PDL: tl.constexpr = False,
+                    WIDE: tl.constexpr = False):  # fmt: skip
     """BLOCK_L positions x BLOCK_D channels, as BLOCK_L / 4 groups of four consecutive positions: a group's four
     output rows come from seven x rows (t - 3 ... t + 3), each loaded and converted once. (Before session 38 each
     output row loaded its four taps: 4 loads and conversions per output element where this takes 1.75; sm_90 SASS
@@ -149,6 +150,8 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
     # CHANNELS_FASTEST: the programs running at once cover whole rows of x (every channel block of the same
     # positions), not one channel block of many positions (1.3B shape with documents: 0.118 against 0.127 ms, H100).
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
+    if WIDE:  # a batch row's offsets reach 2^31 (_wide_offsets): int64 strides make every row offset int64
+        s_x_l, s_o_l = s_x_l.to(tl.int64), s_o_l.to(tl.int64)
     if CHANNELS_FASTEST:
         pid_d = tl.program_id(0)
         pid_l = tl.program_id(1)
@@ -189,7 +192,7 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
 def _stream_row(base, u_R, offs_d, mask_d, L, s_l):
     """Rows u_R of a channel-last [L, D] tensor: [ROWS, BLOCK_D] in its dtype, 0 outside [0, L)."""
     ok = (u_R >= 0) & (u_R < L)
-    ptrs = base + u_R.to(tl.int64)[:, None] * s_l + offs_d[None, :]
+    ptrs = base + u_R[:, None] * s_l + offs_d[None, :]  # int32 unless the kernel widened s_l (WIDE)
     return tl.load(ptrs, mask=ok[:, None] & mask_d[None, :], other=0.0)
 
 
@@ -242,13 +245,15 @@ def conv_bwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, dout_ptr, dx_ptr, dw_part_p
                     HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, W: tl.constexpr,
                     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
                     FAST: tl.constexpr, ONE_DOC_BRANCH: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
-                    STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):  # fmt: skip
+                    STAGES: tl.constexpr = 1, PDL: tl.constexpr = False, WIDE: tl.constexpr = False):  # fmt: skip
     """Rows of a tile are ROWS streams, each walking SEG consecutive positions of its own (row r of program p starts
     at (p * ROWS + r) * SEG). A stream carries x, g and the ids of its last three positions from step to step, so
     each x and dout row is loaded once and each g computed once (the shift is a renaming of loop-carried tiles): per
     step it loads x[u] and dout[u], computes g[u], adds g[u]'s weight- and bias-gradient terms and stores
     dx[u - 3]. The first three steps only fill the window; three steps past the segment finish its last dx."""
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
+    if WIDE:  # as conv_fwd_kernel's
+        s_x_l, s_y_l, s_dx_l = s_x_l.to(tl.int64), s_y_l.to(tl.int64), s_dx_l.to(tl.int64)
     pid_s = tl.program_id(0)
     pid_d = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -346,7 +351,7 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d,
             dw3 += g_own * x0
             t_R = u_R - 3
             dx = _stream_dx(gm3, gm2, gm1, g0, sm3, sm2, sm1, s0, w0, w1, w2, w3, HAS_SEQ)
-            dx_ptrs = dx_b + t_R.to(tl.int64)[:, None] * s_dx_l + offs_d[None, :]
+            dx_ptrs = dx_b + t_R[:, None] * s_dx_l + offs_d[None, :]
             own_t = (t_R >= start_R) & (t_R < start_R + SEG) & (t_R < L)
             tl.store(dx_ptrs, dx.to(dx_b.dtype.element_ty), mask=own_t[:, None] & mask_d[None, :])
             xm3, xm2, xm1 = xm2, xm1, x0
@@ -358,6 +363,19 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d,
     dw = tl.reshape(dw, (BLOCK_D, 4))
     tl.store(dw_part + offs_d[:, None] * 4 + tl.arange(0, 4)[None, :], dw, mask=mask_d[:, None])
     tl.store(db_part + offs_d, tl.sum(db, axis=0), mask=mask_d)
+
+
+# Offsets within a batch row (position times row stride, plus channel) are int32 in both kernels: the backward's
+# stream loop took 590 / 765 sm_90 instructions per four steps (one-document path / the other) with 64-bit ones and
+# 552 / 730 with these, 149 and 148 registers (Triton 3.6, session 60; not yet timed). Where a row's offsets could
+# reach 2^31 (e.g. L 256k at the 1.3B's row stride of 8512), the kernels take their row strides as int64 instead
+# (WIDE); before session 60 the forward's int32 products would have wrapped there.
+_OFFSET_LIMIT = 2**31
+
+
+def _wide_offsets(L: int, d: int, *row_strides: int) -> bool:
+    """Whether offsets of positions -3 ... L + 3 (the kernels' windows) of a [L, d] row can reach _OFFSET_LIMIT."""
+    return (L + 4) * max(row_strides) + d >= _OFFSET_LIMIT
 
 
 def _channel_last(x_BDL: torch.Tensor) -> torch.Tensor:
@@ -475,7 +493,8 @@ def conv_forward_triton(x_BDL, weight_DW, bias_D, seq_idx_BL, silu: bool) -> tor
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         BLOCK_L=_FWD_BLOCK_L, BLOCK_D=_FWD_BLOCK_D, CHANNELS_FASTEST=_FWD_CHANNELS_FASTEST, FAST=_fast(),
-        ONE_DOC_BRANCH=_FWD_ONE_DOC_BRANCH, num_warps=_FWD_WARPS,
+        ONE_DOC_BRANCH=_FWD_ONE_DOC_BRANCH, WIDE=_wide_offsets(L, d, x_BDL.stride(2), out_BLD.stride(1)),
+        num_warps=_FWD_WARPS,
     )  # fmt: skip
     return out_BLD.transpose(1, 2)
 
@@ -501,7 +520,8 @@ def conv_backward_triton(x_BDL, weight_DW, bias_D, dout_BDL, seq_idx_BL, silu: b
         weight_DW.stride(0), weight_DW.stride(1),
         HAS_BIAS=bias_D is not None, HAS_SEQ=seq_idx_BL is not None, SILU=silu, W=weight_DW.shape[1],
         ROWS=_BWD_ROWS, BLOCK_D=_BWD_BLOCK_D, PREFETCH=_BWD_PREFETCH, UNROLL=_BWD_UNROLL, FAST=_fast(),
-        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, L2_AHEAD=_BWD_L2_AHEAD, STAGES=_BWD_STAGES, num_warps=_BWD_WARPS,
+        ONE_DOC_BRANCH=_BWD_ONE_DOC_BRANCH, L2_AHEAD=_BWD_L2_AHEAD, STAGES=_BWD_STAGES,
+        WIDE=_wide_offsets(L, d, x_BDL.stride(2), dout_BDL.stride(2), dx_BDL.stride(2)), num_warps=_BWD_WARPS,
         maxnreg=_BWD_MAXNREG,
     )  # fmt: skip
     W = weight_DW.shape[1]
