@@ -227,8 +227,8 @@ def test_kernel_resources_conv_one_document_branch(monkeypatch):
     stream loops, the one-document loop within a few instructions of the loop compiled without documents (Triton 3.6:
     301 against 377 instructions per two steps in session 41, 304 against 300 without documents in session 54) and
     the other within a few of before (373; Triton 3.9: 300 / 381 against 376); with int32 row offsets (session 60,
-    per four steps) Triton 3.6 552 / 730 against 583 without documents and 739 unbranched, Triton 3.9 562 / 758
-    against 583 and 728: the other loop within 5% of the unbranched one;
+    per four steps) Triton 3.6 544 / 717 against 575 without documents and 736 unbranched, Triton 3.9 554 / 761
+    against 576 and 731: the other loop within 5% of the unbranched one;
     the forward holds two bodies (twice the MUFU); registers within a few (Triton 3.6: 128 and 127 against 128 and
     126, so four programs per SM stay; 3.9: 132 and 136). Whether it pays is a GPU measurement (docs/performance.md,
     session 41)."""

@@ -189,18 +189,19 @@ def conv_fwd_kernel(x_ptr, w_ptr, bias_ptr, seq_ptr, out_ptr, L, D, s_x_b, s_x_l
 
 
 @triton.jit
-def _stream_row(base, u_R, offs_d, mask_d, L, s_l):
-    """Rows u_R of a channel-last [L, D] tensor: [ROWS, BLOCK_D] in its dtype, 0 outside [0, L)."""
-    ok = (u_R >= 0) & (u_R < L)
+def _stream_row(base, u_R, offs_d, mask_d, L, s_l, NONNEG: tl.constexpr = False):
+    """Rows u_R of a channel-last [L, D] tensor: [ROWS, BLOCK_D] in its dtype, 0 outside [0, L) (NONNEG: u_R >= 0
+    is known, only the end is tested)."""
+    ok = (u_R < L) if NONNEG else (u_R >= 0) & (u_R < L)
     ptrs = base + u_R[:, None] * s_l + offs_d[None, :]  # int32 unless the kernel widened s_l (WIDE)
     return tl.load(ptrs, mask=ok[:, None] & mask_d[None, :], other=0.0)
 
 
 @triton.jit
 def _stream_rows(x_b, dout_b, seq_b, u_R, offs_d, mask_d, L, s_x_l, s_y_l, HAS_SEQ: tl.constexpr):
-    """x and dout at positions u_R ([ROWS, BLOCK_D] in their dtypes, 0 outside [0, L)) and their document ids."""
-    x = _stream_row(x_b, u_R, offs_d, mask_d, L, s_x_l)
-    dy = _stream_row(dout_b, u_R, offs_d, mask_d, L, s_y_l)
+    """x and dout at positions u_R >= 0 ([ROWS, BLOCK_D] in their dtypes, 0 from L on) and their document ids."""
+    x = _stream_row(x_b, u_R, offs_d, mask_d, L, s_x_l, True)
+    dy = _stream_row(dout_b, u_R, offs_d, mask_d, L, s_y_l, True)
     return x, dy, _ids(seq_b, u_R, L, HAS_SEQ)
 
 
@@ -367,7 +368,8 @@ def _streams(x_b, dout_b, seq_b, dx_b, dw_part, db_part, start, d_start, offs_d,
 
 # Offsets within a batch row (position times row stride, plus channel) are int32 in both kernels: the backward's
 # stream loop took 590 / 765 sm_90 instructions per four steps (one-document path / the other) with 64-bit ones and
-# 552 / 730 with these, 149 and 148 registers (Triton 3.6, session 60; not yet timed). Where a row's offsets could
+# 552 / 730 with these, 544 / 717 with its loads testing only the row's end (positions there are >= 0), 149 and 147
+# registers (Triton 3.6, session 60; not yet timed). Where a row's offsets could
 # reach 2^31 (e.g. L 256k at the 1.3B's row stride of 8512), the kernels take their row strides as int64 instead
 # (WIDE); before session 60 the forward's int32 products would have wrapped there.
 _OFFSET_LIMIT = 2**31
