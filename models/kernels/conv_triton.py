@@ -441,7 +441,8 @@ _BWD_WARPS = 4
 # STAGES 3 (cp.async two iterations ahead: 8 positions in flight per stream, 16.6 KB of shared memory), UNROLL 4
 # (at 2 Triton does not pipeline the loop: conv_bwd_kernel's comment). Compiled (Triton 3.6, sm_90, documents):
 # 149 registers (three programs per SM, against four at 128 for session 55's two positions in registers + L2 hints),
-# 590 / 765 instructions per four steps (one-document path / the other) against 335 / 411 per two. H100, session 58
+# 590 / 765 instructions per four steps (one-document path / the other) against 335 / 411 per two (544 / 717 and 147
+# registers since session 60's int32 row offsets, _OFFSET_LIMIT's comment). H100, session 58
 # (bench_conv.py's run, do_bench, documents, two calls), us: 1.3B 207.1-207.2 -> 198.6-199.0, 370M 130.9-134.7 ->
 # 115.8-116.4; STAGES 2 (128 registers) 215.1 / 130.7; STAGES 4 195.0 / 119.8; STAGES 5 195.1 / 121.8; UNROLL 3 at
 # STAGES 2 254.4 / 144.4; L2 hints on top (6 or 12 ahead) slower (217-222 / 128). Outputs unchanged (against
