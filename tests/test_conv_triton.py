@@ -40,6 +40,7 @@ def check_conv(
     from models.kernels.conv_reference import causal_conv1d_ref
 
     conv_triton._OFFSET_LIMIT = 1 if wide else 2**31
+    assert conv_triton._wide_offsets(L, D, token_stride) == wide, "the case does not take the offsets it names"
 
     if not _STREAM_DEFAULTS:
         _STREAM_DEFAULTS.update(streams=(conv_triton._BWD_ROWS, conv_triton._BWD_SEG), unroll=conv_triton._BWD_UNROLL,
@@ -178,7 +179,7 @@ def test_widths_without_documents(results):
 def test_wide_offsets(results):
     """Row offsets in int64 (WIDE) give what int32 ones do; the host asks for them exactly where positions -3 ...
     L + 3 of a row, times its largest row stride, plus the channels, can reach 2^31 (before session 60 the forward
-    took int32 offsets at any length: at the 1.3B's row stride of 8512 they wrapped from L ~252k on)."""
+    took int32 offsets at any length: at the 1.3B's row stride of 8512 they would have wrapped from L ~252k on)."""
     from models.kernels.conv_triton import _wide_offsets
 
     _passed(results, "documents_wide_offsets")
