@@ -25,7 +25,9 @@ so runs taken one after another pair up, and one slow run of either side no long
 Throughput is over the timed steps (total tokens / total time); memory is torch.cuda.max_memory_allocated.
 MFU is reported on two FLOP counts, for both sides alike: "6N" (6 x the matmul parameters a token uses, lm_head
 included) and "SSD" (that plus the conv and chunked-SSD terms, components.metrics.model_flops_per_token), against
---peak_tflops (H100 / H200 dense bf16: 989.4). Prints a table and writes every record to --out (JSON).
+--peak_tflops (H100 / H200 dense bf16: 989.4). Prints a table and writes every record to --out (JSON), with the host's
+CPU and the time of a plain CPython loop (host_probe) in its settings: a host-bound step (the 370M eager, their loop's
+idle gaps) moves with the host, so each figure says which host it came from.
 
 --profile_step K (a warm-up step, K <= --warmup, so that the timed steps are not traced) also takes a torch.profiler
 trace of step K on both sides (ours: profiling.profile_steps [K]; theirs: the same tracer around their loop, one
@@ -598,9 +600,39 @@ def rounds_lines(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def host_probe(iterations: int = 2_000_000) -> dict:
+    """What the host can do where a step is host-bound (the 370M eager on either side, their loop's idle gaps at the
+    1.3B): CPU model and count, load average, and nanoseconds per iteration of a plain CPython loop. Session 61 (two
+    H100 calls on one machine at 117 ns): the 370M eager ran 85.4k and 113.9k tokens/s and their loop 54.0k and 40.4k,
+    against 129.9k and 59.3k in session 53, while our CUDA-graph step ran 133.7k there: such figures belong to the
+    host, and this says which host it was."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    t0 = time.perf_counter()
+    total = 0
+    for i in range(iterations):
+        total += i
+    loop_ns = (time.perf_counter() - t0) / iterations * 1e9
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {"cpu_model": model, "cpus": os.cpu_count(), "load_avg_1m": load[0], "python_loop_ns": loop_ns}
+
+
+def host_line(host: dict) -> str:
+    return (
+        f"host: {host['cpu_model'] or 'unknown CPU'}, {host['cpus']} CPUs, load {host['load_avg_1m']:.2f}, "
+        f"{host['python_loop_ns']:.0f} ns per CPython loop iteration (host_probe)"
+    )
+
+
 def write_json(path: str, records: list[dict], a: argparse.Namespace) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     meta = {"warmup": a.warmup, "steps": a.steps, "peak_tflops": a.peak_tflops, "overrides": a.overrides}
+    if getattr(a, "host", None) is not None:
+        meta["host"] = a.host
     with open(path, "w") as f:
         json.dump({"settings": meta, "results": records}, f, indent=1)
 
@@ -613,6 +645,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         print("RESULT " + json.dumps(result), flush=True)
         return []
+    a.host = host_probe()  # before any run: nothing of ours or theirs is loading the CPU yet
     records = []
     for name in a.size_list:
         size = SIZES[name]
@@ -634,6 +667,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(rounds_lines(records), flush=True)
     if a.profile_step:
         print(profile_table(records), flush=True)
+    print(host_line(a.host), flush=True)
     print(f"results: {a.out}", flush=True)
     return records
 

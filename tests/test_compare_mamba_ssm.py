@@ -334,7 +334,10 @@ def test_script_ours_side_on_cpu(tmp_path, capsys):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["results"][0]["ours"]["tokens_per_sec"] == ours["tokens_per_sec"]
     assert saved["settings"]["overrides"] == ["--training.seed", "3"]
-    assert "| debug" in capsys.readouterr().out
+    host = saved["settings"]["host"]  # which host the figures belong to (host-bound steps move with it)
+    assert host["cpus"] >= 1 and 0 < host["python_loop_ns"] < 1e4, host
+    out = capsys.readouterr().out
+    assert "| debug" in out and "ns per CPython loop iteration" in out
 
 
 def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
