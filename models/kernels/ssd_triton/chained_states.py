@@ -237,9 +237,10 @@ def chained_states_fwd_kernel(
 
 @triton.jit
 def _decays(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr):
-    """chunk_decay of heads h0 and h0 + 1 (with HEADS 2; else the first twice). The chain steps take them before
-    their wait: their loads do not depend on the chain, and after the wait (whose acquire keeps every later load
-    behind it) they were a second round trip on each link's critical path (session 61, sm_90 machine code)."""
+    """chunk_decay of heads h0 and h0 + 1 (with HEADS 2; else the first twice). The kept forward's and the backward's
+    chain steps take them before their wait: their loads do not depend on the chain, and after the wait (whose
+    acquire keeps every later load behind it) they were a second round trip on each link's critical path (session
+    61, sm_90 machine code). The unkept forward takes them after it (its comment says why)."""
     decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
     decay1 = decay0
     if HEADS == 2:
