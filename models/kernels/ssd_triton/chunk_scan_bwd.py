@@ -125,15 +125,24 @@ def chunk_scan_bwd_dx_kernel(
     mask_kp = valid_k[:, None] & mask_p[None, :]
     if HEADS == 2:
         dt_k1 = tl.load(dt_ptr + head_q1 + offs_k, mask=offs_k < Q, other=0.0)
+    # Both heads' loads before either head's stores: the compiler cannot move a load above a store (the pointers
+    # might alias), so a load placed after the first head's stores is a second memory round trip per program. Here
+    # both heads' x for q are loaded before the first q is stored, and after the loop both heads' x, dy (the D term)
+    # and D before the first output (Triton 3.6's sm_90 code: all of them issued back to back). q itself stays
+    # stored before the loop: held through it, the two q columns took 336 bytes of spills under dx_maxnreg 168.
     if DX_STATE_FIRST:
         acc0, acc1 = _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b, s_b_g,
                                  s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
-        # x is loaded for q here and again for the outputs: held through the loop it costs registers.
-        x_k = tl.load(x_base0, mask=mask_kp, other=0.0).to(tl.float32)
-        acc0 = _fold_state(acc0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q, SUMS_2D)
+        x_k0 = tl.load(x_base0, mask=mask_kp, other=0.0)
         if HEADS == 2:
-            x_k = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0).to(tl.float32)
-            acc1 = _fold_state(acc1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q, SUMS_2D)
+            x_k1 = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0)
+        # x is loaded for q here and again for the outputs: held through the loop it costs registers.
+        acc0, q0 = _fold_state(acc0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, keep_k, Q, SUMS_2D)
+        if HEADS == 2:
+            acc1, q1 = _fold_state(acc1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
+        tl.store(_rows(q_ptr + head_q0 + offs_k, SUMS_2D), q0, mask=_rows(offs_k < Q, SUMS_2D))
+        if HEADS == 2:
+            tl.store(_rows(q_ptr + head_q1 + offs_k, SUMS_2D), q1, mask=_rows(offs_k < Q, SUMS_2D))
     else:
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
@@ -159,25 +168,44 @@ def chunk_scan_bwd_dx_kernel(
         acc_h0, acc_h1 = _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b,
                                      s_b_g, s_b_l, s_b_n, HEADS, PREC, BLOCK_K, BLOCK_P, BLOCK_N)  # fmt: skip
 
-    # Per head: x once for q (when the state term comes last) and the outputs.
-    x_k = tl.load(x_base0, mask=mask_kp, other=0.0).to(tl.float32)
+    # Per head: x (for q when the state term comes last, and for the outputs) and dy (the D term), all loaded
+    # before the first store.
+    dy_base0 = dy_ptr + b.to(tl.int64) * s_y_b + h0 * s_y_h + t_k[:, None] * s_y_l + offs_p[None, :] * s_y_p
+    x_k0 = tl.load(x_base0, mask=mask_kp, other=0.0)
+    dy_k0 = x_k0
+    D_h0 = 0.0
+    if HAS_D:
+        dy_k0 = tl.load(dy_base0, mask=mask_kp, other=0.0)
+        D_h0 = _load_D(D_ptr, h0, offs_p, mask_p, P, D_HAS_HDIM)
+    x_k1 = x_k0
+    dy_k1 = dy_k0
+    D_h1 = D_h0
+    if HEADS == 2:
+        x_k1 = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0)
+        if HAS_D:
+            dy_k1 = tl.load(dy_base0 + s_y_h, mask=mask_kp, other=0.0)
+            D_h1 = _load_D(D_ptr, h0 + 1, offs_p, mask_p, P, D_HAS_HDIM)
     if not DX_STATE_FIRST:
-        acc0 += _fold_state(acc_h0, x_k, dt_k0, dA_ptr + head_q0, a2_k0, keep_k, q_ptr + head_q0, offs_k, Q, SUMS_2D)
+        acc_h0, q0 = _fold_state(acc_h0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, keep_k, Q, SUMS_2D)
+        acc0 += acc_h0
+        if HEADS == 2:
+            acc_h1, q1 = _fold_state(acc_h1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
+            acc1 += acc_h1
+    if not DX_STATE_FIRST:
+        tl.store(_rows(q_ptr + head_q0 + offs_k, SUMS_2D), q0, mask=_rows(offs_k < Q, SUMS_2D))
+        if HEADS == 2:
+            tl.store(_rows(q_ptr + head_q1 + offs_k, SUMS_2D), q1, mask=_rows(offs_k < Q, SUMS_2D))
     # fmt: off
     _dx_outputs(
-        acc0, x_k, dt_k0, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
-        offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
+        acc0, x_k0, dy_k0, dt_k0, D_h0, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
+        offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
         HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
     )
     if HEADS == 2:
-        x_k = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0).to(tl.float32)
-        if not DX_STATE_FIRST:
-            acc1 += _fold_state(acc_h1, x_k, dt_k1, dA_ptr + head_q1, a2_k1, keep_k, q_ptr + head_q1, offs_k, Q,
-                                SUMS_2D)
         _dx_outputs(
-            acc1, x_k, dt_k1, dy_ptr, D_ptr, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
-            mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l,
-            s_dx_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
+            acc1, x_k1, dy_k1, dt_k1, D_h1, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
+            mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
+            HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
         )
     # fmt: on
 
@@ -242,36 +270,41 @@ def _rows(v_k, SUMS_2D: tl.constexpr):
 
 
 @triton.jit
-def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, q_head, offs_k, Q, SUMS_2D: tl.constexpr):
-    """One head's chunk-state term scaled by [kept] exp(a_last - a_s), returned, with its q_s = dt_s (term · x_s)
-    stored (x_k: the head's x rows in float32)."""
+def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, Q, SUMS_2D: tl.constexpr):
+    """One head's chunk-state term scaled by [kept] exp(a_last - a_s), and its q_s = dt_s (term · x_s) (x_k: the
+    head's x rows in float32; q shaped as _row_sums' result, stored by the caller)."""
     a2_last = tl.load(dA_head + Q - 1) * LOG2E
     acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
     q = _rows(dt_k, SUMS_2D) * _row_sums(acc_h * x_k, SUMS_2D)
-    tl.store(_rows(q_head + offs_k, SUMS_2D), q, mask=_rows(offs_k < Q, SUMS_2D))
-    return acc_h
+    return acc_h, q
+
+
+@triton.jit
+def _load_D(D_ptr, h, offs_p, mask_p, P, D_HAS_HDIM: tl.constexpr):
+    """Head h's D: its [P] vector (D of [H, P]) or its scalar (D of [H])."""
+    if D_HAS_HDIM:
+        return tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
+    else:
+        return tl.load(D_ptr + h)
 
 
 @triton.jit
 def _dx_outputs(
-    acc, x_k, dt_k, dy_ptr, D_ptr, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
-    t_k, Q, NC, H, P, s_y_b, s_y_h, s_y_l, s_y_p, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr,
-    D_HAS_HDIM: tl.constexpr, SUMS_2D: tl.constexpr,
+    acc, x_k, dy_k, dt_k, D_h, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
+    t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
+    SUMS_2D: tl.constexpr,
 ):  # fmt: skip
-    """One head's outputs from its accumulator (both terms) and its x rows (float32): ddt, dx (+ D dy) and dD's
-    partial sums."""
+    """One head's outputs from its accumulator (both terms), its x rows and (with D) its dy rows and D (_load_D):
+    ddt, dx (+ D dy) and dD's partial sums."""
+    x_k = x_k.to(tl.float32)
     tl.store(_rows(ddt_head + offs_k, SUMS_2D), _row_sums(acc * x_k, SUMS_2D), mask=_rows(offs_k < Q, SUMS_2D))
     dx = acc * dt_k[:, None]
     if HAS_D:
-        dy_k = tl.load(
-            dy_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_k[:, None] * s_y_l + offs_p[None, :] * s_y_p,
-            mask=mask_kp,
-            other=0.0,
-        ).to(tl.float32)
+        dy_k = dy_k.to(tl.float32)
         if D_HAS_HDIM:
-            dx += dy_k * tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)[None, :]
+            dx += dy_k * D_h[None, :]
         else:
-            dx += dy_k * tl.load(D_ptr + h)
+            dx += dy_k * D_h
         # dD partial sums, [B * NC * num_k_blocks, H, P] (D of [H, P]) or [B * NC * num_k_blocks, H] (D of [H]:
         # summed over P here), summed over the first axis on the host. (As [H, B * NC * num_k_blocks, P] summed over
         # the middle axis and then over P, torch's sums took 0.020 ms at 1.3B.)
