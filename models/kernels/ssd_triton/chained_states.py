@@ -23,10 +23,7 @@ Ordering. Programs do not start in grid order on the GPU, so each takes a ticket
 the tile its ticket names, chunk-major: every program a ticket waits for holds a smaller ticket, so it is running
 or done, and the chain cannot deadlock (Triton's interpreter runs programs in ticket order anyway). A program
 waits (acquire) until its tile's chain counter says the previous chunk's hand-off is written; the writer stores the
-tile, synchronises its threads and then bumps the counter (release). The acquire keeps every later load behind the
-wait, so what a step reads that no program of the chain writes (the chunk's decays; the backward's S_in[c] for
-dtot) is loaded before it: after it, on sm_90, those loads waited for the hand-off's own to arrive, a second round
-trip on each link (session 61).
+tile, synchronises its threads and then bumps the counter (release).
 """
 
 from __future__ import annotations
@@ -227,25 +224,11 @@ def chained_states_fwd_kernel(
         at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
         store_heads(S_in_ptr + at_c, s0, s1, PN, mask, HEADS)
 
-        # The state leaving chunk c: handed on, or the final state. (The decays after the wait here: taken before it,
-        # as the kept chain's are, they cost this path 8 bytes of spills at the pair's cap; sm_90, Triton 3.6.)
-        decay0, decay1 = _decays(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ, HEADS)
-        s0 = decay0 * s0 + own0
-        s1 = decay1 * s1 + own1  # (with one head: the first head's again, never stored)
+        # The state leaving chunk c: handed on, or the final state.
+        s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+        if HEADS == 2:
+            s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
         hand_on(carry_ptr, final_ptr, counter, b, h0, c, tile, mask, s0, s1, PN, H, NC, N_SLOTS, HEADS)
-
-
-@triton.jit
-def _decays(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ: tl.constexpr, HEADS: tl.constexpr):
-    """chunk_decay of heads h0 and h0 + 1 (with HEADS 2; else the first twice). The kept forward's and the backward's
-    chain steps take them before their wait: their loads do not depend on the chain, and after the wait (whose
-    acquire keeps every later load behind it) they were a second round trip on each link's critical path (session
-    61, sm_90 machine code). The unkept forward takes them after it (its comment says why)."""
-    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-    decay1 = decay0
-    if HEADS == 2:
-        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-    return decay0, decay1
 
 
 @triton.jit
@@ -258,7 +241,6 @@ def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, count
     read (hi + lo, ~16 bits; the chunk states' own rounding to the operand dtype, ~8 bits, dominates the final
     states' error). The final states are the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    decay0, decay1 = _decays(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ, HEADS)  # before the wait (_decays)
     if c == 0:
         s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
         s0, s1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, s0, s1, PN, mask, HEADS)
@@ -268,8 +250,9 @@ def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, count
         s1 = s0
         if HEADS == 2:
             s1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
-    s0 = decay0 * s0 + own0
-    s1 = decay1 * s1 + own1  # (with one head: the first head's again, never stored)
+    s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
+    if HEADS == 2:
+        s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
     if c + 1 < NC:
         _store_kept(hi_ptr + at_c + H * PN, lo_ptr + at_c + H * PN, s0, s1, PN, mask, HEADS)
         release_chain(counter)
@@ -358,9 +341,6 @@ def chained_dstates_bwd_kernel(
                        own0, own1, b, h0, c, pid_p, pid_n, tile, mask, L, Q, NC, H, N, PN, BATCH, HAS_DFINAL, HAS_SEQ,
                        SPLIT, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
     else:  # (not a return above: Triton would compile what follows it too, with carry_ptr 16-bit there)
-        at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-        s0, s1, decay0, decay1 = _dtot_inputs(S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, b, h0, c, at_c, mask, L, Q, NC, H,
-                                              PN, HAS_SEQ, SPLIT, HEADS)  # fmt: skip
         # dH_c, the gradient of the state leaving chunk c, in float32.
         if c == NC - 1:
             d0, d1 = _head_tiles(dfinal_ptr, b, h0, tile, mask, PN, H, HAS_DFINAL, HEADS, BLOCK_P, BLOCK_N)
@@ -368,12 +348,13 @@ def chained_dstates_bwd_kernel(
             wait_chain(counter, NC - 1 - c)
             slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
             d0, d1 = load_handoff(slot, PN, mask, HEADS)
+        at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
         store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
 
-        # dtot's partial sums, then dH_{c-1} = own + decay_c dH_c handed on (or dinit).
-        _store_dtot(dtot_ptr, d0, d1, s0, s1, decay0, decay1, b, h0, c, pid_p, pid_n, NC, H, N, BATCH, HEADS, BLOCK_N)
-        d0 = own0 + decay0 * d0
-        d1 = own1 + decay1 * d1  # (with one head: the first head's again, never stored)
+        # dtot's partial sums, then dH_{c-1} handed on (or dinit).
+        d0, d1 = _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c,
+                                pid_p, pid_n, at_c, mask, L, Q, NC, H, N, PN, BATCH, HAS_SEQ, SPLIT, HEADS,
+                                BLOCK_N)  # fmt: skip
         if c > 0:
             prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
             store_heads(prv, d0, d1, PN, mask, HEADS)
@@ -385,31 +366,22 @@ def chained_dstates_bwd_kernel(
 
 
 @triton.jit
-def _dtot_inputs(S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, b, h0, c, at_c, mask, L, Q, NC, H, PN, HAS_SEQ: tl.constexpr,
-                 SPLIT: tl.constexpr, HEADS: tl.constexpr):  # fmt: skip
-    """What a backward chain step needs besides dH_c: the float32 S_in[c] of heads h0 (and h0 + 1; else the first
-    twice) for dtot, and their decays. Loaded before the chain's wait, as _decays says why: on sm_90 these loads
-    (S_in from memory, written by the forward) came after the wait and after dH_c's loads had arrived, a second
-    dependent round trip on every link of the chain (session 61)."""
-    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
-    s1 = s0
-    if HEADS == 2:
-        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
-    decay0, decay1 = _decays(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ, HEADS)
-    return s0, s1, decay0, decay1
-
-
-@triton.jit
-def _store_dtot(dtot_ptr, d0, d1, s0, s1, decay0, decay1, b, h0, c, pid_p, pid_n, NC, H, N, BATCH,
-                HEADS: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """dtot's partial sums decay_c <dH_c, S_in[c]> over this program's tile, [n_p * n_n, BATCH, H, NC] (summed by
-    dt_bwd_kernel). Before the step, as always: after the hand-off (its block-wide sum's barriers off the link) it
-    held S_in[c] and dH_c beside the step's result, 104 bytes of spills at the backward's 128-register cap (sm_90,
-    Triton 3.6, session 61)."""
+def _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c, pid_p, pid_n, at_c, mask,
+                   L, Q, NC, H, N, PN, BATCH, HAS_SEQ: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """Given dH_c (d0, d1): dtot's partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), stored, and
+    dH_{c-1} = own + decay_c dH_c returned."""
     dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
+    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
+    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
     tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
+    d0 = own0 + decay0 * d0
     if HEADS == 2:
+        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
+        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
         tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
+        d1 = own1 + decay1 * d1
+    return d0, d1
 
 
 @triton.jit
@@ -422,8 +394,6 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
     4 instead of 6 bytes written per element. The chain then carries ~16 bits (the forward's kept chain says why
     that is below the other roundings); dinit is the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    s0, s1, decay0, decay1 = _dtot_inputs(S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, b, h0, c, at_c, mask, L, Q, NC, H, PN,
-                                          HAS_SEQ, SPLIT, HEADS)  # fmt: skip
     if c == NC - 1:
         d0, d1 = _head_tiles(dfinal_ptr, b, h0, tile, mask, PN, H, HAS_DFINAL, HEADS, BLOCK_P, BLOCK_N)
         d0, d1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, d0, d1, PN, mask, HEADS)
@@ -433,9 +403,8 @@ def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_l
         d1 = d0
         if HEADS == 2:
             d1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
-    _store_dtot(dtot_ptr, d0, d1, s0, s1, decay0, decay1, b, h0, c, pid_p, pid_n, NC, H, N, BATCH, HEADS, BLOCK_N)
-    d0 = own0 + decay0 * d0
-    d1 = own1 + decay1 * d1  # (with one head: the first head's again, never stored)
+    d0, d1 = _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c, pid_p, pid_n,
+                            at_c, mask, L, Q, NC, H, N, PN, BATCH, HAS_SEQ, SPLIT, HEADS, BLOCK_N)  # fmt: skip
     if c > 0:
         _store_kept(hi_ptr + at_c - H * PN, lo_ptr + at_c - H * PN, d0, d1, PN, mask, HEADS)
         release_chain(counter)
