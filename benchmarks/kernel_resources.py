@@ -94,6 +94,25 @@ def sass_loops(sass: str) -> list[dict]:
     return loops + [{"kernel": _kinds(names)}]
 
 
+def sass_tail(sass: str) -> dict:
+    """The code after the kernel's last loop (its epilogue: the outputs): how many global loads (LDG) it issues, and
+    how many of those come after its first global store (STG). The compiler cannot move a load above a store (the
+    pointers might alias), so each such load waits a memory round trip of its own after the stores before it: dx and
+    the chunk scan load both heads' inputs before either head's stores since session 62 (chunk_scan_bwd.py)."""
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
+    names = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops]
+    labels = {m.group(1): len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass[: m.start()])) for m in
+              re.finditer(r"(\.L_x_\d+):", sass)}  # fmt: skip
+    start = 0
+    for i, text in enumerate(ops):
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
+        if target and labels.get(target.group(1), i + 1) < i:  # a back edge (not a lone branch to itself)
+            start = i + 1
+    tail = names[start:]
+    first_store = tail.index("STG") if "STG" in tail else len(tail)
+    return dict(loads=tail.count("LDG"), loads_after_first_store=tail[first_store:].count("LDG"))
+
+
 # Integer arguments not divisible by 16 at the benchmark shapes (no divisibility hint): the batch size, and the
 # conv weight's row stride (its width, 4).
 UNALIGNED = frozenset(("BATCH", "s_w_d"))
@@ -163,7 +182,7 @@ def compile_sm90(
         mma_sync=ptx.count("mma.sync"),
         shared_bytes=compiled.metadata.shared,
         global_loads=loads,
-        **({"loops": sass_loops(sass)} if loops else {}),
+        **({"loops": sass_loops(sass), "tail": sass_tail(sass)} if loops else {}),
         **({"layout_conversions": layout_conversions(compiled.asm["ttgir"])} if converts else {}),
     )
 
@@ -249,6 +268,28 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             BLOCK_P=cfg.scan_p,
             BLOCK_N=cfg.scan_n,
             INNER_FIRST=cfg.inner_first,
+        ),
+        cfg.scan_warps,
+        cfg.scan_stages,
+    )
+    yield (
+        "chunk_scan_fwd_gate",  # with the gated norm's first half (the 1.3B config's fuse_gate_into_scan)
+        chunk_scan.chunk_scan_fwd_kernel,
+        dict(ptrs, z_ptr=BF16, w_ptr=BF16, g_ptr=BF16),
+        dict(
+            **seq,
+            HAS_D=True,
+            D_HAS_HDIM=False,
+            EVEN=True,
+            HEADS=cfg.scan_heads,
+            FOLD_DT=cfg.fold_dt,
+            BLOCK_M=cfg.scan_m,
+            BLOCK_K=cfg.scan_k,
+            BLOCK_P=cfg.scan_p,
+            BLOCK_N=cfg.scan_n,
+            INNER_FIRST=cfg.inner_first,
+            GATE=True,
+            FAST=True,
         ),
         cfg.scan_warps,
         cfg.scan_stages,
@@ -440,6 +481,7 @@ MAXNREG = {
     "chunk_state_bwd_db": "db_maxnreg",
     "chained_dstates_bwd": "chained_bwd_maxnreg",
     "chunk_scan_fwd": "scan_maxnreg",
+    "chunk_scan_fwd_gate": "scan_maxnreg",
 }
 
 

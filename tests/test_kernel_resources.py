@@ -273,3 +273,41 @@ def test_kernel_resources_optimizer_update_without_shared_memory():
     per_element = update["loops"][-1]["kernel"]["instructions"] / (adamw_triton.BLOCK / (32 * adamw_triton.WARPS))
     assert update["layout_conversions"] == [] and update["shared_bytes"] == 0, update
     assert "BAR" not in update["loops"][-1]["kernel"] and per_element < 32, (per_element, update)
+
+
+def test_kernel_resources_epilogue_loads_before_stores():
+    """kernel_resources.sass_tail: after the last loop's back edge, the global loads and those after the first global
+    store. Compiled for sm_90 at the 1.3B tiles with documents, dx and the chunk scan (with the gated norm's first
+    half, as the 1.3B config runs it, and without) load both heads' inputs (x, dy or z, D, the norm's weight) before
+    either head's stores (session 62: the compiler keeps a load behind any store before it, a memory round trip of
+    its own; before, dx issued 14 of its 18 epilogue loads after a store and the gated scan 15 of 20), and the gated
+    scan stays at <= 168 registers (config scan_maxnreg: three programs per SM; 176 uncapped, Triton 3.6)."""
+    import triton
+
+    from benchmarks import kernel_resources as kr
+    from models.kernels.ssd_triton.config import block_config
+
+    sass = """
+        /*0000*/                   LDG.E R2, desc[UR4][R4.64] ;
+.L_x_0:
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0020*/               @P0 BRA `(.L_x_0) ;
+        /*0030*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0040*/                   STG.E desc[UR4][R10.64], R8 ;
+        /*0050*/                   LDG.E R12, desc[UR4][R14.64] ;
+        /*0060*/                   STG.E desc[UR4][R16.64], R12 ;
+.L_x_1:
+        /*0070*/                   BRA `(.L_x_1);
+"""
+    assert kr.sass_tail(sass) == dict(loads=2, loads_after_first_store=1)
+    cfg = block_config(256, 64, 128)
+    found = {}
+    for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
+        if name in ("chunk_scan_bwd_dx", "chunk_scan_fwd", "chunk_scan_fwd_gate"):
+            info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, kr.register_cap(cfg, name), loops=True,
+                                   ones=frozenset({"G"}))  # fmt: skip
+            found[name] = (info["tail"], info["registers"], info["spill_stack_bytes"])
+    assert len(found) == 3, found
+    assert all(tail["loads"] >= 10 and tail["loads_after_first_store"] == 0 for tail, _, _ in found.values()), found
+    _, regs, spills = found["chunk_scan_fwd_gate"]
+    assert regs <= 168 and (spills == 0 or not triton.__version__.startswith("3.6.")), found

@@ -144,17 +144,26 @@ def chunk_scan_fwd_kernel(
             acc1 = scan_tile(acc1, cb, dA_ptr + head_q1, dt_ptr + head_q1, x_chunk0 + s_x_h + x_offs, a2_m1, offs_k,
                               t0, L, Q, mask_p, EVEN, PREC, FOLD_DT)  # fmt: skip
 
+    # Both heads' loads (x and D for the D term, z and the norm's weight for the gate) before either head's stores:
+    # the compiler cannot move a load above a store (the pointers might alias), so a load placed after a store waits
+    # a memory round trip of its own (per program three more with the gate, one more without; chunk_scan_bwd's dx).
+    # With the gate this takes 176 registers uncapped (two programs per SM): config scan_maxnreg holds it at 168.
     # fmt: off
-    acc0 = scan_store(acc0, x_ptr, D_ptr, y_ptr, b, h0, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
-                      s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
-    if GATE:
-        ss = gate_store(acc0, z_ptr, w_ptr, g_ptr, b, h0, t_m, offs_p, mask_p, valid_m, L, H, P, s_z_b, s_z_l, FAST)
+    x_m0, D_h0, z_m0, w_h0 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P,
+                                               s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE)
     if HEADS == 2:
-        acc1 = scan_store(acc1, x_ptr, D_ptr, y_ptr, b, h0 + 1, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b,
-                          s_x_h, s_x_l, s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+        x_m1, D_h1, z_m1, w_h1 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0 + 1, offs_p, mask_p, valid_m,
+                                                   t_m, P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l, HAS_D,
+                                                   D_HAS_HDIM, GATE)
+    acc0 = scan_store(acc0, x_m0, D_h0, y_ptr, b, h0, offs_p, mask_p, valid_m, t_m, s_y_b, s_y_h, s_y_l, s_y_p,
+                      HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
+    if GATE:
+        ss = gate_store(acc0, z_m0, w_h0, g_ptr, b, h0, t_m, offs_p, mask_p, valid_m, L, H, P, FAST)
+    if HEADS == 2:
+        acc1 = scan_store(acc1, x_m1, D_h1, y_ptr, b, h0 + 1, offs_p, mask_p, valid_m, t_m, s_y_b, s_y_h, s_y_l,
+                          s_y_p, HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
         if GATE:
-            ss += gate_store(acc1, z_ptr, w_ptr, g_ptr, b, h0 + 1, t_m, offs_p, mask_p, valid_m, L, H, P, s_z_b, s_z_l,
-                             FAST)
+            ss += gate_store(acc1, z_m1, w_h1, g_ptr, b, h0 + 1, t_m, offs_p, mask_p, valid_m, L, H, P, FAST)
     if GATE:  # this program's part of each row's sum of squares: part (head block, block of P) of J
         part = (h0 // HEADS) * tl.cdiv(P, BLOCK_P) + pid_p
         tl.store(ss_ptr + (b.to(tl.int64) * L + t_m) * J + part, ss, mask=valid_m)
@@ -184,20 +193,39 @@ def scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p,
 
 
 @triton.jit
-def scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l,
-                s_x_p, s_y_b, s_y_h, s_y_l, s_y_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr):  # fmt: skip
-    """One head's output: + D x, stored in y's dtype; returns it as stored (rounded), in float32."""
+def scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l, s_x_p,
+                      s_z_b, s_z_l, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr, GATE: tl.constexpr):  # fmt: skip
+    """What one head's scan_store and gate_store read: (x tile, D) with HAS_D, (z tile, the norm's weight) with GATE;
+    0.0 for each that is not needed."""
+    mask = valid_m[:, None] & mask_p[None, :]
+    x_m = 0.0
+    d = 0.0
     if HAS_D:
-        x_m = tl.load(
-            x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
-            mask=valid_m[:, None] & mask_p[None, :],
-            other=0.0,
-        )
+        x_m = tl.load(x_ptr + b.to(tl.int64) * s_x_b + h * s_x_h + t_m[:, None] * s_x_l + offs_p[None, :] * s_x_p,
+                      mask=mask, other=0.0)  # fmt: skip
         if D_HAS_HDIM:
             d = tl.load(D_ptr + h * P + offs_p, mask=mask_p, other=0.0)
+        else:
+            d = tl.load(D_ptr + h)
+    z = 0.0
+    w = 0.0
+    if GATE:
+        cols = h * P + offs_p
+        z = tl.load(z_ptr + b.to(tl.int64) * s_z_b + t_m[:, None] * s_z_l + cols[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=mask_p, other=0.0)
+    return x_m, d, z, w
+
+
+@triton.jit
+def scan_store(acc, x_m, d, y_ptr, b, h, offs_p, mask_p, valid_m, t_m, s_y_b, s_y_h, s_y_l, s_y_p,
+                HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr):  # fmt: skip
+    """One head's output: + D x (x_m, d from scan_store_inputs), stored in y's dtype; returns it as stored (rounded),
+    in float32."""
+    if HAS_D:
+        if D_HAS_HDIM:
             acc += x_m.to(tl.float32) * d[None, :]
         else:
-            acc += x_m.to(tl.float32) * tl.load(D_ptr + h)
+            acc += x_m.to(tl.float32) * d
     y = acc.to(y_ptr.dtype.element_ty)
     tl.store(
         y_ptr + b.to(tl.int64) * s_y_b + h * s_y_h + t_m[:, None] * s_y_l + offs_p[None, :] * s_y_p,
@@ -208,17 +236,16 @@ def scan_store(acc, x_ptr, D_ptr, y_ptr, b, h, t0, offs_m, offs_p, mask_p, valid
 
 
 @triton.jit
-def gate_store(y, z_ptr, w_ptr, g_ptr, b, h, t_m, offs_p, mask_p, valid_m, L, H, P, s_z_b, s_z_l,
-               FAST: tl.constexpr):  # fmt: skip
+def gate_store(y, z, w, g_ptr, b, h, t_m, offs_p, mask_p, valid_m, L, H, P, FAST: tl.constexpr):  # fmt: skip
     """The gated norm's first half on one head's tile of y (as stored): the gated value v = y silu(z) times the
-    norm's weight to g (out_proj's input before its per-row 1 / rms, the norm's rows being all H * P channels), and
-    the rows' sums of v^2 over the tile, returned [BLOCK_M] (gated_rmsnorm_triton.py's forward, split at its sum)."""
+    norm's weight w to g (out_proj's input before its per-row 1 / rms, the norm's rows being all H * P channels), and
+    the rows' sums of v^2 over the tile, returned [BLOCK_M] (gated_rmsnorm_triton.py's forward, split at its sum; z
+    and w from scan_store_inputs)."""
     cols = h * P + offs_p
     mask = valid_m[:, None] & mask_p[None, :]
-    z = tl.load(z_ptr + b.to(tl.int64) * s_z_b + t_m[:, None] * s_z_l + cols[None, :], mask=mask, other=0.0)
     z = z.to(tl.float32)
     v = y * (z * sigmoid(z, FAST))
-    w = tl.load(w_ptr + cols, mask=mask_p, other=0.0).to(tl.float32)
+    w = w.to(tl.float32)
     rows = b.to(tl.int64) * L + t_m  # g is [B, L, H * P], dense
     tl.store(g_ptr + rows[:, None] * (H * P) + cols[None, :], (v * w).to(g_ptr.dtype.element_ty), mask=mask)
     return tl.sum(v * v, axis=1)

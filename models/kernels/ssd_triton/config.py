@@ -236,7 +236,10 @@ class BlockConfig:
     # The chained forward's pair of heads (chained_heads 2): 192 registers uncapped with kept states, 168 with 48
     # bytes of spills at this cap (none without kept states; Triton 3.6), three programs per SM.
     chained_fwd_pair_maxnreg: int | None = 168
-    scan_maxnreg: int | None = None
+    # The chunk scan with the gate (fuse_gate_into_scan, the 1.3B config) loads both heads' x, z, D and norm weight
+    # before its first store (chunk_scan.py): ptxas then takes 176 registers, two programs per SM; at 168, 164 and no
+    # spills, three (Triton 3.6). Without the gate it takes 159 either way.
+    scan_maxnreg: int | None = 168
 
     def dx_register_cap(self, heads: int) -> int | None:
         """dx's register cap for programs of `heads` heads (1 or 2): dx_maxnreg for pairs, dx_one_head_maxnreg else."""
