@@ -23,7 +23,12 @@ Ordering. Programs do not start in grid order on the GPU, so each takes a ticket
 the tile its ticket names, chunk-major: every program a ticket waits for holds a smaller ticket, so it is running
 or done, and the chain cannot deadlock (Triton's interpreter runs programs in ticket order anyway). A program
 waits (acquire) until its tile's chain counter says the previous chunk's hand-off is written; the writer stores the
-tile, synchronises its threads and then bumps the counter (release).
+tile, synchronises its threads and then bumps the counter (release). Every load a chain step makes stays after its
+wait: session 61 moved the loads no program of the chain writes (the decays, the backward's S_in[c] for dtot)
+before it, bit for bit the same under the interpreter (programs one after another, no concurrency), and on an H100
+the 1.3B's losses changed (5.4997 against 5.5434 after 9 steps, twice) with no time saved; reverted in session 62,
+cause not found. A change to the chain's order needs a GPU run of the model next to the old code, not only the
+interpreter's tests.
 """
 
 from __future__ import annotations
