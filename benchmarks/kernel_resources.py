@@ -98,7 +98,9 @@ def sass_tail(sass: str) -> dict:
     """The code after the kernel's last loop (its epilogue: the outputs): how many global loads (LDG) it issues, and
     how many of those come after its first global store (STG). The compiler cannot move a load above a store (the
     pointers might alias), so each such load waits a memory round trip of its own after the stores before it: dx and
-    the chunk scan load both heads' inputs before either head's stores since session 62 (chunk_scan_bwd.py)."""
+    the chunk scan load both heads' inputs before either head's stores since session 62 (chunk_scan_bwd.py). In code
+    with branches after the last loop the count also takes in a later branch's loads laid out after an earlier
+    branch's stores (the conv forward's two document paths: 7 of 21 with documents, 0 of 12 without)."""
     ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
     names = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops]
     labels = {m.group(1): len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass[: m.start()])) for m in
