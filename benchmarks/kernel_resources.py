@@ -11,9 +11,11 @@ what ptxas made of them.
 Per kernel: registers per thread, spill stack bytes, wgmma (Hopper tensor-core) instructions, shared memory, and
 the widths of the plain global loads; with --loops, per loop of the machine code (nvdisasm: a branch back to an
 earlier label) its instruction count and the kinds that tell where issue slots go (block barriers, register moves,
-shuffles, MUFU, loads, stores). Session 23 read the conv backward's ~240 instructions per step and dCB's barriers
-per head there (docs/performance.md). The code is the installed Triton's: to read what the GPU machines' Triton 3.6
-makes, `pip install --target /tmp/t36 --no-deps triton==3.6.0` and run this with `PYTHONPATH=/tmp/t36`.
+shuffles, MUFU, loads, stores), and the code after the last loop's global loads, those after its first store
+counted apart ("tail": such a load waits a memory round trip of its own, session 62). Session 23 read the conv
+backward's ~240 instructions per step and dCB's barriers per head there (docs/performance.md). The code is the
+installed Triton's: to read what the GPU machines' Triton 3.6 makes, `pip install --target /tmp/t36 --no-deps
+triton==3.6.0` and run this with `PYTHONPATH=/tmp/t36`.
 
 Register pressure and spills are the first thing to read before spending GPU time on a tile change: the chunk scan
 went from 179 to 139 registers, and from 0.667 to 0.403 ms, when its triangular load mask on CB became a rectangular
@@ -70,10 +72,10 @@ def _kinds(body: list[str]) -> dict:
     return dict(instructions=len(body), **{k: body.count(k) for k in LOOP_KINDS if k in body})
 
 
-def sass_loops(sass: str) -> list[dict]:
-    """The loops of nvdisasm output (a branch to a label at or before it): per loop its instruction count and the
-    counts of LOOP_KINDS, innermost and outermost alike, in the order of their back edges; then the whole kernel's
-    (as "kernel": for kernels without a loop, such as the conv's forward)."""
+def _parse_sass(sass: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """nvdisasm output as its instructions' opcodes (before the first dot, predicates stripped) and its loops' back
+    edges (index of the loop's first instruction, index of the branch back to it), in order. A lone branch to
+    itself (the kernel's closing trap) is no loop."""
     labels, ops = {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -84,13 +86,20 @@ def sass_loops(sass: str) -> list[dict]:
         if ins:
             ops.append(ins.group(1))
     names = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops]
-    loops = []
+    back_edges = []
     for i, text in enumerate(ops):
         target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
-        if target and labels.get(target.group(1), i + 1) <= i:
-            body = names[labels[target.group(1)] : i + 1]
-            if len(body) > 1:  # a lone branch to itself is the kernel's closing trap
-                loops.append(_kinds(body))
+        if target and labels.get(target.group(1), i) < i:
+            back_edges.append((labels[target.group(1)], i))
+    return names, back_edges
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The loops of nvdisasm output (a branch to a label at or before it): per loop its instruction count and the
+    counts of LOOP_KINDS, innermost and outermost alike, in the order of their back edges; then the whole kernel's
+    (as "kernel": for kernels without a loop, such as the conv's forward)."""
+    names, back_edges = _parse_sass(sass)
+    loops = [_kinds(names[start : i + 1]) for start, i in back_edges]
     return loops + [{"kernel": _kinds(names)}]
 
 
@@ -101,15 +110,8 @@ def sass_tail(sass: str) -> dict:
     the chunk scan load both heads' inputs before either head's stores since session 62 (chunk_scan_bwd.py). In code
     with branches after the last loop the count also takes in a later branch's loads laid out after an earlier
     branch's stores (the conv forward's two document paths: 7 of 21 with documents, 0 of 12 without)."""
-    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
-    names = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in ops]
-    labels = {m.group(1): len(re.findall(r"/\*[0-9a-f]{4,}\*/", sass[: m.start()])) for m in
-              re.finditer(r"(\.L_x_\d+):", sass)}  # fmt: skip
-    start = 0
-    for i, text in enumerate(ops):
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", text)
-        if target and labels.get(target.group(1), i + 1) < i:  # a back edge (not a lone branch to itself)
-            start = i + 1
+    names, back_edges = _parse_sass(sass)
+    start = back_edges[-1][1] + 1 if back_edges else 0
     tail = names[start:]
     first_store = tail.index("STG") if "STG" in tail else len(tail)
     return dict(loads=tail.count("LDG"), loads_after_first_store=tail[first_store:].count("LDG"))
@@ -254,48 +256,24 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.state_warps,
         cfg.chained_stages,
     )
-    yield (
-        "chunk_scan_fwd",
-        chunk_scan.chunk_scan_fwd_kernel,
-        ptrs,
-        dict(
-            **seq,
-            HAS_D=True,
-            D_HAS_HDIM=False,
-            EVEN=True,
-            HEADS=cfg.scan_heads,
-            FOLD_DT=cfg.fold_dt,
-            BLOCK_M=cfg.scan_m,
-            BLOCK_K=cfg.scan_k,
-            BLOCK_P=cfg.scan_p,
-            BLOCK_N=cfg.scan_n,
-            INNER_FIRST=cfg.inner_first,
-        ),
-        cfg.scan_warps,
-        cfg.scan_stages,
+    scan = dict(
+        **seq,
+        HAS_D=True,
+        D_HAS_HDIM=False,
+        EVEN=True,
+        HEADS=cfg.scan_heads,
+        FOLD_DT=cfg.fold_dt,
+        BLOCK_M=cfg.scan_m,
+        BLOCK_K=cfg.scan_k,
+        BLOCK_P=cfg.scan_p,
+        BLOCK_N=cfg.scan_n,
+        INNER_FIRST=cfg.inner_first,
     )
-    yield (
-        "chunk_scan_fwd_gate",  # with the gated norm's first half (the 1.3B config's fuse_gate_into_scan)
-        chunk_scan.chunk_scan_fwd_kernel,
-        dict(ptrs, z_ptr=BF16, w_ptr=BF16, g_ptr=BF16),
-        dict(
-            **seq,
-            HAS_D=True,
-            D_HAS_HDIM=False,
-            EVEN=True,
-            HEADS=cfg.scan_heads,
-            FOLD_DT=cfg.fold_dt,
-            BLOCK_M=cfg.scan_m,
-            BLOCK_K=cfg.scan_k,
-            BLOCK_P=cfg.scan_p,
-            BLOCK_N=cfg.scan_n,
-            INNER_FIRST=cfg.inner_first,
-            GATE=True,
-            FAST=True,
-        ),
-        cfg.scan_warps,
-        cfg.scan_stages,
-    )
+    yield "chunk_scan_fwd", chunk_scan.chunk_scan_fwd_kernel, ptrs, scan, cfg.scan_warps, cfg.scan_stages
+    # ... with the gated norm's first half (the 1.3B config's fuse_gate_into_scan)
+    gate_ptrs = dict(ptrs, z_ptr=BF16, w_ptr=BF16, g_ptr=BF16)
+    gate = dict(scan, GATE=True, FAST=True)
+    yield "chunk_scan_fwd_gate", chunk_scan.chunk_scan_fwd_kernel, gate_ptrs, gate, cfg.scan_warps, cfg.scan_stages
     yield (
         "chunk_scan_bwd_dx",
         chunk_scan_bwd.chunk_scan_bwd_dx_kernel,

@@ -191,7 +191,6 @@ def chunk_scan_bwd_dx_kernel(
         if HEADS == 2:
             acc_h1, q1 = _fold_state(acc_h1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
             acc1 += acc_h1
-    if not DX_STATE_FIRST:
         tl.store(_rows(q_ptr + head_q0 + offs_k, SUMS_2D), q0, mask=_rows(offs_k < Q, SUMS_2D))
         if HEADS == 2:
             tl.store(_rows(q_ptr + head_q1 + offs_k, SUMS_2D), q1, mask=_rows(offs_k < Q, SUMS_2D))
