@@ -37,7 +37,6 @@ SSD_TESTS = (
     "test_staged_states_two_heads_per_program",
     "test_fused_gate_into_the_chunk_scan",
     "test_dcb_tiles_and_column_sums_in_parts",  # dCB's launches apart (config dcb_state_apart)
-    "test_conv_backward_fused_into_dx",  # model.ssd_fuse_conv_backward: dx with CONV, conv_edges_kernel
 )
 # modules whose child() runs their interpreter cases through tests/interpreter_child.py
 CHILD_MODULES = (
