@@ -295,31 +295,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         cfg.dx_warps,
         cfg.dx_stages,
     )
-    # ... with the conv's backward for x's channels in its epilogue (model.ssd_fuse_conv_backward, dx_conv.py)
-    yield (
-        "chunk_scan_bwd_dx_conv",
-        chunk_scan_bwd.chunk_scan_bwd_dx_kernel,
-        dict(ptrs, xin_ptr=BF16, dxin_ptr=BF16),
-        dict(
-            **seq,
-            HAS_D=True,
-            D_HAS_HDIM=False,
-            EVEN=True,
-            HEADS=cfg.dx_heads,
-            BLOCK_K=cfg.dx_k,
-            BLOCK_M=cfg.dx_m,
-            BLOCK_P=bp,
-            BLOCK_N=cfg.dx_n,
-            INNER_FIRST=cfg.inner_first,
-            DX_STATE_FIRST=cfg.dx_state_first,
-            SUMS_2D=cfg.dx_row_sums_2d,
-            CONV=True,
-            CONV_BIAS=True,
-            FAST=True,
-        ),
-        cfg.dx_warps,
-        cfg.dx_stages,
-    )
     dcb_consts = dict(
         **seq,
         EVEN=True,
@@ -493,7 +468,7 @@ MAXNREG = {
 def register_cap(cfg, name: str) -> int | None:
     """The register cap the launchers give kernel `name` under cfg (None: ptxas's choice); dx's and the chained
     forward's depend on their heads per program (BlockConfig.dx_register_cap, chained_fwd_register_cap)."""
-    if name in ("chunk_scan_bwd_dx", "chunk_scan_bwd_dx_conv"):
+    if name == "chunk_scan_bwd_dx":
         return cfg.dx_register_cap(cfg.dx_heads)
     if name == "chained_states_fwd":
         return cfg.chained_fwd_register_cap(cfg.chained_heads)

@@ -59,13 +59,6 @@ class ModelArgs:
         "layer and step, batch * seqlen * (d_inner + 2 * ngroups * d_state) * 2 bytes more held per layer (136 MiB "
         "at the 1.3B's 4 x 4096); ignored elsewhere.",
     )
-    ssd_fuse_conv_backward: bool = doc(
-        False,
-        "On our fused CUDA path: the conv's backward for x's channels (d_inner of its d_inner + 2 * ngroups * "
-        "d_state) done in the SSD's dx kernel while dx is in registers (models/kernels/ssd_triton/dx_conv.py), not "
-        "by the conv's own kernel re-reading dx: dx's store and re-read saved per layer and step. Not yet timed on "
-        "a GPU (docs/performance.md, session 63); ignored elsewhere.",
-    )
     recompute_in_proj_input: bool = doc(
         False,
         "Mamba blocks: the block norm's output, in_proj's input, is not kept for in_proj's weight gradient; the "

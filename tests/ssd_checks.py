@@ -176,7 +176,7 @@ def kernel_halves_from_references():
 
 def check_split_path(
     b, L, H, P, G, N, seed, chunk_size, d_nonssm=0, norm=True, outproj=True, init_final=False, kept_states=False,
-    a_log=False, fuse_conv=False,
+    a_log=False,
 ):  # fmt: skip
     """ops.mamba_split_conv1d_scan(backend="triton") (conv + our SSD + gated norm + out_proj in one Function that
     recomputes the conv and the norm in its backward; conv and norm run their references on the CPU) against
@@ -184,9 +184,7 @@ def check_split_path(
     the bytes saved for backward must be those of zxbcdt and the SSD output plus [B, H, L]-sized extras, not the
     conv output or out_proj's input (each as large as the SSD output); with kept_states (config keep_states) also
     the float32 entering states [B, NC, H, P, N], which must then be there. a_log: ours takes the model's A_log
-    (A=None, A_log=log(-A)) and its gradient, compared as dA = dA_log / A (the dt kernels take the exponential).
-    fuse_conv: ours with fuse_conv_backward (the conv's backward for x's channels in the dx kernel, dx_conv.py; the
-    kernel-halves path), also against ours without it, which it must match to float32 rounding."""
+    (A=None, A_log=log(-A)) and its gradient, compared as dA = dA_log / A (the dt kernels take the exponential)."""
     from models.kernels import ops
     from models.kernels.reference import mamba_split_conv1d_scan_ref
 
@@ -216,15 +214,12 @@ def check_split_path(
     cot = r(b, L, 24 if outproj else d_nonssm + dim)
     cot_final = r(b, H, P, N)
     res, saved_bytes = {}, {}
-    runs = [
-        ("ours", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton", fuse_conv_backward=fuse_conv)),
+    for name, fn, dtype, kw in (
+        ("ours", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton")),
         ("ref", mamba_split_conv1d_scan_ref, torch.float64, {}),
-    ]
-    if fuse_conv:
-        runs.append(("unfused", ops.mamba_split_conv1d_scan, torch.float32, dict(backend="triton")))
-    for name, fn, dtype, kw in runs:
+    ):
         leaves = {k: v.detach().clone().to(dtype).requires_grad_() for k, v in tensors.items()}
-        if a_log and name != "ref":
+        if a_log and name == "ours":
             leaves["A_log"] = torch.log(-leaves.pop("A").detach()).requires_grad_()
             kw = dict(kw, A=None)
         sizes = []
@@ -256,11 +251,6 @@ def check_split_path(
     errors = {k: ((res["ours"][k] - v).norm() / v.norm()).item() for k, v in res["ref"].items()}
     bad = {k: e for k, e in errors.items() if not e <= TOL}
     assert not bad, f"over {TOL}: {bad}; all: {errors}"
-    if fuse_conv:  # the same function as the conv's own backward, summed in another order
-        fused = {k: ((res["ours"][k] - v).norm() / v.norm()).item() for k, v in res.pop("unfused").items()}
-        bad = {k: e for k, e in fused.items() if not e <= 1e-5}
-        assert not bad, f"fused against unfused over 1e-5: {bad}; all: {fused}"
-        errors["fused_vs_unfused"] = max(fused.values())
     params = sum(v.numel() for k, v in tensors.items() if k != "zxbcdt")
     # + the norm's 1 / rms per row and group when the kernel halves run (G * b * L float32)
     allowed = tensors["zxbcdt"].numel() + b * L * dim * (1 if norm else 2) + params + 4 * b * H * L + b * L + G * b * L

@@ -77,21 +77,6 @@ def test_entering_states_kept_for_the_backward():
     )  # fmt: skip
 
 
-def test_conv_backward_fused_into_dx():
-    """model.ssd_fuse_conv_backward (dx_conv.py): the conv's backward for x's channels in the dx kernel's epilogue,
-    the rows at each dx block's end by conv_edges_kernel, B's and C's channels by the conv's kernel, through the
-    mixer's kernel-halves path: against the float64 reference and against the unfused path (1e-5). Documents across
-    chunk ends; blocks equal to the chunk (16) and two blocks a chunk (dx_k 16 of chunk 32) with a last block of 3
-    rows; one and two groups, kept states. Skipping conv_edges_kernel or the documents' test on the shifted g fails
-    it (checked by mutation)."""
-    fused = dict(split_path=True, halves=True, fuse_conv=True)
-    interpret_all(
-        dict(b=2, L=40, H=4, P=16, G=1, N=16, seed=4, chunk_size=16, **fused),
-        dict(b=2, L=51, H=4, P=16, G=2, N=16, seed=5, chunk_size=32, init_final=True, **fused,
-             config=dict(dx_k=16, dx_m=16, keep_states=True)),
-    )  # fmt: skip
-
-
 def test_dt_kernels_several_head_blocks():
     """The dt kernels (dt.py) with programs of 32 elements, so a chunk of 16 positions takes 2 heads per program and
     4 heads run as 2 head blocks: dA and d dt_bias summed over each block's programs by its last one (one counter per

@@ -290,7 +290,6 @@ def mamba_split_conv1d_scan(
     A_log: torch.Tensor | None = None,
     fuse_gate: bool = False,
     keep_conv: bool = False,
-    fuse_conv_backward: bool = False,
 ):
     """Fused conv + SSD + gated norm + out_proj (mamba_split_conv1d_scan_combined).
 
@@ -300,8 +299,7 @@ def mamba_split_conv1d_scan(
     A=None): A = -exp(A_log), taken inside our dt kernels (no PyTorch ops for it) or here for the other backends.
     fuse_gate: on our path, where it applies, a row_scale.RowScaled output (model.fuse_gate_into_scan); the other
     backends ignore it. keep_conv: on our path, the conv's output kept for the backward instead of recomputed
-    (model.ssd_keep_conv_layers); the other backends ignore it. fuse_conv_backward: on our path, the conv's
-    backward for x's channels done by the SSD's dx kernel (model.ssd_fuse_conv_backward); the others ignore it.
+    (model.ssd_keep_conv_layers); the other backends ignore it.
     """
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
@@ -331,7 +329,6 @@ def mamba_split_conv1d_scan(
             A_log=A_log,
             fuse_gate=fuse_gate,
             keep_conv=keep_conv,
-            fuse_conv_backward=fuse_conv_backward,
             **options,
         )
     if A is None:  # at least float32 (a bfloat16 parameter under FSDP's mixed precision), float64 kept

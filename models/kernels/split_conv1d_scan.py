@@ -55,9 +55,6 @@ class _Sizes:
     # The conv's output (x, B, C) kept from the forward for the backward instead of recomputed there (model option
     # ssd_keep_conv_layers): on the kernel-halves path only (the autograd path rebuilds the conv's graph anyway).
     keep_conv: bool = False
-    # The conv's backward for x's channels done by the SSD's dx kernel (dx_conv.py; model option
-    # ssd_fuse_conv_backward): on the kernel-halves path only; the conv's own kernel does B's and C's channels.
-    fuse_conv_backward: bool = False
 
     @property
     def headdim(self) -> int:
@@ -151,23 +148,6 @@ def _conv_backward_halves(xBC_in_BLC, conv_w, conv_b, dxBC_BLC, seq, s: _Sizes, 
     return _cuda.conv_backward(
         xBC_in_BLC.transpose(1, 2), conv_w, conv_b, dxBC_BLC.transpose(1, 2), seq, s.silu, dxBC_in_BLC.transpose(1, 2)
     )
-
-
-def _finish_fused_conv_backward(conv, xBC_in_BLC, conv_w, conv_b, dxBC_BLC, seq, s: _Sizes, dxBC_in_BLC):
-    """After the SSD's backward with dx_conv's epilogue (x's channels done, their weight and bias gradients in
-    conv's partial sums): the conv's backward for B's and C's channels (our Triton kernel), and (dweight, dbias) of
-    all channels in the parameters' dtypes."""
-    from models.kernels.column_sums import column_sums  # lazy: imports triton
-    from models.kernels.conv_triton import conv_backward_triton
-
-    d, W = s.dim, conv_w.shape[1]
-    dw_x, db_x = column_sums(conv.dw_part, conv.db_part) if conv_b is not None else (column_sums(conv.dw_part), None)
-    _, dw_bc, db_bc = conv_backward_triton(
-        xBC_in_BLC[..., d:].transpose(1, 2), conv_w[d:], None if conv_b is None else conv_b[d:],
-        dxBC_BLC[..., d:].transpose(1, 2), seq, s.silu, dxBC_in_BLC[..., d:].transpose(1, 2),
-    )  # fmt: skip
-    dw = torch.cat([dw_x[:, 4 - W :], dw_bc]).to(conv_w.dtype)
-    return dw, None if conv_b is None else torch.cat([db_x, db_bc]).to(conv_b.dtype)
 
 
 def _fuses_gate(halves: bool, norm_w, out_w, out_b, s: _Sizes) -> bool:
@@ -367,23 +347,13 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     x, B, C = s.ssd_operands(xBC)
     dxBC = torch.empty(xBC.shape, device=xBC.device, dtype=xBC.dtype)  # the SSD's gradients = the conv's output's
     saved = (x, dt, A32, dt_bias, dt_p, dA_cs, a2dt, B, C, D32, init, seq, S_kept)
-    conv = None
-    if s.fuse_conv_backward:  # x's channels' conv backward in dx's epilogue (dx_conv.py)
-        from models.kernels.ssd_triton.dx_conv import dx_conv_buffers  # lazy: imports triton
-
-        d = s.dim
-        conv = dx_conv_buffers(xBC_in[..., :d], conv_w[:d], None if conv_b is None else conv_b[:d],
-                               dxBC_in[..., :d], s.silu, s.chunk_size, cfg.dx_k)  # fmt: skip
     # ddt straight into dzxbcdt's slice (dt's dtype, the slice's strides): no copy kernel after it
     _, _, dA, ddt_bias, _, _, dD, dinit = ssd_backward_pass(
         saved, dy.view(x.shape), dfinal, s.chunk_size, cfg, True, s.dt_limit, out=s.ssd_operands(dxBC),
-        ddt_out=ddt_out, a_is_log=s.a_is_log, conv=conv,
+        ddt_out=ddt_out, a_is_log=s.a_is_log,
     )  # fmt: skip
     del xBC, x, B, C, kept_conv
-    if conv is None:
-        dconv_w, dconv_b = _conv_backward_halves(xBC_in, conv_w, conv_b, dxBC, seq, s, dxBC_in)
-    else:
-        dconv_w, dconv_b = _finish_fused_conv_backward(conv, xBC_in, conv_w, conv_b, dxBC, seq, s, dxBC_in)
+    dconv_w, dconv_b = _conv_backward_halves(xBC_in, conv_w, conv_b, dxBC, seq, s, dxBC_in)
     return (
         dzxbcdt,
         dconv_w if needs[1] else None,
@@ -426,12 +396,11 @@ def mamba_split_conv1d_scan_triton(
     A_log=None,
     fuse_gate: bool = False,
     keep_conv: bool = False,
-    fuse_conv_backward: bool = False,
 ):
     """mamba_split_conv1d_scan_combined's contract (models.kernels.reference documents it); with fuse_gate, where
     _fuses_gate allows, the output is a row_scale.RowScaled (the gated norm's 1 / rms left to the next add +
     RMSNorm), else a tensor as without it. keep_conv: the conv's output kept for the backward (on the kernel-halves
-    path; _Sizes.keep_conv). fuse_conv_backward: _Sizes.fuse_conv_backward."""
+    path; _Sizes.keep_conv)."""
     if (A is None) == (A_log is None):
         raise ValueError("mamba_split_conv1d_scan: give A or A_log (A = -exp(A_log)), exactly one of them")
     if zxbcdt.dim() != 3:
@@ -467,7 +436,6 @@ def mamba_split_conv1d_scan_triton(
         a_is_log=A is None,
         fuse_gate=fuse_gate,
         keep_conv=keep_conv,
-        fuse_conv_backward=fuse_conv_backward,
     )
     with no_autocast(zxbcdt.device):
         out, final, sumsq = _MixerFunction.apply(

@@ -170,7 +170,6 @@ class Mamba2Mixer(nn.Module):
             A_log=self.A_log,
             fuse_gate=fuse_gate,
             keep_conv=self.keep_conv,
-            fuse_conv_backward=self.args.ssd_fuse_conv_backward,
         )
         return out if return_final_states else (out, None)
 

@@ -54,21 +54,19 @@ def ssd_forward_pass(
     return y, final, (x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept)
 
 
-def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None, ddt_out=None, a_is_log=False,
-                      conv=None):  # fmt: skip
+def ssd_backward_pass(saved, dy, dfinal, Q, cfg, softplus, dt_limit, out=None, ddt_out=None, a_is_log=False):
     """The backward outside autograd, from ssd_forward_pass's ``saved``: (dx, ddt, dA, ddt_bias, dB, dC, dD, dinit);
     dD is None without D, dinit is None without initial states. out: (dx, dB, dC) to write into (see
     backward.ssd_backward_kernels);
     ddt_out: [B, L, H] in dt's dtype to write ddt into (any strides), else it is allocated. a_is_log: as the
-    forward's (dA is then A_log's gradient). conv: the conv's backward for x's channels in dx's epilogue
-    (backward.ssd_backward_kernels; dx then holds g)."""
+    forward's (dA is then A_log's gradient)."""
     x, dt, A, dt_bias, dt_p, dA_cs, a2dt, B, C, D, init, seq, S_kept = saved
     # A float32 dy (y kept in float32 for the z gate) is rounded to x's dtype for the kernels; dD uses it as given.
     dy_exact = dy if dy.dtype != x.dtype else None
     dy = dy.to(x.dtype).contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     dx, ddt_p, decay_parts, dB, dC, (dD, dD_parts), dinit = ssd_backward_kernels(
-        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept, a2dt, conv
+        dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q, cfg, dy_exact, out, S_kept, a2dt
     )
     ddt, dA, ddt_bias, dD_summed = dt_backward(
         dt, dt_bias, A, ddt_p, *decay_parts, softplus, dt_limit, dD_parts, ddt_out=ddt_out, a_is_log=a_is_log

@@ -16,7 +16,6 @@ import functools
 import torch
 
 from models.kernels.fast_launch import cdiv, next_power_of_2
-from models.kernels.fast_math import fast_on_this_backend
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
 from models.kernels.ssd_triton.chained_states import chained_dstates
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
@@ -24,30 +23,11 @@ from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, who
 from models.kernels.ssd_triton.db_bwd import chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
 from models.kernels.ssd_triton.dt import ColumnParts
-from models.kernels.ssd_triton.dx_conv import conv_edges
 from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, states_a2dt
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import staged_dstates
 
 __all__ = ["ssd_backward_kernels", "side_stream"]
-
-
-def _dx_conv_args(conv, dx, H: int, P: int, dev):
-    """The dx kernel's conv arguments (pointers and strides, then constexprs): conv's, or stand-ins without one."""
-    if conv is None:
-        d = dummy(dev)
-        return (d, d, d, d, d, d, 0, 0, 0, 0, 0, 0), {}
-    if dx.stride(3) != 1 or dx.stride(2) != P:
-        raise ValueError(f"the conv's fused backward needs dx's channels h * P + p contiguous, got {dx.stride()}")
-    for name, t in (("xin", conv.xin), ("dxin", conv.dxin)):
-        if t.stride(2) != 1:
-            raise ValueError(f"the conv's fused backward needs its {name} channel-last, got strides {t.stride()}")
-    args = (conv.xin, conv.weight, conv.bias if conv.bias is not None else conv.weight, conv.dxin, conv.dw_part,
-            conv.db_part, conv.xin.stride(0), conv.xin.stride(1), conv.dxin.stride(0), conv.dxin.stride(1),
-            conv.weight.stride(0), conv.weight.stride(1))  # fmt: skip
-    consts = dict(CONV=True, CONV_BIAS=conv.bias is not None, CONV_SILU=conv.silu, CONV_W=conv.weight.shape[1],
-                  FAST=fast_on_this_backend())  # fmt: skip
-    return args, consts
 
 
 @functools.cache
@@ -57,17 +37,14 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None,
-                         out=None, S_kept=None, a2dt=None, conv=None):  # fmt: skip
+                         out=None, S_kept=None, a2dt=None):  # fmt: skip
     """The chunked SSD's gradients from its kernels (module docstring): (dx, ddt_p, the decay gradient's parts for
     dt.dt_backward, dB, dC, (dD, dD's partial sums), dinit). dy_exact: dy before its rounding to x's dtype (the
     kernels' operands), when it was more precise; dD is then summed from it (D of [H, P] sums few terms per entry,
     so that rounding would show). out: (dx, dB, dC) to write into (any strides; the mixer's views of one buffer),
     else they are allocated. S_kept: the forward's entering states (config keep_states; [K, B, NC, H, P, N],
     state_passing.kept_states_buffer), else they are recomputed.
-    a2dt: dt folded into the decay's exponent for dCB (dt.py; config fold_dt), else None.
-    conv: a dx_conv.DxConv (model.ssd_fuse_conv_backward, from the fused mixer): the dx kernel finishes the
-    conv's backward for x's channels (writing conv.dxin and its partial sums) and leaves g = dx act'(pre), not dx,
-    in dx's place; conv_edges finishes the rows at its blocks' ends."""
+    a2dt: dt folded into the decay's exponent for dCB (dt.py; config fold_dt), else None."""
     b, L, H, P = x.shape
     G, N = B.shape[2:]
     NC = dt_p.shape[2]
@@ -181,7 +158,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     n_k = cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
-    conv_args, conv_consts = _dx_conv_args(conv, dx, H, P, dev)
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
         x,
@@ -207,7 +183,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         *B.stride(),
         *dy.stride(),
         *dx.stride(),
-        *conv_args,
         HAS_SEQ=has_seq,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
@@ -224,10 +199,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         num_warps=cfg.dx_warps,
         maxnreg=cfg.dx_register_cap(dx_heads),
         num_stages=cfg.dx_stages,
-        **conv_consts,
     )
-    if conv is not None:
-        conv_edges(dx.view(b, L, H * P), conv, seq, Q, cfg.dx_k)
     # dD: from dy_exact here, or from the dx kernel's partial sums: D of [H, P] summed here, of [H] by dt_bwd_kernel
     # (dD_parts, [blocks, H]: one reduction kernel fewer).
     dD = dD_parts = None

@@ -29,7 +29,6 @@ import triton.language as tl
 from models.kernels.fast_launch import fast_launch
 from models.kernels.pdl import pdl_prologue
 from models.kernels.ssd_triton.chunk_cb import LOG2E
-from models.kernels.ssd_triton.dx_conv import conv_head_dxin, conv_head_grad
 from models.kernels.ssd_triton.launch import program_ids
 
 
@@ -72,18 +71,6 @@ def chunk_scan_bwd_dx_kernel(
     s_dx_l,
     s_dx_h,
     s_dx_p,
-    xin_ptr,
-    cw_ptr,
-    cbias_ptr,
-    dxin_ptr,
-    dw_ptr,
-    db_ptr,
-    s_xin_b,
-    s_xin_l,
-    s_dxin_b,
-    s_dxin_l,
-    s_cw_d,
-    s_cw_k,
     HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
@@ -98,11 +85,6 @@ def chunk_scan_bwd_dx_kernel(
     DX_STATE_FIRST: tl.constexpr,
     SUMS_2D: tl.constexpr,
     PDL: tl.constexpr = False,
-    CONV: tl.constexpr = False,
-    CONV_BIAS: tl.constexpr = False,
-    CONV_SILU: tl.constexpr = True,
-    CONV_W: tl.constexpr = 4,
-    FAST: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     n_k = tl.cdiv(Q, BLOCK_K)
@@ -213,43 +195,17 @@ def chunk_scan_bwd_dx_kernel(
         if HEADS == 2:
             tl.store(_rows(q_ptr + head_q1 + offs_k, SUMS_2D), q1, mask=_rows(offs_k < Q, SUMS_2D))
     # fmt: off
-    dx0 = _dx_outputs(
+    _dx_outputs(
         acc0, x_k0, dy_k0, dt_k0, D_h0, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
         offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
-        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D, CONV=CONV,
+        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
     )
-    dx1 = dx0
     if HEADS == 2:
-        dx1 = _dx_outputs(
+        _dx_outputs(
             acc1, x_k1, dy_k1, dt_k1, D_h1, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
             mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
-            HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D, CONV=CONV,
+            HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
         )
-    if CONV:
-        # The conv's backward for these rows and channels (dx_conv.py; model.ssd_fuse_conv_backward): g where dx
-        # would have gone (channels h * P + p: the launcher checks s_dx_h == P, s_dx_p == 1), the block barrier,
-        # then dxin at the rows whose g at t .. t+3 this program stored (conv_edges_kernel does the block's last 3).
-        part_row = (b.to(tl.int64) * NC + c) * n_k + pid_k
-        xin_b = xin_ptr + b.to(tl.int64) * s_xin_b
-        seq_b = seq_ptr + b.to(tl.int64) * L
-        g_b = dx_ptr + b.to(tl.int64) * s_dx_b
-        g_rows = g_b + t_k[:, None] * s_dx_l + offs_p[None, :]
-        conv_head_grad(dx0, xin_b, seq_b, cw_ptr, cbias_ptr, h0 * P, t_k, valid_k, offs_p, mask_p, L, s_xin_l,
-                       s_cw_d, s_cw_k, g_rows + h0 * P, part_row, dw_ptr, db_ptr, H * P, HAS_SEQ, CONV_BIAS,
-                       CONV_SILU, CONV_W, FAST, BLOCK_P)
-        if HEADS == 2:
-            conv_head_grad(dx1, xin_b, seq_b, cw_ptr, cbias_ptr, (h0 + 1) * P, t_k, valid_k, offs_p, mask_p, L,
-                           s_xin_l, s_cw_d, s_cw_k, g_rows + (h0 + 1) * P, part_row, dw_ptr, db_ptr, H * P, HAS_SEQ,
-                           CONV_BIAS, CONV_SILU, CONV_W, FAST, BLOCK_P)
-        tl.debug_barrier()  # every thread's g stored before any is read back at other rows
-        end_k = tl.minimum(tl.minimum((pid_k + 1) * BLOCK_K, Q), L - t0)  # the block's end, chunk-relative
-        done_k = valid_k & (offs_k + 3 < end_k)
-        dxin_b = dxin_ptr + b.to(tl.int64) * s_dxin_b
-        conv_head_dxin(g_b, dxin_b, seq_b, cw_ptr, h0 * P, t_k, done_k, offs_p, mask_p, L, s_dx_l, s_dxin_l, s_cw_d,
-                       s_cw_k, HAS_SEQ, CONV_W, BLOCK_P)
-        if HEADS == 2:
-            conv_head_dxin(g_b, dxin_b, seq_b, cw_ptr, (h0 + 1) * P, t_k, done_k, offs_p, mask_p, L, s_dx_l,
-                           s_dxin_l, s_cw_d, s_cw_k, HAS_SEQ, CONV_W, BLOCK_P)
     # fmt: on
 
 
@@ -335,10 +291,10 @@ def _load_D(D_ptr, h, offs_p, mask_p, P, D_HAS_HDIM: tl.constexpr):
 def _dx_outputs(
     acc, x_k, dy_k, dt_k, D_h, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
     t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
-    SUMS_2D: tl.constexpr, CONV: tl.constexpr,
+    SUMS_2D: tl.constexpr,
 ):  # fmt: skip
     """One head's outputs from its accumulator (both terms), its x rows and (with D) its dy rows and D (_load_D):
-    ddt, dx (+ D dy) and dD's partial sums; dx stored unless CONV, and returned (float32)."""
+    ddt, dx (+ D dy) and dD's partial sums."""
     x_k = x_k.to(tl.float32)
     tl.store(_rows(ddt_head + offs_k, SUMS_2D), _row_sums(acc * x_k, SUMS_2D), mask=_rows(offs_k < Q, SUMS_2D))
     dx = acc * dt_k[:, None]
@@ -357,10 +313,8 @@ def _dx_outputs(
             tl.store(dD_ptr + row * P + offs_p, dD_col, mask=mask_p)
         else:
             tl.store(dD_ptr + row, tl.sum(dD_col, axis=0))
-    if not CONV:
-        tl.store(
-            dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,
-            dx.to(dx_ptr.dtype.element_ty),
-            mask=mask_kp,
-        )
-    return dx
+    tl.store(
+        dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,
+        dx.to(dx_ptr.dtype.element_ty),
+        mask=mask_kp,
+    )
