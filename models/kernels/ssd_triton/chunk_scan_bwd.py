@@ -140,9 +140,9 @@ def chunk_scan_bwd_dx_kernel(
         acc0, q0 = _fold_state(acc0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, keep_k, Q, SUMS_2D)
         if HEADS == 2:
             acc1, q1 = _fold_state(acc1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
-        tl.store(_rows(q_ptr + head_q0 + offs_k, SUMS_2D), q0, mask=_rows(offs_k < Q, SUMS_2D))
+        _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D)
         if HEADS == 2:
-            tl.store(_rows(q_ptr + head_q1 + offs_k, SUMS_2D), q1, mask=_rows(offs_k < Q, SUMS_2D))
+            _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D)
     else:
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
@@ -191,9 +191,9 @@ def chunk_scan_bwd_dx_kernel(
         if HEADS == 2:
             acc_h1, q1 = _fold_state(acc_h1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
             acc1 += acc_h1
-        tl.store(_rows(q_ptr + head_q0 + offs_k, SUMS_2D), q0, mask=_rows(offs_k < Q, SUMS_2D))
+        _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D)
         if HEADS == 2:
-            tl.store(_rows(q_ptr + head_q1 + offs_k, SUMS_2D), q1, mask=_rows(offs_k < Q, SUMS_2D))
+            _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D)
     # fmt: off
     _dx_outputs(
         acc0, x_k0, dy_k0, dt_k0, D_h0, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
@@ -276,6 +276,12 @@ def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, Q, SUMS_2D: tl.constexp
     acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
     q = _rows(dt_k, SUMS_2D) * _row_sums(acc_h * x_k, SUMS_2D)
     return acc_h, q
+
+
+@triton.jit
+def _store_q(q_head, q, offs_k, Q, SUMS_2D: tl.constexpr):
+    """One head's q (_fold_state's) stored at rows offs_k of its [Q] slice."""
+    tl.store(_rows(q_head + offs_k, SUMS_2D), q, mask=_rows(offs_k < Q, SUMS_2D))
 
 
 @triton.jit
