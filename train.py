@@ -25,6 +25,7 @@ from checkpoint.run_record import ResumeMismatch, build_run_record
 from components.cuda_graph import GraphedMicrobatch
 from components.distributed import destroy_distributed, init_distributed, set_determinism
 from components.garbage_collection import StepGarbageCollection
+from components.gradient_dtype import set_linear_weight_grad_dtype
 from components.log import setup_logging
 from components.metrics import MetricsLogger, model_flops_per_token, peak_flops
 from components.moe_balance import MoEBalancer
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         pipeline_loss_fn=step_loss.pipeline_loss_fn,
     )
     model_parts = model.parts
+    set_linear_weight_grad_dtype(model_parts, cfg.training.grad_dtype)  # float32, or bf16 as autocast leaves them
     n_params = sum(p.numel() for p in build_model_on_meta(model_args).parameters())
     flops_per_token, _ = model_flops_per_token(model_args, cfg.training.seq_len)
     moe = MoEBalancer(model_parts, "E" in model_args.layer_types, dp_cp_group, pp_group)

@@ -381,7 +381,8 @@ def conv_kernels(has_seq: bool):
 def optimizer_kernels():
     """(name, kernel, argument types, constexprs, warps, stages) of the optimizer's kernels (components/adamw_triton.py,
     components/sumsq_triton.py) at their modules' blocks: float32 weights and moments, aligned, bf16 weight copies,
-    no grad_scale (the trainer's clipping divides by a scale only when it clips)."""
+    no grad_scale (the trainer's clipping divides by a scale only when it clips); float32 gradients, and as
+    "adamw_bf16_grads" / "sumsq_bf16" the launches over bf16 ones (training.grad_dtype)."""
     import triton.language as tl
 
     from components import adamw_triton, sumsq_triton
@@ -389,13 +390,18 @@ def optimizer_kernels():
     i64, f32 = "*i64", "fp32"
     tables = dict(p_tab=i64, g_tab=i64, m_tab=i64, v_tab=i64, c_tab=i64, step_tab=i64, numel_ptr=i64)
     adamw = dict(tables, blk_tensor_ptr="*i32", blk_start_ptr=i64, base16=BF16, base32="*fp32", lr=f32, beta1=f32)
-    adamw.update(beta2=f32, eps=f32, decay=f32)
+    adamw.update(beta2=f32, eps=f32, decay=f32, grad_base="*fp32")
     copies = dict(HAS_SCALE=False, HAS_COPIES=True, COPY_DTYPE=tl.bfloat16, ALIGNED=True, FAST=True)
-    yield "adamw", adamw_triton._adamw_kernel, adamw, dict(copies, BLOCK=adamw_triton.BLOCK), adamw_triton.WARPS, 1
+    update = dict(copies, BLOCK=adamw_triton.BLOCK, GRAD_BYTES=4)
+    yield "adamw", adamw_triton._adamw_kernel, adamw, update, adamw_triton.WARPS, 1
+    yield "adamw_bf16_grads", adamw_triton._adamw_kernel, dict(adamw, grad_base=BF16), dict(update, GRAD_BYTES=2), \
+        adamw_triton.WARPS, 1  # fmt: skip
     yield "adamw_step_scalars", adamw_triton._step_scalars_kernel, adamw, dict(BLOCK=1024), 4, 1
     sumsq = dict(tab_ptr=i64, numel_ptr=i64, blk_tensor_ptr="*i32", blk_start_ptr=i64, base="*fp32")
-    sums = dict(BLOCK=sumsq_triton.BLOCK, ALIGNED=True)
+    sums = dict(BLOCK=sumsq_triton.BLOCK, ALIGNED=True, ELEM_BYTES=4)
     yield "sumsq", sumsq_triton._sumsq_kernel, sumsq, sums, sumsq_triton.WARPS, 1
+    yield "sumsq_bf16", sumsq_triton._sumsq_kernel, dict(sumsq, base=BF16), dict(sums, ELEM_BYTES=2), \
+        sumsq_triton.WARPS, 1  # fmt: skip
 
 
 def norm_kernels(d_model: int = 2048, d_inner: int = 4096):

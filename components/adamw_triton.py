@@ -15,6 +15,8 @@ tensors the step ran at 2.1 TB/s (17.6 ms) against a 13.4 ms bound; one launch o
 (benchmarks/bench_optimizer.py, docs/performance.md session 21). The tables of parameters, moments and steps are built
 once per set of tensors (rebuilt when an address changes, e.g. after load_state_dict); the gradients, reallocated
 every step, go to the device each step through pinned host buffers (a ring, so the host never waits for the GPU).
+Gradients stored in bf16 (training.grad_dtype, components/gradient_dtype.py) are read as they are, in a launch of
+their own (GRAD_BYTES), and upcast in registers: the update is the float32 one on their values.
 With weight copies (optimizer.weight_copies), the same launch writes each updated weight's current bf16 copy
 (models/kernels/weight_copies.py), so that the next step's products need no cast kernels; the tables hold the
 copies' addresses too (0 for a weight without a current copy, which is then left alone).
@@ -45,12 +47,14 @@ __all__ = ["TableAdamW"]
 # 11.19 against 10.88 (1024 x 2 10.86; the copy bound 9.50).
 BLOCK = 1024
 WARPS = 4
+# The gradients' dtypes the kernel reads, and their bytes per element: float32, and bf16 (training.grad_dtype)
+_GRAD_BYTES = {torch.float32: 4, torch.bfloat16: 2}
 
 
 @triton.jit
 def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, scal_ptr, c_tab, numel_ptr, blk_tensor_ptr, blk_start_ptr, scale_ptr,
-                  skip_ptr, base32, base16, lr, beta1, beta2, eps, decay, HAS_SCALE: tl.constexpr,
-                  HAS_COPIES: tl.constexpr, COPY_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                  skip_ptr, base32, base16, grad_base, lr, beta1, beta2, eps, decay, HAS_SCALE: tl.constexpr,
+                  HAS_COPIES: tl.constexpr, COPY_DTYPE: tl.constexpr, GRAD_BYTES: tl.constexpr, BLOCK: tl.constexpr,
                   ALIGNED: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """Program pid updates elements [start, start + BLOCK) of tensor blk_tensor[pid] (see the module docstring), and
     with HAS_COPIES the tensor's 16-bit copy where c_tab holds one (address 0: none). scal_ptr: the tensors' step
@@ -59,7 +63,9 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, scal_ptr, c_tab, numel_ptr, blk_te
     from it, not through a pointer made from its address: Triton knows nothing of such a pointer's alignment and
     loads it 4 bytes at a time, while from an aligned base and offsets that are multiples of 4 elements (ALIGNED:
     the host checked every address for 16-byte alignment and every size for a multiple of 4) it loads 16 bytes
-    per instruction (Triton 3.6 for sm_90: 64 scalar loads per thread -> 16 vector loads)."""
+    per instruction (Triton 3.6 for sm_90: 64 scalar loads per thread -> 16 vector loads). The gradients are
+    addressed the same way from grad_base, a tensor of their dtype: float32 (GRAD_BYTES 4, grad_base is base32) or
+    bf16 (2; training.grad_dtype), read as float32."""
     # Always a skip flag (a zero one without found_inf): a version compiling the flag away ran at half the speed
     # (H100, session 21: 30.3 against 16.0 ms at 1.3B).
     if tl.load(skip_ptr) == 0.0:
@@ -68,7 +74,8 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, scal_ptr, c_tab, numel_ptr, blk_te
         start = tl.load(blk_start_ptr + pid)
         numel = tl.load(numel_ptr + t)
         b32 = base32.to(tl.int64, bitcast=True)
-        p_off, g_off = (tl.load(p_tab + t) - b32) // 4, (tl.load(g_tab + t) - b32) // 4
+        p_off = (tl.load(p_tab + t) - b32) // 4
+        g_off = (tl.load(g_tab + t) - grad_base.to(tl.int64, bitcast=True)) // GRAD_BYTES
         m_off, v_off = (tl.load(m_tab + t) - b32) // 4, (tl.load(v_tab + t) - b32) // 4
         if ALIGNED:
             start, numel = tl.multiple_of(start, BLOCK), tl.multiple_of(numel, 4)
@@ -76,10 +83,10 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, scal_ptr, c_tab, numel_ptr, blk_te
             m_off, v_off = tl.multiple_of(m_off, 4), tl.multiple_of(v_off, 4)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < numel
-        p_ptr, g_ptr, m_ptr, v_ptr = base32 + p_off, base32 + g_off, base32 + m_off, base32 + v_off
+        p_ptr, g_ptr, m_ptr, v_ptr = base32 + p_off, grad_base + g_off, base32 + m_off, base32 + v_off
         step_size, inv_sqrt_bc2 = tl.load(scal_ptr + 2 * t), tl.load(scal_ptr + 2 * t + 1)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         # One reciprocal per element (of the denominator): the scalars' are taken once per program. With three
@@ -157,7 +164,7 @@ class TableAdamW:
     copies_dtype: also write the weights' current 16-bit copies (models/kernels/weight_copies.py, switched on here)."""
 
     def __init__(self, copies_dtype: torch.dtype | None = None):
-        self.groups: dict[int, _GroupTables] = {}
+        self.groups: dict[tuple, _GroupTables] = {}  # (group index, gradient dtype) -> tables
         self.copies_dtype = copies_dtype
         if copies_dtype is not None:
             weight_copies.enable(copies_dtype)
@@ -165,9 +172,24 @@ class TableAdamW:
     def step(self, index: int, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf):
         if not params:
             return
-        if any(g.dtype != torch.float32 or not g.is_contiguous() for g in grads):
-            raise ValueError("optimizer.implementation 'triton' takes float32 contiguous gradients; use 'fused'")
-        tables = self.groups.get(index)
+        if any(g.dtype not in _GRAD_BYTES or not g.is_contiguous() for g in grads):
+            raise ValueError(
+                "optimizer.implementation 'triton' takes contiguous float32 or bfloat16 gradients; use 'fused'"
+            )
+        # One launch per gradient dtype: float32, and bf16 where training.grad_dtype stores them so.
+        for dtype in _GRAD_BYTES:
+            picked = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            if len(picked) == len(params):  # all of one dtype: the lists as they are
+                self._step_part((index, dtype), group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale,
+                                found_inf)  # fmt: skip
+                return
+            if picked:
+                lists = ([ts[i] for i in picked] for ts in (params, grads, exp_avgs, exp_avg_sqs, steps))
+                self._step_part((index, dtype), group, *lists, grad_scale, found_inf)
+
+    def _step_part(self, key_: tuple, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf):
+        """The two launches over `params`, whose gradients share one dtype (key_: the group's index and that dtype)."""
+        tables = self.groups.get(key_)
         # Rebuilt whenever an address moved (a state reload, a parameter set that changed): the tables stay valid as
         # long as every address they hold is the same.
         # The weights' copies that are current now (a stale one is remade by its next use, not written here).
@@ -175,7 +197,7 @@ class TableAdamW:
         copy_addresses = tuple(0 if c is None else c.data_ptr() for c in copies)
         key = (addresses(params), addresses(exp_avgs), addresses(exp_avg_sqs), addresses(steps), copy_addresses)
         if tables is None or tables.key != key:
-            tables = self.groups[index] = _GroupTables(key, params, exp_avgs, exp_avg_sqs, self.copies_dtype)
+            tables = self.groups[key_] = _GroupTables(key, params, exp_avgs, exp_avg_sqs, self.copies_dtype)
         grad_addresses = addresses(grads)
         g_tab = tables.grads.update(grad_addresses)
         aligned = tables.aligned and all(a % 16 == 0 for a in grad_addresses)
@@ -187,8 +209,9 @@ class TableAdamW:
         _step_scalars_kernel[(triton.cdiv(n, 1024),)](s_tab, tables.scalars, n, skip, lr, beta1, beta2, BLOCK=1024)
         _adamw_kernel[(tables.n_blocks,)](
             p_tab, g_tab, m_tab, v_tab, tables.scalars, c_tab, tables.numel, tables.blk_tensor, tables.blk_start,
-            scale, skip, tables.base32, tables.base16, lr, beta1, beta2, group["eps"], group["weight_decay"],
-            HAS_SCALE=grad_scale is not None, HAS_COPIES=any(copy_addresses),
-            COPY_DTYPE=tl.float16 if self.copies_dtype == torch.float16 else tl.bfloat16, BLOCK=BLOCK, ALIGNED=aligned,
+            scale, skip, tables.base32, tables.base16, grads[0], lr, beta1, beta2, group["eps"],
+            group["weight_decay"], HAS_SCALE=grad_scale is not None, HAS_COPIES=any(copy_addresses),
+            COPY_DTYPE=tl.float16 if self.copies_dtype == torch.float16 else tl.bfloat16,
+            GRAD_BYTES=_GRAD_BYTES[grads[0].dtype], BLOCK=BLOCK, ALIGNED=aligned,
             FAST=fast_math.fast_on_this_backend(), num_warps=WARPS,
         )  # fmt: skip

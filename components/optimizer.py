@@ -127,6 +127,9 @@ class ShardLocalAdamW(torch.optim.AdamW):
                 grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
                 self._tables.step(index, group, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf)
                 continue
+            # Gradients stored in bf16 (training.grad_dtype) go to torch's kernels as float32 copies: they take a
+            # parameter's own dtype only. Our triton tables read them as they are.
+            grads = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
             beta1, beta2 = group["betas"]
             adamw(
                 params,

@@ -31,23 +31,29 @@ WARPS = 4
 
 @triton.jit
 def _sumsq_kernel(tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, base, out_ptr, BLOCK: tl.constexpr,
-                  ALIGNED: tl.constexpr):  # fmt: skip
-    """out[pid] = the sum of x^2 over elements [start, start + BLOCK) of tensor blk_tensor[pid]."""
+                  ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    """out[pid] = the sum of x^2 over elements [start, start + BLOCK) of tensor blk_tensor[pid], in float32 (every
+    tensor of base's dtype, ELEM_BYTES bytes an element)."""
     pid = tl.program_id(0)
     t = tl.load(blk_tensor_ptr + pid)
     start = tl.load(blk_start_ptr + pid)
     numel = tl.load(numel_ptr + t)
-    off = (tl.load(tab_ptr + t) - base.to(tl.int64, bitcast=True)) // 4
+    off = (tl.load(tab_ptr + t) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
     if ALIGNED:
         start, numel, off = tl.multiple_of(start, BLOCK), tl.multiple_of(numel, 4), tl.multiple_of(off, 4)
     offs = start + tl.arange(0, BLOCK)
-    x = tl.load(base + off + offs, mask=offs < numel, other=0.0)
+    x = tl.load(base + off + offs, mask=offs < numel, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(x * x, axis=0))
 
 
+_ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}  # the dtypes taken: a float32 model's gradients, bf16 ones
+
+
 def applies(tensors: list[torch.Tensor]) -> bool:
-    """Whether TableSumOfSquares takes these: CUDA, float32, contiguous (the gradients of a float32 model)."""
-    return bool(tensors) and all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    """Whether TableSumOfSquares takes these: CUDA, contiguous, all float32 or all bf16 (the gradients of a float32
+    model; those training.grad_dtype stores in bf16)."""
+    dtype = tensors[0].dtype if tensors else None
+    return dtype in _ELEM_BYTES and all(t.is_cuda and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 class _BlockMap:
@@ -65,7 +71,8 @@ class _BlockMap:
 
 
 class TableSumOfSquares:
-    """Callable: a list of float32 contiguous CUDA tensors -> the 0-d float32 sum of all their elements squared."""
+    """Callable: a list of contiguous CUDA tensors, all float32 or all bf16 -> the 0-d float32 sum of all their
+    elements squared (summed in float32)."""
 
     def __init__(self, block: int = BLOCK, num_warps: int = WARPS):
         self.block, self.num_warps = block, num_warps
@@ -73,10 +80,11 @@ class TableSumOfSquares:
 
     def __call__(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         # (CPU tensors too, for Triton's interpreter in the tests; `applies` is what the trainer asks.)
-        if not tensors or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-            raise ValueError("TableSumOfSquares takes a non-empty list of contiguous float32 tensors")
+        dtype = tensors[0].dtype if tensors else None
+        if dtype not in _ELEM_BYTES or any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+            raise ValueError("TableSumOfSquares takes a non-empty list of contiguous tensors, all float32 or all bf16")
         sizes = tuple(t.numel() for t in tensors)
-        key = (sizes, tensors[0].device)
+        key = (sizes, tensors[0].device, dtype)
         m = self.maps.get(key)
         if m is None:
             m = self.maps[key] = _BlockMap(sizes, tensors[0].device, self.block)
@@ -86,7 +94,7 @@ class TableSumOfSquares:
         table = m.address_table.update(current)
         aligned = m.sizes_aligned and all(a % 16 == 0 for a in current)
         _sumsq_kernel[(len(m.partials),)](
-            table, m.numel, m.blk_tensor, m.blk_start, tensors[0], m.partials, BLOCK=self.block, ALIGNED=aligned,
-            num_warps=self.num_warps,
+            table, m.numel, m.blk_tensor, m.blk_start, tensors[0], m.partials, BLOCK=self.block,
+            ELEM_BYTES=_ELEM_BYTES[dtype], ALIGNED=aligned, num_warps=self.num_warps,
         )  # fmt: skip
         return m.partials.sum()

@@ -109,6 +109,8 @@ def job_errors(
         )
     if training and t.cuda_graph:
         errs += cuda_graph_errors(cfg, pdims, model_args)
+    if training and t.grad_dtype != "float32":
+        errs += grad_dtype_errors(cfg, pdims, batch)
     if pdims.pp_enabled:
         errs += validate_pipeline(cfg, pdims, model_args, batch.n_microbatches)
     if pdims.ep_enabled:
@@ -159,6 +161,35 @@ def cuda_graph_errors(cfg: JobConfig, pdims: ParallelDims, model_args: ModelArgs
             f"training.cuda_graph supports Mamba ('M') and MLP ('-') layers; this model has {other} "
             "(attention builds document masks and MoE routes tokens by data-dependent counts); set it false"
         )
+    return errs
+
+
+def grad_dtype_errors(cfg: JobConfig, pdims: ParallelDims, batch: BatchPlan) -> list[str]:
+    """What training.grad_dtype bfloat16 needs (components/gradient_dtype.py), each with its fix."""
+    t, errs = cfg.training, []
+    fix = "or set --training.grad_dtype float32"
+    if not hasattr(torch.Tensor, "grad_dtype"):
+        errs.append(f"training.grad_dtype {t.grad_dtype} needs torch's per-tensor grad_dtype (torch >= 2.10); "
+                    f"this torch {torch.__version__} has none: upgrade torch {fix}")  # fmt: skip
+    if pdims.world_size > 1:
+        errs.append(
+            f"training.grad_dtype {t.grad_dtype} runs in one process (its gradients are neither reduced nor sharded "
+            f"over ranks); this job has {pdims.world_size}: train on one GPU {fix} (FSDP / HSDP reduce in bf16 "
+            "with --training.mixed_precision_reduce bfloat16)"
+        )
+    if batch.n_microbatches > 1:
+        errs.append(
+            f"training.grad_dtype {t.grad_dtype} with {batch.n_microbatches} microbatches per step would add every "
+            f"microbatch's gradient in {t.grad_dtype}: set --training.local_batch_size -1 (one microbatch) {fix}"
+        )
+    if cfg.optimizer.implementation not in ("auto", "fused", "triton"):
+        errs.append(
+            f"training.grad_dtype {t.grad_dtype} needs a fused AdamW, which clips and upcasts the gradients inside "
+            f"its kernel; optimizer.implementation is {cfg.optimizer.implementation!r}: use auto, fused or triton {fix}"
+        )
+    if t.cuda_graph:
+        errs.append(f"training.grad_dtype {t.grad_dtype} is not captured by training.cuda_graph: set cuda_graph "
+                    f"false {fix}")  # fmt: skip
     return errs
 
 

@@ -135,6 +135,15 @@ class Training:
         "flat-buffer all-reduce and single-process runs always reduce in the gradients' float32.",
         choices=("float32", "bfloat16"),
     )
+    grad_dtype: str = doc(
+        "float32",
+        "dtype of the blocks' linear weights' gradients (in_proj, out_proj; attention and MLP): float32 from the "
+        "products (more precise than torch autocast's), or bfloat16, the value autocast gives a float32 weight "
+        "(mamba_ssm's own loop trains with it), which halves the bytes the gradient norm and AdamW read (1.3B on an "
+        "H100: docs/performance.md). bfloat16 needs one process, one microbatch per step, optimizer.implementation "
+        "auto / fused / triton and no training.cuda_graph (components/gradient_dtype.py).",
+        choices=("float32", "bfloat16"),
+    )
     seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
     deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
     cuda_graph: bool = doc(

@@ -57,20 +57,24 @@ _table_sumsq = None  # components.sumsq_triton.TableSumOfSquares, made at the fi
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 0-d float32 sum of every element of `grads` squared: on CUDA float32 contiguous tensors one Triton launch
-    over them all (components/sumsq_triton.py: 1.8 against 2.4-3.0 ms at the 1.3B), else torch's per-tensor norms
-    squared and summed."""
+    """The 0-d float32 sum of every element of `grads` squared, in float32: on CUDA contiguous tensors one Triton
+    launch per gradient dtype (float32; bf16 with training.grad_dtype) over them all (components/sumsq_triton.py: 1.8
+    against 2.4-3.0 ms at the 1.3B), else torch's per-tensor norms in float32, squared and summed."""
     global _table_sumsq
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_dtype[g.dtype].append(g)
     if grads[0].is_cuda:
         try:
             from components import sumsq_triton  # lazy: imports triton
         except ImportError:  # no Triton: torch's norms
             sumsq_triton = None
-        if sumsq_triton is not None and sumsq_triton.applies(grads):
+        if sumsq_triton is not None and all(sumsq_triton.applies(gs) for gs in by_dtype.values()):
             if _table_sumsq is None:
                 _table_sumsq = sumsq_triton.TableSumOfSquares()
-            return _table_sumsq(grads)
-    return torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+            sums = [_table_sumsq(gs) for gs in by_dtype.values()]
+            return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
 @torch.no_grad()

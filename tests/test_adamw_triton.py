@@ -32,9 +32,13 @@ def check(device: str = "cpu") -> None:
     # matrices decay, vectors do not (build_optimizer's groups)
     check_shapes([(33, 5), (300,), (7, 9), (130,), (12,)], device, aligned=False)
     check_shapes([(32, 8), (300,), (8, 12), (132,), (12,)], device, aligned=True)
+    # training.grad_dtype bfloat16: two matrices' gradients in bf16 (a launch of their own, read as float32), against
+    # torch's fused AdamW on the same values upcast (ShardLocalAdamW's torch path)
+    check_shapes([(33, 5), (300,), (7, 9), (130,), (12,), (3, 11)], device, aligned=False, bf16_matrices=True)
+    check_shapes([(32, 8), (300,), (8, 12), (132,), (12,), (4, 12)], device, aligned=True, bf16_matrices=True)
 
 
-def check_shapes(shapes, device: str, aligned: bool) -> None:
+def check_shapes(shapes, device: str, aligned: bool, bf16_matrices: bool = False) -> None:
     from components import adamw_triton
     from components.optimizer import build_optimizer
     from configs.job_config import Optimizer
@@ -65,8 +69,12 @@ def check_shapes(shapes, device: str, aligned: bool) -> None:
     scale = torch.tensor(2.5, device=device)
     for step in range(1, 6):
         grads = [torch.randn(s, device=device) for s in shapes]
+        if bf16_matrices:
+            # two of the decayed group's three matrices: its launches then mix dtypes, and address two bf16 tensors
+            grads = [g.bfloat16() if i in (0, 2) else g for i, g in enumerate(grads)]
         for opt, m in ((ref, ref_model), (ours, our_model)):
             for p, g in zip(m.parameters(), grads):
+                p.grad_dtype = g.dtype  # training.grad_dtype's (components/gradient_dtype.py)
                 p.grad = g.clone()  # a new tensor every step, as autograd's
             for group in opt.param_groups:
                 group["lr"] = 1e-2 / step
@@ -78,7 +86,12 @@ def check_shapes(shapes, device: str, aligned: bool) -> None:
         if step == 3:  # a checkpoint round trip: the state's tensors are replaced
             ours.load_state_dict(copy.deepcopy(ours.state_dict()))  # (a copy: load_state_dict keeps given tensors)
     assert not ours._tables.groups or all(t.grads.turn > 0 for t in ours._tables.groups.values())
-    assert [t.aligned for t in ours._tables.groups.values()] == [aligned] * 2, "the case meant for the other path"
+    n_launches = 3 if bf16_matrices else 2  # the decayed group's two dtypes, or one dtype per group
+    assert [t.aligned for t in ours._tables.groups.values()] == [aligned] * n_launches, "meant for the other path"
+    if bf16_matrices:
+        assert sorted(str(dtype) for _, dtype in ours._tables.groups) == [
+            "torch.bfloat16", "torch.float32", "torch.float32"
+        ]  # fmt: skip
 
 
 def check_weight_copies(device: str = "cpu") -> None:

@@ -187,3 +187,29 @@ def test_distributed_optimizer_names_the_layout_and_optimizer_it_needs():
     assert "dp_shard 2" in fsdp and "--parallelism.data_parallel_replicate_degree 2" in fsdp
     (impl,) = errors([*ddp2, "--optimizer.implementation", "foreach"], 2)
     assert "'foreach'" in impl and "auto, fused or triton" in impl
+
+
+def test_grad_dtype_bfloat16_names_what_it_needs():
+    """training.grad_dtype bfloat16 (components/gradient_dtype.py): one process, one microbatch, a fused AdamW and
+    no CUDA graph; each other case is refused before compute with its fix, and the debug job passes."""
+    from configs.checks import grad_dtype_errors
+    from configs.parser import load_config
+    from parallelisms.batch_plan import BatchPlan
+    from parallelisms.mesh import ParallelDims
+
+    def errors(argv, world=1):
+        cfg = load_config(["--job.config_file", "configs/debug.toml", "--training.grad_dtype", "bfloat16", *argv])
+        pdims = ParallelDims.from_config(cfg.parallelism, world)
+        return grad_dtype_errors(cfg, pdims, BatchPlan.from_config(cfg.training, cfg.parallelism, pdims))
+
+    assert errors([]) == []
+    (world,) = errors([], 2)
+    assert "one process" in world and "this job has 2" in world and "--training.grad_dtype float32" in world
+    (accum,) = errors(["--training.global_batch_size", "8", "--training.local_batch_size", "2"])
+    assert "4 microbatches" in accum and "--training.local_batch_size -1" in accum
+    (impl,) = errors(["--optimizer.implementation", "foreach"])
+    assert "'foreach'" in impl and "auto, fused or triton" in impl
+    (graph,) = errors(["--training.cuda_graph", "true"])
+    assert "cuda_graph" in graph and "false" in graph
+    with pytest.raises(ConfigError, match="grad_dtype=.float16. is not allowed"):
+        load_config(["--job.config_file", "configs/debug.toml", "--training.grad_dtype", "float16"])

@@ -6,6 +6,8 @@ shape a 17M-element cast per layer and step, 0.068 ms each (docs/performance.md,
 writes the float32 gradient directly from the bf16 operands: one kernel fewer per layer, and the gradient is no longer
 rounded to bf16 before the optimizer adds it. Everything else is what autocast's F.linear does: the product in the
 autocast dtype, the input and the cast weight kept for the backward, the input gradient in the input's dtype.
+With training.grad_dtype bfloat16 (the weight's grad_dtype, gradient_dtype below) the product writes the gradient in
+bf16 instead: autocast's rounding, without its cast kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from models.kernels.weight_copies import compute_weight
 
 __all__ = [
     "autocast_linear",
+    "gradient_dtype",
     "weight_grad",
     "mm_float32",
     "add_mm_float32_",
@@ -59,10 +62,18 @@ def adds_into_float32(device: torch.device) -> bool:
         return False
 
 
+def gradient_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype `weight`'s gradient is stored in: torch's per-tensor grad_dtype (training.grad_dtype sets bfloat16 on
+    float32 linear weights, components/gradient_dtype.py), else the weight's own dtype. A product that writes its
+    weight gradient in this dtype needs no cast kernel after it."""
+    return getattr(weight, "grad_dtype", None) or weight.dtype
+
+
 def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A linear layer's weight gradient dy^T x [O, I] in the weight's `dtype`. For a float32 weight, float32 from
-    cuBLAS (mm_float32). Used by autocast_linear, the fused mixer's out_proj (split_conv1d_scan.py) and the fused
-    loss (cross_entropy_triton.py)."""
+    """A linear layer's weight gradient dy^T x [O, I] in `dtype`, the weight's gradient_dtype. For float32, float32
+    from cuBLAS (mm_float32); for the operands' own 16-bit dtype the product as it comes (torch autocast's rounding).
+    Used by autocast_linear, norm_linear, the fused mixer's out_proj (split_conv1d_scan.py) and the fused loss
+    (cross_entropy_triton.py)."""
     if dtype == torch.float32:
         return mm_float32(dy_MO.t(), x_MI)
     return (dy_MO.t() @ x_MI).to(dtype)
@@ -86,7 +97,7 @@ class _AutocastLinear(torch.autograd.Function):
     def forward(ctx, x, weight, dtype):
         x16, w16 = x.to(dtype), compute_weight(weight, dtype)  # the weight's current copy, else a cast
         ctx.save_for_backward(x16, w16)
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.w_grad_dtype = x.dtype, gradient_dtype(weight)
         return F.linear(x16, w16)
 
     @staticmethod
@@ -96,7 +107,7 @@ class _AutocastLinear(torch.autograd.Function):
         dx = (dy16 @ w16).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = weight_grad(dy16.reshape(-1, dy16.shape[-1]), x16.reshape(-1, x16.shape[-1]), torch.float32)
+            dw = weight_grad(dy16.reshape(-1, dy16.shape[-1]), x16.reshape(-1, x16.shape[-1]), ctx.w_grad_dtype)
         return dx, dw, None
 
 

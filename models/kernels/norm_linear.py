@@ -28,7 +28,7 @@ from models.kernels.add_rmsnorm_triton import (
     residual_dtype,
     unpack_row_scaled,
 )
-from models.kernels.autocast_linear import weight_grad
+from models.kernels.autocast_linear import gradient_dtype, weight_grad
 from models.kernels.weight_copies import compute_weight
 
 __all__ = ["add_rmsnorm_linear_triton"]
@@ -49,7 +49,8 @@ class _AddRMSNormLinear(torch.autograd.Function):
         out = F.linear(normed, w16)
         del normed  # not kept: the norm's backward writes it again
         ctx.save_for_backward(s, norm_w, rstd, x_rstd, w16)
-        ctx.has_res, ctx.x_dtype, ctx.shape, ctx.lin_dtype = residual is not None, x.dtype, shape, lin_w.dtype
+        ctx.has_res, ctx.x_dtype, ctx.shape = residual is not None, x.dtype, shape
+        ctx.lin_grad_dtype = gradient_dtype(lin_w)
         ctx.set_materialize_grads(False)
         return out.view(*shape[:-1], out.shape[-1]), s.view(shape)
 
@@ -68,7 +69,7 @@ class _AddRMSNormLinear(torch.autograd.Function):
         normed = torch.empty(M, D, device=s.device, dtype=w16.dtype) if dout2 is not None and needs[5] else None
         dx, dres, dnorm_w = norm_backward(dnormed, dres2, s, norm_w, rstd, x_rstd, ctx.x_dtype, ctx.has_res, normed)
         del dnormed
-        dlin_w = None if normed is None else weight_grad(dout2, normed, ctx.lin_dtype)
+        dlin_w = None if normed is None else weight_grad(dout2, normed, ctx.lin_grad_dtype)
         dres = None if dres is None else dres.view(ctx.shape)
         return dx.view(ctx.shape), dres, dnorm_w, None, None, dlin_w, None, None, None, None
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from models.kernels import cuda as _cuda
 from models.kernels._utils import no_autocast
-from models.kernels.autocast_linear import weight_grad
+from models.kernels.autocast_linear import gradient_dtype, weight_grad
 from models.kernels.reference import split_zxbcdt_sizes
 from models.kernels.row_scale import RowScaled
 from models.kernels.weight_copies import compute_weight
@@ -236,6 +236,7 @@ class _MixerFunction(torch.autograd.Function):
             sumsq if fused_gate else rstd, S_kept, kept_conv,
         )  # fmt: skip
         ctx.s, ctx.cfg, ctx.halves, ctx.fused_gate = s, cfg, halves, fused_gate
+        ctx.out_w_grad_dtype = None if out_w is None else gradient_dtype(out_w)  # float32, or training.grad_dtype's
         ctx.set_materialize_grads(False)  # an unused final state then reaches backward as None, not a zero tensor
         ctx.dtypes = (A.dtype, None if D is None else D.dtype, None if initial_states is None else initial_states.dtype)
         if sumsq is not None:
@@ -269,7 +270,7 @@ class _MixerFunction(torch.autograd.Function):
             dout_2d = dout.reshape(-1, dout.shape[-1]).to(h.dtype)
             dh = (dout_2d @ compute_weight(out_w, h.dtype)).view(h.shape)
             if needs[7]:
-                dout_w = weight_grad(dout_2d, h.detach().reshape(-1, h.shape[-1]), out_w.dtype)
+                dout_w = weight_grad(dout_2d, h.detach().reshape(-1, h.shape[-1]), ctx.out_w_grad_dtype)
             if out_b is not None and needs[8]:
                 dout_b = dout_2d.sum(0).to(out_b.dtype)
         torch.autograd.backward(h, dh)  # -> y_.grad, z_.grad, zx0_.grad, norm_w_.grad
@@ -340,7 +341,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
             _rows(dz), recompute,
         )  # fmt: skip
     if recompute:
-        dout_w = weight_grad(dout_2d, h, out_w.dtype)  # float32 from cuBLAS for a float32 weight
+        dout_w = weight_grad(dout_2d, h, ctx.out_w_grad_dtype)  # float32 from cuBLAS, or bf16 (training.grad_dtype)
     del dh, h
     # the forward's (s.keep_conv), else recomputed
     xBC = kept_conv if kept_conv is not None else _conv_forward_halves(xBC_in, conv_w, conv_b, seq, s)
