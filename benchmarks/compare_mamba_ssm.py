@@ -11,7 +11,9 @@ For every size, two subprocesses run one after the other (each starts with an em
           document per row (with --their_documents the seq_idx of our run's rows, so that both sides do the same
           document resets); this script re-run with --_worker theirs.
   ours    train.py with the size's config on the embedded corpus (packed documents, so the kernels also handle
-          seq_idx), vocabulary from the flavor (50277 padded to 16 = 50288), checkpoints, validation and
+          seq_idx), at their loop's gradient precision (ONE_GPU_AS_THEIRS: --training.grad_dtype bfloat16, the
+          blocks' linear weights' gradients in bf16, as autocast leaves theirs; `-- --training.grad_dtype float32`
+          for the configs' own), vocabulary from the flavor (50277 padded to 16 = 50288), checkpoints, validation and
           TensorBoard off, metrics every step, model.kernels from the config (auto: our Triton SSD on CUDA; add
           --variant='--model.kernels mamba_ssm' for mamba_ssm's kernels in our trainer); anything after `--` is
           passed on (e.g. --compile.enable true).
@@ -63,6 +65,11 @@ THEIR_VOCAB, THEIR_PAD = 50277, 8  # MambaConfig's defaults: the released checkp
 H100_BF16_TFLOPS = 989.4
 
 
+# Our side on one GPU at their loop's gradient precision: the blocks' linear weights' gradients in bf16, the value
+# autocast gives their float32 weights (training.grad_dtype; the configs keep float32, which also runs multi-GPU)
+ONE_GPU_AS_THEIRS = ("--training.grad_dtype", "bfloat16")
+
+
 @dataclass(frozen=True)
 class Size:
     name: str
@@ -70,11 +77,12 @@ class Size:
     flavor: str
     batch: int
     seq_len: int
+    ours_args: tuple[str, ...] = ()  # train.py overrides of every run of ours at this size, before the user's
 
 
 SIZES = {
-    "370m": Size("370m", "configs/mamba2_370m.toml", "370M", batch=8, seq_len=2048),
-    "1.3b": Size("1.3b", "configs/mamba2_1.3b.toml", "1.3B", batch=4, seq_len=4096),
+    "370m": Size("370m", "configs/mamba2_370m.toml", "370M", batch=8, seq_len=2048, ours_args=ONE_GPU_AS_THEIRS),
+    "1.3b": Size("1.3b", "configs/mamba2_1.3b.toml", "1.3B", batch=4, seq_len=4096, ours_args=ONE_GPU_AS_THEIRS),
     "debug": Size("debug", "configs/debug.toml", "debug", batch=2, seq_len=64),  # CPU smoke test of our side
 }
 
@@ -164,7 +172,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def ours_command(
     size: Size, warmup: int, steps: int, dump_folder: str, overrides: list[str], python: str = sys.executable
 ) -> list[str]:
-    """train.py for warmup + steps steps at the size's batch, metrics every step; overrides come last (win)."""
+    """train.py for warmup + steps steps at the size's batch, metrics every step, the size's ours_args; overrides
+    come last (win: `-- --training.grad_dtype float32` times the configs' float32 gradients)."""
     return [
         python,
         "train.py",
@@ -190,6 +199,7 @@ def ours_command(
         "false",
         "--validation.enable",
         "false",
+        *size.ours_args,
         *overrides,
     ]
 
@@ -301,7 +311,7 @@ def _runs_note(side: dict) -> str:
 def table_row(rec: dict) -> list[str]:
     o, t = rec.get("ours") or {}, rec.get("theirs") or {}
     ratio = o["tokens_per_sec"] / t["tokens_per_sec"] if o.get("tokens_per_sec") and t.get("tokens_per_sec") else None
-    config = " ".join([f"{rec['batch']}x{rec['seq_len']}", *rec.get("overrides", [])])
+    config = " ".join([f"{rec['batch']}x{rec['seq_len']}", *rec.get("ours_args", []), *rec.get("overrides", [])])
     if t.get("documents"):
         config += " (theirs with our documents)"
     return [
@@ -595,7 +605,9 @@ def rounds_lines(records: list[dict]) -> str:
     lines = []
     for rec in records:
         ratios = ", ".join(_fmt(r["ratio"], ".3f") for r in rec.get("rounds", []))
-        config = " ".join([rec["size"], f"{rec['batch']}x{rec['seq_len']}", *rec.get("overrides", [])])
+        config = " ".join(
+            [rec["size"], f"{rec['batch']}x{rec['seq_len']}", *rec.get("ours_args", []), *rec.get("overrides", [])]
+        )
         lines.append(f"{config}: ours/theirs round by round {ratios}")
     return "\n".join(lines)
 

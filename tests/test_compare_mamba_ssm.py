@@ -48,6 +48,8 @@ def test_parse_args_and_ours_command():
     assert opts["--training.seq_len"] == "4096" and opts["--metrics.log_freq"] == "1"
     assert opts["--checkpoint.enable"] == "false" and opts["--training.dataset"] == "default"
     assert cmd[-4:] == a.overrides  # last, so they win
+    # one GPU at their loop's gradient precision (bf16 linear-weight gradients), before the user's overrides
+    assert cmd[-6:-4] == ["--training.grad_dtype", "bfloat16"] and opts["--training.grad_dtype"] == "bfloat16"
     a = cmp.parse_args([])
     assert a.size_list == ["370m", "1.3b"] and (a.warmup, a.steps) == (5, 15) and a.overrides == []
     with pytest.raises(SystemExit):
@@ -55,7 +57,8 @@ def test_parse_args_and_ours_command():
 
 
 def test_ours_command_parses_as_a_config():
-    """Every key the benchmark passes to train.py exists, for both sizes."""
+    """Every key the benchmark passes to train.py exists, for both sizes, and the job passes the validation pass."""
+    from configs.checks import resolve_job
     from configs.parser import load_config
 
     for size in ("370m", "1.3b"):
@@ -64,6 +67,7 @@ def test_ours_command_parses_as_a_config():
         cfg = load_config(cmd[2:])
         assert (cfg.training.local_batch_size, cfg.training.seq_len, cfg.training.steps) == (s.batch, s.seq_len, 20)
         assert cfg.model.flavor == s.flavor and cfg.compile.enable and not cfg.checkpoint.enable
+        resolve_job(cfg, world_size=1)  # valid as one process runs it (bf16 gradients: one microbatch)
 
 
 def test_summaries():
