@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> None:
         pipeline_loss_fn=step_loss.pipeline_loss_fn,
     )
     model_parts = model.parts
-    set_linear_weight_grad_dtype(model_parts, cfg.training.grad_dtype)  # float32, or bf16 as autocast leaves them
     n_params = sum(p.numel() for p in build_model_on_meta(model_args).parameters())
     flops_per_token, _ = model_flops_per_token(model_args, cfg.training.seq_len)
     moe = MoEBalancer(model_parts, "E" in model_args.layer_types, dp_cp_group, pp_group)
@@ -151,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"checkpoint error: {e}")
     if start_step:
         logger.info(f"resumed from step {start_step}")
+    # The linear weights' gradient dtype: float32, or bf16 as autocast leaves them (training.grad_dtype). After the
+    # load: DCP's optimizer-state load gives every parameter a float32 zero gradient to build the state.
+    set_linear_weight_grad_dtype(model_parts, cfg.training.grad_dtype)
     pipeline_eval = (
         PipelineEval(model.schedule, model.has_first_stage, model.has_last_stage, step_loss)
         if pdims.pp_enabled
