@@ -61,21 +61,19 @@ def test_trainer_with_bf16_gradients_and_a_resume(tmp_path):
     """One microbatch per step (the option's condition): the first step's loss is the float32 run's (no update has
     happened), the later ones close to it; a run stopped after step 2 and resumed from its checkpoint (DCP's
     optimizer-state load gives the weights float32 gradients before the trainer sets their dtype) reproduces the
-    uninterrupted run's losses."""
-    one_batch = PARITY_ARGS + ["--training.local_batch_size", "8", "--training.steps", "3"]
-    bf16 = ["--training.grad_dtype", "bfloat16"]
-    ref = run_training(1, one_batch, tmp_path / "f32")
-    got = run_training(1, one_batch + bf16, tmp_path / "bf16")
-    ref_l, got_l = losses_by_step(ref), losses_by_step(got)
+    uninterrupted run's losses. A constant LR after warm-up, so that a 2-step run's LRs are the 3-step run's first
+    two."""
+    args = PARITY_ARGS + ["--training.local_batch_size", "8", "--training.steps", "3", "--lr_scheduler.decay_ratio",
+                          "0.0", "--checkpoint.enable", "true", "--checkpoint.interval", "1"]  # fmt: skip
+    bf16 = [*args, "--training.grad_dtype", "bfloat16"]
+    ref_l = losses_by_step(run_training(1, args, tmp_path / "f32"))
+    straight = run_training(1, bf16, tmp_path / "bf16")
+    got_l = losses_by_step(straight)
     assert sorted(got_l) == [1, 2, 3]
     assert abs(got_l[1] - ref_l[1]) <= 1e-6 * abs(ref_l[1])
     for step in (2, 3):
         assert abs(got_l[step] - ref_l[step]) <= 1e-3 * abs(ref_l[step]), (step, got_l[step], ref_l[step])
     # Adam's first update is sign(g) (m / sqrt(v) = g / |g|), so step 2 cannot tell the dtypes apart; step 3 can
     assert got_l[3] != ref_l[3], "the bf16 gradients changed nothing"
-    # a constant LR after warm-up, so that a 2-step run's LRs are the 3-step run's first two
-    ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "1", "--lr_scheduler.decay_ratio", "0.0"]
-    straight = run_training(1, [*one_batch, *bf16, *ckpt], tmp_path / "straight")
-    run_training(1, [*one_batch, *bf16, *ckpt, "--training.steps", "2"], tmp_path / "resumed")
-    resumed = run_training(1, [*one_batch, *bf16, *ckpt], tmp_path / "resumed")
-    assert_same_losses(straight, resumed)
+    run_training(1, [*bf16, "--training.steps", "2"], tmp_path / "resumed")
+    assert_same_losses(straight, run_training(1, bf16, tmp_path / "resumed"))
