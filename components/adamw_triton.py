@@ -64,8 +64,8 @@ def _adamw_kernel(p_tab, g_tab, m_tab, v_tab, scal_ptr, c_tab, numel_ptr, blk_te
     loads it 4 bytes at a time, while from an aligned base and offsets that are multiples of 4 elements (ALIGNED:
     the host checked every address for 16-byte alignment and every size for a multiple of 4) it loads 16 bytes
     per instruction (Triton 3.6 for sm_90: 64 scalar loads per thread -> 16 vector loads). The gradients are
-    addressed the same way from grad_base, a tensor of their dtype: float32 (GRAD_BYTES 4, grad_base is base32) or
-    bf16 (2; training.grad_dtype), read as float32."""
+    addressed the same way from grad_base, one of them (the launch's gradients share a dtype): float32 (GRAD_BYTES
+    4) or bf16 (2; training.grad_dtype), read as float32."""
     # Always a skip flag (a zero one without found_inf): a version compiling the flag away ran at half the speed
     # (H100, session 21: 30.3 against 16.0 ms at 1.3B).
     if tl.load(skip_ptr) == 0.0:
