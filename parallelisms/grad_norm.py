@@ -61,10 +61,10 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     launch per gradient dtype (float32; bf16 with training.grad_dtype) over them all (components/sumsq_triton.py: 1.8
     against 2.4-3.0 ms at the 1.3B), else torch's per-tensor norms in float32, squared and summed."""
     global _table_sumsq
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        by_dtype[g.dtype].append(g)
     if grads[0].is_cuda:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            by_dtype[g.dtype].append(g)
         try:
             from components import sumsq_triton  # lazy: imports triton
         except ImportError:  # no Triton: torch's norms

@@ -85,7 +85,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         dcb_parts = ((0, n_m + 1, cfg.dc_maxnreg),)
 
     def launch_dcb(streams=None):
-        """dCB's launches, each on streams[i] when given (else the current stream)."""
+        """dCB's launches, the i-th on streams[i] when given (else on the current stream)."""
         for i, (part, n_k, maxnreg) in enumerate(dcb_parts):
             with torch.cuda.stream(streams[i]) if streams else contextlib.nullcontext():
                 launch_dcb_part(part, n_k, maxnreg)
@@ -143,14 +143,14 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     # 1.3B end to end, three alternating rounds, medians): this fork 49,013 tokens/s; one stream 48,778 (-0.48%);
     # dCB forked after dx and launched after dB, so that dx runs alone and dB beside dCB, 48,911 (-0.21%); the
     # dstates, dx and dB on a priority -1 stream with dCB forked here 48,760 (-0.52%). Results bit for bit equal.
-    sides = None
+    part_streams = sides = None  # each dCB launch's side stream; the distinct ones
     if cfg.overlap_dcb and dev.type == "cuda":
-        n_sides = 2 if cfg.dcb_streams == 2 and len(dcb_parts) == 2 else 1
-        sides = [side_stream(dev, i, cfg.dcb_stream_priority) for i in range(n_sides)]
-    if sides is not None:
+        apart = cfg.dcb_streams == 2  # the tiles on a side stream of their own (with dcb_state_apart)
+        part_streams = [side_stream(dev, i if apart else 0, cfg.dcb_stream_priority) for i in range(len(dcb_parts))]
+        sides = list(dict.fromkeys(part_streams))
         for side in sides:
             side.wait_stream(torch.cuda.current_stream(dev))
-        launch_dcb(sides * len(dcb_parts) if len(sides) == 1 else sides)
+        launch_dcb(part_streams)
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
     if cfg.chained:
