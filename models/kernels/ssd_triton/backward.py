@@ -11,7 +11,6 @@ dCBᵀ C in one kernel per group (bc_finish.py).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -32,10 +31,9 @@ __all__ = ["ssd_backward_kernels", "side_stream"]
 
 
 @functools.cache
-def side_stream(device: torch.device, index: int = 0, priority: int = 0) -> torch.cuda.Stream:
-    """A stream dCB runs on with config overlap_dcb (index 1: its tiles', config dcb_streams 2), of the given priority
-    (config dcb_stream_priority); made once per device and arguments."""
-    return torch.cuda.Stream(device, priority=priority)
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream dCB runs on with config overlap_dcb (one per device, made once)."""
+    return torch.cuda.Stream(device)
 
 
 def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int, cfg: BlockConfig, dy_exact=None,
@@ -84,55 +82,50 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     else:
         dcb_parts = ((0, n_m + 1, cfg.dc_maxnreg),)
 
-    def launch_dcb(streams=None):
-        """dCB's launches, the i-th on streams[i] when given (else on the current stream)."""
-        for i, (part, n_k, maxnreg) in enumerate(dcb_parts):
-            with torch.cuda.stream(streams[i]) if streams else contextlib.nullcontext():
-                launch_dcb_part(part, n_k, maxnreg)
-
-    def launch_dcb_part(part, n_k, maxnreg):
-        dcb_grid = grid(b * NC * G * n_hb, n_m, n_k, cfg.inner_first)
-        chunk_scan_bwd_dcb_kernel[dcb_grid](
-            dy,
-            x,
-            dt_p if a2dt is None else a2dt,
-            dA_cs,
-            C,
-            CB,
-            S_in,
-            seq_arg,
-            dC_part,
-            dCB_part,
-            O,
-            R_part,
-            L,
-            Q,
-            NC,
-            H,
-            G,
-            P,
-            N,
-            hpp,
-            b,
-            *x.stride(),
-            *C.stride(),
-            *dy.stride(),
-            HAS_SEQ=has_seq,
-            EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
-            PREC=dot_precision(x),
-            BLOCK_M=cfg.dc_m,
-            BLOCK_P=BP,
-            BLOCK_N=BN,
-            INNER_FIRST=cfg.inner_first,
-            HEADS_STAGES=cfg.dcb_heads_stages,
-            COL_PARTS=col_parts,
-            DIAG_PARTS=cfg.dcb_diag_col_parts,
-            FOLD_DT=a2dt is not None,
-            PART=part,
-            num_warps=cfg.dc_warps,
-            maxnreg=maxnreg,
-            num_stages=cfg.dc_stages,
-        )
+    def launch_dcb():
+        for part, n_k, maxnreg in dcb_parts:
+            dcb_grid = grid(b * NC * G * n_hb, n_m, n_k, cfg.inner_first)
+            chunk_scan_bwd_dcb_kernel[dcb_grid](
+                dy,
+                x,
+                dt_p if a2dt is None else a2dt,
+                dA_cs,
+                C,
+                CB,
+                S_in,
+                seq_arg,
+                dC_part,
+                dCB_part,
+                O,
+                R_part,
+                L,
+                Q,
+                NC,
+                H,
+                G,
+                P,
+                N,
+                hpp,
+                b,
+                *x.stride(),
+                *C.stride(),
+                *dy.stride(),
+                HAS_SEQ=has_seq,
+                EVEN=whole_tiles(L, Q, P, BP, cfg.dc_m),
+                PREC=dot_precision(x),
+                BLOCK_M=cfg.dc_m,
+                BLOCK_P=BP,
+                BLOCK_N=BN,
+                INNER_FIRST=cfg.inner_first,
+                HEADS_STAGES=cfg.dcb_heads_stages,
+                COL_PARTS=col_parts,
+                DIAG_PARTS=cfg.dcb_diag_col_parts,
+                FOLD_DT=a2dt is not None,
+                PART=part,
+                num_warps=cfg.dc_warps,
+                maxnreg=maxnreg,
+                num_stages=cfg.dc_stages,
+            )
 
     # dCB needs neither dH nor dx: with config overlap_dcb it runs on a second stream beside the chained dstates
     # (latency-bound, below the power limit), dx and dB, and the stream joins before bc_finish. Every tensor it
@@ -143,14 +136,13 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     # 1.3B end to end, three alternating rounds, medians): this fork 49,013 tokens/s; one stream 48,778 (-0.48%);
     # dCB forked after dx and launched after dB, so that dx runs alone and dB beside dCB, 48,911 (-0.21%); the
     # dstates, dx and dB on a priority -1 stream with dCB forked here 48,760 (-0.52%). Results bit for bit equal.
-    part_streams = sides = None  # each dCB launch's side stream; the distinct ones
+    side = None
     if cfg.overlap_dcb and dev.type == "cuda":
-        apart = cfg.dcb_streams == 2  # the tiles on a side stream of their own (with dcb_state_apart)
-        part_streams = [side_stream(dev, i if apart else 0, cfg.dcb_stream_priority) for i in range(len(dcb_parts))]
-        sides = list(dict.fromkeys(part_streams))
-        for side in sides:
-            side.wait_stream(torch.cuda.current_stream(dev))
-        launch_dcb(part_streams)
+        side = side_stream(dev)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            launch_dcb()
     # dH (gradient of each chunk's end state), dinit, and the a_last terms dtot (partial sums per block; from the
     # float32 S_in, state_passing.py says why).
     if cfg.chained:
@@ -219,7 +211,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         else:
             dD_parts = dD_part
 
-    if sides is None:
+    if side is None:
         launch_dcb()
     dB_part = torch.empty(n_hb, b, L, G, N, device=dev, dtype=torch.float32)
     db_a2dt = states_a2dt(a2dt, cfg)  # the chunk states' scale, as the forward's
@@ -251,7 +243,7 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         maxnreg=cfg.db_maxnreg,
         num_stages=cfg.db_stages,
     )
-    for side in sides or ():
+    if side is not None:
         torch.cuda.current_stream(dev).wait_stream(side)
     # Head blocks summed and the intra-chunk parts added once per group, dC += dCB B, dB += dCBᵀ C (bc_finish.py).
     if out is None:

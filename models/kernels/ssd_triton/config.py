@@ -228,16 +228,6 @@ class BlockConfig:
     # chained dstates beside it 0.220 -> 0.214), 0.188 -> 0.189 at the 370M (SSD 0.793 -> 0.787); with the tiles at
     # 168 (dc_maxnreg) slower: 0.391 at the 1.3B.
     dcb_state_apart: bool = True
-    # dCB's launches on their streams (overlap_dcb), prepared for a dispatch-order A/B (session 64, untimed): in the
-    # 1.3B step (session 60's trace) the state term waits behind the chained dstates' grid and the tiles, queued after
-    # it on the same stream, behind dx's, so they run after dx with dB waiting behind them. dcb_streams 2 (with
-    # dcb_state_apart): the tiles on a second side stream of their own, both forked at the same point, so they are
-    # queued beside the state term instead of after it (their outputs are disjoint: dCB and the column sums R, the
-    # state term dC's state part and O). dcb_stream_priority: the side streams' priority (torch.cuda.Stream's: 0 the
-    # default, -1 high), so that their programs take the SMs the chained dstates and dx leave as soon as any free up.
-    # Results bit for bit either way (tests/gpu/test_ssd_triton_gpu.py).
-    dcb_streams: int = 1
-    dcb_stream_priority: int = 0
     dc_state_maxnreg: int | None = None
     dc_maxnreg: int | None = None
     db_maxnreg: int | None = 168
