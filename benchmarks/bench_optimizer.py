@@ -19,6 +19,13 @@ Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
   copy_bound       the bytes the step must move at least (read parameter, gradient and both moments, write
                    parameter and moments: 28 bytes per float32 parameter) as copies of flat buffers: the bandwidth
                    bound
+With --as_trained, also the step as the trainer runs it on one GPU with compare_mamba_ssm.py's settings: the blocks'
+linear weights' gradients in bf16 (training.grad_dtype bfloat16) and every weight matrix's bf16 copy written by the
+step (optimizer.weight_copies), and the launches that makes (one per parameter group and gradient dtype: tensors,
+elements, programs, whether its loads are 16-byte ones):
+  adamw_as_trained     grad_norm + our step in that setting
+  copy_bound_as_trained  copy_bound scaled to the bytes that setting moves (24 per parameter for the float32
+                   parameter and moments, + 2 or 4 for the gradient, + 2 for a copy written)
 The step moves the same bytes in every row; the ratio to copy_bound is how far from the memory bound it runs.
 """
 
@@ -36,9 +43,11 @@ if REPO not in sys.path:
 import torch
 
 from components import adamw_triton  # noqa: E402
+from components.gradient_dtype import set_linear_weight_grad_dtype  # noqa: E402
 from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
 from configs.job_config import Optimizer  # noqa: E402
 from models import build_model_args, build_model_on_meta  # noqa: E402
+from models.kernels import weight_copies  # noqa: E402
 from parallelisms.grad_norm import global_grad_norm  # noqa: E402
 
 
@@ -52,6 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="also adamw_step_triton at these elements-per-program x warps, e.g. 4096x8,8192x8 (rows "
         "adamw_step_triton_<block>x<warps>; components/adamw_triton.py's BLOCK, WARPS)",
+    )
+    ap.add_argument(
+        "--as_trained",
+        action="store_true",
+        help="also the step with bf16 gradients for the blocks' linear weights and the weights' bf16 copies, as "
+        "the trainer runs it on one GPU (rows adamw_as_trained, copy_bound_as_trained; the launches printed)",
     )
     return ap.parse_args(argv)
 
@@ -80,6 +95,49 @@ def model_with_gradients(flavor: str, device: torch.device, gen: torch.Generator
             p.normal_(0.0, 0.02, generator=gen)
             p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
     return model, params
+
+
+def as_trained_rows(model, params, iters: int, copy_bound_ms: float) -> list[dict]:
+    """The rows of --as_trained (module docstring): the same parameters, the blocks' linear weights' gradients
+    redrawn in bf16, a bf16 copy of every weight matrix (the products' weights: in_proj, out_proj, the embedding
+    that lm_head shares), our optimizer keeping them current; its launches printed."""
+    bf16 = torch.bfloat16
+    for p in params:
+        p.grad = None  # a weight takes its grad_dtype without a gradient of the other dtype attached
+    set_linear_weight_grad_dtype([model], "bfloat16")
+    gen = torch.Generator(device=params[0].device).manual_seed(1)
+    with torch.no_grad():
+        for p in params:
+            dtype = bf16 if getattr(p, "grad_dtype", None) == bf16 else torch.float32
+            p.grad = (torch.randn(p.shape, device=p.device, generator=gen) * 1e-3).to(dtype)
+    opt = build_optimizer([model], Optimizer(implementation="triton"), "cuda", copies_dtype=bf16)
+    copied = [p for p in params if p.dim() == 2]
+    for p in copied:
+        weight_copies.compute_weight(p, bf16)  # made now, current until a torch op bumps the weight's version
+    skip = torch.zeros((), device=params[0].device)
+
+    def step():
+        take_optimizer_steps([opt], params, global_grad_norm(params), 1.0, skip)
+
+    step()
+    torch.cuda.synchronize()
+    if sum(c is not None for c in weight_copies.current_copies(params)) != len(copied):
+        raise RuntimeError("bench_optimizer --as_trained: the step left a weight copy stale")
+    ms = gpu_ms(step, iters)
+    grad_bytes = sum(p.numel() * p.grad.element_size() for p in params)
+    moved = 24 * sum(p.numel() for p in params) + grad_bytes + 2 * sum(p.numel() for p in copied)
+    n = sum(p.numel() for p in params)
+    print("launches as trained (group, gradient dtype: tensors, elements, programs, 16-byte loads):")
+    for (index, dtype), tables in opt._tables.groups.items():
+        picked = [p for p in opt.param_groups[index]["params"] if p.grad is not None and p.grad.dtype == dtype]
+        aligned = tables.aligned and all(p.grad.data_ptr() % 16 == 0 for p in picked)
+        elements = int(tables.numel.sum())
+        print(f"  group {index}, {dtype}: {len(picked)} tensors, {elements / 1e6:.1f}M elements, "
+              f"{tables.n_blocks} programs, aligned {aligned}")  # fmt: skip
+    return [
+        dict(row="adamw_as_trained", ms=ms, bytes=moved),
+        dict(row="copy_bound_as_trained", ms=copy_bound_ms * moved / (28 * n), bytes=moved),
+    ]
 
 
 def main(argv=None) -> list[dict]:
@@ -145,6 +203,12 @@ def main(argv=None) -> list[dict]:
         dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
         dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
     ]
+    if a.as_trained:
+        for o in (opt, opt_triton):
+            o.state.clear()  # their moments: room for the setting's own optimizer
+        flat.clear()
+        torch.cuda.empty_cache()
+        rows += as_trained_rows(model, params, a.iters, next(r["ms"] for r in rows if r["row"] == "copy_bound"))
     print(f"{a.flavor}: {n / 1e6:.1f}M parameters in {len(params)} tensors, {torch.cuda.get_device_name()}")
     print("| row | ms per step | GB/s of 28 B per parameter |")
     print("| --- | --- | --- |")
