@@ -18,6 +18,11 @@ def count_in_norm_elsewhere(param: torch.Tensor) -> None:
     setattr(param, _COUNTED_ELSEWHERE, True)
 
 
+def is_counted_in_norm(param: torch.Tensor) -> bool:
+    """Whether `param`'s gradient counts in the global norm (not marked by count_in_norm_elsewhere)."""
+    return not getattr(param, _COUNTED_ELSEWHERE, False)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip in place; return the total norm (a device tensor, the same value on every rank; no host sync).
@@ -44,7 +49,7 @@ def _grads_by_layout(parameters, counted_only: bool):
     device = torch.device("cpu")
     for p in parameters:
         g = p.grad
-        if g is None or (counted_only and getattr(p, _COUNTED_ELSEWHERE, False)):
+        if g is None or (counted_only and not is_counted_in_norm(p)):
             continue
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         local = local_shard(g)
