@@ -13,8 +13,9 @@ sums the one buffer after it: bit for bit this one launch).
 
 The block map (tensor and start of every program) is built once per pattern of sizes and kept; the addresses, new
 tensors every step, go to the device every call through pinned host buffers taken in turn (address_table.py: the host
-never waits for the GPU). Tensors are addressed from a typed base by their element offsets, so that with every address 16-byte aligned and every size a multiple of 4 (ALIGNED, checked
-on the host) the loads are 16 bytes wide (adamw_triton.py says why).
+never waits for the GPU). Tensors are addressed from a typed base by their element offsets, so that with every address
+16-byte aligned and every size a multiple of 4 (ALIGNED, checked on the host) the loads are 16 bytes wide
+(adamw_triton.py says why).
 Imports triton at import time: import lazily.
 """
 
