@@ -26,7 +26,11 @@ from parallelisms.grad_norm import global_grad_norm, is_counted_in_norm
 
 __all__ = ["GradNormInBackward"]
 
-BUCKET_BYTES = 64 << 20  # gradient bytes per side-stream launch: ~20 us of reads, ~60 launches at the 1.3B
+BUCKET_BYTES = 64 << 20  # gradient bytes per side-stream launch: ~60 launches at the 1.3B
+# Programs per side-stream launch, each summing every SIDE_PROGRAMS-th block: a full grid (a program a block) fills
+# every SM's free slots and delayed the backward's own kernels by more than it saved (1.3B on an H100: -0.44%, session
+# 66); the backward needs only ~15 GB/s of the gradients' reads. The last group, after the backward, takes a full grid.
+SIDE_PROGRAMS = 32
 
 
 class _Layout:
@@ -61,12 +65,16 @@ class GradNormInBackward:
     stream, for the tests under Triton's interpreter)."""
 
     def __init__(self, params: list[torch.Tensor], device: torch.device, bucket_bytes: int = BUCKET_BYTES,
-                 block: int | None = None, num_warps: int | None = None):  # fmt: skip
+                 side_programs: int = SIDE_PROGRAMS, block: int | None = None,
+                 num_warps: int | None = None):  # fmt: skip
         from components import sumsq_triton  # lazy: imports triton
 
         self.params = [p for p in params if p.requires_grad]
+        if device.type == "cuda" and device.index is None:  # "cuda": the gradients' device reads "cuda:<index>"
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.bucket_bytes = bucket_bytes
+        self.side_programs = side_programs
         self.sumsq = sumsq_triton.TableSumOfSquares(
             block=block or sumsq_triton.BLOCK, num_warps=num_warps or sumsq_triton.WARPS
         )
@@ -102,8 +110,10 @@ class GradNormInBackward:
         if self._pending_bytes >= self.bucket_bytes:
             self._launch()
 
-    def _launch(self) -> None:
-        """The pending gradients' partial sums into their slots, on the side stream once the gradients are written."""
+    def _launch(self, whole_gpu: bool = False) -> None:
+        """The pending gradients' partial sums into their slots, on the side stream once the gradients are written:
+        in `side_programs` programs during the backward, a program a block after it (`whole_gpu`)."""
+        max_programs = None if whole_gpu else self.side_programs
         if not self._pending:
             return
         ctx = contextlib.nullcontext()
@@ -113,7 +123,8 @@ class GradNormInBackward:
         with ctx:
             for dtype, items in self._pending.items():
                 self.sumsq.partials_into(
-                    [g for g, _ in items], self.layout.partials[dtype], tuple(first for _, first in items)
+                    [g for g, _ in items], self.layout.partials[dtype], tuple(first for _, first in items),
+                    max_programs,
                 )
                 self.launches += 1
         self._pending.clear()
@@ -123,7 +134,7 @@ class GradNormInBackward:
         """After the backward: the global gradient norm, as parallelisms.grad_norm.global_grad_norm gives it."""
         armed, self.armed = self.armed, False
         if armed:
-            self._launch()  # the last group
+            self._launch(whole_gpu=True)  # the last group, the backward done: the whole GPU
             if self.stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
         layout = self.layout

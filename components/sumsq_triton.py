@@ -34,24 +34,26 @@ WARPS = 4
 
 
 @triton.jit
-def _sumsq_kernel(tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, blk_slot_ptr, base, out_ptr, BLOCK: tl.constexpr,
+def _sumsq_kernel(tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, blk_slot_ptr, base, out_ptr, n_blocks,
+                  BLOCK: tl.constexpr,
                   ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr, SLOTTED: tl.constexpr):  # fmt: skip
-    """out[slot] = the sum of x^2 over elements [start, start + BLOCK) of tensor blk_tensor[pid], in float32 (every
-    tensor of base's dtype, ELEM_BYTES bytes an element); slot = blk_slot[pid] if SLOTTED else pid."""
-    pid = tl.program_id(0)
-    t = tl.load(blk_tensor_ptr + pid)
-    start = tl.load(blk_start_ptr + pid)
-    numel = tl.load(numel_ptr + t)
-    off = (tl.load(tab_ptr + t) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
-    if ALIGNED:
-        start, numel, off = tl.multiple_of(start, BLOCK), tl.multiple_of(numel, 4), tl.multiple_of(off, 4)
-    offs = start + tl.arange(0, BLOCK)
-    x = tl.load(base + off + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    if SLOTTED:
-        slot = tl.load(blk_slot_ptr + pid)
-    else:
-        slot = pid
-    tl.store(out_ptr + slot, tl.sum(x * x, axis=0))
+    """For each block b of the n_blocks (b = program id, program id + programs, ...: one block a program when the grid
+    has n_blocks programs): out[slot] = the sum of x^2 over elements [start, start + BLOCK) of tensor blk_tensor[b], in
+    float32 (every tensor of base's dtype, ELEM_BYTES bytes an element); slot = blk_slot[b] if SLOTTED else b."""
+    for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        t = tl.load(blk_tensor_ptr + b)
+        start = tl.load(blk_start_ptr + b)
+        numel = tl.load(numel_ptr + t)
+        off = (tl.load(tab_ptr + t) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
+        if ALIGNED:
+            start, numel, off = tl.multiple_of(start, BLOCK), tl.multiple_of(numel, 4), tl.multiple_of(off, 4)
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + off + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        if SLOTTED:
+            slot = tl.load(blk_slot_ptr + b)
+        else:
+            slot = b
+        tl.store(out_ptr + slot, tl.sum(x * x, axis=0))
 
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}  # the dtypes taken: a float32 model's gradients, bf16 ones
@@ -105,14 +107,18 @@ class TableSumOfSquares:
             return torch.zeros((), dtype=torch.float32, device=tensors[0].device)
         return m.partials.sum()
 
-    def partials_into(self, tensors: list[torch.Tensor], out: torch.Tensor, first_slots: tuple[int, ...]) -> None:
+    def partials_into(self, tensors: list[torch.Tensor], out: torch.Tensor, first_slots: tuple[int, ...],
+                      max_programs: int | None = None) -> None:  # fmt: skip
         """Writes tensor i's partial sums (`programs(numel)` of them) into out[first_slots[i]:]: where `__call__` over
-        a list holding these tensors at those slots puts them, computed the same way (`out` float32)."""
+        a list holding these tensors at those slots puts them, computed the same way (`out` float32). max_programs:
+        at most this many programs, each summing every max_programs-th block in turn (a launch that leaves most of
+        the GPU to kernels beside it); None: a program a block."""
         if len(first_slots) != len(tensors):
             raise ValueError(f"{len(tensors)} tensors take {len(tensors)} first slots, not {len(first_slots)}")
-        self._launch(tensors, out, first_slots)
+        self._launch(tensors, out, first_slots, max_programs)
 
-    def _launch(self, tensors: list[torch.Tensor], out: torch.Tensor | None, first_slots: tuple[int, ...]) -> _BlockMap:
+    def _launch(self, tensors: list[torch.Tensor], out: torch.Tensor | None, first_slots: tuple[int, ...],
+                max_programs: int | None = None) -> _BlockMap:  # fmt: skip
         dtype = tensors[0].dtype if tensors else None
         if dtype not in _ELEM_BYTES or any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
             raise ValueError("TableSumOfSquares takes a non-empty list of contiguous tensors, all float32 or all bf16")
@@ -127,9 +133,10 @@ class TableSumOfSquares:
         table = m.address_table.update(current)
         aligned = m.sizes_aligned and all(a % 16 == 0 for a in current)
         slotted = m.blk_slot is not None
-        _sumsq_kernel[(m.programs,)](
+        grid = m.programs if max_programs is None else min(m.programs, max_programs)
+        _sumsq_kernel[(grid,)](
             table, m.numel, m.blk_tensor, m.blk_start, m.blk_slot if slotted else m.blk_start, tensors[0],
-            out if slotted else m.partials, BLOCK=self.block, ELEM_BYTES=_ELEM_BYTES[dtype], ALIGNED=aligned,
-            SLOTTED=slotted, num_warps=self.num_warps,
+            out if slotted else m.partials, m.programs, BLOCK=self.block, ELEM_BYTES=_ELEM_BYTES[dtype],
+            ALIGNED=aligned, SLOTTED=slotted, num_warps=self.num_warps,
         )  # fmt: skip
         return m

@@ -1,9 +1,9 @@
 """components/grad_norm_in_backward.py on the CPU, its sums of squares under Triton's interpreter: a small stack of
 linear layers (float32 and bf16 gradients, sizes of several blocks and not multiples of the block or of 4) trained
-for steps with several launches in each backward. Its norm equals, bit for bit, the one table launch over each
-dtype's gradients reduced as parallelisms.grad_norm does it, and float64's within 1e-6; the first step, a step whose
-gradients change (a parameter without one, then with one again) take global_grad_norm and learn the new layout; a
-backward it was not armed for leaves it untouched."""
+for steps with several launches in each backward, each of two programs that sum every other block. Its norm equals,
+bit for bit, the one table launch over each dtype's gradients reduced as parallelisms.grad_norm does it, and
+float64's within 1e-6; the first step, a step whose gradients change (a parameter without one, then with one again)
+take global_grad_norm and learn the new layout; a backward it was not armed for leaves it untouched."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def check() -> dict:
 
     model = _model()
     params = list(model.parameters())
-    norm = GradNormInBackward(params, torch.device("cpu"), bucket_bytes=600, block=BLOCK, num_warps=1)
+    norm = GradNormInBackward(params, torch.device("cpu"), bucket_bytes=600, side_programs=2, block=BLOCK,
+                              num_warps=1)  # fmt: skip
     sumsq = TableSumOfSquares(block=BLOCK, num_warps=1)
     gen = torch.Generator().manual_seed(1)
     seen = []

@@ -47,9 +47,8 @@ def test_norm_in_backward_is_global_grad_norm_bit_for_bit():
 
 ARGS = [
     "--job.config_file", "configs/debug.toml", "--training.steps", "6", "--training.seq_len", "512",
-    "--training.local_batch_size", "4", "--training.mixed_precision_param", "bfloat16",
-    "--training.grad_dtype", "bfloat16", "--training.max_norm", "0.1", "--training.deterministic", "true",
-    "--metrics.log_freq", "1",
+    "--training.mixed_precision_param", "bfloat16", "--training.grad_dtype", "bfloat16", "--training.max_norm", "0.1",
+    "--training.deterministic", "true", "--metrics.log_freq", "1",
     "--checkpoint.enable", "false", "--metrics.enable_tensorboard", "false", "--validation.enable", "false",
 ]  # fmt: skip
 
