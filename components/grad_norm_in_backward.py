@@ -123,7 +123,9 @@ class GradNormInBackward:
         with ctx:
             for dtype, items in self._pending.items():
                 self.sumsq.partials_into(
-                    [g for g, _ in items], self.layout.partials[dtype], tuple(first for _, first in items),
+                    [g for g, _ in items],
+                    self.layout.partials[dtype],
+                    tuple(first for _, first in items),
                     max_programs,
                 )
                 self.launches += 1
