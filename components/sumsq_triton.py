@@ -34,26 +34,38 @@ WARPS = 4
 
 
 @triton.jit
+def _block_sumsq(b, tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, blk_slot_ptr, base, out_ptr, BLOCK: tl.constexpr,
+                 ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr, SLOTTED: tl.constexpr):  # fmt: skip
+    """out[slot] = the sum of x^2 over elements [start, start + BLOCK) of tensor blk_tensor[b], in float32 (every
+    tensor of base's dtype, ELEM_BYTES bytes an element); slot = blk_slot[b] if SLOTTED else b."""
+    t = tl.load(blk_tensor_ptr + b)
+    start = tl.load(blk_start_ptr + b)
+    numel = tl.load(numel_ptr + t)
+    off = (tl.load(tab_ptr + t) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
+    if ALIGNED:
+        start, numel, off = tl.multiple_of(start, BLOCK), tl.multiple_of(numel, 4), tl.multiple_of(off, 4)
+    offs = start + tl.arange(0, BLOCK)
+    x = tl.load(base + off + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    if SLOTTED:
+        slot = tl.load(blk_slot_ptr + b)
+    else:
+        slot = b
+    tl.store(out_ptr + slot, tl.sum(x * x, axis=0))
+
+
+@triton.jit
 def _sumsq_kernel(tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, blk_slot_ptr, base, out_ptr, n_blocks,
-                  BLOCK: tl.constexpr,
-                  ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr, SLOTTED: tl.constexpr):  # fmt: skip
-    """For each block b of the n_blocks (b = program id, program id + programs, ...: one block a program when the grid
-    has n_blocks programs): out[slot] = the sum of x^2 over elements [start, start + BLOCK) of tensor blk_tensor[b], in
-    float32 (every tensor of base's dtype, ELEM_BYTES bytes an element); slot = blk_slot[b] if SLOTTED else b."""
-    for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        t = tl.load(blk_tensor_ptr + b)
-        start = tl.load(blk_start_ptr + b)
-        numel = tl.load(numel_ptr + t)
-        off = (tl.load(tab_ptr + t) - base.to(tl.int64, bitcast=True)) // ELEM_BYTES
-        if ALIGNED:
-            start, numel, off = tl.multiple_of(start, BLOCK), tl.multiple_of(numel, 4), tl.multiple_of(off, 4)
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(base + off + offs, mask=offs < numel, other=0.0).to(tl.float32)
-        if SLOTTED:
-            slot = tl.load(blk_slot_ptr + b)
-        else:
-            slot = b
-        tl.store(out_ptr + slot, tl.sum(x * x, axis=0))
+                  BLOCK: tl.constexpr, ELEM_BYTES: tl.constexpr, ALIGNED: tl.constexpr, SLOTTED: tl.constexpr,
+                  STRIDED: tl.constexpr):  # fmt: skip
+    """_block_sumsq of block program_id, or with STRIDED (a grid of fewer programs than the n_blocks) of blocks
+    program_id, program_id + programs, ... in turn."""
+    if STRIDED:
+        for b in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+            _block_sumsq(b, tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, blk_slot_ptr, base, out_ptr, BLOCK,
+                         ELEM_BYTES, ALIGNED, SLOTTED)  # fmt: skip
+    else:
+        _block_sumsq(tl.program_id(0), tab_ptr, numel_ptr, blk_tensor_ptr, blk_start_ptr, blk_slot_ptr, base, out_ptr,
+                     BLOCK, ELEM_BYTES, ALIGNED, SLOTTED)  # fmt: skip
 
 
 _ELEM_BYTES = {torch.float32: 4, torch.bfloat16: 2}  # the dtypes taken: a float32 model's gradients, bf16 ones
@@ -137,6 +149,6 @@ class TableSumOfSquares:
         _sumsq_kernel[(grid,)](
             table, m.numel, m.blk_tensor, m.blk_start, m.blk_slot if slotted else m.blk_start, tensors[0],
             out if slotted else m.partials, m.programs, BLOCK=self.block, ELEM_BYTES=_ELEM_BYTES[dtype],
-            ALIGNED=aligned, SLOTTED=slotted, num_warps=self.num_warps,
+            ALIGNED=aligned, SLOTTED=slotted, STRIDED=grid < m.programs, num_warps=self.num_warps,
         )  # fmt: skip
         return m
