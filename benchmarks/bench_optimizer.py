@@ -3,7 +3,9 @@ model flavor's parameters, next to what the same bytes cost at the GPU's bandwid
 
     bash .gpu/setup.sh && python3 benchmarks/bench_optimizer.py [--flavor 1.3B] [--iters 20] [--out r.json]
 
-Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step):
+Rows (CUDA events around `iters` repetitions, median of 3 rounds, ms per step; with the host's time per step to
+launch them, and "host-bound" where that reaches the step's time: then the row times the launches, not the kernels,
+as the 370M's rows did in session 66, 6.7 ms against the trained step's 3.5 ms of AdamW kernels):
   grad_norm        parallelisms.grad_norm.global_grad_norm over every gradient (what train.py calls: on CUDA one
                    Triton launch over a table of the gradients, components/sumsq_triton.py, since session 26)
   grad_norm_foreach  the same sum of squares from torch's _foreach_norm (the trainer's before session 26)
@@ -35,6 +37,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -71,18 +74,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def gpu_ms(fn, iters: int) -> float:
-    """Median over 3 rounds of the GPU time per call of fn (CUDA events around `iters` calls)."""
+def time_step(fn, iters: int) -> dict:
+    """{ms: the median over 3 rounds of the time per call of fn between CUDA events around `iters` calls, host_ms:
+    the host's time per call to launch them in that round}. Where host_ms reaches ms the GPU waited for the host
+    (the 370M's 435 tensors' tables, session 66): ms is then the host's rate, not the kernels' time."""
     rounds = []
     for _ in range(3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(iters):
             fn()
+        host = (time.perf_counter() - t0) * 1e3 / iters
         end.record()
         end.synchronize()
-        rounds.append(start.elapsed_time(end) / iters)
-    return sorted(rounds)[1]
+        rounds.append((start.elapsed_time(end) / iters, host))
+    ms, host_ms = sorted(rounds)[1]
+    return dict(ms=ms, host_ms=host_ms)
+
+
+def gpu_ms(fn, iters: int) -> float:
+    """time_step's ms alone (benchmarks/bench_loss.py times its rows with it)."""
+    return time_step(fn, iters)["ms"]
+
+
+HOST_BOUND = 0.9  # a row whose host time per call is at least this share of its time is marked host-bound
 
 
 def model_with_gradients(flavor: str, device: torch.device, gen: torch.Generator):
@@ -123,7 +139,7 @@ def as_trained_rows(model, params, iters: int, copy_bound_ms: float) -> list[dic
     torch.cuda.synchronize()
     if sum(c is not None for c in weight_copies.current_copies(params)) != len(copied):
         raise RuntimeError("bench_optimizer --as_trained: the step left a weight copy stale")
-    ms = gpu_ms(step, iters)
+    timed = time_step(step, iters)
     grad_bytes = sum(p.numel() * p.grad.element_size() for p in params)
     moved = 24 * sum(p.numel() for p in params) + grad_bytes + 2 * sum(p.numel() for p in copied)
     n = sum(p.numel() for p in params)
@@ -135,7 +151,7 @@ def as_trained_rows(model, params, iters: int, copy_bound_ms: float) -> list[dic
         print(f"  group {index}, {dtype}: {len(picked)} tensors, {elements / 1e6:.1f}M elements, "
               f"{tables.n_blocks} programs, aligned {aligned}")  # fmt: skip
     return [
-        dict(row="adamw_as_trained", ms=ms, bytes=moved),
+        dict(row="adamw_as_trained", **timed, bytes=moved),
         dict(row="copy_bound_as_trained", ms=copy_bound_ms * moved / (28 * n), bytes=moved),
     ]
 
@@ -179,29 +195,29 @@ def main(argv=None) -> list[dict]:
     block0, warps0 = adamw_triton.BLOCK, adamw_triton.WARPS
     torch.cuda.synchronize()
     rows = [
-        dict(row="grad_norm", ms=gpu_ms(lambda: global_grad_norm(params), a.iters)),
+        dict(row="grad_norm", **time_step(lambda: global_grad_norm(params), a.iters)),
         dict(
             row="grad_norm_foreach",
-            ms=gpu_ms(lambda: torch.stack(torch._foreach_norm(grads, 2.0)).square().sum().sqrt(), a.iters),
+            **time_step(lambda: torch.stack(torch._foreach_norm(grads, 2.0)).square().sum().sqrt(), a.iters),
         ),
-        dict(row="adamw_step", ms=gpu_ms(step, a.iters)),
-        dict(row="adamw_step_triton", ms=gpu_ms(lambda: step(opt_triton), a.iters)),
+        dict(row="adamw_step", **time_step(step, a.iters)),
+        dict(row="adamw_step_triton", **time_step(lambda: step(opt_triton), a.iters)),
     ]
     for tile in filter(None, a.adamw_tiles.split(",")):
         block, warps = (int(v) for v in tile.split("x"))
         adamw_triton.BLOCK, adamw_triton.WARPS = block, warps
         opt_triton._tables.groups.clear()  # block maps rebuilt at the next step
         step(opt_triton)
-        rows.append(dict(row=f"adamw_step_triton_{tile}", ms=gpu_ms(lambda: step(opt_triton), a.iters)))
+        rows.append(dict(row=f"adamw_step_triton_{tile}", **time_step(lambda: step(opt_triton), a.iters)))
     adamw_triton.BLOCK, adamw_triton.WARPS = block0, warps0
     opt_triton._tables.groups.clear()
     step(opt_triton)
     for tables in opt_triton._tables.groups.values():
         tables.aligned = False  # as if some address or size were not: the kernel's scalar loads (before session 26)
     rows += [
-        dict(row="adamw_step_triton_scalar", ms=gpu_ms(lambda: step(opt_triton), a.iters)),
-        dict(row="adamw_flat", ms=gpu_ms(flat_adamw, a.iters)),
-        dict(row="copy_bound", ms=gpu_ms(copy_bound, a.iters)),
+        dict(row="adamw_step_triton_scalar", **time_step(lambda: step(opt_triton), a.iters)),
+        dict(row="adamw_flat", **time_step(flat_adamw, a.iters)),
+        dict(row="copy_bound", **time_step(copy_bound, a.iters)),
     ]
     if a.as_trained:
         for o in (opt, opt_triton):
@@ -210,11 +226,15 @@ def main(argv=None) -> list[dict]:
         torch.cuda.empty_cache()
         rows += as_trained_rows(model, params, a.iters, next(r["ms"] for r in rows if r["row"] == "copy_bound"))
     print(f"{a.flavor}: {n / 1e6:.1f}M parameters in {len(params)} tensors, {torch.cuda.get_device_name()}")
-    print("| row | ms per step | GB/s of the bytes moved (28 per parameter; the *_as_trained rows: their own) |")
-    print("| --- | --- | --- |")
+    print("| row | ms per step | host ms per step | GB/s of the bytes moved (28 per parameter; the *_as_trained rows: "
+          "their own) |")  # fmt: skip
+    print("| --- | --- | --- | --- |")
     for r in rows:
         r["GBps"] = r.get("bytes", 28 * n) / r["ms"] / 1e6
-        print(f"| {r['row']} | {r['ms']:.3f} | {r['GBps']:.0f} |")
+        host = r.get("host_ms")
+        r["host_bound"] = host is not None and host >= HOST_BOUND * r["ms"]
+        shown = "-" if host is None else f"{host:.3f}" + (" (host-bound: ms is the host's)" if r["host_bound"] else "")
+        print(f"| {r['row']} | {r['ms']:.3f} | {shown} | {r['GBps']:.0f} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(flavor=a.flavor, params=n, tensors=len(params), rows=rows), f, indent=1)

@@ -19,7 +19,7 @@ def check_as_trained() -> dict:
     from models import build_model_args, build_model_on_meta
     from models.kernels import weight_copies
 
-    bench_optimizer.gpu_ms = lambda fn, iters: (fn(), 1.0)[1]
+    bench_optimizer.time_step = lambda fn, iters: (fn(), dict(ms=1.0, host_ms=0.5))[1]
     torch.cuda.synchronize = lambda *a: None
     torch.cuda.is_current_stream_capturing = lambda: False
     weight_copies._wants_copy = lambda w, dtype: (
@@ -56,6 +56,7 @@ def check_as_trained() -> dict:
     moved = 24 * n + grad_bytes + 2 * sum(p.numel() for p in matrices)
     assert [r["row"] for r in rows] == ["adamw_as_trained", "copy_bound_as_trained"]
     assert rows[0]["bytes"] == rows[1]["bytes"] == moved
+    assert (rows[0]["ms"], rows[0]["host_ms"]) == (1.0, 0.5)
     assert rows[1]["ms"] == pytest.approx(2.0 * moved / (28 * n))
     return moved
 
