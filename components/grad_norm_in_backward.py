@@ -22,7 +22,7 @@ from collections import defaultdict
 
 import torch
 
-from parallelisms.grad_norm import global_grad_norm, is_counted_in_norm
+from parallelisms.grad_norm import global_grad_norm, is_counted_in_norm, sum_of_dtype_sums
 
 __all__ = ["GradNormInBackward"]
 
@@ -113,9 +113,9 @@ class GradNormInBackward:
     def _launch(self, whole_gpu: bool = False) -> None:
         """The pending gradients' partial sums into their slots, on the side stream once the gradients are written:
         in `side_programs` programs during the backward, a program a block after it (`whole_gpu`)."""
-        max_programs = None if whole_gpu else self.side_programs
         if not self._pending:
             return
+        max_programs = None if whole_gpu else self.side_programs
         ctx = contextlib.nullcontext()
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are written
@@ -142,8 +142,7 @@ class GradNormInBackward:
         layout = self.layout
         if armed and layout.slot and self._arrived == len(layout.slot) and _grads_key(self.params) == layout.key:
             self.in_backward = True
-            sums = [buf.sum() for buf in layout.partials.values()]
-            local_sq = sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+            local_sq = sum_of_dtype_sums([buf.sum() for buf in layout.partials.values()])
             return (torch.zeros((), dtype=torch.float32, device=self.device) + local_sq).sqrt()
         self.in_backward = False
         self.layout = _Layout(self.params, self.sumsq.block, self.device)  # for the next step

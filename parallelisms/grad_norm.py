@@ -61,6 +61,12 @@ def _grads_by_layout(parameters, counted_only: bool):
 _table_sumsq = None  # components.sumsq_triton.TableSumOfSquares, made at the first CUDA call
 
 
+def sum_of_dtype_sums(sums: list[torch.Tensor]) -> torch.Tensor:
+    """The gradient dtypes' 0-d sums of squares (in the order of their first gradient) as one: how the CUDA path adds
+    them (components/grad_norm_in_backward.py adds its own the same way, to give this norm bit for bit)."""
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+
+
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     """The 0-d float32 sum of every element of `grads` squared, in float32: on CUDA contiguous tensors one Triton
     launch per gradient dtype (float32; bf16 with training.grad_dtype) over them all (components/sumsq_triton.py: 1.8
@@ -77,8 +83,7 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
         if sumsq_triton is not None and all(sumsq_triton.applies(gs) for gs in by_dtype.values()):
             if _table_sumsq is None:
                 _table_sumsq = sumsq_triton.TableSumOfSquares()
-            sums = [_table_sumsq(gs) for gs in by_dtype.values()]
-            return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
+            return sum_of_dtype_sums([_table_sumsq(gs) for gs in by_dtype.values()])
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
