@@ -25,6 +25,7 @@ With --as_trained, also the step as the trainer runs it on one GPU with compare_
 linear weights' gradients in bf16 (training.grad_dtype bfloat16) and every weight matrix's bf16 copy written by the
 step (optimizer.weight_copies), and the launches that makes (one per parameter group and gradient dtype: tensors,
 elements, programs, whether its loads are 16-byte ones):
+  grad_norm_as_trained  grad_norm in that setting (the bytes: the gradients', 2 or 4 per parameter)
   adamw_as_trained     grad_norm + our step in that setting
   copy_bound_as_trained  copy_bound scaled to the bytes that setting moves (24 per parameter for the float32
                    parameter and moments, + 2 or 4 for the gradient, + 2 for a copy written)
@@ -45,7 +46,7 @@ if REPO not in sys.path:
 
 import torch
 
-from components import adamw_triton  # noqa: E402
+from components import adamw_triton, sumsq_triton  # noqa: E402
 from components.gradient_dtype import set_linear_weight_grad_dtype  # noqa: E402
 from components.optimizer import build_optimizer, take_optimizer_steps  # noqa: E402
 from configs.job_config import Optimizer  # noqa: E402
@@ -64,6 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="also adamw_step_triton at these elements-per-program x warps, e.g. 4096x8,8192x8 (rows "
         "adamw_step_triton_<block>x<warps>; components/adamw_triton.py's BLOCK, WARPS)",
+    )
+    ap.add_argument(
+        "--sumsq_blocks",
+        default="",
+        help="with --as_trained, also the norm with the bf16 gradients summed in blocks of these many elements, e.g. "
+        "4096,8192 (rows grad_norm_as_trained_<block>; components/sumsq_triton.py's BLOCK, the float32 ones kept)",
     )
     ap.add_argument(
         "--as_trained",
@@ -113,7 +120,7 @@ def model_with_gradients(flavor: str, device: torch.device, gen: torch.Generator
     return model, params
 
 
-def as_trained_rows(model, params, iters: int, copy_bound_ms: float) -> list[dict]:
+def as_trained_rows(model, params, iters: int, copy_bound_ms: float, sumsq_blocks: list[int]) -> list[dict]:
     """The rows of --as_trained (module docstring): the same parameters, the blocks' linear weights' gradients
     redrawn in bf16, a bf16 copy of every weight matrix (the products' weights: in_proj, out_proj, the embedding
     that lm_head shares), our optimizer keeping them current; its launches printed."""
@@ -141,6 +148,17 @@ def as_trained_rows(model, params, iters: int, copy_bound_ms: float) -> list[dic
         raise RuntimeError("bench_optimizer --as_trained: the step left a weight copy stale")
     timed = time_step(step, iters)
     grad_bytes = sum(p.numel() * p.grad.element_size() for p in params)
+    rows = [dict(row="grad_norm_as_trained", **time_step(lambda: global_grad_norm(params), iters), bytes=grad_bytes)]
+    by_dtype = {dtype: [p.grad for p in params if p.grad.dtype == dtype] for dtype in (torch.float32, bf16)}
+    float32_sums = sumsq_triton.TableSumOfSquares()
+    for block in sumsq_blocks:
+        bf16_sums = sumsq_triton.TableSumOfSquares(block=block)
+
+        def norm(bf16_sums=bf16_sums):
+            return (float32_sums(by_dtype[torch.float32]) + bf16_sums(by_dtype[bf16])).sqrt()
+
+        norm()
+        rows.append(dict(row=f"grad_norm_as_trained_{block}", **time_step(norm, iters), bytes=grad_bytes))
     moved = 24 * sum(p.numel() for p in params) + grad_bytes + 2 * sum(p.numel() for p in copied)
     n = sum(p.numel() for p in params)
     print("launches as trained (group, gradient dtype: tensors, elements, programs, 16-byte loads):")
@@ -150,7 +168,7 @@ def as_trained_rows(model, params, iters: int, copy_bound_ms: float) -> list[dic
         elements = int(tables.numel.sum())
         print(f"  group {index}, {dtype}: {len(picked)} tensors, {elements / 1e6:.1f}M elements, "
               f"{tables.n_blocks} programs, aligned {aligned}")  # fmt: skip
-    return [
+    return rows + [
         dict(row="adamw_as_trained", **timed, bytes=moved),
         dict(row="copy_bound_as_trained", ms=copy_bound_ms * moved / (28 * n), bytes=moved),
     ]
@@ -224,7 +242,9 @@ def main(argv=None) -> list[dict]:
             o.state.clear()  # their moments: room for the setting's own optimizer
         flat.clear()
         torch.cuda.empty_cache()
-        rows += as_trained_rows(model, params, a.iters, next(r["ms"] for r in rows if r["row"] == "copy_bound"))
+        copy_bound_ms = next(r["ms"] for r in rows if r["row"] == "copy_bound")
+        blocks = [int(b) for b in filter(None, a.sumsq_blocks.split(","))]
+        rows += as_trained_rows(model, params, a.iters, copy_bound_ms, blocks)
     print(f"{a.flavor}: {n / 1e6:.1f}M parameters in {len(params)} tensors, {torch.cuda.get_device_name()}")
     print("| row | ms per step | host ms per step | GB/s of the bytes moved (28 per parameter; the *_as_trained rows: "
           "their own) |")  # fmt: skip

@@ -36,7 +36,7 @@ def check_as_trained() -> dict:
             p.normal_(0.0, 0.02, generator=gen)
             p.grad = torch.randn(p.shape, generator=gen) * 1e-3
     before = [p.detach().clone() for p in params]
-    rows = bench_optimizer.as_trained_rows(model, params, iters=1, copy_bound_ms=2.0)
+    rows = bench_optimizer.as_trained_rows(model, params, iters=1, copy_bound_ms=2.0, sumsq_blocks=[4096])
 
     bf16 = torch.bfloat16
     linear = {id(w) for w in linear_weights([model])}
@@ -54,10 +54,12 @@ def check_as_trained() -> dict:
     n = sum(p.numel() for p in params)
     grad_bytes = sum(p.numel() * (2 if id(p) in linear else 4) for p in params)
     moved = 24 * n + grad_bytes + 2 * sum(p.numel() for p in matrices)
-    assert [r["row"] for r in rows] == ["adamw_as_trained", "copy_bound_as_trained"]
-    assert rows[0]["bytes"] == rows[1]["bytes"] == moved
-    assert (rows[0]["ms"], rows[0]["host_ms"]) == (1.0, 0.5)
-    assert rows[1]["ms"] == pytest.approx(2.0 * moved / (28 * n))
+    names = ["grad_norm_as_trained", "grad_norm_as_trained_4096", "adamw_as_trained", "copy_bound_as_trained"]
+    assert [r["row"] for r in rows] == names
+    assert rows[0]["bytes"] == rows[1]["bytes"] == grad_bytes
+    assert rows[2]["bytes"] == rows[3]["bytes"] == moved
+    assert (rows[2]["ms"], rows[2]["host_ms"]) == (1.0, 0.5)
+    assert rows[3]["ms"] == pytest.approx(2.0 * moved / (28 * n))
     return moved
 
 
