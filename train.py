@@ -25,7 +25,6 @@ from checkpoint.run_record import ResumeMismatch, build_run_record
 from components.cuda_graph import GraphedMicrobatch
 from components.distributed import destroy_distributed, init_distributed, set_determinism
 from components.garbage_collection import StepGarbageCollection
-from components.grad_norm_in_backward import GradNormInBackward
 from components.gradient_dtype import set_linear_weight_grad_dtype
 from components.log import setup_logging
 from components.metrics import MetricsLogger, model_flops_per_token, peak_flops
@@ -190,13 +189,6 @@ def main(argv: list[str] | None = None) -> None:
         else None
     )  # fmt: skip
 
-    # One process on CUDA: the gradient norm's sums of squares run beside the step's last backward (bit for bit).
-    norm_in_backward = (
-        GradNormInBackward(params, device)
-        if cfg.training.grad_norm_in_backward and world_size == 1 and device.type == "cuda" and graphed is None
-        else None
-    )
-
     # 7. The loop. From here on SIGTERM finishes the step, saves and exits (before it, it ends the process at
     #    once: there is nothing to save, and torchrun's shutdown of a failed start must not wait for us).
     stop = GracefulStop().install()
@@ -241,7 +233,6 @@ def main(argv: list[str] | None = None) -> None:
                 cfg.training.loss_chunk_tokens,
                 amp,
                 graphed,
-                before_last_backward=None if norm_in_backward is None else norm_in_backward.arm,
             )
         if flat_grads is not None:
             flat_grads.all_reduce()  # DDP: the one gradient reduction of the step
@@ -251,11 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             sharded_dp.reduce_scatter_gradients()  # the distributed optimizer: this rank's rows of the mean gradient
         sum_tied_embedding_grads(model_parts)  # PP + tied embeddings: the two stages' copies get one gradient
         # equal on every rank
-        grad_norm = (
-            sharded_dp.grad_norm() if sharded_dp is not None
-            else norm_in_backward.norm() if norm_in_backward is not None
-            else global_grad_norm(params, pp_group)
-        )  # fmt: skip
+        grad_norm = sharded_dp.grad_norm() if sharded_dp is not None else global_grad_norm(params, pp_group)
         # The logged loss: mean over every token of the global batch (all ranks, all microbatches). A SIGTERM
         # rides on the same all-reduce, so that every rank agrees to stop after the same step.
         loss_and_stop = torch.stack([loss_sum.float(), loss_sum.new_full((), float(stop.requested))])
@@ -399,14 +386,12 @@ def microbatch_steps(
     loss_chunk_tokens: int,
     amp,
     graphed=None,
-    before_last_backward=None,
 ) -> torch.Tensor:
     """Forward / backward of this rank's rows in microbatches of `micro` rows (gradient accumulation).
 
     Each microbatch's summed token loss is multiplied by `backward_scale` (components/step_loss.py) before
     backward, so the accumulated, FSDP-averaged gradient is that of the global token mean. Returns the
-    unscaled loss sum. `graphed` (training.cuda_graph) replays the same forward + backward as a CUDA graph;
-    `before_last_backward` is called before the backward that writes the step's final gradients.
+    unscaled loss sum. `graphed` (training.cuda_graph) replays the same forward + backward as a CUDA graph.
     """
     loss_sum = torch.zeros((), device=input_ids.device)
     n_micro = input_ids.shape[0] // micro
@@ -426,8 +411,6 @@ def microbatch_steps(
                 labels=labels[rows],
                 loss_chunk_tokens=loss_chunk_tokens,
             )
-        if before_last_backward is not None and i == n_micro - 1:
-            before_last_backward()
         (mb_loss * backward_scale).backward()
         loss_sum += mb_loss.detach()
     return loss_sum

@@ -382,8 +382,7 @@ def optimizer_kernels():
     """(name, kernel, argument types, constexprs, warps, stages) of the optimizer's kernels (components/adamw_triton.py,
     components/sumsq_triton.py) at their modules' blocks: float32 weights and moments, aligned, bf16 weight copies,
     no grad_scale (the trainer's clipping divides by a scale only when it clips); float32 gradients, and as
-    "adamw_bf16_grads" / "sumsq_bf16" the launches over bf16 ones (training.grad_dtype); "sumsq_bf16_slotted" the
-    norm's launches during the backward (training.grad_norm_in_backward)."""
+    "adamw_bf16_grads" / "sumsq_bf16" the launches over bf16 ones (training.grad_dtype)."""
     import triton.language as tl
 
     from components import adamw_triton, sumsq_triton
@@ -398,14 +397,11 @@ def optimizer_kernels():
     yield "adamw_bf16_grads", adamw_triton._adamw_kernel, dict(adamw, grad_base=BF16), dict(update, GRAD_BYTES=2), \
         adamw_triton.WARPS, 1  # fmt: skip
     yield "adamw_step_scalars", adamw_triton._step_scalars_kernel, adamw, dict(BLOCK=1024), 4, 1
-    sumsq = dict(tab_ptr=i64, numel_ptr=i64, blk_tensor_ptr="*i32", blk_start_ptr=i64, blk_slot_ptr=i64, base="*fp32")
-    sums = dict(BLOCK=sumsq_triton.BLOCK, ALIGNED=True, ELEM_BYTES=4, SLOTTED=False, STRIDED=False)
+    sumsq = dict(tab_ptr=i64, numel_ptr=i64, blk_tensor_ptr="*i32", blk_start_ptr=i64, base="*fp32")
+    sums = dict(BLOCK=sumsq_triton.BLOCK, ALIGNED=True, ELEM_BYTES=4)
     yield "sumsq", sumsq_triton._sumsq_kernel, sumsq, sums, sumsq_triton.WARPS, 1
     yield "sumsq_bf16", sumsq_triton._sumsq_kernel, dict(sumsq, base=BF16), dict(sums, ELEM_BYTES=2), \
         sumsq_triton.WARPS, 1  # fmt: skip
-    # training.grad_norm_in_backward's launches: each block's sum into its slot (components/grad_norm_in_backward.py)
-    yield "sumsq_bf16_slotted", sumsq_triton._sumsq_kernel, dict(sumsq, base=BF16), \
-        dict(sums, ELEM_BYTES=2, SLOTTED=True, STRIDED=True), sumsq_triton.WARPS, 1  # fmt: skip
 
 
 def norm_kernels(d_model: int = 2048, d_inner: int = 4096):

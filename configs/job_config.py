@@ -144,14 +144,6 @@ class Training:
         "auto / fused / triton and no training.cuda_graph (components/gradient_dtype.py).",
         choices=("float32", "bfloat16"),
     )
-    grad_norm_in_backward: bool = doc(
-        False,
-        "One process on CUDA without training.cuda_graph: the global gradient norm's sums of squares run on a side "
-        "stream during the step's last backward, as each gradient is written, instead of after it (bit for bit the "
-        "same norm; components/grad_norm_in_backward.py). Off until it is measured faster end to end: its first "
-        "form was 0.44% slower at the 1.3B on an H100 (docs/performance.md, session 66). Elsewhere (several ranks, "
-        "PP, the CPU, a CUDA graph) the norm is taken after the backward, as with false.",
-    )
     seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
     deterministic: bool = doc(False, "Deterministic algorithms (and no TF32); slower on GPU.")
     cuda_graph: bool = doc(

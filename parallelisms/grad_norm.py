@@ -18,11 +18,6 @@ def count_in_norm_elsewhere(param: torch.Tensor) -> None:
     setattr(param, _COUNTED_ELSEWHERE, True)
 
 
-def is_counted_in_norm(param: torch.Tensor) -> bool:
-    """Whether `param`'s gradient counts in the global norm (not marked by count_in_norm_elsewhere)."""
-    return not getattr(param, _COUNTED_ELSEWHERE, False)
-
-
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip in place; return the total norm (a device tensor, the same value on every rank; no host sync).
@@ -49,7 +44,7 @@ def _grads_by_layout(parameters, counted_only: bool):
     device = torch.device("cpu")
     for p in parameters:
         g = p.grad
-        if g is None or (counted_only and not is_counted_in_norm(p)):
+        if g is None or (counted_only and getattr(p, _COUNTED_ELSEWHERE, False)):
             continue
         key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
         local = local_shard(g)
@@ -59,12 +54,6 @@ def _grads_by_layout(parameters, counted_only: bool):
 
 
 _table_sumsq = None  # components.sumsq_triton.TableSumOfSquares, made at the first CUDA call
-
-
-def sum_of_dtype_sums(sums: list[torch.Tensor]) -> torch.Tensor:
-    """The gradient dtypes' 0-d sums of squares (in the order of their first gradient) as one: how the CUDA path adds
-    them (components/grad_norm_in_backward.py adds its own the same way, to give this norm bit for bit)."""
-    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -83,7 +72,8 @@ def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
         if sumsq_triton is not None and all(sumsq_triton.applies(gs) for gs in by_dtype.values()):
             if _table_sumsq is None:
                 _table_sumsq = sumsq_triton.TableSumOfSquares()
-            return sum_of_dtype_sums([_table_sumsq(gs) for gs in by_dtype.values()])
+            sums = [_table_sumsq(gs) for gs in by_dtype.values()]
+            return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
     return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 

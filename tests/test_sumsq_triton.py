@@ -33,7 +33,7 @@ def check() -> dict:
                 assert got.dtype == torch.float32 and got.dim() == 0, got
                 rel = abs(got.item() - want) / want
                 assert rel < 1e-6, (dtype, name, call, rel)
-            block_map = sumsq.maps[(tuple(t.numel() for t in tensors), tensors[0].device, dtype, ())]
+            block_map = sumsq.maps[(tuple(t.numel() for t in tensors), tensors[0].device, dtype)]
             seen[f"{name} {dtype}"] = block_map.sizes_aligned
     assert seen == {
         "unaligned sizes torch.float32": False,
