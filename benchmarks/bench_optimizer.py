@@ -157,7 +157,8 @@ def as_trained_rows(model, params, iters: int, copy_bound_ms: float, sumsq_block
         def norm(bf16_sums=bf16_sums):
             return (float32_sums(by_dtype[torch.float32]) + bf16_sums(by_dtype[bf16])).sqrt()
 
-        norm()
+        # the same norm as the trainer's (another summation order: float32 rounding apart), else the row times nothing
+        torch.testing.assert_close(norm(), global_grad_norm(params), rtol=1e-5, atol=0.0)
         rows.append(dict(row=f"grad_norm_as_trained_{block}", **time_step(norm, iters), bytes=grad_bytes))
     moved = 24 * sum(p.numel() for p in params) + grad_bytes + 2 * sum(p.numel() for p in copied)
     n = sum(p.numel() for p in params)
