@@ -7,7 +7,9 @@ mamba_ssm's own training loop optimizes with. The gradient norm and AdamW then r
 (the 1.3B's in_proj and out_proj hold 1.24 of its 1.34B parameters), and the products write half the bytes. The other
 parameters (embedding and lm_head, norms, conv, A_log, D, dt_bias, experts) keep float32 gradients from their kernels.
 Where it applies (configs/checks.py says why, with the fix): one process, one microbatch per step (a sum of
-microbatches would round at every add), a fused optimizer (it clips and upcasts inside its kernel) and no CUDA graph.
+microbatches would round at every add), and a fused optimizer (it clips and upcasts inside its kernel). A CUDA graph
+(training.cuda_graph: on one GPU the step's one microbatch replays a graph whose backward writes the gradients)
+captures the bf16 gradients as eager autograd makes them.
 """
 
 from __future__ import annotations

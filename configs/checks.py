@@ -187,9 +187,6 @@ def grad_dtype_errors(cfg: JobConfig, pdims: ParallelDims, batch: BatchPlan) -> 
             f"training.grad_dtype {t.grad_dtype} needs a fused AdamW, which clips and upcasts the gradients inside "
             f"its kernel; optimizer.implementation is {cfg.optimizer.implementation!r}: use auto, fused or triton {fix}"
         )
-    if t.cuda_graph:
-        errs.append(f"training.grad_dtype {t.grad_dtype} is not captured by training.cuda_graph: set cuda_graph "
-                    f"false {fix}")  # fmt: skip
     return errs
 
 

@@ -141,7 +141,7 @@ class Training:
         "products (more precise than torch autocast's), or bfloat16, the value autocast gives a float32 weight "
         "(mamba_ssm's own loop trains with it), which halves the bytes the gradient norm and AdamW read (1.3B on an "
         "H100: docs/performance.md). bfloat16 needs one process, one microbatch per step, optimizer.implementation "
-        "auto / fused / triton and no training.cuda_graph (components/gradient_dtype.py).",
+        "auto / fused / triton (components/gradient_dtype.py); training.cuda_graph captures it.",
         choices=("float32", "bfloat16"),
     )
     seed: int = doc(42, "Seed for weight init and data order; initial weights do not depend on the layout.")
