@@ -316,3 +316,35 @@ def test_bench_embedding_checks_its_arguments_and_refuses_the_cpu():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             bench_embedding.main([])
+
+
+def test_bench_products_shapes_and_variants_equal_the_whole_products():
+    """bench_products.py's products are the model's (in_proj's 2 d_inner + 2 ngroups d_state + nheads columns, the
+    padded vocabulary), and each way it splits or pads a product gives the whole product's values (float64 on the
+    CPU, so only summation order could differ), so a faster variant it reports is one the model may take; it names
+    an unknown flavor and stops without CUDA before any work."""
+    from benchmarks import bench_products as bp
+
+    assert [s[:4] for s in bp.product_shapes("1.3B")] == [
+        ("in_proj", 16384, 8512, 2048), ("out_proj", 16384, 2048, 4096), ("lm_head", 16384, 50288, 2048)
+    ]  # fmt: skip
+    assert [s[2] for s in bp.product_shapes("370M")] == [4384, 1024, 50288]
+    assert bp.row_cuts(8512) == [[8192], [4352]] and bp.row_cuts(2048) == []
+    assert bp.padded_ks(8512) == [8576, 8704] and bp.padded_ks(2048) == []
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 96, 200, 48
+    x, w, dy = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((M, K), (N, K), (M, N)))
+    nan = float("nan")
+    dw = bp.dw_rows(dy, x, [128], torch.full((N, K), nan, dtype=torch.float64))
+    torch.testing.assert_close(dw, dy.t() @ x, rtol=1e-12, atol=1e-12)
+    fwd = bp.fwd_split(x, w, 128, torch.full((M, N), nan, dtype=torch.float64))
+    torch.testing.assert_close(fwd, x @ w.t(), rtol=1e-12, atol=1e-12)
+    dy_pad, w_pad = bp.zero_padded(dy, 1, 256), bp.zero_padded(w, 0, 256)
+    assert dy_pad.shape == (M, 256) and (dy_pad[:, N:] == 0).all() and torch.equal(w_pad[:N], w)
+    torch.testing.assert_close(dy_pad @ w_pad, dy @ w, rtol=1e-12, atol=1e-12)
+    assert bp.rel_diff(dw, dy.t() @ x) < 1e-12 and bp.rel_diff(dw + 1, dw) > 1e-3
+    with pytest.raises(SystemExit, match="7B"):
+        bp.main(["--flavors", "7B"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            bp.main([])
