@@ -382,7 +382,8 @@ def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
 
 def test_rounds_take_turns_and_compare_each_sides_median_run(monkeypatch, tmp_path, capsys):
     """--rounds R: theirs then every variant of ours, R times in turn; each record compares the median runs (the
-    lower middle one of an even count; a failed run left out) and lists every round's figures and ratio."""
+    lower middle one of an even count; a failed run left out), lists every round's figures and ratio, and our median
+    against their fastest run."""
     order = []
     theirs_tps = iter([30.0, 40.0, 20.0])
     ours_tps = {0: iter([33.0, 60.0, 45.0]), 1: iter([10.0, None, 50.0])}
@@ -408,11 +409,14 @@ def test_rounds_take_turns_and_compare_each_sides_median_run(monkeypatch, tmp_pa
     assert variant["ours"]["rounds_tokens_per_sec"] == [10.0, None, 50.0]
     assert [r["ratio"] for r in base["rounds"]] == [pytest.approx(1.1), pytest.approx(1.5), pytest.approx(2.25)]
     assert variant["rounds"][1] == {"ours": None, "theirs": 40.0, "ratio": None}
+    assert base["ratio_vs_their_fastest"] == pytest.approx(45.0 / 40.0)  # our median against their fastest run
+    assert variant["ratio_vs_their_fastest"] == pytest.approx(10.0 / 40.0)
     saved = json.loads((tmp_path / "r.json").read_text())["results"]
     assert [r["ours"]["tokens_per_sec"] for r in saved] == [45.0, 10.0]
     out = capsys.readouterr().out
     assert "45 (median of 3)" in out and "30 (median of 3)" in out and "| 1.500 " in out
-    assert "round by round 1.100, 1.500, 2.250" in out and "round by round 0.333, n/a, 2.500" in out
+    assert "round by round 1.100, 1.500, 2.250; our median / their fastest run 1.125" in out
+    assert "round by round 0.333, n/a, 2.500; our median / their fastest run 0.250" in out
     with pytest.raises(SystemExit):
         cmp.parse_args(["--rounds", "0"])
     with pytest.raises(SystemExit):
