@@ -15,6 +15,7 @@ gradients are float32, as the fused loss writes them):
   <product> dw rows <cuts>       dw as row blocks ending at cuts, each a product into its rows of one buffer
   <product> dx K padded to <K'>  dx over K' > K columns of dy and rows of W, the added ones zero
   <product> fwd N <cut> + rest   the forward as two column blocks written into one buffer (ldc = N)
+  <product> dx K <cut> + rest    a float32 input gradient (lm_head's) as two products summed in float32
 Each variant is checked against its whole product before it is timed: max |difference| / max |whole| is printed
 (0 where bit for bit; a different summation order shows as float rounding). Times: bench_optimizer.time_step's
 median over 3 rounds of `--iters` calls; TFLOP/s from 2 M N K.
@@ -106,6 +107,18 @@ def zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return out
 
 
+def dx_k_split_float32(dy_MN: torch.Tensor, w_NK: torch.Tensor, cut: int, out_MK: torch.Tensor) -> torch.Tensor:
+    """out (float32) = dy W as dy[:, :cut] W[:cut], then dy[:, cut:] W[cut:] added into it in float32 (cuBLAS's addmm
+    with beta 1 where this torch takes a float32 input, autocast_linear.add_mm_float32_): the same float32 sum of the
+    same terms, in two parts."""
+    from models.kernels.autocast_linear import add_mm_float32_
+
+    mm_into(dy_MN[:, :cut], w_NK[:cut], out_MK)
+    if dy_MN.is_cuda:
+        return add_mm_float32_(out_MK, dy_MN[:, cut:], w_NK[cut:])
+    return out_MK.addmm_(dy_MN[:, cut:].to(out_MK.dtype), w_NK[cut:].to(out_MK.dtype))  # the CPU test's float64
+
+
 def fwd_split(x_MK: torch.Tensor, w_NK: torch.Tensor, cut: int, out_MN: torch.Tensor) -> torch.Tensor:
     """out = x W^T [M, N] as columns [0, cut) and [cut, N), each written into its columns of out (ldc = N)."""
     mm_into(x_MK, w_NK[:cut].t(), out_MN[:, :cut])
@@ -145,6 +158,8 @@ def product_rows(name: str, M: int, N: int, K: int, grad_dtype: torch.dtype, ite
     if N % 1024 and N > 2048:
         cut = N // 1024 * 1024
         cases.append(("fwd", f"fwd N {cut} + rest", lambda cut=cut: fwd_split(x, w, cut, fwd_out)))
+        if grad_dtype == torch.float32:  # a float32 input gradient can take its reduction in two parts exactly so
+            cases.append(("dx", f"dx K {cut} + rest", lambda cut=cut: dx_k_split_float32(dy, w, cut, dx_out)))
     rows = []
     for kind, label, fn in cases:
         err = rel_diff(fn(), refs[kind])

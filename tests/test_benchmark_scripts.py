@@ -342,6 +342,8 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
     dy_pad, w_pad = bp.zero_padded(dy, 1, 256), bp.zero_padded(w, 0, 256)
     assert dy_pad.shape == (M, 256) and (dy_pad[:, N:] == 0).all() and torch.equal(w_pad[:N], w)
     torch.testing.assert_close(dy_pad @ w_pad, dy @ w, rtol=1e-12, atol=1e-12)
+    dx = bp.dx_k_split_float32(dy, w, 128, torch.full((M, K), nan, dtype=torch.float64))
+    torch.testing.assert_close(dx, dy @ w, rtol=1e-12, atol=1e-12)
     assert bp.rel_diff(dw, dy.t() @ x) < 1e-12 and bp.rel_diff(dw + 1, dw) > 1e-3
     with pytest.raises(SystemExit, match="7B"):
         bp.main(["--flavors", "7B"])
