@@ -52,13 +52,11 @@ def product_shapes(flavor: str) -> list[tuple[str, int, int, int, torch.dtype]]:
     """(product, M tokens, N output features, K input features, dtype of its gradients) of the flavor's products."""
     a = build_model_args(flavor)
     d_in_proj = 2 * a.d_inner + 2 * a.ngroups * a.d_state + a.nheads
-    mult = a.pad_vocab_size_multiple
-    vocab = -(-a.vocab_size // mult) * mult
     M = TOKENS[flavor]
     return [
         ("in_proj", M, d_in_proj, a.d_model, torch.bfloat16),
         ("out_proj", M, a.d_model, a.d_inner, torch.bfloat16),
-        ("lm_head", M, vocab, a.d_model, torch.float32),
+        ("lm_head", M, a.padded_vocab_size, a.d_model, torch.float32),
     ]
 
 
