@@ -17,12 +17,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from models.kernels.weight_copies import compute_weight, zero_padded_rows
+from models.kernels.weight_copies import compute_weight
 
 __all__ = [
     "autocast_linear",
-    "input_grad",
-    "mark_zero_padded",
     "gradient_dtype",
     "weight_grad",
     "mm_float32",
@@ -74,33 +72,9 @@ def gradient_dtype(weight: torch.Tensor) -> torch.dtype:
 # A weight gradient of more rows than this, and not a multiple of it, runs as blocks of this many rows, then the
 # rest, each product into its rows of one buffer: cuBLAS picks its kernel by shape, and at the 1.3B's in_proj (8,512
 # rows) the whole product ran 805.7 us where 8,192 rows + the rest ran 760.5 (H100, session 69,
-# benchmarks/bench_products.py); with input_grad's padding below, +0.34% tokens/s end to end at the 1.3B.
+# benchmarks/bench_products.py), and end to end the 1.3B ran +0.44% / +0.59% faster in two alternating rounds.
 # Every element is still one float32 sum of the same terms, rounded once. None: one product.
 WEIGHT_GRAD_ROW_BLOCK: int | None = 8192
-
-
-def mark_zero_padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Declare that t's rows ([..., n], last dim contiguous, row stride `width`) continue in memory with zeros up to
-    `width` columns: input_grad may then read them. Only the code that allocated and zeroed them may say so."""
-    t.zero_padded_width = width
-    return t
-
-
-def input_grad(dy_MN: torch.Tensor, w_NK: torch.Tensor, width: int | None) -> torch.Tensor:
-    """dy @ W [M, K] in dy's dtype. With `width` (the zero_padded_width of the tensor dy's rows view, mark_zero_padded)
-    and W's current copy kept with zero rows up to it (weight_copies.zero_padded_rows), the product runs over the
-    padded reduction (the added terms are zeros): cuBLAS picks its kernel by shape, and at the 1.3B's in_proj 8,576
-    ran 775.8 us against 811.6 for 8,512 (H100, session 69, benchmarks/bench_products.py)."""
-    w_padded = zero_padded_rows(w_NK)
-    if (
-        width is not None
-        and w_padded is not None
-        and w_padded.shape[0] == width
-        and dy_MN.dim() == 2
-        and dy_MN.stride() == (width, 1)
-    ):
-        return torch.as_strided(dy_MN, (dy_MN.shape[0], width), (width, 1)) @ w_padded
-    return dy_MN @ w_NK
 
 
 def _row_blocks(rows: int) -> list[tuple[int, int]] | None:
@@ -113,8 +87,8 @@ def _row_blocks(rows: int) -> list[tuple[int, int]] | None:
 def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A linear layer's weight gradient dy^T x [O, I] in `dtype`, the weight's gradient_dtype. For float32, float32
     from cuBLAS (mm_float32); for the operands' own 16-bit dtype the product as it comes (torch autocast's rounding).
-    On CUDA a tall one runs in row blocks (WEIGHT_GRAD_ROW_BLOCK). Used by autocast_linear, norm_linear, the fused
-    mixer's out_proj (split_conv1d_scan.py) and the fused loss (cross_entropy_triton.py)."""
+    On CUDA a tall one runs in row blocks (WEIGHT_GRAD_ROW_BLOCK). Used by autocast_linear, norm_linear (in_proj) and
+    the fused mixer's out_proj (split_conv1d_scan.py); the fused loss sums lm_head's in chunks (add_mm_float32_)."""
     blocks = _row_blocks(dy_MO.shape[1]) if dy_MO.is_cuda and dtype in (torch.float32, dy_MO.dtype) else None
     if blocks is not None and dy_MO.dtype in (torch.bfloat16, torch.float16):
         out = torch.empty(dy_MO.shape[1], x_MI.shape[1], device=dy_MO.device, dtype=dtype)

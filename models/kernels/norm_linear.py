@@ -28,7 +28,7 @@ from models.kernels.add_rmsnorm_triton import (
     residual_dtype,
     unpack_row_scaled,
 )
-from models.kernels.autocast_linear import gradient_dtype, input_grad, weight_grad
+from models.kernels.autocast_linear import gradient_dtype, weight_grad
 from models.kernels.weight_copies import compute_weight
 
 __all__ = ["add_rmsnorm_linear_triton"]
@@ -65,9 +65,7 @@ class _AddRMSNormLinear(torch.autograd.Function):
             dnormed = torch.zeros(M, D, device=s.device, dtype=w16.dtype)
         else:
             dout2 = dout.reshape(M, -1).to(w16.dtype)
-            # the normed rows' gradient, in the compute dtype as autocast_linear gives it; over a zero-padded
-            # reduction where the mixer's backward wrote dout padded (split_conv1d_scan.py) and w16 is padded too
-            dnormed = input_grad(dout2, w16, getattr(dout, "zero_padded_width", None))
+            dnormed = dout2 @ w16  # the normed rows' gradient, in the compute dtype as autocast_linear gives it
         normed = torch.empty(M, D, device=s.device, dtype=w16.dtype) if dout2 is not None and needs[5] else None
         dx, dres, dnorm_w = norm_backward(dnormed, dres2, s, norm_w, rstd, x_rstd, ctx.x_dtype, ctx.has_res, normed)
         del dnormed

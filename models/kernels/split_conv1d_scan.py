@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from models.kernels import cuda as _cuda
 from models.kernels._utils import no_autocast
-from models.kernels.autocast_linear import gradient_dtype, mark_zero_padded, weight_grad
+from models.kernels.autocast_linear import gradient_dtype, weight_grad
 from models.kernels.reference import split_zxbcdt_sizes
 from models.kernels.row_scale import RowScaled
-from models.kernels.weight_copies import compute_weight, padded_rows
+from models.kernels.weight_copies import compute_weight
 
 __all__ = ["mamba_split_conv1d_scan_triton"]
 
@@ -304,20 +304,6 @@ class _MixerFunction(torch.autograd.Function):
         )
 
 
-def _padded_gradient_of(zxbcdt: torch.Tensor) -> torch.Tensor:
-    """An empty gradient for in_proj's output zxbcdt [B, L, W] whose rows continue with zeros up to
-    weight_copies.padded_rows(W) columns (marked so: autocast_linear.mark_zero_padded), so that in_proj's input
-    gradient can run over the padded reduction (autocast_linear.input_grad); the kernels below write its column
-    slices through their strides as before. Contiguous [B, L, W] where the width needs no padding."""
-    width = zxbcdt.shape[-1]
-    padded = padded_rows(width)
-    if padded == width or not zxbcdt.is_cuda:
-        return torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
-    buf = torch.empty(*zxbcdt.shape[:-1], padded, device=zxbcdt.device, dtype=zxbcdt.dtype)
-    buf[..., width:].zero_()
-    return mark_zero_padded(buf[..., :width], padded)
-
-
 def _backward_with_kernel_halves(ctx, dout, dfinal):
     """_MixerFunction's backward when the conv and the norm run as kernel halves (mamba_ssm's fused mixer's order):
     out_proj's input gradient, the norm's backward (recomputing out_proj's input for its weight gradient, dz written
@@ -328,7 +314,7 @@ def _backward_with_kernel_halves(ctx, dout, dfinal):
     (zxbcdt, conv_w, conv_b, dt_bias, A32, D32, norm_w, out_w, out_b, init, seq, y_BLD, dt_p, dA_cs, a2dt,
      rstd, S_kept, kept_conv) = ctx.saved_tensors  # fmt: skip
     A_dtype, D_dtype, init_dtype = ctx.dtypes
-    dzxbcdt = _padded_gradient_of(zxbcdt)
+    dzxbcdt = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format)
     _, z, xBC_in, dt = s.split(zxbcdt)
     _, dz, dxBC_in, ddt_out = s.split(dzxbcdt)
     dout_w = dout_b = None

@@ -27,13 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["enable", "compute_weight", "copy_of", "current_copies", "copies_dtype", "padded_rows", "zero_padded_rows"]
-
-# A matrix's copy is allocated with its rows padded to a multiple of this, the extra rows zero (a view of the first
-# rows is the copy): autocast_linear.input_grad then runs dy W over the padded reduction where dy comes padded too.
-# None: no padding.
-ROW_PAD: int | None = 128
-_PADDED = WeakIdKeyDictionary()  # the padded buffers _new_copy made (their extra rows zero, never written)
+__all__ = ["enable", "compute_weight", "copy_of", "current_copies", "copies_dtype"]
 
 _DTYPE: torch.dtype | None = None  # the copies' dtype; None: no copies are made
 # Parameter -> (copy, the weight's version when it was made); keyed by identity (a tensor's == is elementwise)
@@ -65,32 +59,6 @@ def _wants_copy(w: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
-def padded_rows(n: int) -> int:
-    """n rounded up to ROW_PAD (n itself without padding)."""
-    return n if not ROW_PAD else -(-n // ROW_PAD) * ROW_PAD
-
-
-def _new_copy(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    rows = w.shape[0] if w.dim() == 2 else 0
-    if not rows or padded_rows(rows) == rows or type(w.detach()) is not torch.Tensor:  # a DTensor shard: as it is
-        return w.detach().to(dtype)
-    buf = torch.zeros(padded_rows(rows), w.shape[1], device=w.device, dtype=dtype)
-    _PADDED[buf] = True
-    copy = buf[:rows]  # contiguous: the optimizer writes it as it would a copy of its own
-    copy.copy_(w.detach())
-    return copy
-
-
-def zero_padded_rows(copy: torch.Tensor) -> torch.Tensor | None:
-    """The zero-padded [padded_rows(rows), cols] matrix whose first rows `copy` is (_new_copy), or None."""
-    base = copy._base
-    if base is None or base not in _PADDED or copy.dim() != 2 or base.shape[1] != copy.shape[1]:
-        return None
-    if base.shape[0] != padded_rows(copy.shape[0]) or copy.data_ptr() != base.data_ptr():
-        return None
-    return base
-
-
 def copy_of(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """w's current copy in `dtype` (made or remade now if needed), or None where no copy is kept (then cast)."""
     if not _wants_copy(w, dtype):
@@ -102,7 +70,7 @@ def copy_of(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     with torch.no_grad():
         if entry is None or entry[0].shape != w.shape:
-            copy = _new_copy(w, dtype)
+            copy = w.detach().to(dtype)
         else:  # remade in place: its address stays (the optimizer's tables hold it)
             copy = entry[0]
             copy.copy_(w.detach())
