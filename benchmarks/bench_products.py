@@ -13,9 +13,14 @@ operands, outputs in bf16 (the benchmark trains the linear weights with bf16 gra
 gradients are float32, as the fused loss writes them):
   <product> fwd / dx / dw        x W^T, the input gradient dy W, the weight gradient dy^T x
   <product> dw rows <cuts>       dw as row blocks ending at cuts, each a product into its rows of one buffer
+  <product> dw cols <cut>        dw as two column blocks [0, cut) and the rest into one buffer (ldc = K)
+  <product> dx rows <cut>        dx as two blocks of tokens (rows of dy and of dx)
+  <product> dx cols <cut>        dx as two column blocks into one buffer (ldc = K)
   <product> dx K padded to <K'>  dx over K' > K columns of dy and rows of W, the added ones zero
   <product> fwd N <cut> + rest   the forward as two column blocks written into one buffer (ldc = N)
   <product> dx K <cut> + rest    a float32 input gradient (lm_head's) as two products summed in float32
+(session 69 added the rows and columns halves for out_proj, whose sizes are multiples of 1,024: its backward
+products ran at 693-694 TFLOP/s against its forward's 733.)
 Each variant is checked against its whole product before it is timed: max |difference| / max |whole| is printed
 (0 where bit for bit; a different summation order shows as float rounding). Times: bench_optimizer.time_step's
 median over 3 rounds of `--iters` calls; TFLOP/s from 2 M N K.
@@ -66,10 +71,17 @@ def round_up(n: int, multiple: int) -> int:
 
 def row_cuts(N: int) -> list[list[int]]:
     """Row blocks to try for a weight gradient of N rows: the largest multiple of 1024 below N and the rest, and
-    two halves at a multiple of 128; none where N is a multiple of 1024 already."""
-    if N % 1024 == 0 or N < 2048:
+    two halves at a multiple of 128; only the halves where N is a multiple of 1024 already."""
+    if N < 2048:
         return []
+    if N % 1024 == 0:
+        return [[N // 2]]
     return [[N // 1024 * 1024], [round_up(N // 2, 128)]]
+
+
+def half_cut(n: int) -> int | None:
+    """Where to cut n rows or columns in two for the halves variants: n / 2 rounded up to 128, None below 2,048."""
+    return round_up(n // 2, 128) if n >= 2048 else None
 
 
 def padded_ks(K: int) -> list[int]:
@@ -87,13 +99,27 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor
     return torch.mm(a, b, out=out)
 
 
+def mm_rows(a: torch.Tensor, b: torch.Tensor, cuts: list[int], out: torch.Tensor) -> torch.Tensor:
+    """out = a @ b, as row blocks [start, cut) of a and of out for each cut, then the rest."""
+    start = 0
+    for cut in [*cuts, a.shape[0]]:
+        mm_into(a[start:cut], b, out[start:cut])
+        start = cut
+    return out
+
+
+def mm_cols(a: torch.Tensor, b: torch.Tensor, cuts: list[int], out: torch.Tensor) -> torch.Tensor:
+    """out = a @ b, as column blocks [start, cut) of b and of out (ldc = out's width) for each cut, then the rest."""
+    start = 0
+    for cut in [*cuts, b.shape[1]]:
+        mm_into(a, b[:, start:cut], out[:, start:cut])
+        start = cut
+    return out
+
+
 def dw_rows(dy_MN: torch.Tensor, x_MK: torch.Tensor, cuts: list[int], out_NK: torch.Tensor) -> torch.Tensor:
     """out = dy^T x [N, K], as row blocks [start, cut) for each cut, then the rest."""
-    start = 0
-    for cut in [*cuts, dy_MN.shape[1]]:
-        mm_into(dy_MN[:, start:cut].t(), x_MK, out_NK[start:cut])
-        start = cut
-    return out_NK
+    return mm_rows(dy_MN.t(), x_MK, cuts, out_NK)
 
 
 def zero_padded(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
@@ -119,9 +145,7 @@ def dx_k_split_float32(dy_MN: torch.Tensor, w_NK: torch.Tensor, cut: int, out_MK
 
 def fwd_split(x_MK: torch.Tensor, w_NK: torch.Tensor, cut: int, out_MN: torch.Tensor) -> torch.Tensor:
     """out = x W^T [M, N] as columns [0, cut) and [cut, N), each written into its columns of out (ldc = N)."""
-    mm_into(x_MK, w_NK[:cut].t(), out_MN[:, :cut])
-    mm_into(x_MK, w_NK[cut:].t(), out_MN[:, cut:])
-    return out_MN
+    return mm_cols(x_MK, w_NK.t(), [cut], out_MN)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -150,6 +174,11 @@ def product_rows(name: str, M: int, N: int, K: int, grad_dtype: torch.dtype, ite
     cases = [(kind, kind, fn) for kind, fn in whole.items()]
     for cuts in row_cuts(N):
         cases.append(("dw", f"dw rows {cuts}", lambda cuts=cuts: dw_rows(dy, x, cuts, dw_out)))
+    if (cut := half_cut(K)) is not None:
+        cases.append(("dw", f"dw cols {cut}", lambda cut=cut: mm_cols(dy.t(), x, [cut], dw_out)))
+        cases.append(("dx", f"dx cols {cut}", lambda cut=cut: mm_cols(dy, w, [cut], dx_out)))
+    if (cut := half_cut(M)) is not None:
+        cases.append(("dx", f"dx rows {cut}", lambda cut=cut: mm_rows(dy, w, [cut], dx_out)))
     for k_pad in padded_ks(N):
         dy_pad, w_pad = zero_padded(dy, 1, k_pad), zero_padded(w, 0, k_pad)
         cases.append(("dx", f"dx K padded to {k_pad}", lambda d=dy_pad, p=w_pad: mm_into(d, p, dx_out)))

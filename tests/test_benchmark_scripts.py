@@ -329,7 +329,8 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
         ("in_proj", 16384, 8512, 2048), ("out_proj", 16384, 2048, 4096), ("lm_head", 16384, 50288, 2048)
     ]  # fmt: skip
     assert [s[2] for s in bp.product_shapes("370M")] == [4384, 1024, 50288]
-    assert bp.row_cuts(8512) == [[8192], [4352]] and bp.row_cuts(2048) == []
+    assert bp.row_cuts(8512) == [[8192], [4352]] and bp.row_cuts(2048) == [[1024]] and bp.row_cuts(1024) == []
+    assert bp.half_cut(4096) == 2048 and bp.half_cut(4384) == 2304 and bp.half_cut(1024) is None
     assert bp.padded_ks(8512) == [8576, 8704] and bp.padded_ks(2048) == []
     g = torch.Generator().manual_seed(0)
     M, N, K = 96, 200, 48
@@ -337,6 +338,10 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
     nan = float("nan")
     dw = bp.dw_rows(dy, x, [128], torch.full((N, K), nan, dtype=torch.float64))
     torch.testing.assert_close(dw, dy.t() @ x, rtol=1e-12, atol=1e-12)
+    for out_shape, a, b in (((N, K), dy.t(), x), ((M, K), dy, w)):  # dw and dx, in row and in column blocks
+        for split, cut in ((bp.mm_rows, 40), (bp.mm_cols, 16)):
+            got = split(a, b, [cut], torch.full(out_shape, nan, dtype=torch.float64))
+            torch.testing.assert_close(got, a @ b, rtol=1e-12, atol=1e-12)
     fwd = bp.fwd_split(x, w, 128, torch.full((M, N), nan, dtype=torch.float64))
     torch.testing.assert_close(fwd, x @ w.t(), rtol=1e-12, atol=1e-12)
     dy_pad, w_pad = bp.zero_padded(dy, 1, 256), bp.zero_padded(w, 0, 256)
