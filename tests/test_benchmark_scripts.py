@@ -329,7 +329,8 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
         ("in_proj", 16384, 8512, 2048), ("out_proj", 16384, 2048, 4096), ("lm_head", 16384, 50288, 2048)
     ]  # fmt: skip
     assert [s[2] for s in bp.product_shapes("370M")] == [4384, 1024, 50288]
-    assert bp.row_cuts(8512) == [[8192], [4352]] and bp.row_cuts(2048) == [[1024]] and bp.row_cuts(1024) == []
+    assert bp.row_cuts(8512) == [[8192], [8448], [4352]] and bp.row_cuts(4384) == [[4096], [4352], [2304]]
+    assert bp.row_cuts(8448) == [[8192], [4224]] and bp.row_cuts(2048) == [[1024]] and bp.row_cuts(1024) == []
     assert bp.half_cut(4096) == 2048 and bp.half_cut(4384) == 2304 and bp.half_cut(1024) is None
     assert bp.padded_ks(8512) == [8576, 8704] and bp.padded_ks(2048) == []
     g = torch.Generator().manual_seed(0)
