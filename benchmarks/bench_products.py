@@ -18,6 +18,7 @@ gradients are float32, as the fused loss writes them):
   <product> dx cols <cut>        dx as two column blocks into one buffer (ldc = K)
   <product> dx K padded to <K'>  dx over K' > K columns of dy and rows of W, the added ones zero
   <product> fwd N <cut> + rest   the forward as two column blocks written into one buffer (ldc = N)
+  <product> fwd N padded to <N'> the forward over N' > N output columns (W's added rows zero), ldc = N'
   <product> dx K <cut> + rest    a float32 input gradient (lm_head's) as two products summed in float32
 (session 69 added the rows and columns halves for out_proj, whose sizes are multiples of 1,024: its backward
 products ran at 693-694 TFLOP/s against its forward's 733.)
@@ -151,6 +152,12 @@ def fwd_split(x_MK: torch.Tensor, w_NK: torch.Tensor, cut: int, out_MN: torch.Te
     return mm_cols(x_MK, w_NK.t(), [cut], out_MN)
 
 
+def fwd_padded(x_MK: torch.Tensor, w_pad_NK: torch.Tensor, N: int, out_MN: torch.Tensor) -> torch.Tensor:
+    """x W^T over N' > N output columns (W's rows zero-padded to N'), written whole into out [M, N']; the first N
+    columns, the product's (a view with row stride N', as the model's consumers of in_proj's output read it)."""
+    return mm_into(x_MK, w_pad_NK.t(), out_MN)[:, :N]
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -185,6 +192,8 @@ def product_rows(name: str, M: int, N: int, K: int, grad_dtype: torch.dtype, ite
     for k_pad in padded_ks(N):
         dy_pad, w_pad = zero_padded(dy, 1, k_pad), zero_padded(w, 0, k_pad)
         cases.append(("dx", f"dx K padded to {k_pad}", lambda d=dy_pad, p=w_pad: mm_into(d, p, dx_out)))
+        out_pad = torch.empty(M, k_pad, device=dev, dtype=bf16)
+        cases.append(("fwd", f"fwd N padded to {k_pad}", lambda p=w_pad, o=out_pad: fwd_padded(x, p, N, o)))
     if N % 1024 and N > 2048:
         cut = N // 1024 * 1024
         cases.append(("fwd", f"fwd N {cut} + rest", lambda cut=cut: fwd_split(x, w, cut, fwd_out)))

@@ -343,6 +343,9 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
         for split, cut in ((bp.mm_rows, 40), (bp.mm_cols, 16)):
             got = split(a, b, [cut], torch.full(out_shape, nan, dtype=torch.float64))
             torch.testing.assert_close(got, a @ b, rtol=1e-12, atol=1e-12)
+    fwd_pad = bp.fwd_padded(x, bp.zero_padded(w, 0, 256), N, torch.full((M, 256), nan, dtype=torch.float64))
+    assert fwd_pad.shape == (M, N) and fwd_pad.stride() == (256, 1)
+    torch.testing.assert_close(fwd_pad, x @ w.t(), rtol=1e-12, atol=1e-12)
     fwd = bp.fwd_split(x, w, 128, torch.full((M, N), nan, dtype=torch.float64))
     torch.testing.assert_close(fwd, x @ w.t(), rtol=1e-12, atol=1e-12)
     dy_pad, w_pad = bp.zero_padded(dy, 1, 256), bp.zero_padded(w, 0, 256)
