@@ -89,14 +89,14 @@ def weight_grad(dy_MO: torch.Tensor, x_MI: torch.Tensor, dtype: torch.dtype) -> 
     from cuBLAS (mm_float32); for the operands' own 16-bit dtype the product as it comes (torch autocast's rounding).
     On CUDA a tall one runs in row blocks (WEIGHT_GRAD_ROW_BLOCK). Used by autocast_linear, norm_linear (in_proj) and
     the fused mixer's out_proj (split_conv1d_scan.py); the fused loss sums lm_head's in chunks (add_mm_float32_)."""
-    blocks = _row_blocks(dy_MO.shape[1]) if dy_MO.is_cuda and dtype in (torch.float32, dy_MO.dtype) else None
-    if blocks is not None and dy_MO.dtype in (torch.bfloat16, torch.float16):
+    sixteen_bit = dy_MO.dtype in (torch.bfloat16, torch.float16)
+    blockable = dy_MO.is_cuda and sixteen_bit and dtype in (torch.float32, dy_MO.dtype)
+    blocks = _row_blocks(dy_MO.shape[1]) if blockable else None
+    if blocks is not None:
         out = torch.empty(dy_MO.shape[1], x_MI.shape[1], device=dy_MO.device, dtype=dtype)
+        float32_out = {"out_dtype": torch.float32} if dtype == torch.float32 else {}  # cuBLAS writes float32 itself
         for start, stop in blocks:
-            if dtype == torch.float32:
-                torch.mm(dy_MO[:, start:stop].t(), x_MI, out_dtype=torch.float32, out=out[start:stop])
-            else:
-                torch.mm(dy_MO[:, start:stop].t(), x_MI, out=out[start:stop])
+            torch.mm(dy_MO[:, start:stop].t(), x_MI, out=out[start:stop], **float32_out)
         return out
     if dtype == torch.float32:
         return mm_float32(dy_MO.t(), x_MI)
