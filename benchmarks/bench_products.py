@@ -25,6 +25,12 @@ products ran at 693-694 TFLOP/s against its forward's 733.)
 Each variant is checked against its whole product before it is timed: max |difference| / max |whole| is printed
 (0 where bit for bit; a different summation order shows as float rounding). Times: bench_optimizer.time_step's
 median over 3 rounds of `--iters` calls; TFLOP/s from 2 M N K.
+
+--energy S adds each row's power and energy per call under sustained load (bench_energy.measure: CUDA-graph replays
+for S seconds after a 1 s warm-up, NVML's energy counter): the trained step runs at the power limit, where a product
+costs its joules rather than its isolated microseconds. Session 70 found the isolated times a poor guide end to
+end: the 1.3B's in_proj input gradient in 1,024-column halves ran 6.7% faster alone and the step 0.2-0.6% slower.
+--products limits the rows to some of in_proj, out_proj, lm_head.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--flavors", default="1.3B,370M", help=f"comma-separated, of {sorted(TOKENS)}")
     ap.add_argument("--iters", type=int, default=20, help="calls per timed round")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
+    ap.add_argument("--energy", type=float, default=0.0, help="seconds of sustained load per row for W and mJ (0: off)")
+    ap.add_argument("--products", default="in_proj,out_proj,lm_head", help="comma-separated subset")
     return ap.parse_args(argv)
 
 
@@ -162,8 +170,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def product_rows(name: str, M: int, N: int, K: int, grad_dtype: torch.dtype, iters: int, dev) -> list[dict]:
-    """The rows of one product (module docstring), each variant checked against its whole product."""
+def product_rows(
+    name: str, M: int, N: int, K: int, grad_dtype: torch.dtype, iters: int, dev, energy=None
+) -> list[dict]:
+    """The rows of one product (module docstring), each variant checked against its whole product; energy(fn), where
+    given, adds the row's watts, mJ per call and SM clock under sustained load (--energy)."""
     from benchmarks.bench_optimizer import time_step
 
     bf16 = torch.bfloat16
@@ -207,7 +218,20 @@ def product_rows(name: str, M: int, N: int, K: int, grad_dtype: torch.dtype, ite
             dict(product=name, M=M, N=N, K=K, row=label, kind=kind, ms=t["ms"], host_ms=t["host_ms"],
                  tflops=flops / t["ms"] / 1e9, rel_diff=err)
         )  # fmt: skip
+        if energy is not None:
+            e = energy(fn)
+            rows[-1].update(watts=e["watts"], mj=e["mj_per_call"], sustained_ms=e["ms"], sm_clock_mhz=e["sm_clock_mhz"])
     return rows
+
+
+def table_line(head: str, r: dict, whole: dict, energy: bool) -> str:
+    """One printed row: time and its change against the whole product, then (--energy) the sustained figures."""
+    change = 100 * (r["ms"] / whole["ms"] - 1)
+    line = f"{head}| {r['row']} | {1e3 * r['ms']:.1f} | {r['tflops']:.0f} | {change:+.1f}% | {r['rel_diff']:.1e} |"
+    if energy:
+        line += f" {1e3 * r['sustained_ms']:.1f} | {r['watts']:.0f} | {r['sm_clock_mhz']} | {r['mj']:.1f} | "
+        line += f"{100 * (r['mj'] / whole['mj'] - 1):+.1f}% |"
+    return line
 
 
 def main(argv=None) -> list[dict]:
@@ -221,19 +245,27 @@ def main(argv=None) -> list[dict]:
             "bench_products.py times cuBLAS on the GPU: run it on a CUDA machine (bash .gpu/setup.sh first)"
         )
     dev = torch.device("cuda")
+    energy = None
+    if a.energy > 0:
+        from benchmarks.bench_energy import _Nvml, measure
+
+        nvml = _Nvml()
+        energy = lambda fn: measure(fn, nvml, a.energy)  # noqa: E731
+    names = {p for p in a.products.split(",") if p}
     rows = []
     print(f"{torch.cuda.get_device_name()}, bf16 operands")
-    print("| flavor | product (M x N x K) | row | us | TFLOP/s | vs whole | max rel. difference |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    extra = " sustained us | W | MHz | mJ | mJ vs whole |" if energy else ""
+    print(f"| flavor | product (M x N x K) | row | us | TFLOP/s | vs whole | max rel. difference |{extra}")
+    print("| --- " * (7 + 5 * bool(energy)) + "|")
     for flavor in flavors:
         for name, M, N, K, grad_dtype in product_shapes(flavor):
-            prod = product_rows(name, M, N, K, grad_dtype, a.iters, dev)
-            base = {r["kind"]: r["ms"] for r in prod if r["row"] == r["kind"]}
+            if name not in names:
+                continue
+            prod = product_rows(name, M, N, K, grad_dtype, a.iters, dev, energy)
+            base = {r["row"]: r for r in prod if r["row"] == r["kind"]}
             for r in prod:
                 r["flavor"] = flavor
-                change = f"{100 * (r['ms'] / base[r['kind']] - 1):+.1f}%"
-                print(f"| {flavor} | {name} ({M} x {N} x {K}) | {r['row']} | {1e3 * r['ms']:.1f} | {r['tflops']:.0f} | "
-                      f"{change} | {r['rel_diff']:.1e} |")  # fmt: skip
+                print(table_line(f"| {flavor} | {name} ({M} x {N} x {K}) ", r, base[r["kind"]], energy is not None))
             rows += prod
     if a.out:
         with open(a.out, "w") as f:

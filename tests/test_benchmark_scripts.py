@@ -354,6 +354,10 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
     dx = bp.dx_k_split_float32(dy, w, 128, torch.full((M, K), nan, dtype=torch.float64))
     torch.testing.assert_close(dx, dy @ w, rtol=1e-12, atol=1e-12)
     assert bp.rel_diff(dw, dy.t() @ x) < 1e-12 and bp.rel_diff(dw + 1, dw) > 1e-3
+    whole = dict(row="dx", ms=0.8, tflops=700.0, rel_diff=0.0, sustained_ms=0.82, watts=690, sm_clock_mhz=1700, mj=0.5)
+    half = dict(whole, row="dx cols 1024", ms=0.76, mj=0.55)
+    assert bp.table_line("| x ", half, whole, False) == "| x | dx cols 1024 | 760.0 | 700 | -5.0% | 0.0e+00 |"
+    assert bp.table_line("| x ", half, whole, True).endswith("| 820.0 | 690 | 1700 | 0.6 | +10.0% |")
     with pytest.raises(SystemExit, match="7B"):
         bp.main(["--flavors", "7B"])
     if not torch.cuda.is_available():
