@@ -50,6 +50,7 @@ from models import build_model_args  # noqa: E402
 
 # flavor -> tokens per step in compare_mamba_ssm.py (batch x seq_len)
 TOKENS = {"1.3B": 4 * 4096, "370M": 8 * 2048}
+PRODUCTS = ("in_proj", "out_proj", "lm_head")  # product_shapes' names, in its order
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=20, help="calls per timed round")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     ap.add_argument("--energy", type=float, default=0.0, help="seconds of sustained load per row for W and mJ (0: off)")
-    ap.add_argument("--products", default="in_proj,out_proj,lm_head", help="comma-separated subset")
+    ap.add_argument("--products", default=",".join(PRODUCTS), help=f"comma-separated, of {', '.join(PRODUCTS)}")
     return ap.parse_args(argv)
 
 
@@ -240,6 +241,10 @@ def main(argv=None) -> list[dict]:
     for f in flavors:
         if f not in TOKENS:
             raise SystemExit(f"--flavors: {f!r} is not one of {sorted(TOKENS)}")
+    names = [p for p in a.products.split(",") if p]
+    for p in names:
+        if p not in PRODUCTS:
+            raise SystemExit(f"--products: {p!r} is not one of {', '.join(PRODUCTS)}")
     if not torch.cuda.is_available():
         raise SystemExit(
             "bench_products.py times cuBLAS on the GPU: run it on a CUDA machine (bash .gpu/setup.sh first)"
@@ -251,7 +256,6 @@ def main(argv=None) -> list[dict]:
 
         nvml = _Nvml()
         energy = lambda fn: measure(fn, nvml, a.energy)  # noqa: E731
-    names = {p for p in a.products.split(",") if p}
     rows = []
     print(f"{torch.cuda.get_device_name()}, bf16 operands")
     extra = " sustained us | W | MHz | mJ | mJ vs whole |" if energy else ""

@@ -360,6 +360,9 @@ def test_bench_products_shapes_and_variants_equal_the_whole_products():
     assert bp.table_line("| x ", half, whole, True).endswith("| 820.0 | 690 | 1700 | 0.6 | +10.0% |")
     with pytest.raises(SystemExit, match="7B"):
         bp.main(["--flavors", "7B"])
+    assert [s[0] for s in bp.product_shapes("370M")] == list(bp.PRODUCTS)
+    with pytest.raises(SystemExit, match="--products: 'in_prj'"):
+        bp.main(["--products", "in_proj,in_prj"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
             bp.main([])
