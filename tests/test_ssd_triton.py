@@ -204,6 +204,28 @@ def test_dt_folded_into_the_decay_exponent():
     )  # fmt: skip
 
 
+def test_factored_decay_off_the_diagonal():
+    """config factored_decay: the chunk scan's and dx's weights off the diagonal as CB times column factors read from
+    memory (decay_factors.py), the row factors scaling the accumulators after those blocks. With documents, initial
+    states and a remainder at four position blocks per chunk (masked loads), two inner blocks per diagonal block (the
+    diagonal's own loop runs twice: scan_m / dx_k 32 over 16-wide inner blocks), whole tiles, decay steep enough that
+    an unsplit factor would overflow, dt = 0 at valid positions, dt not folded, two heads per dx program, kept states
+    and the fused mixer. A factor taken at another reference position, or a row factor left out, fails (checked by
+    mutation)."""
+    fact = dict(SMALL_TILES, factored_decay=True)
+    docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
+    steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
+    interpret_all(
+        dict(**docs, call=dict(chunk_size=64), config=fact),
+        dict(**docs, call=dict(chunk_size=64), config=dict(fact, scan_m=32, dx_k=32, dx_heads=2)),
+        dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=22, with_init=False, call=dict(chunk_size=64), config=fact),
+        dict(**steep, call=dict(chunk_size=64, tol=1e-3), config=fact),
+        dict(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fact),
+        dict(**docs, call=dict(chunk_size=64), config=dict(fact, fold_dt=False, keep_states=True)),
+        dict(b=2, L=64, H=4, P=16, G=2, N=16, seed=23, chunk_size=32, init_final=True, split_path=True, config=fact),
+    )  # fmt: skip
+
+
 def test_dcb_tiles_and_column_sums_in_parts():
     """dCB's grid of one program per tile of [l, s] (and one per head block for the state term), with four blocks
     per chunk, so that tiles off the diagonal have several columns to choose from (a wrong column block fails:

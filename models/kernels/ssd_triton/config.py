@@ -203,6 +203,14 @@ class BlockConfig:
     # our SSD forward + backward 989.3 -> 963.7 mJ (-2.6%), 1.428 -> 1.396 ms; errors against float64 within 1% of
     # mamba_ssm's ratio at every output (bench_ssd.py --numerics_seeds 3).
     fold_dt_states: bool = True
+    # The chunk scan's and dx's intra-chunk weights off the diagonal as CB times a column factor read from memory
+    # (decay_factors.py), the row factor scaling the accumulator once: one multiply per element instead of a
+    # subtract, a clamp, an exp2 and a multiply (sm_90, Triton 3.6, two heads per program, 1.3B tiles: the chunk
+    # scan's loop off the diagonal 181 instructions against 279, dx's 169 against 276; with 64-wide blocks of 32-wide
+    # inner blocks, 12 of a chunk's 20 inner blocks per head pair lie off the diagonal). Session 13's split computed
+    # the factors in the loops and was slower; here the diagonal blocks keep their own loop, and the factors cost one
+    # small launch each way. dx takes it with dx_state_first only.
+    factored_decay: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.
