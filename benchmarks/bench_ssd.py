@@ -118,9 +118,6 @@ TUNE_VARIANTS = {
     "chained_bwd_n64_keep": dict(chained_bwd_n=64, keep_states=True),
     # bc_finish's programs over blocks of N (dC and dB apart), and their warps.
     "bcf_n128_w8": dict(bcf_n=128, bcf_warps=8),
-    # Session 71: the chunk scan's and dx's weights off the diagonal as CB times column factors (decay_factors.py).
-    "factored": dict(factored_decay=True),
-    "unfactored": dict(factored_decay=False),
     "bcf_n64_w8": dict(bcf_n=64, bcf_warps=8),
     "bcf_n32": dict(bcf_n=32),
     "bcf_n128": dict(bcf_n=128),

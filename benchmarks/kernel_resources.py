@@ -51,7 +51,6 @@ from models.kernels.ssd_triton import (
     chunk_state,
     db_bwd,
     dcb_bwd,
-    decay_factors,
 )
 from models.kernels.ssd_triton.config import block_config
 
@@ -269,7 +268,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         BLOCK_P=cfg.scan_p,
         BLOCK_N=cfg.scan_n,
         INNER_FIRST=cfg.inner_first,
-        FACTORED=cfg.factored_decay,
     )
     yield "chunk_scan_fwd", chunk_scan.chunk_scan_fwd_kernel, ptrs, scan, cfg.scan_warps, cfg.scan_stages
     # ... with the gated norm's first half (the 1.3B config's fuse_gate_into_scan)
@@ -293,21 +291,10 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
             INNER_FIRST=cfg.inner_first,
             DX_STATE_FIRST=cfg.dx_state_first,
             SUMS_2D=cfg.dx_row_sums_2d,
-            FACTORED=cfg.factored_decay,
         ),
         cfg.dx_warps,
         cfg.dx_stages,
     )
-    if cfg.factored_decay:  # their column factors (the chunk scan's rows with fold_dt, dx's columns)
-        for kind, rows, block in (("rows", True, cfg.scan_m), ("columns", False, cfg.dx_k)):
-            yield (
-                f"decay_factors_{kind}",
-                decay_factors.decay_factors_kernel,
-                ptrs,
-                dict(N_REF=256 // block, BLOCK=block, BLOCK_Q=256, ROWS=rows, FOLD_DT=cfg.fold_dt),
-                4,
-                1,
-            )
     dcb_consts = dict(
         **seq,
         EVEN=True,

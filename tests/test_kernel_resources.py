@@ -318,29 +318,3 @@ def test_kernel_resources_epilogue_loads_before_stores():
     assert all(tail["loads"] >= 10 and tail["loads_after_first_store"] == 0 for tail, _, _ in found.values()), found
     _, regs, spills = found["chunk_scan_fwd_gate"]
     assert regs <= 168 and (spills == 0 or not triton.__version__.startswith("3.6.")), found
-
-
-def test_factored_decay_loops_carry_no_exp2():
-    """config factored_decay (decay_factors.py): the chunk scan (with the gate, the configs' form) and dx each compile
-    to two intra-chunk loops, the one off the diagonal without MUFU (its weights are CB times column factors read
-    from memory) and at most three quarters of the diagonal loop's instructions (Triton 3.6: 181 against 271 and 169
-    against 258; an exp2 of the column vector inside the loop moved the weights through shared memory, 235)."""
-    import dataclasses
-
-    from benchmarks import kernel_resources as kr
-    from models.kernels.ssd_triton.config import block_config
-
-    cfg = dataclasses.replace(block_config(256, 64, 128), factored_decay=True)
-    seen = set()
-    for name, kernel, ptrs, consts, warps, stages in kr.kernels(cfg, 64, 128, True):
-        if name not in ("chunk_scan_fwd_gate", "chunk_scan_bwd_dx"):
-            continue
-        info = kr.compile_sm90(kernel, ptrs, consts, warps, stages, kr.register_cap(cfg, name), loops=True,
-                               ones=frozenset({"G"}))  # fmt: skip
-        intra = [loop for loop in info["loops"] if "kernel" not in loop and loop.get("HGMMA") == 4]
-        assert len(intra) == 2, (name, info["loops"])
-        off, diag = sorted(intra, key=lambda loop: loop.get("MUFU", 0))
-        assert off.get("MUFU", 0) == 0 and diag.get("MUFU", 0) > 0, (name, intra)
-        assert off["instructions"] <= 0.75 * diag["instructions"], (name, intra)
-        seen.add(name)
-    assert seen == {"chunk_scan_fwd_gate", "chunk_scan_bwd_dx"}

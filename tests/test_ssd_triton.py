@@ -168,7 +168,7 @@ def test_steep_decay():
     clamped per-element exponents stay finite and every output matches the reference; documents, initial states,
     four position blocks per chunk, a remainder. dA's error is 4.4e-4 here (tol 1e-3): the float32 cumsum a_l ~ -1e3
     keeps ~1e-4 of a_l - a_s. (A split of the decay into row and column factors, bounded by 1 on either side of a
-    tile's edge, passed this too but ran slower on the GPU: docs/performance.md, session 13.)"""
+    tile's edge, passed this too but ran slower on the GPU: docs/performance.md, sessions 13 and 71.)"""
     interpret(
         b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0,
         call=dict(chunk_size=64, tol=1e-3), config=SMALL_TILES,
@@ -201,28 +201,6 @@ def test_dt_folded_into_the_decay_exponent():
         dict(**docs, call=dict(chunk_size=64), config=dict(fold, fold_dt=False)),
         dict(b=2, L=40, H=4, P=16, G=2, N=16, seed=23, chunk_size=16, init_final=True, split_path=True,
              config=dict(fold_dt=False)),
-    )  # fmt: skip
-
-
-def test_factored_decay_off_the_diagonal():
-    """config factored_decay: the chunk scan's and dx's weights off the diagonal as CB times column factors read from
-    memory (decay_factors.py), the row factors scaling the accumulators after those blocks. With documents, initial
-    states and a remainder at four position blocks per chunk (masked loads), two inner blocks per diagonal block (the
-    diagonal's own loop runs twice: scan_m / dx_k 32 over 16-wide inner blocks), whole tiles, decay steep enough that
-    an unsplit factor would overflow, dt = 0 at valid positions, dt not folded, two heads per dx program, kept states
-    and the fused mixer. A factor taken at another reference position, or a row factor left out, fails (checked by
-    mutation)."""
-    fact = dict(SMALL_TILES, factored_decay=True)
-    docs = dict(b=2, L=100, H=4, P=16, G=1, N=16, seed=21, seq_cuts=[[30, 70], [50]])
-    steep = dict(b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0)
-    interpret_all(
-        dict(**docs, call=dict(chunk_size=64), config=fact),
-        dict(**docs, call=dict(chunk_size=64), config=dict(fact, scan_m=32, dx_k=32, dx_heads=2)),
-        dict(b=1, L=128, H=2, P=16, G=1, N=16, seed=22, with_init=False, call=dict(chunk_size=64), config=fact),
-        dict(**steep, call=dict(chunk_size=64, tol=1e-3), config=fact),
-        dict(**docs, call=dict(chunk_size=64, dt_softplus=False), config=fact),
-        dict(**docs, call=dict(chunk_size=64), config=dict(fact, fold_dt=False, keep_states=True)),
-        dict(b=2, L=64, H=4, P=16, G=2, N=16, seed=23, chunk_size=32, init_final=True, split_path=True, config=fact),
     )  # fmt: skip
 
 

@@ -209,43 +209,6 @@ def test_dt_folded_into_the_exponent_as_accurate(dtype, variant, monkeypatch):
         assert not worse, f"{options}: folded dt's error over the unfolded path's (folded, unfolded): {worse}; {errs}"
 
 
-@pytest.mark.parametrize(
-    "dtype, variant", [(BF, "seq_init_final"), (BF, "seq_init_final_whole"), (BF, "noseq_Dhdim_z"), (F32, "seq")]
-)
-def test_factored_decay_as_accurate(dtype, variant, monkeypatch):
-    """config factored_decay (decay_factors.py: the chunk scan's and dx's weights off the diagonal as CB times column
-    factors, the row factors on the accumulators): every output and gradient as close to the float64 reference as
-    the per-element path's (within 5%), with kept states at chunk 256, documents, initial and final states, masked
-    and mask-free tiles, D of [H, P] and z, bf16 and float32; and, in bf16, within RATIO_SLACK of mamba_ssm's error."""
-    import dataclasses
-
-    from models.kernels.ssd_triton import autograd as ssd_autograd
-
-    gen = torch.Generator().manual_seed(19)
-    b, L, H, P, N = 2, (768 if variant.endswith("_whole") else 600), 8, 64, 128
-    tensors = make(dtype, b, L, H, P, N, 1, variant.removesuffix("_whole"), gen)
-    fn = functools.partial(ssd_chunk_scan_triton, keep_states=True)
-    plain = ssd_autograd.block_config
-    runs = {}
-    for factored in (False, True):
-        monkeypatch.setattr(
-            ssd_autograd, "block_config", lambda *a, f=factored: dataclasses.replace(plain(*a), factored_decay=f)
-        )
-        runs[factored] = run_all(fn, tensors, 256)
-    ref = run_all(ssd_chunk_scan_ref, tensors, 256, dtype_override=torch.float64)
-    errs = {k: (rel_err(runs[True][k], ref[k]), rel_err(runs[False][k], ref[k])) for k in ref}
-    assert any(not torch.equal(runs[True][k], runs[False][k]) for k in ref), "factored_decay did not reach the kernels"
-    worse = {k: e for k, e in errs.items() if not e[0] <= 1.05 * e[1] + 1e-6}
-    assert not worse, f"factored decay's error over the per-element path's (factored, per element): {worse}; {errs}"
-    if dtype == torch.bfloat16 and kcuda.cuda_kernels_available():
-        mamba = kcuda.kernels()["mamba_chunk_scan_combined"]
-        theirs = run_all(lambda x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, **kw: mamba(
-            x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, chunk_size, **kw), tensors, 256)  # fmt: skip
-        terr = {k: rel_err(theirs[k], ref[k]) for k in ref}
-        over = {k: (errs[k][0], terr[k]) for k in ref if errs[k][0] > RATIO_SLACK * terr[k] + 1e-6}
-        assert not over, f"factored decay's error over {RATIO_SLACK}x mamba_ssm's: {over}"
-
-
 @pytest.mark.parametrize("keep_states", (True, False))
 def test_dcb_on_a_second_stream_changes_nothing(keep_states, monkeypatch):
     """config overlap_dcb (the default since session 42: dCB on a second stream beside the chained dstates, dx and

@@ -22,7 +22,6 @@ from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.db_bwd import chunk_state_bwd_db_kernel
 from models.kernels.ssd_triton.dcb_bwd import chunk_scan_bwd_dcb_kernel
-from models.kernels.ssd_triton.decay_factors import decay_factors
 from models.kernels.ssd_triton.dt import ColumnParts
 from models.kernels.ssd_triton.forward import cb_and_entering_states, cb_for_backward, states_a2dt
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
@@ -159,8 +158,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
     n_k = cdiv(Q, cfg.dx_k)
     dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
-    factored = cfg.factored_decay and cfg.dx_state_first
-    V = decay_factors(dA_cs, dt_p, cfg.dx_k, rows=False, fold_dt=False) if factored else dummy(dev)
     chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
         x,
@@ -175,7 +172,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         ddt,
         q,
         dD_part,
-        V,
         L,
         Q,
         NC,
@@ -199,7 +195,6 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         INNER_FIRST=cfg.inner_first,
         DX_STATE_FIRST=cfg.dx_state_first,
         SUMS_2D=cfg.dx_row_sums_2d,
-        FACTORED=factored,
         PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
         maxnreg=cfg.dx_register_cap(dx_heads),

@@ -66,7 +66,6 @@ def chunk_scan_fwd_kernel(
     s_z_b,
     s_z_l,
     J,
-    V_ptr,
     HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr,
     D_HAS_HDIM: tl.constexpr,
@@ -81,7 +80,6 @@ def chunk_scan_fwd_kernel(
     INNER_FIRST: tl.constexpr,
     GATE: tl.constexpr = False,
     FAST: tl.constexpr = False,
-    FACTORED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
@@ -123,17 +121,9 @@ def chunk_scan_fwd_kernel(
         if HEADS == 2:
             sT1 = tl.load(S_base0 + P * N + offs_n[:, None], mask=s_mask, other=0.0)
             acc1 += tl.dot(c_tile, sT1.to(c_tile.dtype), input_precision=PREC)
-    m0 = pid_m * BLOCK_M
-    if FACTORED:  # exp(a_l) = exp(a_m0) exp(a_l - a_m0): the second factor after the loop below the diagonal
-        a2_ref0 = tl.load(dA_ptr + head_q0 + m0) * LOG2E
-        acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_ref0), 0.0)[:, None]
-        if HEADS == 2:
-            a2_ref1 = tl.load(dA_ptr + head_q1 + m0) * LOG2E
-            acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_ref1), 0.0)[:, None]
-    else:
-        acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_m0), 0.0)[:, None]
-        if HEADS == 2:
-            acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_m1), 0.0)[:, None]
+    acc0 = acc0 * tl.where(keep_m, tl.exp2(a2_m0), 0.0)[:, None]
+    if HEADS == 2:
+        acc1 = acc1 * tl.where(keep_m, tl.exp2(a2_m1), 0.0)[:, None]
 
     # Intra-chunk term, s <= l. CB is 0 above the diagonal, across documents and past the end (cb_fwd), so the
     # weights need no mask, only the clamp that keeps the decay finite where CB is 0; offsets within the chunk are
@@ -141,30 +131,7 @@ def chunk_scan_fwd_kernel(
     x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     CB_rows = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
     hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
-    k_diag = 0
-    if FACTORED:
-        # Blocks of s wholly before the row block (s < m0 <= l): exp(a_l - a_s) = exp(a_l - a_m0) exp(a_m0 - a_s),
-        # both factors <= 1 (a falls along the chunk), so the weights are CB times a column vector (one multiply per
-        # element, no exp2) and the row factor scales the accumulator once after these blocks (state term included:
-        # scaled by exp(a_m0) above). The row block's own columns keep the per-element weights below.
-        n_m = tl.cdiv(Q, BLOCK_M)
-        V_row0 = V_ptr + head_q0 * n_m + m0 // BLOCK_M * Q  # decay_factors.py's rows: V[b, h, c, pid_m, :]
-        for k0 in range(0, m0, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
-            if EVEN:
-                cb = tl.load(CB_rows + offs_k[None, :])
-            else:
-                cb = tl.load(CB_rows + offs_k[None, :], mask=(offs_m < Q)[:, None] & (offs_k < Q)[None, :], other=0.0)
-            acc0 = scan_tile_factored(acc0, cb, V_row0, x_chunk0 + x_offs, offs_k, t0, L, Q, mask_p, EVEN, PREC)
-            if HEADS == 2:
-                acc1 = scan_tile_factored(acc1, cb, V_row0 + NC * Q * n_m, x_chunk0 + s_x_h + x_offs, offs_k, t0,
-                                          L, Q, mask_p, EVEN, PREC)  # fmt: skip
-        acc0 = acc0 * tl.exp2(tl.minimum(a2_m0 - a2_ref0, 0.0))[:, None]
-        if HEADS == 2:
-            acc1 = acc1 * tl.exp2(tl.minimum(a2_m1 - a2_ref1, 0.0))[:, None]
-        k_diag = m0
-    for k0 in range(k_diag, hi, BLOCK_K):
+    for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
         if EVEN:
@@ -222,21 +189,6 @@ def scan_tile(acc, cb, dA_head, dt_head, x_ptrs, a2_m, offs_k, t0, L, Q, mask_p,
         w = cb * tl.exp2(tl.minimum(a2_m[:, None] - dt_k[None, :], FOLD_MAX_EXP))
     else:
         w = cb * tl.exp2(tl.minimum(a2_m[:, None] - a_k[None, :] * LOG2E, 0.0)) * dt_k[None, :]
-    return acc + tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
-
-
-@triton.jit
-def scan_tile_factored(acc, cb, V_row, x_ptrs, offs_k, t0, L, Q, mask_p, EVEN: tl.constexpr, PREC: tl.constexpr):
-    """acc += (CB ∘ V) · x over one block of s wholly before the row block (FACTORED): V_s = exp(a_m0 - a_s) dt_s,
-    the column factors of decay_factors.py; the row factors exp(a_l - a_m0) scale the accumulator after the loop."""
-    if EVEN:
-        v = tl.load(V_row + offs_k)
-        x_tile = tl.load(x_ptrs)
-    else:
-        v = tl.load(V_row + offs_k, mask=offs_k < Q, other=0.0)
-        valid_k = (offs_k < Q) & (t0 + offs_k < L)
-        x_tile = tl.load(x_ptrs, mask=valid_k[:, None] & mask_p[None, :], other=0.0)
-    w = cb * v[None, :]
     return acc + tl.dot(w.to(x_tile.dtype), x_tile, input_precision=PREC)
 
 

@@ -48,7 +48,6 @@ def chunk_scan_bwd_dx_kernel(
     ddt_ptr,
     q_ptr,
     dD_ptr,
-    V_ptr,
     L,
     Q,
     NC,
@@ -85,7 +84,6 @@ def chunk_scan_bwd_dx_kernel(
     INNER_FIRST: tl.constexpr,
     DX_STATE_FIRST: tl.constexpr,
     SUMS_2D: tl.constexpr,
-    FACTORED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
@@ -139,22 +137,9 @@ def chunk_scan_bwd_dx_kernel(
         if HEADS == 2:
             x_k1 = tl.load(x_base0 + s_x_h, mask=mask_kp, other=0.0)
         # x is loaded for q here and again for the outputs: held through the loop it costs registers.
-        if FACTORED:
-            # The state term's scale exp(a_last - a_s) = exp(a_last - a_r) exp(a_r - a_s) (r: the block's last s):
-            # the first factor now, the second with the intra-chunk blocks after the diagonal (below).
-            k_ref = tl.minimum((pid_k + 1) * BLOCK_K, Q) - 1
-            a2_ref0 = tl.load(dA_ptr + head_q0 + k_ref) * LOG2E
-            acc0, q0 = _fold_state_factored(acc0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, a2_ref0,
-                                            keep_k, Q, SUMS_2D)  # fmt: skip
-            if HEADS == 2:
-                a2_ref1 = tl.load(dA_ptr + head_q1 + k_ref) * LOG2E
-                acc1, q1 = _fold_state_factored(acc1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, a2_ref1,
-                                                keep_k, Q, SUMS_2D)  # fmt: skip
-        else:
-            acc0, q0 = _fold_state(acc0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, keep_k, Q, SUMS_2D)
-            if HEADS == 2:
-                acc1, q1 = _fold_state(acc1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q,
-                                       SUMS_2D)  # fmt: skip
+        acc0, q0 = _fold_state(acc0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, keep_k, Q, SUMS_2D)
+        if HEADS == 2:
+            acc1, q1 = _fold_state(acc1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
         _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D)
         if HEADS == 2:
             _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D)
@@ -162,30 +147,7 @@ def chunk_scan_bwd_dx_kernel(
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
     CBT_chunk = CBT_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q  # CBᵀ[s, l] = CB[l, s]
-    m_hi = Q
-    if FACTORED and DX_STATE_FIRST:
-        # Blocks of l wholly after this block of s (l > r >= s, r its last s): exp(a_l - a_s) = exp(a_l - a_r)
-        # exp(a_r - a_s), both <= 1, so the weights are CBᵀ times a column vector (decay_factors.py's columns: one
-        # multiply per element, no exp2), and the row factor exp(a_r - a_s) scales the accumulator once after them
-        # (the state term's share included: _fold_state_factored). The blocks on the diagonal come after, per element.
-        m_hi = tl.minimum(tl.cdiv((pid_k + 1) * BLOCK_K, BLOCK_M) * BLOCK_M, Q)
-        V_row0 = V_ptr + head_q0 * n_k + pid_k * Q  # V[b, h0, c, pid_k, :]
-        for m0 in range(m_hi, Q, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
-            dy_offs = offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
-            if EVEN:
-                cbT = tl.load(cb_ptrs)
-            else:
-                cbT = tl.load(cb_ptrs, mask=(offs_k < Q)[:, None] & (offs_m < Q)[None, :], other=0.0)
-            acc0 = _intra_tile_factored(acc0, cbT, V_row0, dy_chunk0 + dy_offs, offs_m, t0, L, Q, mask_p, EVEN, PREC)
-            if HEADS == 2:
-                acc1 = _intra_tile_factored(acc1, cbT, V_row0 + NC * Q * n_k, dy_chunk1 + dy_offs, offs_m, t0, L, Q,
-                                            mask_p, EVEN, PREC)  # fmt: skip
-        acc0 = acc0 * tl.exp2(tl.minimum(a2_ref0 - a2_k0, 0.0))[:, None]
-        if HEADS == 2:
-            acc1 = acc1 * tl.exp2(tl.minimum(a2_ref1 - a2_k1, 0.0))[:, None]
-    for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, m_hi, BLOCK_M):
+    for m0 in range((pid_k * BLOCK_K // BLOCK_M) * BLOCK_M, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         cb_ptrs = CBT_chunk + offs_k[:, None] * Q + offs_m[None, :]
         dy_offs = offs_m[:, None] * s_y_l + offs_p[None, :] * s_y_p
@@ -261,21 +223,6 @@ def _intra_tile(acc, cbT, dA_head, dy_ptrs, a2_k, offs_m, t0, L, Q, mask_p, EVEN
 
 
 @triton.jit
-def _intra_tile_factored(acc, cbT, V_row, dy_ptrs, offs_m, t0, L, Q, mask_p, EVEN: tl.constexpr,
-                         PREC: tl.constexpr):  # fmt: skip
-    """acc += (CBᵀ ∘ V) · dy over one block of l wholly after the block of s (FACTORED): V_l = exp(a_l - a_r), the
-    column factors of decay_factors.py; the row factors exp(a_r - a_s) scale the accumulator after the loop."""
-    if EVEN:
-        v = tl.load(V_row + offs_m)
-        dy_m = tl.load(dy_ptrs)
-    else:
-        v = tl.load(V_row + offs_m, mask=offs_m < Q, other=0.0)
-        dy_m = tl.load(dy_ptrs, mask=((offs_m < Q) & (t0 + offs_m < L))[:, None] & mask_p[None, :], other=0.0)
-    wT = cbT * v[None, :]
-    return acc + tl.dot(wT.to(dy_m.dtype), dy_m, input_precision=PREC)
-
-
-@triton.jit
 def _state_term(B_ptr, dH_ptr, b, c, g, h0, t_k, valid_k, offs_p, mask_p, NC, H, P, N, s_b_b, s_b_g, s_b_l, s_b_n,
                 HEADS: tl.constexpr, PREC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
                 BLOCK_N: tl.constexpr):  # fmt: skip
@@ -328,17 +275,6 @@ def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, Q, SUMS_2D: tl.constexp
     a2_last = tl.load(dA_head + Q - 1) * LOG2E
     acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)[:, None]
     q = _rows(dt_k, SUMS_2D) * _row_sums(acc_h * x_k, SUMS_2D)
-    return acc_h, q
-
-
-@triton.jit
-def _fold_state_factored(acc_h, x_k, dt_k, dA_head, a2_k, a2_ref, keep_k, Q, SUMS_2D: tl.constexpr):
-    """_fold_state's q, with the accumulator scaled by [kept] exp(a_last - a_r) only (r: the block's last s; the
-    factor exp(a_r - a_s) follows with the intra-chunk blocks after the diagonal, FACTORED)."""
-    a2_last = tl.load(dA_head + Q - 1) * LOG2E
-    scale = tl.where(keep_k, tl.exp2(a2_last - a2_k), 0.0)
-    q = _rows(dt_k * scale, SUMS_2D) * _row_sums(acc_h * x_k, SUMS_2D)
-    acc_h = acc_h * tl.where(keep_k, tl.exp2(a2_last - a2_ref), 0.0)[:, None]
     return acc_h, q
 
 

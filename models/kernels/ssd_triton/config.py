@@ -35,6 +35,13 @@ Tried in session 54, not committed: ``chained_walk``, one program per tile chain
 in registers (no tickets, waits or hand-off reads; bit for bit the ticketed kernels' outputs in the interpreter):
 H200, 1.3B with documents and kept states, forward 169.3-169.8 us against 155.7-157.0, backward 311.4-312.2 against
 174.3-174.9, end to end -1.4%. A link's time is its loads (x per N tile, B per head: 32 MB a chunk), not the hand-off.
+Tried in session 71 and reverted (code at commit db4c865): ``factored_decay``, the chunk scan's and dx's weights off
+the diagonal as CB times column factors read from a table (decay_factors.py, one launch each way), the row factors
+scaling the accumulators after those blocks, the diagonal blocks in a loop of their own: the loop off the diagonal
+compiled without MUFU at 181 / 169 sm_90 instructions against 279 / 276, yet on an H100 (1.3B, documents) the chunk
+scan took 0.228 ms against 0.208, dx 0.336 against 0.314, the tables 0.016, and the step 51,088 tokens/s against
+51,353; its GPU accuracy test failed its first case. As session 13 found for its form, these loops are not bound by
+their instruction count: a second loop's pipeline prologue and the accumulator's wait between the loops cost more.
 """
 
 from __future__ import annotations
@@ -203,14 +210,6 @@ class BlockConfig:
     # our SSD forward + backward 989.3 -> 963.7 mJ (-2.6%), 1.428 -> 1.396 ms; errors against float64 within 1% of
     # mamba_ssm's ratio at every output (bench_ssd.py --numerics_seeds 3).
     fold_dt_states: bool = True
-    # The chunk scan's and dx's intra-chunk weights off the diagonal as CB times a column factor read from memory
-    # (decay_factors.py), the row factor scaling the accumulator once: one multiply per element instead of a
-    # subtract, a clamp, an exp2 and a multiply (sm_90, Triton 3.6, two heads per program, 1.3B tiles: the chunk
-    # scan's loop off the diagonal 181 instructions against 279, dx's 169 against 276; with 64-wide blocks of 32-wide
-    # inner blocks, 12 of a chunk's 20 inner blocks per head pair lie off the diagonal). Session 13's split computed
-    # the factors in the loops and was slower; here the diagonal blocks keep their own loop, and the factors cost one
-    # small launch each way. dx takes it with dx_state_first only.
-    factored_decay: bool = False
     # Register caps (ptxas .maxnreg) for the backward's latency-bound kernels, None: ptxas's choice. Uncapped, dx,
     # dCB and the chained dstates take 242-255 registers at 4 warps, two programs per SM (12% occupancy, ncu, session
     # 12); at <= 168 registers (and <= ~76 KB of shared memory, so fewer stages) three fit, at the price of spills.

@@ -20,7 +20,6 @@ from models.kernels.ssd_triton.chunk_cb import cb_fwd_kernel
 from models.kernels.ssd_triton.chunk_scan import chunk_scan_fwd_kernel
 from models.kernels.ssd_triton.chunk_state import chunk_state_fwd_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
-from models.kernels.ssd_triton.decay_factors import decay_factors
 from models.kernels.ssd_triton.launch import dot_precision, dummy, grid
 from models.kernels.ssd_triton.state_passing import kept_states_buffer, state_passing_fwd_kernel
 
@@ -158,8 +157,6 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         gate_args = (z, w_norm, g, ss, z.stride(0), z.stride(1), J)
     else:
         gate_args = (dummy(x.device),) * 4 + (0, 0, 1)
-    factored = cfg.factored_decay
-    V = decay_factors(dA_cs, dt_p if a2dt is None else a2dt, cfg.scan_m, True, a2dt is not None) if factored else None
     chunk_scan_fwd_kernel[grid(b * NC * H // heads, cdiv(Q, cfg.scan_m), cdiv(P, cfg.scan_p), cfg.inner_first)](
         CB,
         x,
@@ -181,7 +178,6 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         *C.stride(),
         *y.stride(),
         *gate_args,
-        V if factored else dummy(x.device),
         HAS_SEQ=seq is not None,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
@@ -199,7 +195,6 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         maxnreg=cfg.scan_maxnreg,
         GATE=gate is not None,
         FAST=gate is not None and gate[2],
-        FACTORED=factored,
     )
     return y if gate is None else (y, g, ss)
 
