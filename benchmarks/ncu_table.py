@@ -69,7 +69,12 @@ def main(argv=None):
     ap.add_argument("--metrics", default="", help="keep metrics whose name contains one of these (comma-separated)")
     ap.add_argument("--top", type=int, default=0, help="per kernel, only its N largest kept values")
     args = ap.parse_args(argv)
-    text = sys.stdin.read() if args.csv == "-" else open(args.csv).read()
+    if args.top < 0:
+        ap.error(f"--top {args.top}: give N >= 1 for each kernel's N largest values, or 0 for every column")
+    try:
+        text = sys.stdin.read() if args.csv == "-" else open(args.csv).read()
+    except OSError as e:
+        ap.error(f"cannot read {args.csv} ({e.strerror}): give the file ncu --csv wrote, or - for standard input")
     try:
         table = read_ncu_csv(text)
     except ValueError as e:

@@ -60,3 +60,16 @@ def test_input_without_header_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ncu_table.main([str(path)])
     assert "was ncu run with --csv" in capsys.readouterr().err
+
+
+def test_missing_file_and_negative_top_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ncu_table.main([str(tmp_path / "absent.csv")])
+    assert "cannot read" in capsys.readouterr().err
+    path = tmp_path / "ncu.csv"
+    path.write_text(CSV)
+    with pytest.raises(SystemExit):
+        ncu_table.main([str(path), "--top", "-1"])
+    assert "--top -1" in capsys.readouterr().err
+    ncu_table.main([str(path), "--metrics", "pipe_xu", "--top", "1"])
+    assert "| chunk_scan_fwd_kernel | sm__pipe_xu_cycles_active.avg.pct (%) 70 |" in capsys.readouterr().out
