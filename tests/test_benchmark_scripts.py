@@ -119,7 +119,19 @@ def test_ncu_ssd_refuses_bad_shape_and_no_cuda():
         ncu_ssd.main(["--shape", "2.7b"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device"):
-            ncu_ssd.main(["--shape", "370m"])
+            ncu_ssd.main(["--shape", "370m", "--keep_states"])
+
+
+def test_ncu_ssd_binds_keep_states(monkeypatch):
+    """--keep_states reaches our SSD entry point (the configs' path), and is off without it."""
+    from benchmarks import ncu_ssd
+    from models.kernels import ssd_triton
+
+    seen = []
+    monkeypatch.setattr(ssd_triton, "ssd_chunk_scan_triton", lambda *a, **kw: seen.append(kw.get("keep_states")))
+    ncu_ssd.profiled_function(True)(1, 2, 3, 4, 5, 256)
+    ncu_ssd.profiled_function(False)(1, 2, 3, 4, 5, 256)
+    assert seen == [True, False]
 
 
 def test_efficiency_table_ratios_targets_and_missing_runs(tmp_path, capsys):
