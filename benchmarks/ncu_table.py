@@ -10,9 +10,10 @@ ncu prints one line per (launch, metric) after a header naming its columns ("ID"
 "Metric Unit", "Metric Value", ...; lines before the header, such as ncu's own "==PROF==" lines and the program's
 output, are skipped). Launches of one kernel (the chained forward runs twice per forward + backward, in the forward
 and the backward's recompute) are averaged. A kernel's name is cut at its first "(" or "<". --metrics keeps the
-metrics whose name contains one of the comma-separated parts; --top N shows, for each kernel, its N largest values
-among the metrics of one family instead of every column (e.g. the busiest pipes, or the largest stall reasons:
---metrics pipe_ --top 3).
+metrics whose name contains one of the comma-separated parts (a substring: "issue_active" also keeps every
+"..._per_issue_active.ratio" stall metric, so give a metric's full prefix, "smsp__issue_active", to keep it
+alone); --top N shows, for each kernel, its N largest values among the metrics of one family instead of every
+column (e.g. the busiest pipes, or the largest stall reasons: --metrics pipe_ --top 3).
 """
 
 from __future__ import annotations
