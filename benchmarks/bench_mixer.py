@@ -2,6 +2,7 @@
 model's shape, per kernel, next to the bare SSD on contiguous inputs, in one process on one GPU.
 
     bash .gpu/setup.sh && python3 benchmarks/bench_mixer.py [--shapes 1.3b,370m] [--docs] [--out results.json]
+    python3 benchmarks/bench_mixer.py --shapes 1.3b --docs --variant scan_p=32,scan_maxnreg=128   # tiles, vs default
 
 What the trainer's step runs per layer (models/kernels/split_conv1d_scan.py with our kernels), outside of the step:
 so a kernel that takes longer in a training profile than here loses its time to the step around it (clocks under
@@ -9,6 +10,10 @@ the power cap, the caches), not to its inputs. The mixer reads the SSD's operand
 (x, B, C from the conv's output, dt from zxbcdt), the bare SSD (`ssd_chunk_scan_triton`) contiguous tensors of the
 same values' shapes. Device time per kernel name (torch.profiler, mean over --iters iterations), twice each so that
 the second round shows the spread; the configs' kept states (`keep_states`) on both.
+
+With --variant (repeatable; comma-separated BlockConfig fields, as bench_ssd.py's --set) only the mixer runs, under
+the default config and each variant in turn, two alternating rounds in one process: the gated chunk scan (the 1.3B
+and 370M configs' fuse_gate_into_scan) is timed only here, not by bench_ssd.py's bare SSD.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ if REPO not in sys.path:
 
 import torch
 
-from benchmarks.bench_ssd import SHAPES, make_inputs, stage_times
+from benchmarks.bench_ssd import SHAPES, make_inputs, parse_sets, patched_config, stage_times
 from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 from models.kernels.ssd_triton import ssd_chunk_scan_triton
 
@@ -90,19 +95,56 @@ def steps(shape_name: str, docs: bool):
     return mixer, bare
 
 
+def time_variants(shape_name: str, docs: bool, variants: dict[str, dict], iters: int) -> dict:
+    """The mixer's kernels under the default config ("base") and each variant, two alternating rounds; prints the
+    kernels whose time differs and the totals, returns {column: {kernel: ms}}."""
+    mixer, _ = steps(shape_name, docs)
+    configs = {"base": {}, **variants}
+    runs, heads = {}, []
+    for r in (1, 2):
+        for i, (label, over) in enumerate(configs.items()):
+            patched_config(over)
+            runs[f"{label} #{r}"] = kernel_times(mixer, iters)
+            heads.append(f"v{i}#{r}")
+    patched_config({})
+    cols = list(runs)
+    print(f"\n{shape_name}{' with documents' if docs else ''}: the mixer's device ms per forward + backward")
+    for i, label in enumerate(configs):
+        print(f"  v{i}: {label}")
+    print(f"{'kernel':50s} " + " ".join(f"{h:>9s}" for h in heads))
+    names = sorted(set().union(*runs.values()), key=lambda k: -runs[cols[0]].get(k, 0.0))
+    for k in names:
+        times = [runs[c].get(k, 0.0) for c in cols]
+        if max(times) - min(times) > 0.002 or k == names[0]:
+            print(f"{k[:50]:50s} " + " ".join(f"{t:9.4f}" for t in times))
+    print(f"{'total':50s} " + " ".join(f"{sum(runs[c].values()):9.4f}" for c in cols))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="1.3b,370m", help=f"comma-separated, of {', '.join(D_MODEL)}")
     ap.add_argument("--docs", action="store_true", help="packed documents (seq_idx), as the data loader gives them")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="outputs/bench_mixer.json")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE,...",
+        help="our SSD kernels' config fields (repeatable, one variant each): the mixer under each, against the default",
+    )
     a = ap.parse_args(argv)
+    variants = {v: parse_sets(ap, v.split(","), flag="--variant") for v in a.variant}
     shapes = [s for s in a.shapes.split(",") if s]
     if not shapes or any(s not in D_MODEL for s in shapes):
         ap.error(f"--shapes takes a comma-separated list of {', '.join(D_MODEL)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_mixer.py times GPU kernels: run it on a CUDA machine (bash .gpu/setup.sh first)")
     record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "docs": a.docs}
+    if variants:
+        record["variants"] = {name: time_variants(name, a.docs, variants, a.iters) for name in shapes}
+        shapes = []
     for name in shapes:
         mixer, bare = steps(name, a.docs)
         sides = (("mixer", mixer), ("bare", bare))
