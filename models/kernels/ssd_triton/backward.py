@@ -153,15 +153,12 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
 
     # dx, ddt, dD.
     dx = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out[0]
-    dx_bp = cfg.dx_block_p(P)
-    p_halves = dx_bp < P  # two programs a row block, their row sums added into zeroed ddt and q (chunk_scan_bwd.py)
-    ddt = torch.zeros_like(dt_p) if p_halves else torch.empty_like(dt_p)
-    q = torch.zeros_like(dt_p) if p_halves else torch.empty_like(dt_p)
+    ddt = torch.empty_like(dt_p)
+    q = torch.empty_like(dt_p)
     n_k = cdiv(Q, cfg.dx_k)
-    n_dD = b * NC * n_k * (2 if p_halves and D is not None and D.dim() == 1 else 1)
-    dD_part = torch.empty(n_dD, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
+    dD_part = torch.empty(b * NC * n_k, *D.shape, device=dev, dtype=torch.float32) if D is not None else dummy(dev)
     dx_heads = heads_per_program(H // G, min(cfg.dx_heads, 2))
-    chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 2 if p_halves else 1, cfg.inner_first)](
+    chunk_scan_bwd_dx_kernel[grid(b * NC * H // dx_heads, n_k, 1, cfg.inner_first)](
         CBT,
         x,
         dt_p,
@@ -189,16 +186,15 @@ def ssd_backward_kernels(dy, dfinal, x, dt_p, dA_cs, B, C, D, seq, init, Q: int,
         HAS_SEQ=has_seq,
         HAS_D=D is not None,
         D_HAS_HDIM=D is not None and D.dim() == 2,
-        EVEN=whole_tiles(L, Q, P, dx_bp, cfg.dx_k, cfg.dx_m),
+        EVEN=whole_tiles(L, Q, P, BP, cfg.dx_k, cfg.dx_m),
         HEADS=dx_heads,
         BLOCK_K=cfg.dx_k,
         BLOCK_M=cfg.dx_m,
-        BLOCK_P=dx_bp,
+        BLOCK_P=BP,
         BLOCK_N=cfg.dx_n,
         INNER_FIRST=cfg.inner_first,
         DX_STATE_FIRST=cfg.dx_state_first,
         SUMS_2D=cfg.dx_row_sums_2d,
-        P_HALVES=p_halves,
         PREC=dot_precision(x),
         num_warps=cfg.dx_warps,
         maxnreg=cfg.dx_register_cap(dx_heads),

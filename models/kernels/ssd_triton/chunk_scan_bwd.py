@@ -84,20 +84,18 @@ def chunk_scan_bwd_dx_kernel(
     INNER_FIRST: tl.constexpr,
     DX_STATE_FIRST: tl.constexpr,
     SUMS_2D: tl.constexpr,
-    P_HALVES: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
     n_k = tl.cdiv(Q, BLOCK_K)
-    n_p = 2 if P_HALVES else 1
-    pid_bch, pid_k, pid_p = program_ids(n_k, n_p, INNER_FIRST)
+    pid_bch, pid_k, _ = program_ids(n_k, 1, INNER_FIRST)
     h0 = (pid_bch % (H // HEADS)) * HEADS
     c = (pid_bch // (H // HEADS)) % NC
     b = pid_bch // ((H // HEADS) * NC)
     g = h0 // (H // G)  # HEADS divides H // G (the launcher checks): both heads are in group g
     t0 = c * Q
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     valid_k = (offs_k < Q) & (t0 + offs_k < L)
     t_k = (t0 + offs_k).to(tl.int64)
@@ -142,9 +140,9 @@ def chunk_scan_bwd_dx_kernel(
         acc0, q0 = _fold_state(acc0, x_k0.to(tl.float32), dt_k0, dA_ptr + head_q0, a2_k0, keep_k, Q, SUMS_2D)
         if HEADS == 2:
             acc1, q1 = _fold_state(acc1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
-        _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D, P_HALVES)
+        _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D)
         if HEADS == 2:
-            _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D, P_HALVES)
+            _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D)
     else:
         acc0 = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
         acc1 = acc0
@@ -193,20 +191,20 @@ def chunk_scan_bwd_dx_kernel(
         if HEADS == 2:
             acc_h1, q1 = _fold_state(acc_h1, x_k1.to(tl.float32), dt_k1, dA_ptr + head_q1, a2_k1, keep_k, Q, SUMS_2D)
             acc1 += acc_h1
-        _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D, P_HALVES)
+        _store_q(q_ptr + head_q0, q0, offs_k, Q, SUMS_2D)
         if HEADS == 2:
-            _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D, P_HALVES)
+            _store_q(q_ptr + head_q1, q1, offs_k, Q, SUMS_2D)
     # fmt: off
     _dx_outputs(
-        acc0, x_k0, dy_k0, dt_k0, D_h0, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, pid_p, n_p,
-        mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
-        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D, P_HALVES=P_HALVES,
+        acc0, x_k0, dy_k0, dt_k0, D_h0, dx_ptr, ddt_ptr + head_q0, dD_ptr, b, c, h0, pid_k, n_k, mask_kp,
+        offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
+        HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
     )
     if HEADS == 2:
         _dx_outputs(
-            acc1, x_k1, dy_k1, dt_k1, D_h1, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k, pid_p,
-            n_p, mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
-            HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D, P_HALVES=P_HALVES,
+            acc1, x_k1, dy_k1, dt_k1, D_h1, dx_ptr, ddt_ptr + head_q1, dD_ptr, b, c, h0 + 1, pid_k, n_k,
+            mask_kp, offs_k, offs_p, mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p,
+            HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM, SUMS_2D=SUMS_2D,
         )
     # fmt: on
 
@@ -281,20 +279,9 @@ def _fold_state(acc_h, x_k, dt_k, dA_head, a2_k, keep_k, Q, SUMS_2D: tl.constexp
 
 
 @triton.jit
-def _store_row_sums(ptrs, v, mask, P_HALVES: tl.constexpr):
-    """Row sums over this program's columns of P: stored, or with P_HALVES added into the zeroed output, where the
-    other half's program adds its own: 0 + a + b and 0 + b + a round alike, so the sum does not depend on which
-    program comes first (the result is bit for bit the same every run)."""
-    if P_HALVES:
-        tl.atomic_add(ptrs, v, mask=mask, sem="relaxed")
-    else:
-        tl.store(ptrs, v, mask=mask)
-
-
-@triton.jit
-def _store_q(q_head, q, offs_k, Q, SUMS_2D: tl.constexpr, P_HALVES: tl.constexpr):
+def _store_q(q_head, q, offs_k, Q, SUMS_2D: tl.constexpr):
     """One head's q (_fold_state's) stored at rows offs_k of its [Q] slice."""
-    _store_row_sums(_rows(q_head + offs_k, SUMS_2D), q, _rows(offs_k < Q, SUMS_2D), P_HALVES)
+    tl.store(_rows(q_head + offs_k, SUMS_2D), q, mask=_rows(offs_k < Q, SUMS_2D))
 
 
 @triton.jit
@@ -308,15 +295,14 @@ def _load_D(D_ptr, h, offs_p, mask_p, P, D_HAS_HDIM: tl.constexpr):
 
 @triton.jit
 def _dx_outputs(
-    acc, x_k, dy_k, dt_k, D_h, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, pid_p, n_p, mask_kp, offs_k, offs_p,
-    mask_p, t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
-    SUMS_2D: tl.constexpr, P_HALVES: tl.constexpr,
+    acc, x_k, dy_k, dt_k, D_h, dx_ptr, ddt_head, dD_ptr, b, c, h, pid_k, n_k, mask_kp, offs_k, offs_p, mask_p,
+    t_k, Q, NC, H, P, s_dx_b, s_dx_h, s_dx_l, s_dx_p, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr,
+    SUMS_2D: tl.constexpr,
 ):  # fmt: skip
     """One head's outputs from its accumulator (both terms), its x rows and (with D) its dy rows and D (_load_D):
     ddt, dx (+ D dy) and dD's partial sums."""
     x_k = x_k.to(tl.float32)
-    ddt_rows = _row_sums(acc * x_k, SUMS_2D)
-    _store_row_sums(_rows(ddt_head + offs_k, SUMS_2D), ddt_rows, _rows(offs_k < Q, SUMS_2D), P_HALVES)
+    tl.store(_rows(ddt_head + offs_k, SUMS_2D), _row_sums(acc * x_k, SUMS_2D), mask=_rows(offs_k < Q, SUMS_2D))
     dx = acc * dt_k[:, None]
     if HAS_D:
         dy_k = dy_k.to(tl.float32)
@@ -324,16 +310,15 @@ def _dx_outputs(
             dx += dy_k * D_h[None, :]
         else:
             dx += dy_k * D_h
-        # dD partial sums, [B * NC * num_k_blocks, H, P] (D of [H, P]: the halves of P write their own columns) or
-        # [B * NC * num_k_blocks * n_p, H] (D of [H]: summed over this program's P here), summed over the first axis
-        # on the host. (As [H, B * NC * num_k_blocks, P] summed over the middle axis and then over P, torch's sums
-        # took 0.020 ms at 1.3B.)
+        # dD partial sums, [B * NC * num_k_blocks, H, P] (D of [H, P]) or [B * NC * num_k_blocks, H] (D of [H]:
+        # summed over P here), summed over the first axis on the host. (As [H, B * NC * num_k_blocks, P] summed over
+        # the middle axis and then over P, torch's sums took 0.020 ms at 1.3B.)
         dD_col = tl.sum(dy_k * x_k, axis=0)
-        block = (b.to(tl.int64) * NC + c) * n_k + pid_k
+        row = ((b.to(tl.int64) * NC + c) * n_k + pid_k) * H + h
         if D_HAS_HDIM:
-            tl.store(dD_ptr + (block * H + h) * P + offs_p, dD_col, mask=mask_p)
+            tl.store(dD_ptr + row * P + offs_p, dD_col, mask=mask_p)
         else:
-            tl.store(dD_ptr + (block * n_p + pid_p) * H + h, tl.sum(dD_col, axis=0))
+            tl.store(dD_ptr + row, tl.sum(dD_col, axis=0))
     tl.store(
         dx_ptr + b.to(tl.int64) * s_dx_b + h * s_dx_h + t_k[:, None] * s_dx_l + offs_p[None, :] * s_dx_p,
         dx.to(dx_ptr.dtype.element_ty),

@@ -104,11 +104,6 @@ class BlockConfig:
     # machine: 49,997 / 49,568 / 49,685 -> 50,349 / 49,844 / 50,014 tokens/s (+0.66% at the medians), memory equal.
     # Two stages (48 KB of shared memory) 0.339.
     dx_heads: int = 2
-    # Columns of P per dx program: None, all of P (a program's rows complete ddt and q); or half of P, two programs per
-    # block of rows, each adding its half's row sums into zeroed ddt and q (two adds onto zero round alike in either
-    # order, so the sums are deterministic; more parts would not be). Half the accumulators' registers, so more
-    # programs per SM, for the decay weights computed twice. Ignored where it is not one half (dx_block_p).
-    dx_p: int | None = None
     # The same for the chunk scan forward (chunk_scan.py): the group's CB and C tiles read once per pair of heads.
     scan_heads: int = 2
     # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Two heads take
@@ -253,12 +248,6 @@ class BlockConfig:
     # spills, three (Triton 3.6). Without the gate it takes 159 either way.
     scan_maxnreg: int | None = 168
 
-    def dx_block_p(self, P: int) -> int:
-        """dx's block of P: dx_p where it splits P in two blocks (dx_p < P <= 2 dx_p), else all of P padded up."""
-        if self.dx_p is not None and self.dx_p < P <= 2 * self.dx_p:
-            return self.dx_p
-        return _pow2_at_least_16(P)
-
     def dx_register_cap(self, heads: int) -> int | None:
         """dx's register cap for programs of `heads` heads (1 or 2): dx_maxnreg for pairs, dx_one_head_maxnreg else."""
         return self.dx_maxnreg if heads == 2 else self.dx_one_head_maxnreg
@@ -269,8 +258,6 @@ class BlockConfig:
         return self.chained_fwd_pair_maxnreg if heads == 2 else self.chained_fwd_maxnreg
 
     def __post_init__(self):
-        if self.dx_p is not None and (self.dx_p < 16 or self.dx_p & (self.dx_p - 1)):
-            raise ValueError(f"BlockConfig.dx_p {self.dx_p} must be None or a power of two >= 16 (tl.dot's minimum)")
         parts = self.dcb_col_parts
         if parts < 1 or parts & (parts - 1) or self.dc_m % parts:
             raise ValueError(
