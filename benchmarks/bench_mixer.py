@@ -11,9 +11,11 @@ the power cap, the caches), not to its inputs. The mixer reads the SSD's operand
 same values' shapes. Device time per kernel name (torch.profiler, mean over --iters iterations), twice each so that
 the second round shows the spread; the configs' kept states (`keep_states`) on both.
 
-With --variant (repeatable; comma-separated BlockConfig fields, as bench_ssd.py's --set) only the mixer runs, under
-the default config and each variant in turn, two alternating rounds in one process: the gated chunk scan (the 1.3B
-and 370M configs' fuse_gate_into_scan) is timed only here, not by bench_ssd.py's bare SSD.
+The mixer runs as the 1.3B and 370M configs run it, with the gated norm's first half in the chunk scan
+(model.fuse_gate_into_scan; --unfused_gate: the scan without it and the gated norm's kernels after it), so the gated
+chunk scan is timed here and not by bench_ssd.py's bare SSD. With --variant (repeatable; comma-separated BlockConfig
+fields, as bench_ssd.py's --set) only the mixer runs, under the default config and each variant in turn, two
+alternating rounds in one process.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ if REPO not in sys.path:
 import torch
 
 from benchmarks.bench_ssd import SHAPES, make_inputs, parse_sets, patched_config, stage_times
+from models.kernels.row_scale import materialize
 from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 from models.kernels.ssd_triton import ssd_chunk_scan_triton
 
@@ -43,8 +46,11 @@ def kernel_times(step, iters: int) -> dict[str, float]:
     return stage_times(step, iters)
 
 
-def steps(shape_name: str, docs: bool):
-    """(mixer step, bare SSD step): forward + backward closures on fixed random inputs."""
+def steps(shape_name: str, docs: bool, fuse_gate: bool = True):
+    """(mixer step, bare SSD step): forward + backward closures on fixed random inputs. fuse_gate: the configs'
+    model.fuse_gate_into_scan (the chunk scan writes the gated values and their rows' sums of squares; the row scale
+    the next block's norm applies is applied here by materialize(), a few small PyTorch kernels), else the chunk
+    scan without the gate and the gated norm's kernels after it."""
     shape = SHAPES[shape_name]
     b, L, H, P, N, G, Q = (shape[k] for k in "bLHPNGQ")
     dim, d_model = H * P, D_MODEL[shape_name]
@@ -71,9 +77,9 @@ def steps(shape_name: str, docs: bool):
             t.grad = None
         out = mamba_split_conv1d_scan_triton(
             zxbcdt, conv_w, conv_b, dt_bias, A, D, Q, seq_idx=seq, rmsnorm_weight=norm_w, rmsnorm_eps=1e-5,
-            outproj_weight=out_w, headdim=P, ngroups=G, norm_before_gate=False, keep_states=True,
+            outproj_weight=out_w, headdim=P, ngroups=G, norm_before_gate=False, keep_states=True, fuse_gate=fuse_gate,
         )  # fmt: skip
-        out.backward(dout)
+        materialize(out).backward(dout)
 
     bare_leaves = {
         k: v.detach().requires_grad_() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
@@ -95,10 +101,10 @@ def steps(shape_name: str, docs: bool):
     return mixer, bare
 
 
-def time_variants(shape_name: str, docs: bool, variants: dict[str, dict], iters: int) -> dict:
+def time_variants(shape_name: str, docs: bool, variants: dict[str, dict], iters: int, fuse_gate: bool) -> dict:
     """The mixer's kernels under the default config ("base") and each variant, two alternating rounds; prints the
     kernels whose time differs and the totals, returns {column: {kernel: ms}}."""
-    mixer, _ = steps(shape_name, docs)
+    mixer, _ = steps(shape_name, docs, fuse_gate)
     configs = {"base": {}, **variants}
     runs, heads = {}, []
     for r in (1, 2):
@@ -126,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default="1.3b,370m", help=f"comma-separated, of {', '.join(D_MODEL)}")
     ap.add_argument("--docs", action="store_true", help="packed documents (seq_idx), as the data loader gives them")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument(
+        "--unfused_gate",
+        action="store_true",
+        help="the chunk scan without the gate, the gated norm after it (the configs fuse it: fuse_gate_into_scan)",
+    )
     ap.add_argument("--out", default="outputs/bench_mixer.json")
     ap.add_argument(
         "--variant",
@@ -143,10 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_mixer.py times GPU kernels: run it on a CUDA machine (bash .gpu/setup.sh first)")
     record = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "docs": a.docs}
     if variants:
-        record["variants"] = {name: time_variants(name, a.docs, variants, a.iters) for name in shapes}
+        record["variants"] = {
+            name: time_variants(name, a.docs, variants, a.iters, not a.unfused_gate) for name in shapes
+        }
         shapes = []
     for name in shapes:
-        mixer, bare = steps(name, a.docs)
+        mixer, bare = steps(name, a.docs, not a.unfused_gate)
         sides = (("mixer", mixer), ("bare", bare))
         runs = {f"{side}{r}": kernel_times(fn, a.iters) for r in (1, 2) for side, fn in sides}
         record[name] = runs
