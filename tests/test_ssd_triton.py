@@ -91,10 +91,13 @@ def test_dt_kernels_several_head_blocks():
 def test_chained_states_several_tiles_per_head():
     """The chained kernels with four [P, N] tiles per head (P 32, N 32 in 16 x 16 tiles): one chain per tile, and
     dtot summed from one partial per tile; documents that cross chunk ends (so the hand-offs carry state), initial
-    and final states, five chunks. bc_finish runs in two blocks of N here (bcf_n 16)."""
-    interpret(
-        b=2, L=80, H=2, P=32, G=1, N=32, seed=11, seq_cuts=[[20, 50], [70]], call=dict(chunk_size=16),
-        config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2, chained_bwd_heads=2, bcf_n=16),
+    and final states, five chunks. bc_finish runs in two blocks of N here (bcf_n 16). Whole chunks and blocks of P
+    that divide P: the unmasked (EVEN) loads at a P offset, also in the staged kernels (chained False)."""
+    case = dict(b=2, L=80, H=2, P=32, G=1, N=32, seed=11, seq_cuts=[[20, 50], [70]], call=dict(chunk_size=16))
+    interpret_all(
+        dict(case, config=dict(state_p=16, chained_fwd_n=16, chained_bwd_n=16, chained_heads=2, chained_bwd_heads=2,
+                               bcf_n=16)),
+        dict(case, config=dict(state_p=16, state_n=16, chained=False, bcf_n=16, pass_block=256)),
     )  # fmt: skip
 
 
