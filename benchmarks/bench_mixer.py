@@ -21,6 +21,7 @@ alternating rounds in one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -35,6 +36,7 @@ from benchmarks.bench_ssd import SHAPES, make_inputs, parse_sets, patched_config
 from models.kernels.row_scale import materialize
 from models.kernels.split_conv1d_scan import mamba_split_conv1d_scan_triton
 from models.kernels.ssd_triton import ssd_chunk_scan_triton
+from models.kernels.ssd_triton.config import block_config
 
 D_MODEL = {"1.3b": 2048, "370m": 1024}
 
@@ -147,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     a = ap.parse_args(argv)
     variants = {v: parse_sets(ap, v.split(","), flag="--variant") for v in a.variant}
+    for v, over in variants.items():  # BlockConfig's own checks, before any GPU time is spent
+        try:
+            dataclasses.replace(block_config(256, 64, 128), **over)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--variant {v}: {e}")
     shapes = [s for s in a.shapes.split(",") if s]
     if not shapes or any(s not in D_MODEL for s in shapes):
         ap.error(f"--shapes takes a comma-separated list of {', '.join(D_MODEL)}")

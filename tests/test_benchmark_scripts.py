@@ -64,6 +64,20 @@ def test_bench_mixer_refuses_without_cuda_and_unknown_shapes():
         bench_mixer.main(["--shapes", "370m"])
 
 
+def test_bench_mixer_refuses_bad_variants_before_timing(capsys):
+    """--variant: an unknown config field and a value BlockConfig rejects are named before any GPU work (no CUDA is
+    needed to be refused)."""
+    from benchmarks import bench_mixer
+
+    with pytest.raises(SystemExit):
+        bench_mixer.main(["--variant", "scan_p=32,no_such_field=1"])
+    assert "no_such_field" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_mixer.main(["--variant", "dcb_col_parts=3"])
+    err = capsys.readouterr().err
+    assert "--variant dcb_col_parts=3" in err and "power of two" in err, err
+
+
 def test_bench_loss_refuses_without_cuda():
     """bench_loss.py stops before allocating anything on a machine without CUDA, naming what it needs."""
     from benchmarks import bench_loss
