@@ -41,7 +41,7 @@ import triton
 
 from models.kernels.ssd_reference import ssd_chunk_scan_ref
 from models.kernels.ssd_triton import autograd
-from tests.interpreter_child import patch_interpreter_scalar_index
+from tests.interpreter_child import patch_interpreter
 from tests.ssd_checks import fp16_model_inputs, gradients
 
 
@@ -176,7 +176,7 @@ def main():
 
         device, exact_dtype = "cuda", torch.float32
     else:
-        patch_interpreter_scalar_index()
+        patch_interpreter()
         mamba = _import_mamba_for_the_interpreter()
         device, exact_dtype = "cpu", torch.float64
     if args.bench_case:

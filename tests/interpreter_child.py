@@ -17,7 +17,16 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from tests.triton_sm90 import add_session_launches
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def patch_interpreter():
+    """What our interpreter cases need of Triton's interpreter, patched once per process (each patch says why)."""
+    patch_interpreter_scalar_index()
+    patch_interpreter_scan()
+    patch_interpreter_device_calls()
 
 
 def patch_interpreter_scalar_index():
@@ -38,17 +47,101 @@ def patch_interpreter_scalar_index():
     interp._patch_lang_tensor = patched
 
 
+def patch_interpreter_scan():
+    """Triton's interpreter runs tl.associative_scan with a combine function of ours one element at a time (a Python
+    call per element: ~2 s per launch of embedding_triton's [32, 128] scan); combine functions are element-wise, so
+    this runs them on whole slices across the scan axis, one call per position along it: the same values."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    scan_ops = getattr(interp, "ScanOps", None)
+    if scan_ops is None or getattr(scan_ops, "_sliced", False):  # another Triton's interpreter, or patched already
+        return
+    scan_ops._sliced = True
+
+    def generic_scan(self, input):
+        datas = [arg.handle.data for arg in input]
+        outs = [np.empty_like(d) for d in datas]
+        axis = self.axis
+
+        def at(i):
+            return (slice(None),) * axis + (slice(i, i + 1),)
+
+        acc = [d[at(0)] for d in datas]
+        for o, a in zip(outs, acc):
+            o[at(0)] = a
+        for i in range(1, datas[0].shape[axis]):
+            args = [self.to_tensor(a, arg.dtype) for a, arg in zip(acc, input)]
+            args += [self.to_tensor(d[at(i)], arg.dtype) for d, arg in zip(datas, input)]
+            ret = self.combine_fn.fn(*args)
+            ret = ret if isinstance(ret, tuple) else (ret,)
+            acc = [r.handle.data if isinstance(r, tl.core.tensor) else r for r in ret]
+            for o, a in zip(outs, acc):
+                o[at(i)] = a
+        return [self.to_tensor(o, arg.dtype) for o, arg in zip(outs, input)]
+
+    scan_ops.generic_scan = generic_scan
+
+
+def patch_interpreter_device_calls():
+    """Triton's interpreter patches triton.language for the interpreter at each launch (undone after it), and again at
+    every call of a @triton.jit helper inside it: an inspect.getmembers of the language's modules per call, ~20% of
+    an SSD case's time (our kernels call helpers per loop iteration). Inside a launch, a call whose language modules
+    (those of its function's globals, as the interpreter picks them) this launch has patched already returns an empty
+    patch instead: patching them again would set the same attributes."""
+    import inspect
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    executor, scope_type = getattr(interp, "GridExecutor", None), getattr(interp, "_LangPatchScope", None)
+    if executor is None or scope_type is None or getattr(interp, "_device_calls_patched", False):
+        return  # another Triton's interpreter, or patched already
+    interp._device_calls_patched = True
+    patched: list[set] = []  # per running launch: the language modules (ids) patched in it
+    patch_lang, launch = interp._patch_lang, executor.__call__
+
+    def patch_once(fn):
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if patched and langs <= patched[-1]:
+            return scope_type()
+        scope = patch_lang(fn)
+        if patched:
+            patched[-1] |= langs
+        return scope
+
+    def launch_patching_once(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interp._patch_lang = patch_once
+    executor.__call__ = launch_patching_once
+
+
+# The key of the child's JSON that carries its kernel launches (finish_child takes it out)
+LAUNCHES = "__launches__"
+
+
 def run_checks(checks: dict[str, Callable[[], object]]) -> None:
     """In the child: every check, one JSON object {name: {ok, out}} on stdout; a failing check does not stop the
-    others (its traceback is its out)."""
+    others (its traceback is its out). The kernel launches they made go along (tests/triton_sm90.py's
+    SESSION_LAUNCHES: what the sm_90 compile test compiles)."""
+    from tests.triton_sm90 import record_launches
+
     assert os.environ.get("TRITON_INTERPRET") == "1"
+    patch_interpreter()
     results = {}
-    for name, check in checks.items():
-        try:
-            results[name] = {"ok": True, "out": check()}
-        except BaseException:  # a failed check or any error: reported under its case, the others still run
-            results[name] = {"ok": False, "out": traceback.format_exc()}
-    print(json.dumps(results))
+    with record_launches(strict=False) as launches:
+        for name, check in checks.items():
+            try:
+                results[name] = {"ok": True, "out": check()}
+            except BaseException:  # a failed check or any error: reported under its case, the others still run
+                results[name] = {"ok": False, "out": traceback.format_exc()}
+    print(json.dumps({**results, LAUNCHES: launches}))
 
 
 def start_child(module: str, call: str = "child()") -> subprocess.Popen:
@@ -56,13 +149,16 @@ def start_child(module: str, call: str = "child()") -> subprocess.Popen:
     several children can run side by side."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = f"import {module} as t; t.{call}"
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    proc.test_module = module  # finish_child files its launches under it
+    return proc
 
 
 def finish_child(proc: subprocess.Popen, timeout: float = 300) -> dict:
-    """A started child's JSON results (killed if it outlives timeout)."""
+    """A started child's JSON results (killed if it outlives timeout); its kernel launches go to the session's record
+    (tests/triton_sm90.py) under "module:<its module>"."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -70,7 +166,9 @@ def finish_child(proc: subprocess.Popen, timeout: float = 300) -> dict:
         out, err = proc.communicate()
         raise AssertionError(f"the interpreter child timed out after {timeout} s:\n{err[-6000:]}") from None
     assert proc.returncode == 0, f"the interpreter child failed:\n{err[-6000:]}"
-    return json.loads(out.strip().splitlines()[-1])
+    results = json.loads(out.strip().splitlines()[-1])
+    add_session_launches(f"module:{proc.test_module}", results.pop(LAUNCHES, []))
+    return results
 
 
 def child_results(module: str, timeout: float = 300) -> dict:

@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from tests.interpreter_child import ROOT, patch_interpreter_scalar_index
+from tests.interpreter_child import ROOT, patch_interpreter
 from tests.ssd_checks import (
     check_against_reference,
     check_decay_through_initial_states,
@@ -35,6 +35,7 @@ from tests.ssd_checks import (
     kernel_halves_from_references,
     make_inputs,
 )
+from tests.triton_sm90 import add_session_launches, record_launches
 
 _SET_CONSTANTS: list = []  # (module, name, value before) of the module constants the running case set
 
@@ -42,7 +43,7 @@ _SET_CONSTANTS: list = []  # (module, name, value before) of the module constant
 def run_case_in_child(**case):
     """Entry point of the child process: kernels under the interpreter, checked against the reference."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    patch_interpreter_scalar_index()
+    patch_interpreter()
     from models.kernels.ssd_triton import autograd
     from models.kernels.ssd_triton.autograd import ssd_chunk_scan_triton
 
@@ -94,6 +95,11 @@ def run_case_in_child(**case):
     print(json.dumps(errors))
 
 
+def current_test() -> str:
+    """The running test's node id ("tests/test_ssd_triton.py::test_name[param]"), "" outside pytest."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+
+
 class _InterpreterWorker:
     """One long-lived Python process with TRITON_INTERPRET=1 that runs the cases one after another (serve()), so
     that each case does not pay the ~4 s of importing torch and triton again. A case that kills the process fails
@@ -128,6 +134,8 @@ class _InterpreterWorker:
             raise AssertionError(f"case {case}: the interpreter worker died or timed out:\n{self.log.read()[-6000:]}")
         result = json.loads(line)
         assert result["ok"], f"case {case} failed:\n{result['out'][-6000:]}"
+        # the case's kernel launches, filed under the test that ran it (tests/triton_sm90.py's SESSION_LAUNCHES)
+        add_session_launches(current_test(), result["launches"])
         return result["out"]
 
     def run(self, case: dict, timeout: float = 600) -> str:
@@ -153,7 +161,8 @@ def counters_left_zero():
 
 
 def serve():
-    """The worker's loop: one case (a dict's repr) per stdin line -> one JSON line {ok, out} on stdout."""
+    """The worker's loop: one case (a dict's repr) per stdin line -> one JSON line {ok, out, launches} on stdout
+    (launches: the case's kernel launches, tests/triton_sm90.py's record_launches)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     import contextlib
     import io
@@ -165,8 +174,9 @@ def serve():
     allocators = {name: getattr(torch, name) for name in ("empty", "empty_like")}  # poison_empty replaces them
     for line in sys.stdin:
         buf = io.StringIO()
+        launches = []
         try:
-            with contextlib.redirect_stdout(buf):
+            with contextlib.redirect_stdout(buf), record_launches(strict=False) as launches:
                 run_case_in_child(**ast.literal_eval(line))
             counters_left_zero()
             ok, out = True, buf.getvalue()
@@ -179,7 +189,7 @@ def serve():
                 setattr(module, attr, value)
             for name, allocator in allocators.items():
                 setattr(torch, name, allocator)
-        sys.stdout.write(json.dumps({"ok": ok, "out": out}) + "\n")
+        sys.stdout.write(json.dumps({"ok": ok, "out": out, "launches": launches}) + "\n")
         sys.stdout.flush()
 
 

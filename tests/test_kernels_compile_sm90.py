@@ -1,12 +1,15 @@
 """Every Triton kernel of ours compiles for the GPU (sm_90: H100 / H200) with the argument patterns the interpreter
 tests launch, on a CPU-only machine (tests/triton_sm90.py says why and how).
 
-A child process under TRITON_INTERPRET=1 runs a selection of the interpreter cases (the SSD with documents, initial
-and final states, two groups and a ragged last chunk; the model's fused path with the kernel halves; P and N that
-are not powers of two; the conv with and without documents; the residual add + RMSNorm, also rewriting its normed rows
-(norm_linear.py); the gated norm on dense rows and on CP's column blocks; the fused loss; the optimizer's AdamW and sum
-of squares) and records each launch's dtypes, scalars and constexprs; this process compiles each distinct pattern for
-sm_90. The selection must launch every kernel of ours at least once, so a new kernel without a case here fails too.
+A selection of the interpreter cases (the SSD with documents, initial and final states, two groups and a ragged last
+chunk; the model's fused path with the kernel halves; P and N that are not powers of two; the conv with and without
+documents; the residual add + RMSNorm, also rewriting its normed rows (norm_linear.py); the gated norm on dense rows
+and on CP's column blocks; the fused loss; the optimizer's AdamW and sum of squares) records each launch's dtypes,
+scalars and constexprs; this process compiles each distinct pattern for sm_90. The selection must launch every kernel
+of ours at least once, so a new kernel without a case here fails too. Those cases are tests of their own modules too:
+conftest.py runs this file after them, and what they launched (tests/triton_sm90.py's SESSION_LAUNCHES) is compiled
+here without running them again; the cases the session did not run (this file alone, or -k) run here in interpreter
+children.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import pkgutil
 
 import pytest
 
-from tests.interpreter_child import finish_child, run_checks, start_child
+from tests.interpreter_child import LAUNCHES, finish_child, run_checks, start_child
 
 pytest.importorskip("triton")
 
@@ -90,40 +93,72 @@ def _run_child_module(module: str) -> None:
     with contextlib.redirect_stdout(out):
         importlib.import_module(module).child()
     results = json.loads(out.getvalue().strip().splitlines()[-1])
+    results.pop(LAUNCHES)  # this process records them itself (check_record)
     failed = {k: r["out"][-2000:] for k, r in results.items() if not r["ok"]}
     assert not failed, failed
 
 
-def check_record(part: str) -> list[dict]:
-    """The launches of SSD_TESTS' cases (part "ssd") or of CHILD_MODULES' checks (part "modules")."""
-    from tests.interpreter_child import patch_interpreter_scalar_index
+SSD_KEY = "tests/test_ssd_triton.py::{}"  # SESSION_LAUNCHES' key of an SSD test (ssd_interpreter.current_test)
+
+
+def session_key(part: str) -> str:
+    """Where the session's record (tests/triton_sm90.py's SESSION_LAUNCHES) files the launches of one part of the
+    selection: an SSD_TESTS name or a CHILD_MODULES module."""
+    return SSD_KEY.format(part) if part in SSD_TESTS else f"module:{part}"
+
+
+def check_record(parts: list[str]) -> list[dict]:
+    """The launches of these SSD_TESTS' cases and CHILD_MODULES' checks, run in this (interpreter) process."""
+    from tests.interpreter_child import patch_interpreter
     from tests.triton_sm90 import record_launches
 
-    patch_interpreter_scalar_index()
+    patch_interpreter()
     with record_launches() as launches:
-        if part == "ssd":
-            for name in SSD_TESTS:
-                _run_ssd_test(name)
-        else:
-            for module in CHILD_MODULES:
-                _run_child_module(module)
+        for part in parts:
+            if part in SSD_TESTS:
+                _run_ssd_test(part)
+            else:
+                _run_child_module(part)
     return launches
 
 
-def child(part: str) -> None:
-    run_checks({"record": lambda: check_record(part)})
+def child(parts: list[str]) -> None:
+    run_checks({"record": lambda: check_record(parts)})
 
 
-@pytest.fixture(scope="module")
-def launches():
-    # The two parts in two children side by side (~30 s each under the interpreter on the CI's two cores).
-    children = [start_child("tests.test_kernels_compile_sm90", f"child({part!r})") for part in ("ssd", "modules")]
+def selection_launches(run_missing) -> list[dict]:
+    """The launches of the whole selection: each part's from the session's record where an earlier test of this
+    session ran it (conftest.py runs this file last), the others from run_missing(parts). A launch whose arguments
+    could not be recorded fails here (record_launches)."""
+    from tests.triton_sm90 import SESSION_LAUNCHES
+
+    parts = list(SSD_TESTS) + list(CHILD_MODULES)
+    missing = [p for p in parts if session_key(p) not in SESSION_LAUNCHES]
+    launches = [x for p in parts if p not in missing for x in SESSION_LAUNCHES[session_key(p)]]
+    if missing:
+        launches += run_missing(missing)
+    unrecorded = [x for x in launches if "error" in x]
+    assert not unrecorded, f"launches whose arguments could not be recorded: {unrecorded[:5]}"
+    return launches
+
+
+def _run_in_children(parts: list[str]) -> list[dict]:
+    """The parts in two interpreter children side by side (the CI has two cores)."""
+    shares = [parts[i::2] for i in range(2) if parts[i::2]]
+    children = [start_child("tests.test_kernels_compile_sm90", f"child({share!r})") for share in shares]
     recorded = []
     for proc in children:
         r = finish_child(proc, timeout=900)["record"]
         assert r["ok"], r["out"]
         recorded += r["out"]
     return recorded
+
+
+@pytest.fixture(scope="module")
+def launches():
+    # Run alone, this file runs the whole selection under the interpreter itself (~130 s on the CI's two cores);
+    # after test_ssd_triton and the CHILD_MODULES in one session, nothing.
+    return selection_launches(_run_in_children)
 
 
 def _our_kernels() -> set[tuple[str, str]]:
@@ -220,3 +255,45 @@ def test_programmatic_dependent_launch_variants_compile_for_sm90(launches):
     variants = [dict(launch, kwargs=dict(launch["kwargs"], PDL=True, launch_pdl=True)) for launch in firsts.values()]
     failures = compile_for_sm90(variants, workers=min(2, os.cpu_count() or 1))
     assert not failures, "\n".join(f"{k}: {v}" for k, v in failures.items())
+
+
+def test_the_selection_takes_the_sessions_record_and_runs_only_the_rest(monkeypatch):
+    """selection_launches: the parts an earlier test recorded come from the session's record, only the others are
+    run (here: the first SSD test), and a launch recorded without its arguments fails."""
+    from tests import triton_sm90
+
+    def fake(part):
+        return dict(module="m", name=part, args=[], kwargs={}, grid=[1])
+
+    parts = list(SSD_TESTS) + list(CHILD_MODULES)
+    record = {session_key(p): [fake(p)] for p in parts[1:]}
+    monkeypatch.setattr(triton_sm90, "SESSION_LAUNCHES", record)
+    asked = []
+
+    def run_missing(missing):
+        asked.append(missing)
+        return [fake(p) for p in missing]
+
+    assert sorted(x["name"] for x in selection_launches(run_missing)) == sorted(parts)
+    assert asked == [[SSD_TESTS[0]]]
+    record[session_key(CHILD_MODULES[0])].append(dict(module="m", name="k", error="cannot be recorded"))
+    with pytest.raises(AssertionError, match="could not be recorded"):
+        selection_launches(run_missing)
+
+
+def test_interpreter_children_file_their_launches_in_the_sessions_record():
+    """What lets the compile tests skip the selection's cases: an SSD case run by test_ssd_triton's workers files its
+    launches under the running test, a module's child() checks under the module (tests/triton_sm90.py)."""
+    from tests.interpreter_child import child_results
+    from tests.ssd_interpreter import current_test, interpret
+    from tests.triton_sm90 import SESSION_LAUNCHES
+
+    key = current_test()
+    SESSION_LAUNCHES.pop(key, None)
+    interpret(b=1, L=32, H=2, P=16, G=1, N=16, seed=0, call=dict(chunk_size=16))
+    names = {x["name"] for x in SESSION_LAUNCHES[key]}
+    assert {"cb_fwd_kernel", "chunk_scan_fwd_kernel", "chunk_scan_bwd_dx_kernel"} <= names, names
+    SESSION_LAUNCHES.pop("module:tests.test_sumsq_triton", None)
+    assert child_results("tests.test_sumsq_triton")["sumsq"]["ok"]
+    names = {x["name"] for x in SESSION_LAUNCHES["module:tests.test_sumsq_triton"]}
+    assert "_sumsq_kernel" in names, names

@@ -91,9 +91,9 @@ CASES = {
 
 
 def child():
-    from tests.interpreter_child import patch_interpreter_scalar_index
+    from tests.interpreter_child import patch_interpreter
 
-    patch_interpreter_scalar_index()
+    patch_interpreter()
     run_checks({name: (lambda kw=kw: check_norm_linear(**kw)) for name, kw in CASES.items()})
 
 

@@ -45,10 +45,25 @@ def _decode(v):
     return v
 
 
+# The launches the session's interpreter cases made, by where they ran: "tests/test_ssd_triton.py::test_name" for the
+# SSD cases of that test (tests/ssd_interpreter.py's workers), "module:tests.test_x" for a module's child() checks
+# (tests/interpreter_child.py). test_kernels_compile_sm90 runs last (conftest.py) and compiles the launches of its
+# selection from here, instead of running the same cases a second time under the interpreter; what the session did
+# not run, it runs itself.
+SESSION_LAUNCHES: dict[str, list[dict]] = {}
+
+
+def add_session_launches(key: str, launches: list[dict]) -> None:
+    """Launches recorded in an interpreter child, added under `key` (SESSION_LAUNCHES) in the pytest process."""
+    SESSION_LAUNCHES.setdefault(key, []).extend(launches)
+
+
 @contextlib.contextmanager
-def record_launches():
+def record_launches(strict: bool = True):
     """In the interpreter: every launch of a @triton.jit kernel (through fast_launch or `kernel[grid]`) appended to
-    the yielded list as {module, name, args, kwargs, grid}, and then run as before."""
+    the yielded list as {module, name, args, kwargs, grid}, and then run as before. An argument that cannot be
+    recorded raises (strict), else the launch is recorded as {module, name, error} and runs (the children of other
+    tests record theirs this way: the compile test fails on such an entry, their own checks do not)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     launches: list[dict] = []
@@ -56,15 +71,20 @@ def record_launches():
 
     def run(self, *args, grid, warmup, **kwargs):
         if not callable(grid):
-            launches.append(
-                dict(
-                    module=self.fn.__module__,
-                    name=self.fn.__name__,
-                    args=[_encode(a) for a in args],
-                    kwargs={k: _encode(v) for k, v in kwargs.items()},
-                    grid=[int(g) for g in grid],
+            where = dict(module=self.fn.__module__, name=self.fn.__name__)
+            try:
+                launches.append(
+                    dict(
+                        where,
+                        args=[_encode(a) for a in args],
+                        kwargs={k: _encode(v) for k, v in kwargs.items()},
+                        grid=[int(g) for g in grid],
+                    )
                 )
-            )
+            except TypeError as e:
+                if strict:
+                    raise
+                launches.append(dict(where, error=str(e)))
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
