@@ -104,16 +104,9 @@ def chunk_scan_fwd_kernel(
     # The epilogue's inputs (x, D, z, the norm's weight) first with EARLY 2 (config scan_early_inputs), before the
     # intra-chunk loop with EARLY 1, after it by default: loaded earlier, their latency overlaps the products, and
     # the four tiles are held through them (registers; spills under scan_maxnreg with the gate).
-    # fmt: off
     if EARLY == 2:
-        x_m0, D_h0, z_m0, w_h0 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m,
-                                                   P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM,
-                                                   GATE)
-        if HEADS == 2:
-            x_m1, D_h1, z_m1, w_h1 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0 + 1, offs_p, mask_p,
-                                                       valid_m, t_m, P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l,
-                                                       HAS_D, D_HAS_HDIM, GATE)
-    # fmt: on
+        inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                                   s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
     # State term: C_l · S_in (all N), scaled per position (C is the group's: loaded once for both heads).
     keep_m = valid_m
     if HAS_SEQ:
@@ -145,16 +138,9 @@ def chunk_scan_fwd_kernel(
     x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     CB_rows = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
     hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
-    # fmt: off
     if EARLY == 1:
-        x_m0, D_h0, z_m0, w_h0 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m,
-                                                   P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM,
-                                                   GATE)
-        if HEADS == 2:
-            x_m1, D_h1, z_m1, w_h1 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0 + 1, offs_p, mask_p,
-                                                       valid_m, t_m, P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l,
-                                                       HAS_D, D_HAS_HDIM, GATE)
-    # fmt: on
+        inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                                   s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
     for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
@@ -172,15 +158,11 @@ def chunk_scan_fwd_kernel(
     # the compiler cannot move a load above a store (the pointers might alias), so a load placed after a store waits
     # a memory round trip of its own (per program three more with the gate, one more without; chunk_scan_bwd's dx).
     # With the gate this takes 176 registers uncapped (two programs per SM): config scan_maxnreg holds it at 168.
-    # fmt: off
     if EARLY == 0:
-        x_m0, D_h0, z_m0, w_h0 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m,
-                                                   P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM,
-                                                   GATE)
-        if HEADS == 2:
-            x_m1, D_h1, z_m1, w_h1 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0 + 1, offs_p, mask_p,
-                                                       valid_m, t_m, P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l,
-                                                       HAS_D, D_HAS_HDIM, GATE)
+        inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                                   s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
+    x_m0, D_h0, z_m0, w_h0, x_m1, D_h1, z_m1, w_h1 = inputs
+    # fmt: off
     acc0 = scan_store(acc0, x_m0, D_h0, y_ptr, b, h0, offs_p, mask_p, valid_m, t_m, s_y_b, s_y_h, s_y_l, s_y_p,
                       HAS_D=HAS_D, D_HAS_HDIM=D_HAS_HDIM)
     if GATE:
@@ -240,6 +222,22 @@ def scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h, offs_p, mask_p, valid_m,
         z = tl.load(z_ptr + b.to(tl.int64) * s_z_b + t_m[:, None] * s_z_l + cols[None, :], mask=mask, other=0.0)
         w = tl.load(w_ptr + cols, mask=mask_p, other=0.0)
     return x_m, d, z, w
+
+
+@triton.jit
+def both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h, s_x_l, s_x_p,
+                      s_z_b, s_z_l, HAS_D: tl.constexpr, D_HAS_HDIM: tl.constexpr, GATE: tl.constexpr,
+                      HEADS: tl.constexpr):  # fmt: skip
+    """scan_store_inputs of heads h0 and h0 + 1, all issued before any store: (x, D, z, w) of h0, then of h0 + 1 (with
+    HEADS 1 those repeat h0's and go unused)."""
+    x0, d0, z0, w0 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                                       s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE)  # fmt: skip
+    x1, d1, z1, w1 = x0, d0, z0, w0
+    if HEADS == 2:
+        x1, d1, z1, w1 = scan_store_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0 + 1, offs_p, mask_p, valid_m, t_m,
+                                           P, s_x_b, s_x_h, s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM,
+                                           GATE)  # fmt: skip
+    return x0, d0, z0, w0, x1, d1, z1, w1
 
 
 @triton.jit
