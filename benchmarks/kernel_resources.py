@@ -268,7 +268,6 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
         BLOCK_P=cfg.scan_p,
         BLOCK_N=cfg.scan_n,
         INNER_FIRST=cfg.inner_first,
-        EARLY=cfg.scan_early_inputs,
     )
     yield "chunk_scan_fwd", chunk_scan.chunk_scan_fwd_kernel, ptrs, scan, cfg.scan_warps, cfg.scan_stages
     # ... with the gated norm's first half (the 1.3B config's fuse_gate_into_scan)

@@ -115,22 +115,6 @@ def test_chunk_scan_over_two_blocks_of_p():
     )  # fmt: skip
 
 
-def test_chunk_scan_epilogue_inputs_loaded_early():
-    """config scan_early_inputs: the chunk scan's epilogue inputs (x and D for the D term; z and the norm's weight
-    with the gate) loaded before the intra-chunk loop (1) or before the state term (2) instead of after it: the same
-    outputs, with documents, two groups and a remainder, D per channel, and the fused gate over two heads per
-    program. (Prepared in session 74, not yet timed on a GPU: docs/performance.md.)"""
-    cases = []
-    for early in (1, 2):
-        cfg = dict(scan_early_inputs=early)
-        cases += [
-            dict(b=2, L=40, H=4, P=32, G=2, N=16, seed=41, seq_cuts=CUTS, D_shape="HP", call=dict(chunk_size=16),
-                 config=cfg),
-            dict(fused_gate=True, b=1, L=50, H=2, P=32, N=16, seed=42, chunk_size=32, kept_states=True, config=cfg),
-        ]  # fmt: skip
-    interpret_all(*cases)
-
-
 # 16-wide tiles over chunk positions: several blocks per chunk, so every kernel's loops over blocks below the
 # diagonal run (with the default tiles a chunk of 32 or less is one block, and only the diagonal one would).
 SMALL_TILES = dict(cb_m=16, cb_s=16, state_k=16, scan_m=16, scan_k=16, dx_k=16, dx_m=16, dc_m=16, db_k=16)

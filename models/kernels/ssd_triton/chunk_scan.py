@@ -80,7 +80,6 @@ def chunk_scan_fwd_kernel(
     INNER_FIRST: tl.constexpr,
     GATE: tl.constexpr = False,
     FAST: tl.constexpr = False,
-    EARLY: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
@@ -101,12 +100,6 @@ def chunk_scan_fwd_kernel(
     if HEADS == 2:
         a2_m1 = tl.load(dA_ptr + head_q1 + offs_m, mask=offs_m < Q, other=0.0) * LOG2E
 
-    # The epilogue's inputs (x, D, z, the norm's weight) first with EARLY 2 (config scan_early_inputs), before the
-    # intra-chunk loop with EARLY 1, after it by default: loaded earlier, their latency overlaps the products, and
-    # the four tiles are held through them (registers; spills under scan_maxnreg with the gate).
-    if EARLY == 2:
-        inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
-                                   s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
     # State term: C_l · S_in (all N), scaled per position (C is the group's: loaded once for both heads).
     keep_m = valid_m
     if HAS_SEQ:
@@ -138,9 +131,6 @@ def chunk_scan_fwd_kernel(
     x_chunk0 = x_ptr + b.to(tl.int64) * s_x_b + h0 * s_x_h + t0.to(tl.int64) * s_x_l
     CB_rows = CB_ptr + ((b.to(tl.int64) * NC + c) * G + g) * Q * Q + offs_m[:, None] * Q
     hi = tl.minimum((pid_m + 1) * BLOCK_M, Q)
-    if EARLY == 1:
-        inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
-                                   s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
     for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_offs = offs_k[:, None] * s_x_l + offs_p[None, :] * s_x_p
@@ -158,9 +148,10 @@ def chunk_scan_fwd_kernel(
     # the compiler cannot move a load above a store (the pointers might alias), so a load placed after a store waits
     # a memory round trip of its own (per program three more with the gate, one more without; chunk_scan_bwd's dx).
     # With the gate this takes 176 registers uncapped (two programs per SM): config scan_maxnreg holds it at 168.
-    if EARLY == 0:
-        inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
-                                   s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
+    # Loading them earlier (before the loop or the state term) is slower: held through the products, the four tiles
+    # cost a program per SM or spills (session 75: the 1.3B's gated scan 0.290 -> 0.353-0.440 ms; commit ca5aac4).
+    inputs = both_heads_inputs(x_ptr, D_ptr, z_ptr, w_ptr, b, h0, offs_p, mask_p, valid_m, t_m, P, s_x_b, s_x_h,
+                               s_x_l, s_x_p, s_z_b, s_z_l, HAS_D, D_HAS_HDIM, GATE, HEADS)  # fmt: skip
     x_m0, D_h0, z_m0, w_h0, x_m1, D_h1, z_m1, w_h1 = inputs
     # fmt: off
     acc0 = scan_store(acc0, x_m0, D_h0, y_ptr, b, h0, offs_p, mask_p, valid_m, t_m, s_y_b, s_y_h, s_y_l, s_y_p,

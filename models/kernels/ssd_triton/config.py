@@ -247,13 +247,6 @@ class BlockConfig:
     # before its first store (chunk_scan.py): ptxas then takes 176 registers, two programs per SM; at 168, 164 and no
     # spills, three (Triton 3.6). Without the gate it takes 159 either way.
     scan_maxnreg: int | None = 168
-    # The chunk scan's epilogue inputs (x and D for the D term, z and the norm's weight for the gate) loaded after the
-    # intra-chunk loop (0), before it (1) or before the state term (2), so that their latency overlaps the products
-    # (session 73: the kernel's loop, state term and I/O-bound epilogue add up rather than overlap). Held through the
-    # loop, the four [64, 64] tiles cost registers: Triton 3.6 at the 1.3B tiles (kernel_resources.py), with the
-    # gate 1 / 2 take 168 registers and 208 / 352 bytes of spills under scan_maxnreg 168 (255 uncapped: two programs
-    # per SM), without it 168 and none; at 8 warps and a cap of 128, 128 and 8 bytes. Not yet timed on a GPU.
-    scan_early_inputs: int = 0
 
     def dx_register_cap(self, heads: int) -> int | None:
         """dx's register cap for programs of `heads` heads (1 or 2): dx_maxnreg for pairs, dx_one_head_maxnreg else."""

@@ -195,7 +195,6 @@ def _staged_scan(x, dt_p, dA_cs, C, D, seq, CB, S_in, cfg: BlockConfig, y_dtype=
         maxnreg=cfg.scan_maxnreg,
         GATE=gate is not None,
         FAST=gate is not None and gate[2],
-        EARLY=cfg.scan_early_inputs,
     )
     return y if gate is None else (y, g, ss)
 
