@@ -1,0 +1,53 @@
+"""tests/interpreter_child.py's patches of Triton's interpreter, which every interpreter case runs under: the integer
+overflow checks it builds and drops are skipped (patch_interpreter_overflow_checks), and int32 arithmetic past its
+range still wraps as it does on the GPU, with the checks built or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.interpreter_child import child_results, run_checks
+
+pytest.importorskip("triton")
+
+
+def check_overflow_checks_skipped() -> dict:
+    import dataclasses
+
+    import numpy as np
+    import torch
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    @triton.jit
+    def wrapping_kernel(X, OUT, scale, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        x = tl.load(X + offs)
+        tl.store(OUT + offs, x * scale + scale - x)  # int32 products and sums past 2^31
+
+    builder = interp.interpreter_builder
+    assert not builder.options.debug and not builder.options.sanitize_overflow, builder.options  # run_checks patched
+    x = torch.tensor([3, 70_000, -70_000, 2**30, -(2**31)], dtype=torch.int32)
+    x = torch.cat([x, torch.zeros(3, dtype=torch.int32)])
+    scale = 65_537
+    want = (x.numpy().astype(np.int64) * scale + scale - x.numpy()).astype(np.int32)  # two's complement wrap
+    outs = {}
+    for sanitize in (True, False):  # the checks built (Triton's default) and skipped (the patch)
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=sanitize)
+        out = torch.empty_like(x)
+        wrapping_kernel[(1,)](x, out, scale, N=x.numel())
+        outs[sanitize] = out.numpy()
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    assert (outs[True] == want).all() and (outs[False] == want).all(), (outs, want)
+    return {"wrapped": int((want.astype(np.int64) != x.numpy().astype(np.int64) * scale + scale - x.numpy()).sum())}
+
+
+def child() -> None:
+    run_checks({"overflow_checks": check_overflow_checks_skipped})
+
+
+def test_overflow_checks_skipped_and_int32_wraps_as_on_the_gpu():
+    r = child_results("tests.test_interpreter_patches")["overflow_checks"]
+    assert r["ok"], r["out"]
+    assert r["out"] == {"wrapped": 4}, r["out"]  # four of the values do overflow
