@@ -28,6 +28,7 @@ def patch_interpreter():
     patch_interpreter_scan()
     patch_interpreter_device_calls()
     patch_interpreter_overflow_checks()
+    patch_interpreter_dtype_lookup()
 
 
 def patch_interpreter_scalar_index():
@@ -102,9 +103,13 @@ def patch_interpreter_device_calls():
     interp._device_calls_patched = True
     patched: list[set] = []  # per running launch: the language modules (ids) patched in it
     patch_lang, launch = interp._patch_lang, executor.__call__
+    module_langs: dict[int, frozenset] = {}  # a module's globals (id) -> its language modules (ids): found once
 
     def patch_once(fn):
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = module_langs.get(id(fn.__globals__))
+        if langs is None:
+            langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+            module_langs[id(fn.__globals__)] = langs
         if patched and langs <= patched[-1]:
             return scope_type()
         scope = patch_lang(fn)
@@ -137,6 +142,29 @@ def patch_interpreter_overflow_checks():
     if options is None or not hasattr(options, "sanitize_overflow") or getattr(options, "debug", True):
         return  # another Triton's interpreter, or its checks would run
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
+def patch_interpreter_dtype_lookup():
+    """Triton's interpreter maps a Triton dtype to numpy's by building a dict of every dtype at each call (~90k calls
+    an SSD case); the same mapping, remembered per dtype: ~10% of an SSD case (5.5 -> 5.0 s)."""
+    import triton.runtime.interpreter as interp
+
+    lookup = getattr(interp, "_get_np_dtype", None)
+    if lookup is None or getattr(lookup, "remembers", False):
+        return  # another Triton's interpreter, or patched already
+    known = {}
+
+    def remembered(tt_dtype):
+        try:
+            return known[tt_dtype]
+        except KeyError:
+            known[tt_dtype] = lookup(tt_dtype)
+            return known[tt_dtype]
+        except TypeError:  # unhashable: as before
+            return lookup(tt_dtype)
+
+    remembered.remembers = True
+    interp._get_np_dtype = remembered
 
 
 # The key of the child's JSON that carries its kernel launches (finish_child takes it out)

@@ -1,6 +1,7 @@
 """tests/interpreter_child.py's patches of Triton's interpreter, which every interpreter case runs under: the integer
 overflow checks it builds and drops are skipped (patch_interpreter_overflow_checks), and int32 arithmetic past its
-range still wraps as it does on the GPU, with the checks built or not."""
+range still wraps as it does on the GPU, with the checks built or not; the dtype lookup it remembers
+(patch_interpreter_dtype_lookup) gives what Triton's own gives, for every dtype and for blocks of them."""
 
 from __future__ import annotations
 
@@ -43,11 +44,39 @@ def check_overflow_checks_skipped() -> dict:
     return {"wrapped": int((want.astype(np.int64) != x.numpy().astype(np.int64) * scale + scale - x.numpy()).sum())}
 
 
+def check_dtype_lookup_remembered() -> int:
+    import inspect
+
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    lookup = interp._get_np_dtype
+    assert getattr(lookup, "remembers", False), lookup  # run_checks patched it
+    original = inspect.getclosurevars(lookup).nonlocals["lookup"]
+    dtypes = [v for v in vars(tl).values() if isinstance(v, tl.dtype) and not isinstance(v, tl.pointer_type)]
+    dtypes = [d for d in dtypes if d.name not in ("void", "fp8e4b15x4")]
+    types = dtypes + [tl.pointer_type(tl.float32)] + [tl.block_type(d, [4, 8]) for d in dtypes]
+    for t in types + types:  # the second time from what it remembers
+        assert lookup(t) == original(t), t
+    return len(types)
+
+
 def child() -> None:
-    run_checks({"overflow_checks": check_overflow_checks_skipped})
+    run_checks({"overflow_checks": check_overflow_checks_skipped, "dtype_lookup": check_dtype_lookup_remembered})
 
 
-def test_overflow_checks_skipped_and_int32_wraps_as_on_the_gpu():
-    r = child_results("tests.test_interpreter_patches")["overflow_checks"]
+@pytest.fixture(scope="module")
+def results():
+    return child_results("tests.test_interpreter_patches")
+
+
+def test_overflow_checks_skipped_and_int32_wraps_as_on_the_gpu(results):
+    r = results["overflow_checks"]
     assert r["ok"], r["out"]
     assert r["out"] == {"wrapped": 4}, r["out"]  # four of the values do overflow
+
+
+def test_dtype_lookup_remembered_gives_what_triton_gives(results):
+    r = results["dtype_lookup"]
+    assert r["ok"], r["out"]
+    assert r["out"] > 20, r["out"]
