@@ -70,9 +70,6 @@ CASES = {
 
 
 def child():
-    from tests.interpreter_child import patch_interpreter
-
-    patch_interpreter()
     run_checks({name: (lambda kw=kw: check_add_rmsnorm(**kw)) for name, kw in CASES.items()})
 
 

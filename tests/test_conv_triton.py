@@ -130,9 +130,6 @@ CASES = {
 
 def child(part: int = 0, parts: int = 1):
     """Every parts-th case from the part-th on (the fixture runs two children side by side)."""
-    from tests.interpreter_child import patch_interpreter
-
-    patch_interpreter()
     names = list(CASES)[part::parts]
     run_checks({name: (lambda kw=CASES[name]: check_conv(**kw)) for name in names})
 

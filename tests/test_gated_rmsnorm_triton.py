@@ -175,9 +175,6 @@ def check_blocks(seed=0) -> dict:
 
 def child() -> None:
     """The child process: every case under the interpreter (tests/interpreter_child.py)."""
-    from tests.interpreter_child import patch_interpreter
-
-    patch_interpreter()
     checks = {name: (lambda args=args: check_case(*args)) for name, args in CASES.items()}
     checks["autograd_op"] = check_autograd_op
     checks["blocks"] = check_blocks

@@ -29,19 +29,21 @@ def check_overflow_checks_skipped() -> dict:
 
     builder = interp.interpreter_builder
     assert not builder.options.debug and not builder.options.sanitize_overflow, builder.options  # run_checks patched
-    x = torch.tensor([3, 70_000, -70_000, 2**30, -(2**31)], dtype=torch.int32)
-    x = torch.cat([x, torch.zeros(3, dtype=torch.int32)])
+    x = torch.tensor([3, 70_000, -70_000, 2**30, -(2**31), 0, 0, 0], dtype=torch.int32)
     scale = 65_537
-    want = (x.numpy().astype(np.int64) * scale + scale - x.numpy()).astype(np.int32)  # two's complement wrap
-    outs = {}
-    for sanitize in (True, False):  # the checks built (Triton's default) and skipped (the patch)
-        builder.options = dataclasses.replace(builder.options, sanitize_overflow=sanitize)
-        out = torch.empty_like(x)
-        wrapping_kernel[(1,)](x, out, scale, N=x.numel())
-        outs[sanitize] = out.numpy()
-    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    exact = x.numpy().astype(np.int64) * scale + scale - x.numpy()
+    want = exact.astype(np.int32)  # two's complement wrap
+    patched, outs = builder.options, {}
+    try:
+        for sanitize in (True, False):  # the checks built (Triton's default) and skipped (the patch)
+            builder.options = dataclasses.replace(patched, sanitize_overflow=sanitize)
+            out = torch.empty_like(x)
+            wrapping_kernel[(1,)](x, out, scale, N=x.numel())
+            outs[sanitize] = out.numpy()
+    finally:
+        builder.options = patched
     assert (outs[True] == want).all() and (outs[False] == want).all(), (outs, want)
-    return {"wrapped": int((want.astype(np.int64) != x.numpy().astype(np.int64) * scale + scale - x.numpy()).sum())}
+    return {"wrapped": int((exact != want).sum())}
 
 
 def check_dtype_lookup_remembered() -> int:
