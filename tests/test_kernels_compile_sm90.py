@@ -108,11 +108,10 @@ def session_key(part: str) -> str:
 
 
 def check_record(parts: list[str]) -> list[dict]:
-    """The launches of these SSD_TESTS' cases and CHILD_MODULES' checks, run in this (interpreter) process."""
-    from tests.interpreter_child import patch_interpreter
+    """The launches of these SSD_TESTS' cases and CHILD_MODULES' checks, run in this (interpreter) process (child():
+    run_checks has patched the interpreter)."""
     from tests.triton_sm90 import record_launches
 
-    patch_interpreter()
     with record_launches() as launches:
         for part in parts:
             if part in SSD_TESTS:
