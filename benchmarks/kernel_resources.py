@@ -45,6 +45,7 @@ from triton.compiler import ASTSource
 from models.kernels.fast_launch import FastLaunch
 from models.kernels.ssd_triton import (
     bc_finish,
+    chained_dstates,
     chained_states,
     chunk_scan,
     chunk_scan_bwd,
@@ -242,7 +243,7 @@ def kernels(cfg, P: int, N: int, has_seq: bool):
     )
     yield (
         "chained_dstates_bwd",
-        chained_states.chained_dstates_bwd_kernel,
+        chained_dstates.chained_dstates_bwd_kernel,
         # bf16 dy: the chain's hand-off is dH's low part (carry); keep_states: S_in as high and low parts
         dict(ptrs, sync_ptr="*i32", carry_ptr=BF16, S_lo_ptr=BF16, **(dict(S32_ptr=BF16) if cfg.keep_states else {})),
         dict(

@@ -356,7 +356,7 @@ def test_fp16_decay_gradient_whole_chunks():
 
 def test_decay_gradient_through_carried_states():
     """(check_decay_through_initial_states.) With float16 dy the backward's chain hands dH on as high + low parts
-    (chained_states._dh_chain_step): handing on the high part alone fails this (dA 9.6e-5; checked by mutation)."""
+    (chained_dstates._dh_chain_step): handing on the high part alone fails this (dA 9.6e-5; checked by mutation)."""
     interpret(bound=1e-5, carried_decay=True)
 
 

@@ -6,8 +6,9 @@ mamba_chunk_scan_combined). Triton is imported only when a kernel is first used,
 triton imports this package fine; ``triton_available()`` says whether the kernels can run.
 
 Files: chunk_cb (C·Bᵀ per group), chunk_state (chunk states; dS_in), state_passing (the recurrence
-between chunks, both directions), chained_states (the chunk states and the recurrence in one kernel each way, chunk
-handing on to chunk: the default), chunk_scan (outputs), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over
+between chunks, both directions), chained_states (the chunk states and the recurrence in one kernel, chunk
+handing on to chunk: the default; and the chain's machinery), chained_dstates (the same for the backward),
+chunk_scan (outputs), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over
 heads, dC's state term, decay terms), db_bwd (dB's state term), bc_finish (dB and dC from their partial sums and
 dCB), dt (dt's preprocessing and the
 gradient of dt, A and dt_bias, one kernel each way), config (tile shapes per kernel), launch (what launchers share,

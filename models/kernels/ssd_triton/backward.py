@@ -3,7 +3,7 @@ those of dt, A and dt_bias (autograd.py's ssd_backward_pass calls both).
 
 Order (forward.py's recompute first): CB and CBᵀ, and the states entering each chunk S_in (recomputed, or the
 forward's with config keep_states) -> dS_in and the reverse recurrence between chunks, chained in one kernel
-(chained_states.py; or staged, state_passing.py) -> dx / ddt / dD (chunk_scan_bwd.py) ->
+(chained_dstates.py; or staged, state_passing.py) -> dx / ddt / dD (chunk_scan_bwd.py) ->
 dC's state term, the decay terms O and R, and dCB summed over the heads of each group (dcb_bwd.py; on a second
 stream beside the recurrence, dx and dB with config overlap_dcb) -> dB's state term (db_bwd.py) -> dC, dB += dCB B,
 dCBᵀ C in one kernel per group (bc_finish.py).
@@ -17,7 +17,7 @@ import torch
 
 from models.kernels.fast_launch import cdiv, next_power_of_2
 from models.kernels.ssd_triton.bc_finish import bc_finish_kernel
-from models.kernels.ssd_triton.chained_states import chained_dstates
+from models.kernels.ssd_triton.chained_dstates import chained_dstates
 from models.kernels.ssd_triton.chunk_scan_bwd import chunk_scan_bwd_dx_kernel
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.db_bwd import chunk_state_bwd_db_kernel

@@ -1,4 +1,6 @@
-"""The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk.
+"""The chunk states and the recurrence between chunks in one kernel each way, chained from chunk to chunk: the
+forward here, with the chain's machinery (tickets, counters, hand-offs) both directions share; the backward in
+chained_dstates.py.
 
 The staged path (chunk_state.py, then state_passing.py) writes every chunk's own state [B, NC, H, P, N] in float32
 and reads it back in a second kernel, twice per layer and step (forward, and the backward's recompute), and the
@@ -39,14 +41,13 @@ import triton.language as tl
 
 from models.kernels.fast_launch import cdiv, fast_launch, next_power_of_2
 from models.kernels.pdl import pdl_prologue
-from models.kernels.ssd_triton.chunk_state import chunk_local_dstates, chunk_local_states
+from models.kernels.ssd_triton.chunk_state import chunk_local_states
 from models.kernels.ssd_triton.config import BlockConfig, heads_per_program, whole_tiles
 from models.kernels.ssd_triton.launch import dot_precision, dummy, zeroed_counters
-from models.kernels.ssd_triton.state_passing import chunk_decay, entering_state32, kept_states_buffer
+from models.kernels.ssd_triton.state_passing import chunk_decay, kept_states_buffer
 
 __all__ = [
     "chained_states",
-    "chained_dstates",
     "take_ticket",
     "wait_chain",
     "release_chain",
@@ -55,7 +56,11 @@ __all__ = [
     "entering_states",
     "hand_on",
     "chain_counters",
+    "chain_layout",
     "end_chain",
+    "head_tiles",
+    "load_kept",
+    "store_kept",
 ]
 
 
@@ -119,7 +124,7 @@ def load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
 
 
 @triton.jit
-def _head_tiles(ptr, b, h0, tile, mask, PN, H, PRESENT: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
+def head_tiles(ptr, b, h0, tile, mask, PN, H, PRESENT: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
                BLOCK_N: tl.constexpr):  # fmt: skip
     """The float32 [P, N] tiles of heads h0 (and h0 + 1; else the first twice) from a [B, H, P, N] tensor (the
     initial states, dfinal), or zeros when it is not PRESENT."""
@@ -138,7 +143,7 @@ def entering_states(init_ptr, carry_ptr, counter, b, h0, c, tile, mask, PN, H, N
     """The float32 [P, N] tiles of the states entering chunk c for heads h0 (and h0 + 1): the initial states (or
     zeros) for chunk 0, else the previous chunk's hand-off from slot c % N_SLOTS once its chain counter says so."""
     if c == 0:
-        s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
+        s0, s1 = head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
     else:
         wait_chain(counter, c)
         slot = carry_ptr + ((b.to(tl.int64) * N_SLOTS + c % N_SLOTS) * H + h0) * PN + tile
@@ -247,19 +252,19 @@ def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, count
     states' error). The final states are the float32 sum."""
     at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
     if c == 0:
-        s0, s1 = _head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
-        s0, s1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, s0, s1, PN, mask, HEADS)
+        s0, s1 = head_tiles(init_ptr, b, h0, tile, mask, PN, H, HAS_INIT, HEADS, BLOCK_P, BLOCK_N)
+        s0, s1 = store_kept(hi_ptr + at_c, lo_ptr + at_c, s0, s1, PN, mask, HEADS)
     else:
         wait_chain(counter, c)
-        s0 = _load_kept(hi_ptr + at_c, lo_ptr + at_c, mask)
+        s0 = load_kept(hi_ptr + at_c, lo_ptr + at_c, mask)
         s1 = s0
         if HEADS == 2:
-            s1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
+            s1 = load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
     s0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ) * s0 + own0
     if HEADS == 2:
         s1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ) * s1 + own1
     if c + 1 < NC:
-        _store_kept(hi_ptr + at_c + H * PN, lo_ptr + at_c + H * PN, s0, s1, PN, mask, HEADS)
+        store_kept(hi_ptr + at_c + H * PN, lo_ptr + at_c + H * PN, s0, s1, PN, mask, HEADS)
         release_chain(counter)
     else:
         store_heads(final_ptr + (b.to(tl.int64) * H + h0) * PN + tile, s0, s1, PN, mask, HEADS)
@@ -267,14 +272,14 @@ def _kept_chain_step(init_ptr, hi_ptr, lo_ptr, final_ptr, dA_ptr, seq_ptr, count
 
 
 @triton.jit
-def _load_kept(hi_ptrs, lo_ptrs, mask):
+def load_kept(hi_ptrs, lo_ptrs, mask):
     """high + low parts of a kept state tile, in float32, read past L1 (another program wrote them)."""
     hi = tl.load(hi_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     return hi + tl.load(lo_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
 
 
 @triton.jit
-def _store_kept(hi_ptrs, lo_ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
+def store_kept(hi_ptrs, lo_ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
     """Float32 tiles as high + low parts (hi_ptrs' dtype); returns the tiles as stored (hi + lo in float32)."""
     hi_dtype: tl.constexpr = hi_ptrs.dtype.element_ty
     h0, h1 = t0.to(hi_dtype), t1.to(hi_dtype)
@@ -284,141 +289,7 @@ def _store_kept(hi_ptrs, lo_ptrs, t0, t1, PN, mask, HEADS: tl.constexpr):
     return h0.to(tl.float32) + l0.to(tl.float32), h1.to(tl.float32) + l1.to(tl.float32)
 
 
-@fast_launch
-@triton.jit
-def chained_dstates_bwd_kernel(
-    dy_ptr,
-    C_ptr,
-    dA_ptr,
-    seq_ptr,
-    S32_ptr,
-    S_lo_ptr,
-    dfinal_ptr,
-    sync_ptr,
-    carry_ptr,
-    dH_ptr,
-    dinit_ptr,
-    dtot_ptr,
-    L,
-    Q,
-    NC,
-    H,
-    G,
-    P,
-    N,
-    BATCH,
-    s_y_b,
-    s_y_l,
-    s_y_h,
-    s_y_p,
-    s_c_b,
-    s_c_l,
-    s_c_g,
-    s_c_n,
-    HAS_SEQ: tl.constexpr,
-    HAS_DFINAL: tl.constexpr,
-    SPLIT: tl.constexpr,
-    CARRY_IS_DH: tl.constexpr,
-    EVEN: tl.constexpr,
-    PREC: tl.constexpr,
-    HEADS: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    pdl_prologue(PDL)  # first: fast_launch.py's programmatic dependent launch
-    c, r, b, h0, pid_p, pid_n = take_ticket(sync_ptr, BATCH, NC, H, P, N, HEADS, BLOCK_P, BLOCK_N, True)
-    g = h0 // (H // G)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    own0, own1 = chunk_local_dstates(
-        dy_ptr, C_ptr, dA_ptr, seq_ptr, b, c, h0, g, offs_p, offs_n, L, Q, NC, H, P, N, s_y_b, s_y_l, s_y_h, s_y_p,
-        s_c_b, s_c_l, s_c_g, s_c_n, HAS_SEQ, EVEN, PREC, HEADS, BLOCK_P, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-
-    PN = P * N
-    tile = offs_p[:, None] * N + offs_n[None, :]
-    mask = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    counter = sync_ptr + 1 + r
-    if CARRY_IS_DH:
-        _dh_chain_step(dfinal_ptr, dH_ptr, carry_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, counter,
-                       own0, own1, b, h0, c, pid_p, pid_n, tile, mask, L, Q, NC, H, N, PN, BATCH, HAS_DFINAL, HAS_SEQ,
-                       SPLIT, HEADS, BLOCK_P, BLOCK_N)  # fmt: skip
-    else:  # (not a return above: Triton would compile what follows it too, with carry_ptr 16-bit there)
-        # dH_c, the gradient of the state leaving chunk c, in float32.
-        if c == NC - 1:
-            d0, d1 = _head_tiles(dfinal_ptr, b, h0, tile, mask, PN, H, HAS_DFINAL, HEADS, BLOCK_P, BLOCK_N)
-        else:
-            wait_chain(counter, NC - 1 - c)
-            slot = carry_ptr + ((b.to(tl.int64) * 2 + c % 2) * H + h0) * PN + tile
-            d0, d1 = load_handoff(slot, PN, mask, HEADS)
-        at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-        store_heads(dH_ptr + at_c, d0, d1, PN, mask, HEADS)
-
-        # dtot's partial sums, then dH_{c-1} handed on (or dinit).
-        d0, d1 = _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c,
-                                pid_p, pid_n, at_c, mask, L, Q, NC, H, N, PN, BATCH, HAS_SEQ, SPLIT, HEADS,
-                                BLOCK_N)  # fmt: skip
-        if c > 0:
-            prv = carry_ptr + ((b.to(tl.int64) * 2 + (c - 1) % 2) * H + h0) * PN + tile
-            store_heads(prv, d0, d1, PN, mask, HEADS)
-            release_chain(counter)
-        else:
-            fin = dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile
-            store_heads(fin, d0, d1, PN, mask, HEADS)
-            end_chain(counter)
-
-
-@triton.jit
-def _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c, pid_p, pid_n, at_c, mask,
-                   L, Q, NC, H, N, PN, BATCH, HAS_SEQ: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """Given dH_c (d0, d1): dtot's partial sums, [n_p * n_n, BATCH, H, NC] (summed by dt_bwd_kernel), stored, and
-    dH_{c-1} = own + decay_c dH_c returned."""
-    dtot = dtot_ptr + ((((pid_p * tl.cdiv(N, BLOCK_N) + pid_n).to(tl.int64) * BATCH + b) * H + h0) * NC + c)
-    decay0 = chunk_decay(dA_ptr, seq_ptr, b, h0, c, L, Q, NC, H, HAS_SEQ)
-    s0 = entering_state32(S32_ptr, S_lo_ptr, at_c, mask, SPLIT)
-    tl.store(dtot, decay0 * tl.sum(tl.sum(d0 * s0, axis=1), axis=0))
-    d0 = own0 + decay0 * d0
-    if HEADS == 2:
-        decay1 = chunk_decay(dA_ptr, seq_ptr, b, h0 + 1, c, L, Q, NC, H, HAS_SEQ)
-        s1 = entering_state32(S32_ptr, S_lo_ptr, at_c + PN, mask, SPLIT)
-        tl.store(dtot + NC, decay1 * tl.sum(tl.sum(d1 * s1, axis=1), axis=0))
-        d1 = own1 + decay1 * d1
-    return d0, d1
-
-
-@triton.jit
-def _dh_chain_step(dfinal_ptr, hi_ptr, lo_ptr, dinit_ptr, dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, counter, own0,
-                   own1, b, h0, c, pid_p, pid_n, tile, mask, L, Q, NC, H, N, PN, BATCH, HAS_DFINAL: tl.constexpr,
-                   HAS_SEQ: tl.constexpr, SPLIT: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
-                   BLOCK_N: tl.constexpr):  # fmt: skip
-    """The backward's chain step with 16-bit dy (CARRY_IS_DH): dH_{c-1} is handed on as its stored high part (dH,
-    what dx and dB read) and a low part (lo_ptr, a buffer of the launch's own), instead of a float32 ring beside dH:
-    4 instead of 6 bytes written per element. The chain then carries ~16 bits (the forward's kept chain says why
-    that is below the other roundings); dinit is the float32 sum."""
-    at_c = ((b.to(tl.int64) * NC + c) * H + h0) * PN + tile
-    if c == NC - 1:
-        d0, d1 = _head_tiles(dfinal_ptr, b, h0, tile, mask, PN, H, HAS_DFINAL, HEADS, BLOCK_P, BLOCK_N)
-        d0, d1 = _store_kept(hi_ptr + at_c, lo_ptr + at_c, d0, d1, PN, mask, HEADS)
-    else:
-        wait_chain(counter, NC - 1 - c)
-        d0 = _load_kept(hi_ptr + at_c, lo_ptr + at_c, mask)
-        d1 = d0
-        if HEADS == 2:
-            d1 = _load_kept(hi_ptr + at_c + PN, lo_ptr + at_c + PN, mask)
-    d0, d1 = _dtot_and_step(dtot_ptr, S32_ptr, S_lo_ptr, dA_ptr, seq_ptr, d0, d1, own0, own1, b, h0, c, pid_p, pid_n,
-                            at_c, mask, L, Q, NC, H, N, PN, BATCH, HAS_SEQ, SPLIT, HEADS, BLOCK_N)  # fmt: skip
-    if c > 0:
-        _store_kept(hi_ptr + at_c - H * PN, lo_ptr + at_c - H * PN, d0, d1, PN, mask, HEADS)
-        release_chain(counter)
-    else:
-        store_heads(dinit_ptr + (b.to(tl.int64) * H + h0) * PN + tile, d0, d1, PN, mask, HEADS)
-        end_chain(counter)
-
-
-def _chains(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int, want_heads: int):
+def chain_layout(cfg: BlockConfig, x, L: int, Q: int, H: int, G: int, P: int, N: int, want_n: int, want_heads: int):
     """The chain layout of one launch: ([P, N] tiles per head, tile chains per batch row, the kernel's tile
     constexprs and launch options, its heads per program among them)."""
     heads = heads_per_program(H // G, min(want_heads, 2))
@@ -452,7 +323,7 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
     G, N = B.shape[2:]
     NC, Q = dt_p.shape[2:]
     dev = x.device
-    _, per_row, meta = _chains(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n, cfg.chained_heads)
+    _, per_row, meta = chain_layout(cfg, x, L, Q, H, G, P, N, cfg.chained_fwd_n, cfg.chained_heads)
     n_chains = b * per_row
     kept = kept_states_buffer(x, NC, H, P, N) if keep_split else None
     S_in = torch.empty(b, NC, H, P, N, device=dev, dtype=x.dtype) if kept is None else kept[0]
@@ -493,51 +364,3 @@ def chained_states(x, dt_p, dA_cs, B, seq, init, cfg: BlockConfig, keep_s32: boo
         **meta,
     )
     return S_in, final, carry if keep_s32 else kept
-
-
-def chained_dstates(dy, dfinal, dA_cs, C, seq, S_in32, cfg: BlockConfig, S_lo=None):
-    """staged_dstates' contract in one kernel: dH (dy's dtype), dinit (float32), dtot partial sums
-    [n_tiles, b, H, NC]. S_lo: the low part of kept states (S_in32 then their high part), else None."""
-    b, L, H, P = dy.shape
-    G, N = C.shape[2:]
-    NC, Q = dA_cs.shape[2:]
-    dev = dy.device
-    n_tiles, per_row, meta = _chains(cfg, dy, L, Q, H, G, P, N, cfg.chained_bwd_n, cfg.chained_bwd_heads)
-    n_chains = b * per_row
-    dH = torch.empty(b, NC, H, P, N, device=dev, dtype=dy.dtype)
-    dinit = torch.empty(b, H, P, N, device=dev, dtype=torch.float32)
-    dtot = torch.empty(n_tiles, b, H, NC, device=dev, dtype=torch.float32)
-    # 16-bit dy: dH's low parts carry the chain with dH itself (_dh_chain_step); float32 dy: a float32 ring.
-    carry_is_dh = dy.dtype != torch.float32
-    carry = torch.empty_like(dH) if carry_is_dh else torch.empty(b, 2, H, P, N, device=dev, dtype=torch.float32)
-    chained_dstates_bwd_kernel[(NC * n_chains,)](
-        dy,
-        C,
-        dA_cs,
-        seq if seq is not None else dummy(dev),
-        S_in32,
-        S_lo if S_lo is not None else dummy(dev),
-        dfinal if dfinal is not None else dummy(dev),
-        chain_counters(n_chains, dev, "chained_dstates_bwd"),
-        carry,
-        dH,
-        dinit,
-        dtot,
-        L,
-        Q,
-        NC,
-        H,
-        G,
-        P,
-        N,
-        b,
-        *dy.stride(),
-        *C.stride(),
-        HAS_SEQ=seq is not None,
-        HAS_DFINAL=dfinal is not None,
-        SPLIT=S_lo is not None,
-        CARRY_IS_DH=carry_is_dh,
-        maxnreg=cfg.chained_bwd_maxnreg,
-        **meta,
-    )
-    return dH, dinit, dtot
