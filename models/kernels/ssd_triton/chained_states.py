@@ -125,7 +125,7 @@ def load_handoff(ptrs, PN, mask, HEADS: tl.constexpr):
 
 @triton.jit
 def head_tiles(ptr, b, h0, tile, mask, PN, H, PRESENT: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
-               BLOCK_N: tl.constexpr):  # fmt: skip
+              BLOCK_N: tl.constexpr):  # fmt: skip
     """The float32 [P, N] tiles of heads h0 (and h0 + 1; else the first twice) from a [B, H, P, N] tensor (the
     initial states, dfinal), or zeros when it is not PRESENT."""
     if PRESENT:
