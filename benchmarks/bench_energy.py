@@ -289,6 +289,17 @@ class _Nvml:
     def power_limit_w(self) -> float:
         return self.nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle) / 1e3
 
+    def power_w(self) -> float:
+        """The board's power draw as NVML reports it (on Hopper an average over its own short window)."""
+        return self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1e3
+
+    def clock_event_reasons(self) -> int:
+        """Why the clocks are below their maximum now, as NVML's bitmask (step_energy.CLOCK_EVENT_BITS); newer
+        NVMLs call these clock events, older ones throttle reasons."""
+        read = getattr(self.nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        read = read or self.nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        return int(read(self.handle))
+
 
 def graphed(fn, calls: int):
     """`calls` calls of fn captured in one CUDA graph: (replay, True), or (a plain loop, False) where fn cannot be

@@ -14,6 +14,12 @@ J and W per step. Our host runs up to a step ahead of the GPU: a constant lag, w
   copy<n>    n element-wise copies of 1 GiB (HBM-bound, below the power limit on an H100)
 Session 49 (docs/performance.md) found on an H100 that four copies added their time (3.0 ms against 2.85 ms alone)
 and not their joules (1.5 ms at 700 W): a phase below the power limit costs the step its time.
+A thread also reads the GPU's SM clock, power draw and clock-event reasons every --sample_ms: over the timed steps
+their median SM clock and draw and the share of samples the power cap (or a thermal limit) was holding the clock down.
+Session 34 read the 1.3B's SM clocks ~13% lower in our step than in their loop's: run each side on the same card
+(`for side in theirs ours theirs ours; do python3 benchmarks/step_energy.py --side $side; done`) to see how much of
+each step the cap governs there, and whether the card-to-card spread of the pair (docs/performance.md, item 4's
+machine table) follows the clock.
 Prints one line "STEP_ENERGY {json}" (also written to --out).
 """
 
@@ -23,7 +29,9 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=12, help="timed steps")
     ap.add_argument("--dump_folder", default="/tmp/step_energy", help="ours: train.py's dump folder (replaced)")
     ap.add_argument("--out", default="", help="also write the result as JSON here")
+    ap.add_argument(
+        "--sample_ms",
+        type=float,
+        default=50.0,
+        help="read the SM clock, power and clock-event reasons this often (CUDA only; 0: not at all)",
+    )
     a = ap.parse_args(argv)
+    if a.sample_ms < 0:
+        ap.error(f"--sample_ms must be >= 0 (0 turns the sampling off), got {a.sample_ms}")
     if a.size not in SIZES:
         ap.error(f"unknown --size {a.size!r}; choose from {list(SIZES)}")
     if a.warmup < 1 or a.steps < 1:
@@ -102,6 +118,78 @@ def energy_reader():
     return nvml.energy_mj
 
 
+# NVML's clock-event reasons (nvmlClocksEventReason*, called ClocksThrottleReason* before): the bits read here
+CLOCK_EVENT_BITS = {
+    "sw_power_cap": 0x4,  # the power limit holds the clock down: the 1.3B's step (sessions 25, 34, 37)
+    "thermal": 0x8 | 0x20 | 0x40 | 0x80,  # HW slowdown, SW / HW thermal slowdown, HW power brake
+}
+
+
+class ClockSampler:
+    """Calls read() -> (SM MHz, W, clock-event reasons) every period_s on a daemon thread from start() to stop(),
+    keeping (host seconds, MHz, W, reasons) per sample: the same clock (time.perf_counter) as the step marks, so the
+    timed steps' samples can be picked out afterwards (clock_summary)."""
+
+    def __init__(self, read, period_s: float):
+        self.read, self.period_s = read, period_s
+        self.samples: list[tuple[float, float, float, int]] = []
+        self.error: str | None = None  # what stopped the sampling early (an NVML call this GPU does not support)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="clock-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                mhz, watts, reasons = self.read()
+            except Exception as e:  # noqa: BLE001 - the step goes on; the result says why it has no samples
+                self.error = f"{type(e).__name__}: {e}"
+                return
+            self.samples.append((time.perf_counter(), mhz, watts, reasons))
+            self._stop.wait(self.period_s)
+
+    def start(self) -> "ClockSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, float, float, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+def clock_summary(samples: list[tuple[float, float, float, int]], t0: float, t1: float) -> dict:
+    """The samples taken between host times t0 and t1 (the timed steps): their count, the SM clock's median, 10th and
+    90th percentiles (MHz), the median sampled power (W), and the share of them with the power cap, or a thermal
+    limit, holding the clock down (CLOCK_EVENT_BITS). None for each figure where no sample fell inside."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    out = dict(clock_samples=len(inside))
+    if not inside:
+        return dict(out, sm_mhz_median=None, sm_mhz_p10=None, sm_mhz_p90=None, sampled_watts_median=None,
+                    power_cap_share=None, thermal_share=None)  # fmt: skip
+    mhz = sorted(s[1] for s in inside)
+    pick = lambda q: mhz[min(len(mhz) - 1, int(q * len(mhz)))]  # noqa: E731
+    share = lambda bits: sum(1 for s in inside if s[3] & bits) / len(inside)  # noqa: E731
+    return dict(
+        out,
+        sm_mhz_median=statistics.median(mhz),
+        sm_mhz_p10=pick(0.1),
+        sm_mhz_p90=pick(0.9),
+        sampled_watts_median=statistics.median(s[2] for s in inside),
+        power_cap_share=share(CLOCK_EVENT_BITS["sw_power_cap"]),
+        thermal_share=share(CLOCK_EVENT_BITS["thermal"]),
+    )
+
+
+def clock_sampler(period_ms: float) -> ClockSampler | None:
+    """A started ClockSampler of this process's GPU, or None without CUDA or with period_ms 0."""
+    if not torch.cuda.is_available() or period_ms <= 0:
+        return None
+    from benchmarks.bench_energy import _Nvml  # lazily: needs NVML
+
+    nvml = _Nvml()
+    return ClockSampler(lambda: (nvml.sm_clock(), nvml.power_w(), nvml.clock_event_reasons()), period_ms / 1e3).start()
+
+
 def extra_work(extra: str):
     """The callable that queues --extra's work on the current stream (nothing for none)."""
     kind, amount = parse_extra(extra)
@@ -133,6 +221,7 @@ def main(argv=None) -> dict:
     size = SIZES[a.size]
     read_energy, work = energy_reader(), extra_work(a.extra)
     marks: list[tuple[float, float | None]] = []
+    sampler = clock_sampler(a.sample_ms)
 
     def mark_then(fn):
         def wrapped(*args, **kwargs):
@@ -164,6 +253,10 @@ def main(argv=None) -> dict:
         result = {k: run[k] for k in ("tokens_per_sec", "memory_gib")}
     result.update(per_step(marks, a.warmup), side=a.side, size=a.size, extra=a.extra,
                   gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")  # fmt: skip
+    if sampler is not None:  # the timed steps' window: the last warm-up step's mark to the last step's (per_step)
+        result.update(clock_summary(sampler.stop(), marks[a.warmup - 1][0], marks[-1][0]))
+        if sampler.error:
+            result["clock_error"] = sampler.error
     print("STEP_ENERGY " + json.dumps(result), flush=True)
     return _written(result, a.out)
 

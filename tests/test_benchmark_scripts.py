@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -331,6 +332,46 @@ def test_step_energy_per_step_extra_and_cpu_smoke_run(tmp_path):
                                "--dump_folder", str(tmp_path / "run"), "--out", str(out)])  # fmt: skip
     assert result["timed_steps"] == 2 and result["ms_per_step"] > 0 and result["joules_per_step"] is None
     assert result["tokens_per_sec"] > 0 and json.loads(out.read_text())["side"] == "ours"
+
+
+def test_step_energy_clock_summary_and_sampler():
+    """step_energy.py's clock sampling: only the samples inside the timed window count; the medians, percentiles and
+    the shares at the power cap / a thermal limit come from the reasons' bits; a sampler with a fake NVML reader
+    samples on its thread until stopped, and one whose reader fails keeps the error instead of dying silently."""
+    from benchmarks import step_energy
+
+    cap, hot = step_energy.CLOCK_EVENT_BITS["sw_power_cap"], 0x20  # 0x20: SW thermal slowdown
+    samples = [(0.5, 1980.0, 100.0, 0)]  # before the window: idle, full clock
+    samples += [(1.0 + 0.1 * i, 1500.0 + 10 * i, 690.0 + i, cap if i < 6 else 0) for i in range(10)]
+    samples += [(2.0, 1400.0, 700.0, cap | hot), (9.0, 1980.0, 80.0, 1)]  # the last one after the window
+    got = step_energy.clock_summary(samples, 1.0, 2.0)
+    assert got["clock_samples"] == 11
+    assert got["sm_mhz_median"] == 1540.0 and got["sm_mhz_p10"] == 1500.0 and got["sm_mhz_p90"] == 1580.0
+    assert got["sampled_watts_median"] == 695.0
+    assert got["power_cap_share"] == pytest.approx(7 / 11) and got["thermal_share"] == pytest.approx(1 / 11)
+    empty = step_energy.clock_summary(samples, 3.0, 4.0)
+    assert empty["clock_samples"] == 0 and empty["sm_mhz_median"] is None and empty["power_cap_share"] is None
+
+    calls = []
+    sampler = step_energy.ClockSampler(lambda: calls.append(1) or (1700.0, 650.0, cap), period_s=0.001).start()
+    deadline = time.monotonic() + 10
+    while len(calls) < 5 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    taken = sampler.stop()
+    assert len(taken) >= 5 and sampler.error is None
+    assert all(t1 >= t0 for (t0, *_), (t1, *_) in zip(taken, taken[1:]))  # host times, in order
+    assert step_energy.clock_summary(taken, taken[0][0], taken[-1][0])["power_cap_share"] == 1.0
+
+    def unsupported():
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    broken = step_energy.ClockSampler(unsupported, period_s=0.001).start()
+    deadline = time.monotonic() + 10
+    while broken.error is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert broken.stop() == [] and "NOT_SUPPORTED" in broken.error
+    with pytest.raises(SystemExit):
+        step_energy.parse_args(["--side", "ours", "--sample_ms", "-1"])
 
 
 def test_bench_embedding_checks_its_arguments_and_refuses_the_cpu():
