@@ -1,6 +1,6 @@
 """Time, power and energy per call of a training step's kernel families, each alone under sustained load.
 
-At the 1.3B shape the step runs at the GPU's power limit (docs/performance.md, sessions 25, 34 and 37): its time is
+At the 1.3B shape the step runs at the GPU's power limit (docs/ssd_sessions.md, sessions 25, 34 and 37): its time is
 its energy over the limit, so a kernel costs its joules, not its milliseconds. Each family below runs alone in a loop
 for --seconds after a warm-up (the clock settles as it would under a long run); NVML's energy counter over the
 window gives the mean power, and with the CUDA-event time per call, the energy per call. Multiplied by how often a

@@ -4,7 +4,7 @@ shapes of the same work, so that a change to how the model calls cuBLAS is measu
     bash .gpu/setup.sh && python3 benchmarks/bench_products.py [--flavors 1.3B,370M] [--iters 20] [--out r.json]
 
 Why: cuBLAS picks its kernel by shape, and at the 1.3B's in_proj (8,512 output columns) the two backward products
-ran at 703-705 TFLOP/s where 8,192 columns ran at 736-740 (H100, session 68, docs/performance.md). Splitting a
+ran at 703-705 TFLOP/s where 8,192 columns ran at 736-740 (H100, session 68, docs/ssd_sessions.md). Splitting a
 product or zero-padding its reduction keeps the result's precision (every output element is still one float32 sum
 of the same terms, rounded once), so where a split or a padding is faster the model can call it that way.
 

@@ -148,7 +148,7 @@ TUNE_VARIANTS = {
     "dx_k128_w8": dict(dx_k=128, dx_warps=8),
     "scan_h1_k16": dict(scan_heads=1, scan_k=16),
     "scan_k16": dict(scan_k=16),
-    # Session 24's dCB variants (per head), pinned to what they measured then (docs/performance.md), whatever the
+    # Session 24's dCB variants (per head), pinned to what they measured then (docs/ssd_sessions.md), whatever the
     # defaults now: the heads loop's stages, per-head column sums in one sum (dcb_col_parts 1) or in parts.
     "dcb_heads_s3_per_head": dict(dcb_heads_stages=3, dcb_col_parts=1),
     "dcb_heads_s2_per_head": dict(dcb_heads_stages=2, dcb_col_parts=1),
@@ -496,7 +496,7 @@ def numerics(fns, shape, with_seq, with_init, seed=7):
 def numerics_over_seeds(fns, shape, with_seq, with_init, n_seeds):
     """numerics() for seeds 7 .. 7 + n_seeds - 1, and per output the ratio of the summed errors (ours / mamba_ssm's)
     with the per-seed ratios' range. dA and dD have H entries (8 at the "small" shapes): one draw's ratio of their
-    errors scatters (0.46-1.11 over six seeds of one case, docs/performance.md, session 14), the sum over draws
+    errors scatters (0.46-1.11 over six seeds of one case, docs/ssd_sessions.md, session 14), the sum over draws
     does not."""
     runs = [numerics(fns, shape, with_seq, with_init, seed=7 + i) for i in range(n_seeds)]
     if n_seeds == 1:

@@ -454,7 +454,7 @@ def run_theirs(size: Size, a: argparse.Namespace, profile: bool = True) -> dict:
     # Their kernels autotune in the process, as in a user's run, never from Triton's on-disk autotuning cache
     # (TRITON_CACHE_AUTOTUNING=1): its keys are (chunk size, headdim, dstate), so a pick made at another shape (e.g.
     # by bench_ssd.py earlier in the same session) would be reused. After bench_ssd.py runs, their 1.3B loop ran 30.5k
-    # tokens/s, and 34.0k with a fresh cache on the same machine (docs/performance.md, session 22).
+    # tokens/s, and 34.0k with a fresh cache on the same machine (docs/ssd_sessions.md, session 22).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_AUTOTUNING"}
     rec = _run(cmd, a, last_result_line, env)
     if trace and "error" not in rec and os.path.exists(trace):

@@ -7,13 +7,13 @@
 A row is LABEL=RUN:REF:TARGET[:MEMORY_TARGET], RUN and REF being run folders (with metrics.jsonl) under the first
 argument. Several folders (multi_gpu.sh's EFF_REPEAT: the same runs repeated, each row next to its own reference): the
 row's ratio is the median of the per-folder ratios, its range printed beside it (host-bound rows move by 20-40% between
-runs on some hosts, docs/performance.md session 29), the tok/s columns the medians. Per GPU tokens/s is the median over
-the steps after --skip (warm-up, autotuning; and up to --until) of what train.py logs (tokens this rank's data-parallel
-replica processed / pp stages, per second). ratio = run / ref; memory ratio = run's peak memory per GPU / ref's. A row
-passes when ratio >= TARGET (and memory ratio <= MEMORY_TARGET when given). For pipeline rows give TARGET as 0.9 x (1 -
-textbook bubble), and --bubble RUN=TEXTBOOK (e.g. pp2_1f1b=0.111, (p-1)/(v*m+p-1)): the row then also needs its measured
-bubble, 1 - ratio (the share of one GPU's throughput the pipeline loses), within --bubble_points (0.05) of the textbook.
-Exit status 1 when a row fails or a run is missing.
+runs on some hosts, docs/multi_gpu_sessions.md session 29), the tok/s columns the medians. Per GPU tokens/s is the
+median over the steps after --skip (warm-up, autotuning; and up to --until) of what train.py logs (tokens this rank's
+data-parallel replica processed / pp stages, per second). ratio = run / ref; memory ratio = run's peak memory per GPU /
+ref's. A row passes when ratio >= TARGET (and memory ratio <= MEMORY_TARGET when given). For pipeline rows give TARGET
+as 0.9 x (1 - textbook bubble), and --bubble RUN=TEXTBOOK (e.g. pp2_1f1b=0.111, (p-1)/(v*m+p-1)): the row then also
+needs its measured bubble, 1 - ratio (the share of one GPU's throughput the pipeline loses), within --bubble_points
+(0.05) of the textbook. Exit status 1 when a row fails or a run is missing.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 A/B without the between-process noise.
 
 Why: the 370M's step waits for the host (one Python thread per rank), and on the lent virtual machines the speed of
-that thread moves by 20-40% between processes (docs/performance.md, session 29), more than the gaps FSDP2's layouts
-are judged by. Here every variant is built in the same process (through the trainer's one build path,
+that thread moves by 20-40% between processes (docs/multi_gpu_sessions.md, session 29), more than the gaps FSDP2's
+layouts are judged by. Here every variant is built in the same process (through the trainer's one build path,
 parallelisms/parallelize.py, as train.py builds it), and the variants take turns, a few steps each, for several
 rounds, so each sees the same host. Variants:
 

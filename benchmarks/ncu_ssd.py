@@ -9,9 +9,9 @@ with ``--profile-from-start off`` sees each of our kernels once per call site:
         --section SchedulerStats --section LaunchStats python3 benchmarks/ncu_ssd.py --shape 1.3b > ncu.txt
 
 (ncu locks the SM clock, so its durations are longer than bench_ssd.py's; read the ratios, occupancy, L2 hit rates
-and stall figures, docs/performance.md "Session 12".) --keep_states runs the configs' path (the chained forward once,
+and stall figures, docs/ssd_sessions.md "Session 12".) --keep_states runs the configs' path (the chained forward once,
 no recompute in the backward); the gate the configs fuse into the chunk scan (fuse_gate_into_scan) is not on this
-entry point, so the chunk scan profiled here is the ungated one (~26% fewer instructions, docs/performance.md
+entry point, so the chunk scan profiled here is the ungated one (~26% fewer instructions, docs/ssd_sessions.md
 "Session 72").
 """
 

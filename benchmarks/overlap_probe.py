@@ -1,10 +1,10 @@
 """Does an all-to-all run under a cuBLAS product, or only beside it? NCCL's against a copy-engine peer copy (2 GPUs).
 
-Context parallel's exposed time is its all-to-alls (docs/performance.md, session 30). Running one beside a product
-(out_proj's weight gradient, ~0.4 ms at the 1.3B's 32k shape) did not shorten the step: NCCL moves data with a kernel
-on SMs, and Hopper's cuBLAS products run persistent kernels that hold every SM. A peer copy through a symmetric-memory
-buffer goes through the copy engines instead (what PyTorch's async tensor parallel uses). This times, on two GPUs of
-one host, each alone and each beside the product, median of --repeats:
+Context parallel's exposed time is its all-to-alls (docs/multi_gpu_sessions.md, session 30). Running one beside a
+product (out_proj's weight gradient, ~0.4 ms at the 1.3B's 32k shape) did not shorten the step: NCCL moves data with a
+kernel on SMs, and Hopper's cuBLAS products run persistent kernels that hold every SM. A peer copy through a
+symmetric-memory buffer goes through the copy engines instead (what PyTorch's async tensor parallel uses). This times,
+on two GPUs of one host, each alone and each beside the product, median of --repeats:
 
     product           [T, D]^T-shaped bf16 product, T = --tokens (out_proj's weight gradient: [D, T] @ [T, I])
     nccl              all_to_all_single of --mib MiB per rank

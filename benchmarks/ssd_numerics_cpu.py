@@ -12,7 +12,7 @@ wheel from the GPU wheelhouse (../shared/gpu, copied to .gpu/: built from that s
 No GPU needed: both kernel sets run in float16 under TRITON_INTERPRET=1 (numpy has no bfloat16) on the same inputs,
 with mamba_ssm's autotuner reduced to its smallest config and its CUDA-only calls stubbed. The ratios track the
 bf16 GPU comparison of `bench_ssd.py --numerics` closely enough to find a numerics gap offline: the dA excess at
-whole-chunk lengths (docs/performance.md, session 7) was found here. --parts splits the decay gradient g (the
+whole-chunk lengths (docs/ssd_sessions.md, session 7) was found here. --parts splits the decay gradient g (the
 gradient of dt * A before the within-chunk cumsum) into the y state term O, the intra-chunk pairs R, the
 chunk-state term q and the chunk-end term dtot, for both kernel sets, each against our kernels run in float64,
 and reports each part's share of dA's error.

@@ -12,7 +12,7 @@ J and W per step. Our host runs up to a step ahead of the GPU: a constant lag, w
 --extra puts work on the stream at that point in every step:
   sleep<ms>  one thread spinning for <ms> at the idle SM clock (torch.cuda._sleep): ~idle power
   copy<n>    n element-wise copies of 1 GiB (HBM-bound, below the power limit on an H100)
-Session 49 (docs/performance.md) found on an H100 that four copies added their time (3.0 ms against 2.85 ms alone)
+Session 49 (docs/ssd_sessions.md) found on an H100 that four copies added their time (3.0 ms against 2.85 ms alone)
 and not their joules (1.5 ms at 700 W): a phase below the power limit costs the step its time.
 A thread also reads the GPU's SM clock, power draw and clock-event reasons every --sample_ms: over the timed steps
 their median SM clock and draw and the share of samples the power cap (or a thermal limit) was holding the clock down.

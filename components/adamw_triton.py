@@ -12,7 +12,7 @@ torch's kernel it does not write the unscaled gradient back (the trainer drops t
 
 Why: torch's multi-tensor kernels launch per group of ~100 tensors with per-launch limits, and at the 1.3B's 435
 tensors the step ran at 2.1 TB/s (17.6 ms) against a 13.4 ms bound; one launch over block tables ran 15.5 ms
-(benchmarks/bench_optimizer.py, docs/performance.md session 21). The tables of parameters, moments and steps are built
+(benchmarks/bench_optimizer.py, docs/ssd_sessions.md session 21). The tables of parameters, moments and steps are built
 once per set of tensors (rebuilt when an address changes, e.g. after load_state_dict); the gradients, reallocated
 every step, go to the device each step through pinned host buffers (a ring, so the host never waits for the GPU).
 Gradients stored in bf16 (training.grad_dtype, components/gradient_dtype.py) are read as they are, in a launch of

@@ -3,7 +3,7 @@
 
 Why: torch's `_foreach_norm` launches per group of tensors and writes a norm per tensor, which the caller then
 squares and sums: at the 1.3B's 435 gradients it took 2.4-3.0 ms per step against 1.8 for one launch over a table of
-the tensors' addresses (H100, benchmarks/bench_optimizer.py, docs/performance.md sessions 21 and 26), the bytes read
+the tensors' addresses (H100, benchmarks/bench_optimizer.py, docs/ssd_sessions.md sessions 21 and 26), the bytes read
 at ~3.1 TB/s.
 
 Each program sums BLOCK elements of one tensor into its own float32 partial sum; the partial sums are then summed by

@@ -5,7 +5,7 @@ Why: FSDP2 runs Python hooks per parameter and unit every step, on a step that t
 (0.73-0.88 of one GPU's tokens/s per GPU on 2 H200s), and its collectives live inside forward / backward, so a CUDA
 graph cannot capture them. Here the forward + backward touch nothing distributed: every rank holds the whole model
 in float32 and its whole gradient, as under DDP, and training.cuda_graph captures them as on one GPU (0.93 of one
-GPU with the graph, per GPU: docs/performance.md, session 28). Only the optimizer's moments (2 x 4 bytes per
+GPU with the graph, per GPU: docs/multi_gpu_sessions.md, session 28). Only the optimizer's moments (2 x 4 bytes per
 parameter, the largest share of a small model's state) are sharded.
 
 Rank k of W owns rows [k c, (k + 1) c) of dim 0 of every parameter, c = ceil(rows / W): DTensor's Shard(0), as

@@ -204,7 +204,7 @@ def test_kernel_resources_norms_instructions_per_element():
     sm_90 at the 1.3B widths, without spills, and their instructions per element of a row stay near what session 38
     chose them for (Triton 3.6 / 3.9: add + RMSNorm forward 17.5 / 18.0 per element of the kernel, backward 18.9 per
     element of the rows loop; gated norm forward 30, backward 36.3 / 36.3): at 8 elements per thread instead of 16
-    the add + RMSNorm ran 26 and drew 6% more joules (docs/performance.md, session 38)."""
+    the add + RMSNorm ran 26 and drew 6% more joules (docs/ssd_sessions.md, session 38)."""
     from benchmarks import kernel_resources as kr
     from models.kernels import add_rmsnorm_triton as an
     from models.kernels import gated_rmsnorm_triton as gn
@@ -230,7 +230,7 @@ def test_kernel_resources_conv_one_document_branch(monkeypatch):
     per four steps) Triton 3.6 544 / 717 against 575 without documents and 736 unbranched, Triton 3.9 554 / 761
     against 576 and 731: the other loop within 5% of the unbranched one;
     the forward holds two bodies (twice the MUFU); registers within a few (Triton 3.6: 128 and 127 against 128 and
-    126, so four programs per SM stay; 3.9: 132 and 136). Whether it pays is a GPU measurement (docs/performance.md,
+    126, so four programs per SM stay; 3.9: 132 and 136). Whether it pays is a GPU measurement (docs/ssd_sessions.md,
     session 41)."""
     from benchmarks import kernel_resources as kr
     from models.kernels import conv_triton as ct

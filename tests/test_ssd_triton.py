@@ -105,7 +105,7 @@ def test_chunk_scan_over_two_blocks_of_p():
     """The chunk scan over two blocks of P (P 32 in blocks of 16: config scan_p), so each program's columns start at
     its block's offset: documents, initial states, two groups, a remainder; whole tiles (the EVEN loads, unmasked
     at that offset since whole_tiles takes blocks that divide P); and with the gate, whose rows' sums of squares
-    then come in one part per block of P. (Session 73 timed P in halves on an H100: slower, docs/performance.md.)"""
+    then come in one part per block of P. (Session 73 timed P in halves on an H100: slower, docs/ssd_sessions.md.)"""
     halves = dict(scan_p=16)
     interpret_all(
         dict(b=2, L=40, H=4, P=32, G=2, N=16, seed=31, seq_cuts=CUTS, call=dict(chunk_size=16), config=halves),
@@ -185,7 +185,7 @@ def test_steep_decay():
     clamped per-element exponents stay finite and every output matches the reference; documents, initial states,
     four position blocks per chunk, a remainder. dA's error is 4.4e-4 here (tol 1e-3): the float32 cumsum a_l ~ -1e3
     keeps ~1e-4 of a_l - a_s. (A split of the decay into row and column factors, bounded by 1 on either side of a
-    tile's edge, passed this too but ran slower on the GPU: docs/performance.md, sessions 13 and 71.)"""
+    tile's edge, passed this too but ran slower on the GPU: docs/ssd_sessions.md, sessions 13 and 71.)"""
     interpret(
         b=1, L=100, H=2, P=16, G=1, N=16, seed=13, seq_cuts=[[45]], A_scale=30.0,
         call=dict(chunk_size=64, tol=1e-3), config=SMALL_TILES,

@@ -5,7 +5,7 @@ new_residual = x + residual, formed in float32 and stored in the residual's dtyp
 when there is none yet, else x's); normed = new_residual * rstd * weight in x's dtype, taken of the unrounded sum.
 One difference: under CUDA autocast a float32 x (the first block's input, the embedding's output) gets its normed
 output in autocast's dtype, the rounding the product that consumes it would do (so no cast kernel before in_proj and
-none of its input gradient back to float32: ~0.18 ms of a 1.3B step on an H100, docs/performance.md session 51).
+none of its input gradient back to float32: ~0.18 ms of a 1.3B step on an H100, docs/ssd_sessions.md session 51).
 
 Why our own: the block's pre-norm runs once per layer each way, and mamba_ssm's kernel pair cost ~0.87 ms of host
 time per layer and step (autograd Function, autotuner, ~25 launch arguments; H100, docs/performance.md) where the

@@ -2,7 +2,7 @@
 
 Under bf16 autocast with float32 weights (the trainer's single-GPU / DDP setting), nn.Linear casts the weight to bf16
 for the product, and autograd casts the bf16 weight gradient back to float32 in a kernel of its own: at the 1.3B
-shape a 17M-element cast per layer and step, 0.068 ms each (docs/performance.md, session 17). torch.mm's out_dtype
+shape a 17M-element cast per layer and step, 0.068 ms each (docs/ssd_sessions.md, session 17). torch.mm's out_dtype
 writes the float32 gradient directly from the bf16 operands: one kernel fewer per layer, and the gradient is no longer
 rounded to bf16 before the optimizer adds it. Everything else is what autocast's F.linear does: the product in the
 autocast dtype, the input and the cast weight kept for the backward, the input gradient in the input's dtype.

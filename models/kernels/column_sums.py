@@ -4,7 +4,7 @@ the same R in one launch.
 Why not `t.sum(0)`: the norms' and the conv's weight gradients are summed by their programs into [programs, C]
 buffers of ~2 MB (R 32-264, C 2048-17408 at the 1.3B shape), which PyTorch's reduction kernel took 5.4-10.9 us
 each to sum, four launches per layer and step (the conv's weight and bias apart): ~1.4 ms of a 1.3B step on an
-H100, most of it latency, not bytes (docs/performance.md, session 51). Here one program sums all R rows of a block of
+H100, most of it latency, not bytes (docs/ssd_sessions.md, session 51). Here one program sums all R rows of a block of
 columns, in a fixed order (deterministic, like the reduction it replaces), and the conv's two buffers share one
 launch. Imports triton at import time: import this module lazily (the kernels' launchers do).
 """

@@ -5,7 +5,7 @@ causal_conv1d_ref's contract (conv_reference.py), for widths W <= 4:
 x is [B, D, L] with its channels contiguous (stride(1) == 1: the mixer's view of zxbcdt, any token stride); the
 output is [B, D, L] over a dense [B, L, D] buffer, the same layout.
 
-What it is for (docs/performance.md, sessions 11, 17, 20 and 23): the CUDA conv where causal_conv1d is not installed
+What it is for (docs/ssd_sessions.md, sessions 11, 17, 20 and 23): the CUDA conv where causal_conv1d is not installed
 (ops.causal_conv1d prefers causal_conv1d's kernels), and the fused mixer's conv with documents, forward and
 backward (split_conv1d_scan.py), where it is faster than causal_conv1d's channel-last kernels, which documents slow
 down. H100, session 23, with documents: forward 1.3B 0.113 ms against 0.157, 370M 0.064 against 0.094; backward
@@ -432,7 +432,7 @@ _FWD_ONE_DOC_BRANCH = True
 # x 8 streams 222.3 us against 229.7 at 128 x 4 (256 x 2: 225.5; 2 streams at 2 warps 228.3; 32 or 128 positions
 # per stream 249.0 / 237.3; one position loaded ahead 228.8; rolled 269.6). The H100 runs this kernel below its
 # power limit (550-640 W), so in a step it costs its time: the 1.3B's step grew by about the time of a sleep or a
-# copy put into it, not by their joules (docs/performance.md, session 49). The weight- and bias-gradient sums
+# copy put into it, not by their joules (docs/ssd_sessions.md, session 49). The weight- and bias-gradient sums
 # finished inside the kernel by each channel block's last program (an atomic ticket) instead of the two PyTorch
 # reductions below ran slower (225.5 us with a serial sum, 244 with 8 partial sums per load, which took the stream
 # loop from 19 to 28 register moves, against 222.6 in one CUDA graph) and were not kept.

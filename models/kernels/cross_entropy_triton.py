@@ -16,7 +16,7 @@ and dh is never copied whole. The backward only multiplies them by the incoming 
 1 / tokens).
 Against lm_head followed by F.cross_entropy on float32 logits, this never makes the float32 logits, their
 log-softmax and its gradient (at the 1.3B's 16384 tokens x 50288 vocabulary three 3 GiB tensors, the step's memory
-peak, and ~30 GB of memory traffic), nor a 16-bit weight gradient cast to float32. Measured: docs/performance.md,
+peak, and ~30 GB of memory traffic), nor a 16-bit weight gradient cast to float32. Measured: docs/ssd_sessions.md,
 session 21.
 Imports triton at import time: import this module lazily (ops.linear_cross_entropy_sum does).
 """
@@ -36,7 +36,7 @@ from models.kernels.weight_copies import compute_weight
 __all__ = ["linear_cross_entropy_triton"]
 
 # Columns per step of a row's loops and warps per program (H100: bench_loss.py --tune in session 21; 16 warps since
-# session 57's per-lane sums, .scratch timings in docs/performance.md).
+# session 57's per-lane sums, .scratch timings in docs/ssd_sessions.md).
 BLOCK_V = 4096
 WARPS = 16
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # exp(u) as exp2(u * LOG2E): one MUFU.EX2, no range fix-ups
@@ -55,7 +55,7 @@ def _cross_entropy_rows_kernel(LOGITS, LABELS, LOSS, stride_row, V, ignore_index
     # Each lane keeps its own running max m and sum s of exp(x - m) over the row's blocks, combined across the
     # program once at the end: the loop is loads and element-wise work only, with no reduction across warps (two
     # per block before), so more of the row's loads are in flight (H100, 1.3B's 16384 x 50280 rows: 2.36 -> 1.79 ms
-    # with 16 warps; docs/performance.md, session 57). m starts finite, so a lane that sees only the masked tail
+    # with 16 warps; docs/ssd_sessions.md, session 57). m starts finite, so a lane that sees only the masked tail
     # (-inf) never subtracts -inf from -inf; its s stays 0 and adds nothing.
     m = tl.full((BLOCK_V,), -1.0e30, tl.float32)
     s = tl.zeros((BLOCK_V,), tl.float32)
@@ -93,7 +93,7 @@ def _scaled_kernel(X, SCALE, OUT, n, BLOCK: tl.constexpr, PDL: tl.constexpr = Fa
 def scaled(x32: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(x32 * scale).to(dtype) for a contiguous float32 x32 and a one-element float32 scale, in one pass. PyTorch's
     product with a 0-dim CUDA tensor runs its unvectorised kernel, and the cast is a second pass over the result: at
-    the 1.3B's dh and lm_head weight gradient 0.52 ms a step against ~0.33 here (docs/performance.md, session 51)."""
+    the 1.3B's dh and lm_head weight gradient 0.52 ms a step against ~0.33 here (docs/ssd_sessions.md, session 51)."""
     if x32.dtype != torch.float32 or not x32.is_contiguous() or scale.numel() != 1:
         return (x32 * scale).to(dtype)
     out = torch.empty(x32.shape, device=x32.device, dtype=dtype)

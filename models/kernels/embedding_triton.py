@@ -4,7 +4,7 @@ grad[n] for every row n.
 Why: with tied embeddings (the 1.3B) the fused loss's backward already makes the head's float32 weight gradient
 (cross_entropy_triton.py); torch's embedding backward then zero-fills a second [V, D] float32 tensor (412 MB at the
 1.3B's 50,288 x 2,048), scatters the rows' gradients into it, and autograd adds the two: 124 + 266 + 398 us of an
-H100 step (docs/performance.md, session 51). Adding the rows into the loss's gradient in place reads the rows once
+H100 step (docs/ssd_sessions.md, session 51). Adding the rows into the loss's gradient in place reads the rows once
 and touches only the rows of tokens that occur (models/kernels/tied_embedding.py hands the tensor over).
 
 Deterministic like torch's (no float atomics): the positions are sorted by token id (stable), so each token's

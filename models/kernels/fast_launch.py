@@ -16,14 +16,14 @@ interpreter (TRITON_INTERPRET=1: the CPU tests), launch hooks set (a profiler su
 torch.compile (which turns `kernel[grid]` launches into graph nodes of its own), a grid given as a function, an
 unhashable argument, or a kernel that has seen more argument patterns than MAX_KEYS (a scalar that changes every
 call). `MAMBATITAN_FAST_LAUNCH=0` in the environment sends every launch through Triton's path (to compare the two,
-or to rule the shortcut out). Measured: docs/performance.md, "Session 19".
+or to rule the shortcut out). Measured: docs/ssd_sessions.md, "Session 19".
 
 Programmatic dependent launch (PDL, Hopper and newer; `MAMBATITAN_PDL=1`, off: within noise at the 1.3B, session 52):
 a kernel that declares a `PDL: tl.constexpr` parameter starts with `pdl.pdl_prologue(PDL)` (wait until the kernel
 before it on the stream has finished and its writes are visible, then let the next kernel launch once all of this
 one's programs have started). Launched here with `PDL=True` and Triton's `launch_pdl`
 option, the next kernel's programs are placed on the SMs this one's last programs leave idle and its launch
-latency is hidden, instead of a 1-2 us gap between two kernels (docs/performance.md, session 51). Kernels
+latency is hidden, instead of a 1-2 us gap between two kernels (docs/ssd_sessions.md, session 51). Kernels
 without the parameter, the interpreter and the fallback path launch as before.
 """
 

@@ -4,7 +4,7 @@ Used on CUDA by the "auto" and "triton" backends. One autograd Function runs con
 (-> out_proj) and keeps for its backward only what mamba_ssm's fused mixer keeps: zxbcdt (the input) and the SSD's
 output y (plus the float32 dt and within-chunk decay, [B, H, L] each). The conv output (x, B, C) and the normed,
 gated y that enters out_proj are recomputed in the backward: kept, they cost 265 MiB per layer at the 1.3B shape
-(16384 tokens x (4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/performance.md, session 8); with
+(16384 tokens x (4352 + 4096) bf16 channels), 12.7 GiB over its 48 layers (docs/ssd_sessions.md, session 8); with
 keep_conv (model.ssd_keep_conv_layers) the conv's output is kept too (136 MiB per layer there), not recomputed. The
 conv and the norm run as ops.causal_conv1d / ops.rmsnorm_gated with backend "auto" (the installed GPU kernels, else
 the references, as on the CPU under TRITON_INTERPRET=1) and their backward is autograd's, through a graph rebuilt
@@ -124,7 +124,7 @@ def _runs_kernel_halves(zxbcdt, norm_w, s: _Sizes) -> bool:
 def _conv_forward_halves(xBC_in_BLC, conv_w, conv_b, seq, s: _Sizes):
     """The conv's forward as a bare kernel (no autograd): [B, L, conv_dim] -> [B, L, conv_dim]. With documents our
     Triton kernel (conv_triton.py: 0.113 ms against causal_conv1d's 0.157 at the 1.3B shape, 0.064 against 0.094 at
-    the 370M, H100, docs/performance.md session 23), run twice per layer and step (forward and the backward's
+    the 370M, H100, docs/ssd_sessions.md session 23), run twice per layer and step (forward and the backward's
     recompute); without them causal_conv1d's (a tie: 0.109 against 0.114)."""
     x_BCL = xBC_in_BLC.transpose(1, 2)
     if seq is not None:
@@ -137,7 +137,7 @@ def _conv_forward_halves(xBC_in_BLC, conv_w, conv_b, seq, s: _Sizes):
 def _conv_backward_halves(xBC_in_BLC, conv_w, conv_b, dxBC_BLC, seq, s: _Sizes, dxBC_in_BLC):
     """The conv's backward as a bare kernel: writes dxBC_in ([B, L, conv_dim], a view of dzxbcdt) and returns
     (dweight, dbias) in the parameters' dtypes. With documents our Triton kernel (conv_triton.py: 0.227 ms against
-    causal_conv1d's 0.362 at the 1.3B shape, 0.143 against 0.209 at the 370M, H100, docs/performance.md session 23);
+    causal_conv1d's 0.362 at the 1.3B shape, 0.143 against 0.209 at the 370M, H100, docs/ssd_sessions.md session 23);
     without them causal_conv1d's (0.234 against our 0.220-0.238: a tie)."""
     if seq is not None:
         from models.kernels.conv_triton import conv_backward_triton  # lazy: imports triton

@@ -12,7 +12,7 @@ the embedding's included (a None gradient still counts), so dW is read into .gra
 first microbatch) only once it holds both parts, exactly the sum autograd would have formed (in another order of
 float32 additions). If nothing was given (the head's weight needs no gradient), the embedding returns its own.
 
-Measured: docs/performance.md, session 52 (the embedding's backward on the 1.3B).
+Measured: docs/ssd_sessions.md, session 52 (the embedding's backward on the 1.3B).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the compute dtype without casting it first.
 
 Why: under bf16 autocast with float32 weights (one GPU, DDP), every product casts its weight: at the 1.3B shape
 in_proj in the forward, out_proj in the forward and again in the backward, lm_head once, 147 cast kernels and 3.9 ms
-of a 359 ms step (H100, docs/performance.md session 25). Our AdamW kernel (components/adamw_triton.py) reads every
+of a 359 ms step (H100, docs/ssd_sessions.md session 25). Our AdamW kernel (components/adamw_triton.py) reads every
 weight anyway: writing its bf16 copy beside the float32 update costs 2 bytes per element (~1 ms at 1.3B), and the
 casts go away. Megatron keeps 16-bit parameters beside float32 main weights for the same reason.
 

@@ -90,7 +90,7 @@ def make(dtype, b, L, H, P, N, G, variant, gen):
 def grid(quick, **axes):
     """pytest.params of every combination of the axes' values; those not in `quick` marked slow (run with --runslow):
     every case compiles its own kernels and, in bf16, autotunes mamba_ssm's, ~15-35 s each on a fresh H100 machine,
-    so the default run takes a subset that still reaches every feature (docs/performance.md, session 23)."""
+    so the default run takes a subset that still reaches every feature (docs/ssd_sessions.md, session 23)."""
     names, values = list(axes), list(axes.values())
     out = []
     for combo in itertools.product(*values):

@@ -16,7 +16,7 @@ between programs: in a float32 ring of two slots per tile (the forward; the back
 itself (CARRY_IS_S32: the backward's recompute, which keeps S_in32 anyway), or as high + low parts in the 16-bit
 output the chain writes anyway: the kept S_in (CARRY_IS_KEPT, config keep_states) and the backward's dH
 (CARRY_IS_DH), which then carry ~16 bits from chunk to chunk, far below the roundings of the chunk states' and dx's
-operands (bench_ssd.py's numerics are unchanged: docs/performance.md, session 15). Written once instead of beside a
+operands (bench_ssd.py's numerics are unchanged: docs/ssd_sessions.md, session 15). Written once instead of beside a
 float32 ring, 4 instead of 8 (forward) or 6 (backward) bytes per state element: session 15 (H100, 1.3B) forward
 0.221 -> 0.164 ms, backward 0.206 -> 0.196 with keep_states (0.204 -> 0.203 without). The chunk-own states and dS_in
 never reach memory.

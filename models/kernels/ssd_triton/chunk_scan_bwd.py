@@ -13,14 +13,14 @@ ddt_s is complete. With 2 heads (config dx_heads, the default) the group's tiles
 CBᵀ in float32 is the largest stream this kernel reads (every head re-reads it), so pairs halve it. With the state
 term first, 32-wide inner blocks and 2-D row sums a pair fits in 168 registers without spills (three programs per
 SM, config dx_maxnreg) and beats one head at 128 (four per SM), which had been the faster until session 57
-(docs/performance.md, sessions 22 and 57). The intra-chunk loop reads
+(docs/ssd_sessions.md, sessions 22 and 57). The intra-chunk loop reads
 CBᵀ (cb_fwd writes it for the backward, zero above the diagonal and across documents) and carries no per-element
 mask: at 64 x 64 tiles, mask and address arithmetic were more of the loop's instructions than the product
 (711 SASS instructions per iteration with them, 290 without; docs/performance.md).
 Not fused with dCB (dcb_bwd.py), although both compute each head's decay tile and read its dy: dCB sums over the
 heads and dx over the rows, and the one shared layout (a column strip per program, heads outer, dCB's strip of
 tiles held across the heads) took 255 registers with spills, one program per SM, and 1.48x the two kernels' time
-(docs/performance.md, session 35).
+(docs/ssd_sessions.md, session 35).
 """
 
 import triton

@@ -108,7 +108,7 @@ class BlockConfig:
     scan_heads: int = 2
     # The same for the chunk states and dS_in (chunk_state.py: the group's B / C read once per pair). Two heads take
     # 242 registers at 4 warps against 168 (2 programs per SM, not 3) and still pay: 1.3B chunk states 0.305 -> 0.251
-    # ms, dS_in 0.117 -> 0.111 (H100, docs/performance.md, session 10).
+    # ms, dS_in 0.117 -> 0.111 (H100, docs/ssd_sessions.md, session 10).
     state_heads: int = 2
     # dCB's heads loop software-pipelined over this many stages for all of its loads (tl.range's num_stages), the
     # per-head vectors of the decay (a_m, a_k, dt_k) included: Triton pipelines only loads that feed a product

@@ -24,7 +24,7 @@ Tiles below the diagonal (k < m) need no causal mask, and with EVEN (whole tiles
 chunk_scan_bwd.py on why the inner loops avoid per-element masks.
 Loads and scheduling are not what bound the tiles: with TMA descriptor loads they ran 2% faster (~0.15 ms of a
 1.3B step: not kept), with Triton's automatic warp specialisation 1.9x slower, and as a hand-scheduled Gluon kernel
-(TMA ring, asynchronous wgmma, the next head's product overlapped or not) 1-15% slower (H200, docs/performance.md,
+(TMA ring, asynchronous wgmma, the next head's product overlapped or not) 1-15% slower (H200, docs/ssd_sessions.md,
 session 36); the per-head element-wise work (~21 instructions per element of the tile) is.
 """
 
@@ -272,7 +272,7 @@ def _dcb_tile(
 ):  # fmt: skip
     """One tile (rows l: block pid_m, columns s: k0 ...) of dCB summed over the program's heads, with each head's
     row and column sums of M into R_part (module docstring). The column sums reduce across the warps (through shared
-    memory, with a barrier): ~0.11 of dCB's 0.45 ms at the 1.3B shape (H100, docs/performance.md, session 14), hence
+    memory, with a barrier): ~0.11 of dCB's 0.45 ms at the 1.3B shape (H100, docs/ssd_sessions.md, session 14), hence
     COL_PARTS below. HEADS_STAGES (not None): the heads loop software-pipelined over that many
     stages for every load in it, the per-head vectors a_m, a_k, dt_k too (through shared memory; Triton pipelines
     only the loads that feed a product otherwise, so each head waits for those three plain loads). COL_PARTS > 1

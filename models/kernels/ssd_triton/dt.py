@@ -14,7 +14,7 @@ d(dt_p) = ddt + g A, dA_h = sum g dt_p, and back through the clamp (no gradient 
 and softplus (sigmoid(u)) to d(dt) in dt's dtype and d(dt_bias). dA and
 d(dt_bias) come out as partial sums per (batch, chunk) program, [b * NC, H] each, which the last program of each
 block of heads to finish sums (an atomic counter per block says which is last; before, two PyTorch reductions with
-dD's took 0.013 ms per layer, H100, docs/performance.md session 16). The programs of chunk 0 also sum dD's partial
+dD's took 0.013 ms per layer, H100, docs/ssd_sessions.md session 16). The programs of chunk 0 also sum dD's partial
 sums over the dx kernel's blocks (D of [H]; that kernel ran before this one).
 A comes as is, or (a_is_log: the model's mixer) as its parameter A_log: both kernels take A = -exp(A_log) and the
 backward returns A_log's gradient, dA times A, so no PyTorch op runs for A either way (four tiny kernels per layer

@@ -31,7 +31,7 @@ def zeroed_counters(n: int, device, purpose: str) -> torch.Tensor:
     """n int32 counters, zero, for a kernel that leaves them zero when it ends (every counter it counts up is reset
     by the program that reads it last: chained_states.py's tickets and chains, dt_bwd_kernel's finished programs).
     Kept per (purpose, size, device, stream), so that a launch needs no fill kernel before it (three per layer and
-    step: ~0.4 ms of a 1.3B step on an H100, docs/performance.md session 51); the stream in the key keeps launches
+    step: ~0.4 ms of a 1.3B step on an H100, docs/ssd_sessions.md session 51); the stream in the key keeps launches
     that could overlap (other streams) on their own counters. A buffer first asked for inside a CUDA graph capture is
     zeroed in the graph and not kept (it lives in the graph's memory pool)."""
     dev = torch.device(device)

@@ -14,7 +14,7 @@ The two inner products are reduced per block and written as partial sums (summed
 
 dtot needs S_in in float32: <dH_c, S_in[c]> sums P * N products of both signs and keeps their relative error, so
 bf16-rounded states gave dA 30x mamba_ssm's error wherever the carried state weighs (initial states, a final-state
-gradient; docs/performance.md, session 8). The backward's recompute therefore also keeps S_in in float32
+gradient; docs/ssd_sessions.md, session 8). The backward's recompute therefore also keeps S_in in float32
 (KEEP_S32) in a buffer of its own. (Written over the chunk states it had just read instead, the forward and
 recompute calls together took 0.460 ms at 1.3B against 0.172 with a separate float32 output: measured, session 8.)
 
