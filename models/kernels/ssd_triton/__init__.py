@@ -5,15 +5,13 @@ Same signature and semantics as models.kernels.ssd_reference.ssd_chunk_scan_ref 
 mamba_chunk_scan_combined). Triton is imported only when a kernel is first used, so a machine without
 triton imports this package fine; ``triton_available()`` says whether the kernels can run.
 
-Files: chunk_cb (C·Bᵀ per group), chunk_state (chunk states; dS_in), state_passing (the recurrence
-between chunks, both directions), chained_states (the chunk states and the recurrence in one kernel, chunk
-handing on to chunk: the default; and the chain's machinery), chained_dstates (the same for the backward),
-chunk_scan (outputs), chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over
-heads, dC's state term, decay terms), db_bwd (dB's state term), bc_finish (dB and dC from their partial sums and
-dCB), dt (dt's preprocessing and the
-gradient of dt, A and dt_bias, one kernel each way), config (tile shapes per kernel), launch (what launchers share,
-and the grid order), forward (the forward launchers), backward (the backward launchers), autograd (the Function and
-the entry point).
+Files: chunk_cb (C·Bᵀ per group), chunk_state (chunk states; dS_in), state_passing (the recurrence between chunks,
+both directions), chained_states (the chunk states and the recurrence in one kernel, chunk handing on to chunk: the
+default; and the chain's machinery), chained_dstates (the same for the backward), chunk_scan (outputs),
+chunk_scan_bwd (dx, ddt, dD), dcb_bwd (dCB summed over heads, dC's state term, decay terms), db_bwd (dB's state
+term), bc_finish (dB and dC from their partial sums and dCB), dt (dt's preprocessing and the gradient of dt, A and
+dt_bias, one kernel each way), config (tile shapes per kernel), launch (what launchers share, and the grid order),
+forward (the forward launchers), backward (the backward launchers), autograd (the Function and the entry point).
 """
 
 from __future__ import annotations
