@@ -53,7 +53,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.compare_mamba_ssm import SIZES  # noqa: E402
+from benchmarks.compare_sides import SIZES  # noqa: E402
 from benchmarks.energy_ssd import print_variants, ssd_stages, ssd_variants  # noqa: E402
 from models import build_model_args  # noqa: E402
 

@@ -41,7 +41,7 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.bench_energy import _written  # noqa: E402
-from benchmarks.compare_mamba_ssm import SIZES, ours_command, read_jsonl, summarize_ours, theirs_worker  # noqa: E402
+from benchmarks.compare_sides import SIZES, ours_command, read_jsonl, summarize_ours, theirs_worker  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,7 +1,7 @@
-"""benchmarks/compare_mamba_ssm.py on the CPU: argument parsing, the train.py command, throughput from metrics.jsonl
-(total tokens / total time), FLOPs and MFU against an independent parameter count, the table; mamba_ssm's loop run
-against a stand-in mamba_ssm built from our model (initial loss ~ ln(vocab) on random tokens); and the whole script
-on our side with the debug config (train.py really runs)."""
+"""benchmarks/compare_mamba_ssm.py (and compare_sides.py, the two sides it runs) on the CPU: argument parsing, the
+train.py command, throughput from metrics.jsonl (total tokens / total time), FLOPs and MFU against an independent
+parameter count, the table; mamba_ssm's loop run against a stand-in mamba_ssm built from our model (initial loss ~
+ln(vocab) on random tokens); and the whole script on our side with the debug config (train.py really runs)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from benchmarks import compare_mamba_ssm as cmp
+from benchmarks import compare_sides as sides
 from models import build_model_on_meta
 
 
@@ -41,7 +42,7 @@ def test_parse_args_and_ours_command():
         "--activation_checkpoint.mode",
         "full",
     ]
-    cmd = cmp.ours_command(cmp.SIZES["1.3b"], a.warmup, a.steps, "/tmp/d", a.overrides, python="py")
+    cmd = sides.ours_command(sides.SIZES["1.3b"], a.warmup, a.steps, "/tmp/d", a.overrides, python="py")
     assert cmd[:4] == ["py", "train.py", "--job.config_file", "configs/mamba2_1.3b.toml"]
     opts = dict(zip(cmd[2::2], cmd[3::2]))
     assert opts["--training.steps"] == "5" and opts["--training.local_batch_size"] == "4"
@@ -62,8 +63,8 @@ def test_ours_command_parses_as_a_config():
     from configs.parser import load_config
 
     for size in ("370m", "1.3b"):
-        s = cmp.SIZES[size]
-        cmd = cmp.ours_command(s, 5, 15, "/tmp/d", ["--compile.enable", "true"])
+        s = sides.SIZES[size]
+        cmd = sides.ours_command(s, 5, 15, "/tmp/d", ["--compile.enable", "true"])
         cfg = load_config(cmd[2:])
         assert (cfg.training.local_batch_size, cfg.training.seq_len, cfg.training.steps) == (s.batch, s.seq_len, 20)
         assert cfg.model.flavor == s.flavor and cfg.compile.enable and not cfg.checkpoint.enable
@@ -78,16 +79,16 @@ def test_summaries():
         {"step": 2, "tokens_per_sec": 100.0, "memory_gib": 5.0, "loss": 8.0},
         {"step": 3, "tokens_per_sec": 200.0, "memory_gib": 4.0, "loss": 7.0},
     ]
-    got = cmp.summarize_ours(records, warmup=1)
+    got = sides.summarize_ours(records, warmup=1)
     assert got["tokens_per_sec"] == pytest.approx(2 * tokens / (tokens / 100 + tokens / 200))
     assert got["memory_gib"] == 5.0 and got["timed_steps"] == 2 and got["final_loss"] == 7.0
     # a repeated step (resumed run): the last record wins
-    assert cmp.summarize_ours(records + [{**records[2], "tokens_per_sec": 400.0}], 1)[
+    assert sides.summarize_ours(records + [{**records[2], "tokens_per_sec": 400.0}], 1)[
         "tokens_per_sec"
     ] == pytest.approx(2 / (1 / 100 + 1 / 400))
     with pytest.raises(ValueError, match="no metrics after step 3"):
-        cmp.summarize_ours(records, warmup=3)
-    t = cmp.summarize_times([9.0, 0.5, 1.5], warmup=1, tokens_per_step=1000)
+        sides.summarize_ours(records, warmup=3)
+    t = sides.summarize_times([9.0, 0.5, 1.5], warmup=1, tokens_per_step=1000)
     assert t["tokens_per_sec"] == pytest.approx(2000 / 2.0) and t["timed_steps"] == 2
 
 
@@ -102,8 +103,8 @@ def _matmul_params(model) -> int:
 
 @pytest.mark.parametrize("size", ["370m", "1.3b"])
 def test_flops_and_mfu(size):
-    s = cmp.SIZES[size]
-    ours_args, their_args = cmp.model_args_for(s, "ours"), cmp.model_args_for(s, "theirs")
+    s = sides.SIZES[size]
+    ours_args, their_args = sides.model_args_for(s, "ours"), sides.model_args_for(s, "theirs")
     assert (ours_args.padded_vocab_size, their_args.padded_vocab_size) == (50288, 50280)
     from models.args import build_model_args
 
@@ -248,7 +249,7 @@ def test_their_loop_autotunes_in_its_own_process(monkeypatch):
         return {"tokens_per_sec": 1.0}
 
     monkeypatch.setattr(cmp, "_run", fake_run)
-    cmp.run_theirs(cmp.SIZES["debug"], cmp.parse_args(["--sizes", "debug"]))
+    cmp.run_theirs(sides.SIZES["debug"], cmp.parse_args(["--sizes", "debug"]))
     assert "--_worker" in seen["cmd"]
     assert "TRITON_CACHE_AUTOTUNING" not in seen["env"] and seen["env"]["SOME_SETTING"] == "kept"
 
@@ -256,8 +257,8 @@ def test_their_loop_autotunes_in_its_own_process(monkeypatch):
 def test_theirs_worker_loop_on_cpu(monkeypatch):
     seen: dict = {}
     _stand_in_mamba_ssm(monkeypatch, seen)
-    size = cmp.SIZES["debug"]
-    out = cmp.theirs_worker(size, warmup=1, steps=2, device_type="cpu")
+    size = sides.SIZES["debug"]
+    out = sides.theirs_worker(size, warmup=1, steps=2, device_type="cpu")
     assert seen["ssm_cfg"]["layer"] == "Mamba2" and seen["vocab_size"] == 50277 and seen["d_intermediate"] == 0
     assert seen["d_model"] == 128 and seen["n_layer"] == 4 and seen["ssm_cfg"]["d_state"] == 16
     assert out["vocab_rows"] == 50280 and out["timed_steps"] == 2 and len(out["step_seconds"]) == 3
@@ -272,17 +273,17 @@ def test_their_documents_are_our_runs_document_ids(monkeypatch):
     packing) to their model; without it, none. The 1.3B's first rows hold document starts (so the ids carry them)."""
     seen: dict = {}
     _stand_in_mamba_ssm(monkeypatch, seen)
-    size = cmp.SIZES["debug"]
-    ours = cmp.our_document_ids(size, 3)
-    cmp.theirs_worker(size, warmup=1, steps=2, device_type="cpu", documents=True)
+    size = sides.SIZES["debug"]
+    ours = sides.our_document_ids(size, 3)
+    sides.theirs_worker(size, warmup=1, steps=2, device_type="cpu", documents=True)
     assert len(seen["seq_idx"]) == 3
     for passed, expected in zip(seen["seq_idx"], ours):
         assert passed.dtype == torch.int32 and passed.shape == (size.batch, size.seq_len)
         assert torch.equal(passed, expected)
     seen.clear()
-    cmp.theirs_worker(size, warmup=1, steps=1, device_type="cpu")
+    sides.theirs_worker(size, warmup=1, steps=1, device_type="cpu")
     assert seen["seq_idx"] == [None, None]
-    big = cmp.our_document_ids(cmp.SIZES["1.3b"], 1)[0]
+    big = sides.our_document_ids(sides.SIZES["1.3b"], 1)[0]
     assert big.shape == (4, 4096) and int(big.max()) > 0
     assert cmp.parse_args(["--their_documents"]).their_documents
 
@@ -292,7 +293,9 @@ def test_profile_step_traces_that_step_on_both_sides(monkeypatch, tmp_path, caps
     for the same step; K must be a warm-up step after the first."""
     _stand_in_mamba_ssm(monkeypatch, {})
     trace = tmp_path / "not_yet" / "theirs.json"  # the worker makes its folder
-    out = cmp.theirs_worker(cmp.SIZES["debug"], warmup=3, steps=1, device_type="cpu", profile_step=3, trace=str(trace))
+    out = sides.theirs_worker(
+        sides.SIZES["debug"], warmup=3, steps=1, device_type="cpu", profile_step=3, trace=str(trace)
+    )
     assert len(out["step_seconds"]) == 4
     names = [e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]]
     assert [n for n in names if n.startswith("ProfilerStep#")] == ["ProfilerStep#1"]  # one traced step only
@@ -332,7 +335,7 @@ def test_script_ours_side_on_cpu(tmp_path, capsys):
     )
     ours = recs[0]["ours"]
     assert "error" not in ours, ours
-    metrics = cmp.read_jsonl(str(tmp_path / "w" / "debug-ours" / "metrics.jsonl"))
+    metrics = sides.read_jsonl(str(tmp_path / "w" / "debug-ours" / "metrics.jsonl"))
     assert [r["step"] for r in metrics] == [1, 2, 3]
     assert ours["tokens_per_sec"] == pytest.approx(2 / sum(1 / r["tokens_per_sec"] for r in metrics[1:]))
     saved = json.loads((tmp_path / "r.json").read_text())
@@ -375,7 +378,7 @@ def test_variants_run_ours_once_more_each_with_their_overrides(tmp_path):
     ]
     # the later --training.seed wins: different initial weights, so a different first loss
     first = [
-        cmp.read_jsonl(str(tmp_path / "w" / d / "metrics.jsonl"))[0]["loss"] for d in ("debug-ours", "debug-ours-1")
+        sides.read_jsonl(str(tmp_path / "w" / d / "metrics.jsonl"))[0]["loss"] for d in ("debug-ours", "debug-ours-1")
     ]
     assert first[0] != first[1]
 
