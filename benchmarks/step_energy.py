@@ -108,14 +108,14 @@ def per_step(marks: list[tuple[float, float | None]], warmup: int) -> dict:
     )
 
 
-def energy_reader():
-    """A callable giving NVML's energy counter in mJ for this process's GPU, or None where there is none."""
+def gpu_nvml():
+    """NVML's handle on this process's GPU (bench_energy._Nvml: the energy counter, the clocks, the power draw), or
+    None without CUDA."""
     if not torch.cuda.is_available():
-        return lambda: None
+        return None
     from benchmarks.bench_energy import _Nvml  # lazily: needs NVML
 
-    nvml = _Nvml()
-    return nvml.energy_mj
+    return _Nvml()
 
 
 # NVML's clock-event reasons (nvmlClocksEventReason*, called ClocksThrottleReason* before): the bits read here
@@ -180,13 +180,10 @@ def clock_summary(samples: list[tuple[float, float, float, int]], t0: float, t1:
     )
 
 
-def clock_sampler(period_ms: float) -> ClockSampler | None:
-    """A started ClockSampler of this process's GPU, or None without CUDA or with period_ms 0."""
-    if not torch.cuda.is_available() or period_ms <= 0:
+def clock_sampler(nvml, period_ms: float) -> ClockSampler | None:
+    """A started ClockSampler reading `nvml` (gpu_nvml()), or None without it or with period_ms 0."""
+    if nvml is None or period_ms <= 0:
         return None
-    from benchmarks.bench_energy import _Nvml  # lazily: needs NVML
-
-    nvml = _Nvml()
     return ClockSampler(lambda: (nvml.sm_clock(), nvml.power_w(), nvml.clock_event_reasons()), period_ms / 1e3).start()
 
 
@@ -219,9 +216,10 @@ def extra_work(extra: str):
 def main(argv=None) -> dict:
     a = parse_args(argv)
     size = SIZES[a.size]
-    read_energy, work = energy_reader(), extra_work(a.extra)
+    nvml, work = gpu_nvml(), extra_work(a.extra)
+    read_energy = nvml.energy_mj if nvml is not None else lambda: None
     marks: list[tuple[float, float | None]] = []
-    sampler = clock_sampler(a.sample_ms)
+    sampler = clock_sampler(nvml, a.sample_ms)
 
     def mark_then(fn):
         def wrapped(*args, **kwargs):

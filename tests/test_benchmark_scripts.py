@@ -373,6 +373,16 @@ def test_step_energy_clock_summary_and_sampler():
     with pytest.raises(SystemExit):
         step_energy.parse_args(["--side", "ours", "--sample_ms", "-1"])
 
+    class FakeNvml:  # bench_energy._Nvml's reads, as clock_sampler wires them
+        sm_clock, power_w, clock_event_reasons = (lambda self: 1650), (lambda self: 699.5), (lambda self: cap)
+
+    assert step_energy.clock_sampler(None, 50) is None and step_energy.clock_sampler(FakeNvml(), 0) is None
+    wired = step_energy.clock_sampler(FakeNvml(), 1)
+    deadline = time.monotonic() + 10
+    while not wired.samples and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert wired.stop()[0][1:] == (1650, 699.5, cap) and wired.error is None
+
 
 def test_bench_embedding_checks_its_arguments_and_refuses_the_cpu():
     """bench_embedding.py rejects a bad --hot before anything runs, and without CUDA stops naming what it needs."""
